@@ -1,0 +1,97 @@
+"""Exceptions raised by ckptstream.
+
+Every error derives from :class:`CkptStreamError` and also from the builtin that matches its meaning
+(``FileNotFoundError``, ``FileExistsError``, ``ValueError``, ...), so callers can catch either. Each carries
+the ``version``, ``file`` and ``tensor`` it concerns (``None`` where not applicable), and its message says
+what failed and what to do next.
+"""
+
+from __future__ import annotations
+
+
+class CkptStreamError(Exception):
+    """Base class of every ckptstream error.
+
+    Attributes:
+        version: the stream version concerned, if any.
+        file: the stored file concerned (relative to the stream root), if any.
+        tensor: the tensor name concerned, if any.
+        exit_code: the CLI exit code for this kind of error.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, version: int | None = None, file: str | None = None,
+                 tensor: str | None = None, hint: str | None = None):
+        self.version = version
+        self.file = file
+        self.tensor = tensor
+        self.hint = hint
+        where = []
+        if version is not None:
+            where.append(f"version {version}")
+        if file is not None:
+            where.append(f"file {file}")
+        if tensor is not None:
+            where.append(f"tensor {tensor}")
+        text = f"{', '.join(where)}: {message}" if where else message
+        if hint:
+            text = f"{text}. {hint}"
+        super().__init__(text)
+
+
+class IntegrityError(CkptStreamError, ValueError):
+    """Stored bytes do not match what the manifest promises (hash, size, truncation, malformed data).
+
+    Never retried silently: the version is refused as a whole.
+    """
+
+    exit_code = 3
+
+
+class UnsafeManifestError(IntegrityError):
+    """A manifest names a file outside its version directory, or declares absurd sizes."""
+
+
+class VersionNotFoundError(CkptStreamError, FileNotFoundError):
+    """The requested version has no committed manifest (never published, or garbage-collected)."""
+
+    exit_code = 4
+
+
+class MissingBaseError(VersionNotFoundError):
+    """A delta's base version (or a data file of it) is no longer on storage."""
+
+
+class StreamNotFoundError(CkptStreamError, FileNotFoundError):
+    """No stream exists at the given URL."""
+
+    exit_code = 4
+
+
+class VersionConflictError(CkptStreamError, FileExistsError):
+    """Another writer committed this version first; the losing writer's data is left as debris for gc."""
+
+    exit_code = 5
+
+
+class VersionOrderError(CkptStreamError, ValueError):
+    """A version number is not greater than the latest version of the stream."""
+
+    exit_code = 5
+
+
+class IncompatibleStreamError(CkptStreamError, ValueError):
+    """The stream uses an unsupported format version, or differs from what the caller publishes."""
+
+    exit_code = 6
+
+
+class StorageCapabilityError(CkptStreamError, OSError):
+    """The storage backend lacks a primitive the format requires (e.g. atomic put-if-absent)."""
+
+    exit_code = 6
+
+
+class PublishError(CkptStreamError, RuntimeError):
+    """A background publish failed; raised by the next call on the publisher and by its future."""

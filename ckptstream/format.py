@@ -1,0 +1,520 @@
+"""The ckptstream storage format: names, limits, hashes and the manifest schema (see FORMAT.md).
+
+This module is the code form of FORMAT.md. It knows nothing about storage backends or torch: it turns
+manifests and stream metadata into bytes and back, and refuses anything a writer following the spec could
+not have produced (unknown format versions, file names escaping the version directory, inconsistent
+sizes), so readers can safely parse untrusted manifests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import xxhash
+
+from .errors import IncompatibleStreamError, IntegrityError, UnsafeManifestError
+
+FORMAT_NAME = "ckptstream"
+FORMAT_VERSION = 1
+"""Format version written by this library; readers refuse streams and manifests with a larger one."""
+
+STREAM_FILE = "stream.json"
+ASSETS_DIR = "assets"
+MANIFESTS_DIR = "manifests"
+VERSIONS_DIR = "versions"
+TEMP_PREFIX = ".tmp-"
+"""Prefix of every temporary name; anything carrying it older than the gc grace period is debris."""
+
+VERSION_DIGITS = 12
+MAX_VERSION = 10**VERSION_DIGITS - 1
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_STREAM_FILE_BYTES = 16 << 20
+MAX_FILE_BYTES = 1 << 50
+MAX_CHUNK_BYTES = 1 << 30
+"""Upper bound on one decoded chunk: bounds the memory a reader needs per chunk."""
+DEFAULT_SHARD_BYTES = 4 << 30
+"""Default upper bound on one data file (writers) and one materialized shard (readers)."""
+
+KEYFRAME = "keyframe"
+DELTA = "delta"
+
+ENCODING_RAW = "raw"            # stored bytes are the tensor's little-endian bytes (keyframes)
+ENCODING_ZSTD = "zstd"          # chunks of the tensor's bytes, optionally byte-shuffled, zstd-compressed
+ENCODING_XOR_ZSTD = "xor-zstd"  # like zstd, but of the XOR of the tensor's bytes with the base's
+ENCODING_UNCHANGED = "unchanged"  # bit-identical to the base version's tensor; no stored bytes
+KEYFRAME_ENCODINGS = frozenset({ENCODING_RAW})
+DELTA_ENCODINGS = frozenset({ENCODING_ZSTD, ENCODING_XOR_ZSTD, ENCODING_UNCHANGED})
+CHUNKED_ENCODINGS = frozenset({ENCODING_ZSTD, ENCODING_XOR_ZSTD})
+
+# safetensors dtype name -> item size in bytes.
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+
+HASH_PREFIX = "xxh3-128:"
+_HASH_RE = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_MANIFEST_HASH_KEY = b'"manifest_hash": "' + HASH_PREFIX.encode()
+_ZERO_HASH = HASH_PREFIX + "0" * 32
+
+
+# ----------------------------------------------------------------------------------------------- hashes
+
+class Hasher:
+    """Incremental content hash in the format's notation (``xxh3-128:<32 hex digits>``)."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_128()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._h.update(data)
+
+    def digest(self) -> str:
+        return HASH_PREFIX + self._h.hexdigest()
+
+
+def content_hash(data: bytes | bytearray | memoryview) -> str:
+    """Hash of ``data`` in the format's notation."""
+    return HASH_PREFIX + xxhash.xxh3_128_hexdigest(data)
+
+
+# ------------------------------------------------------------------------------------------------ names
+
+def version_name(version: int) -> str:
+    """Zero-padded name of a version, so that lexical order is numeric order (``000000000007``)."""
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"version must be an integer in [0, {MAX_VERSION}], got {version!r}")
+    return f"{version:0{VERSION_DIGITS}d}"
+
+
+def parse_version_name(name: str) -> int | None:
+    """The version a directory or manifest name stands for, or None for any other name."""
+    stem = name[:-5] if name.endswith(".json") else name
+    if len(stem) == VERSION_DIGITS and stem.isascii() and stem.isdigit():
+        return int(stem)
+    return None
+
+
+def manifest_path(version: int) -> str:
+    return f"{MANIFESTS_DIR}/{version_name(version)}.json"
+
+
+def version_dir(version: int) -> str:
+    return f"{VERSIONS_DIR}/{version_name(version)}"
+
+
+def data_path(version: int, file_name: str) -> str:
+    return f"{version_dir(version)}/{file_name}"
+
+
+def asset_path(name: str) -> str:
+    return f"{ASSETS_DIR}/{name}"
+
+
+def is_safe_file_name(name: object) -> bool:
+    """True for a plain relative name inside one directory: no separators, no leading dot, bounded."""
+    return isinstance(name, str) and bool(_FILE_NAME_RE.match(name)) and name not in (".", "..")
+
+
+# ----------------------------------------------------------------------------------------- safetensors
+
+def safetensors_header(tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
+                       metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[int]]:
+    """Build a safetensors header for tensors laid out back to back in the given order.
+
+    Args:
+        tensors: (name, safetensors dtype, shape, nbytes) per tensor.
+        metadata: the ``__metadata__`` string map.
+
+    Returns:
+        The header bytes (8-byte length + JSON, space-padded so data starts 8-byte aligned) and each
+        tensor's offset from the start of the file.
+    """
+    entries: dict[str, Any] = {}
+    if metadata:
+        entries["__metadata__"] = dict(metadata)
+    relative = []
+    position = 0
+    for name, dtype, shape, nbytes in tensors:
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, position + nbytes]}
+        relative.append(position)
+        position += nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    header = struct.pack("<Q", len(text)) + text
+    return header, [len(header) + r for r in relative]
+
+
+def shard_groups(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive index groups whose sizes add up to at most ``limit`` (one index at least per group)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not groups or (groups[-1] and total + size > limit):
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
+
+
+# -------------------------------------------------------------------------------------------- manifest
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A stored file: its name (relative to its directory), size in bytes and content hash."""
+
+    name: str
+    size: int
+    hash: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "hash": self.hash}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a version: what it decodes to and where its stored bytes are.
+
+    ``hash`` is the hash of the decoded tensor's raw little-endian bytes. ``file``/``offset``/``length``
+    locate the stored bytes (absent for ``unchanged``), ``stored_hash`` is their hash, and ``chunks``
+    lists ``(raw_bytes, stored_bytes)`` of each independently compressed chunk for chunked encodings.
+    ``changed`` counts elements whose bits differ from the base version (deltas only).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    hash: str
+    encoding: str
+    file: str | None = None
+    offset: int = 0
+    length: int = 0
+    stored_hash: str | None = None
+    shuffle: bool = False
+    chunks: tuple[tuple[int, int], ...] = ()
+    changed: int | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                               "hash": self.hash, "encoding": self.encoding}
+        if self.encoding != ENCODING_UNCHANGED:
+            out.update(file=self.file, offset=self.offset, length=self.length, stored_hash=self.stored_hash)
+        if self.encoding in CHUNKED_ENCODINGS:
+            out.update(shuffle=self.shuffle, chunks=[list(c) for c in self.chunks])
+        if self.changed is not None:
+            out["changed"] = self.changed
+        return out
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of one version. A version exists iff its manifest exists."""
+
+    version: int
+    kind: str
+    base_version: int | None
+    keyframe_version: int
+    chain_length: int
+    stream_id: str
+    created: str
+    files: tuple[FileEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+    step: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    writer: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def tensor(self, name: str) -> TensorEntry:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def tensor_map(self) -> dict[str, TensorEntry]:
+        return {t.name: t for t in self.tensors}
+
+    def file(self, name: str) -> FileEntry:
+        for f in self.files:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the decoded tensors (what a full safetensors copy stores, headers aside)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of this version's own data files on storage."""
+        return sum(f.size for f in self.files)
+
+    @property
+    def changed_elements(self) -> int | None:
+        """Elements whose bits differ from the base version (None for keyframes)."""
+        if self.kind != DELTA:
+            return None
+        return sum(t.changed or 0 for t in self.tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "version": self.version,
+            "kind": self.kind,
+            "base_version": self.base_version,
+            "keyframe_version": self.keyframe_version,
+            "chain_length": self.chain_length,
+            "stream_id": self.stream_id,
+            "created": self.created,
+            "step": self.step,
+            "metadata": self.metadata,
+            "writer": self.writer,
+            "files": [f.to_json() for f in self.files],
+            "tensors": [t.to_json() for t in self.tensors],
+        }
+
+    def to_bytes(self) -> bytes:
+        """Serialize, sealing the bytes with ``manifest_hash`` (FORMAT.md, "Manifest hash")."""
+        body = self.to_json()
+        body["manifest_hash"] = _ZERO_HASH
+        raw = json.dumps(body, indent=1).encode()
+        start = raw.rfind(_MANIFEST_HASH_KEY) + len(_MANIFEST_HASH_KEY)
+        return raw[:start] + content_hash(raw)[len(HASH_PREFIX):].encode() + raw[start + 32:]
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, *, version: int, stream_id: str | None = None) -> "Manifest":
+        """Parse and validate an untrusted manifest of ``version``.
+
+        Raises:
+            IntegrityError: the bytes are not a sealed manifest of this version (corrupted, truncated).
+            UnsafeManifestError: names or sizes a conforming writer cannot produce.
+            IncompatibleStreamError: a newer format version, or a manifest of another stream.
+        """
+        file = manifest_path(version)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise UnsafeManifestError(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} limit",
+                                      version=version, file=file)
+        seal = _check_sealed(raw, version=version, file=file)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise IntegrityError(f"manifest is not valid JSON ({exc})", version=version, file=file) from exc
+        if not isinstance(body, dict) or body.get("manifest_hash") != seal:
+            raise IntegrityError("manifest_hash is not the manifest's last top-level field",
+                                 version=version, file=file)
+        return _parse_manifest(body, version=version, file=file, stream_id=stream_id)
+
+
+def _check_sealed(raw: bytes, *, version: int, file: str) -> str:
+    """Check the seal of a manifest's bytes; returns the sealed hash."""
+    hint = "The manifest is corrupt or truncated; restore it from a copy or remove this version with gc"
+    position = raw.rfind(_MANIFEST_HASH_KEY)
+    start = position + len(_MANIFEST_HASH_KEY)
+    if position < 0 or raw[start + 32:start + 33] != b'"':
+        raise IntegrityError("manifest has no manifest_hash seal", version=version, file=file, hint=hint)
+    claimed = raw[start:start + 32].decode("ascii", "replace")
+    actual = content_hash(raw[:start] + b"0" * 32 + raw[start + 32:])
+    if actual != HASH_PREFIX + claimed:
+        raise IntegrityError(f"manifest hash mismatch (sealed {HASH_PREFIX}{claimed}, computed {actual})",
+                             version=version, file=file, hint=hint)
+    return actual
+
+
+class _Checker:
+    """Field accessors that turn any deviation from the schema into an UnsafeManifestError."""
+
+    def __init__(self, version: int | None, file: str):
+        self.version = version
+        self.file = file
+
+    def fail(self, message: str, tensor: str | None = None) -> UnsafeManifestError:
+        return UnsafeManifestError(message, version=self.version, file=self.file, tensor=tensor,
+                                   hint="The writer did not follow the ckptstream format; refusing it")
+
+    def get(self, obj: Any, key: str, kind: type | tuple[type, ...], tensor: str | None = None,
+            optional: bool = False) -> Any:
+        if not isinstance(obj, dict):
+            raise self.fail(f"expected an object holding {key!r}", tensor)
+        if key not in obj or obj[key] is None:
+            if optional:
+                return None
+            raise self.fail(f"missing field {key!r}", tensor)
+        value = obj[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, (int,))):
+            raise self.fail(f"field {key!r} has the wrong type", tensor)
+        return value
+
+    def count(self, obj: Any, key: str, limit: int = MAX_FILE_BYTES, tensor: str | None = None,
+              optional: bool = False) -> int | None:
+        value = self.get(obj, key, int, tensor, optional)
+        if value is not None and not 0 <= value <= limit:
+            raise self.fail(f"field {key!r} = {value} is out of range [0, {limit}]", tensor)
+        return value
+
+    def hash(self, obj: Any, key: str, tensor: str | None = None, optional: bool = False) -> str | None:
+        value = self.get(obj, key, str, tensor, optional)
+        if value is not None and not _HASH_RE.match(value):
+            raise self.fail(f"field {key!r} is not an {HASH_PREFIX} hash", tensor)
+        return value
+
+    def file_name(self, obj: Any, key: str, tensor: str | None = None) -> str:
+        value = self.get(obj, key, str, tensor)
+        if not is_safe_file_name(value):
+            raise self.fail(f"file name {value!r} is not a plain name inside the version directory", tensor)
+        return value
+
+    def files(self, items: Any) -> tuple[FileEntry, ...]:
+        if not isinstance(items, list):
+            raise self.fail("'files' must be a list")
+        files = tuple(FileEntry(self.file_name(f, "name"), self.count(f, "size"), self.hash(f, "hash"))
+                      for f in items)
+        if len({f.name for f in files}) != len(files):
+            raise self.fail("duplicate file names")
+        return files
+
+
+def _parse_manifest(body: Any, *, version: int, file: str, stream_id: str | None) -> Manifest:
+    c = _Checker(version, file)
+    _check_format(c, body)
+    if c.get(body, "version", int) != version:
+        raise c.fail(f"manifest claims version {body['version']}")
+    if stream_id is not None and c.get(body, "stream_id", str) != stream_id:
+        raise IncompatibleStreamError(
+            f"manifest belongs to stream {body['stream_id']}, not to this stream ({stream_id})",
+            version=version, file=file, hint="A manifest was copied in from another stream; remove it")
+    kind = c.get(body, "kind", str)
+    if kind not in (KEYFRAME, DELTA):
+        raise c.fail(f"unknown kind {kind!r}")
+    base = c.count(body, "base_version", MAX_VERSION, optional=True)
+    keyframe_version = c.count(body, "keyframe_version", MAX_VERSION)
+    chain_length = c.count(body, "chain_length", MAX_VERSION)
+    if kind == KEYFRAME and (base is not None or keyframe_version != version or chain_length != 0):
+        raise c.fail("a keyframe has no base, chain length 0 and is its own keyframe")
+    if kind == DELTA and (base is None or base >= version or keyframe_version > base or chain_length < 1):
+        raise c.fail("a delta needs a base version older than itself and a chain length of at least 1")
+    files = c.files(c.get(body, "files", list))
+    file_sizes = {f.name: f.size for f in files}
+    allowed = KEYFRAME_ENCODINGS if kind == KEYFRAME else DELTA_ENCODINGS
+    tensors = []
+    for item in c.get(body, "tensors", list):
+        tensors.append(_parse_tensor(c, item, allowed, file_sizes))
+    if len({t.name for t in tensors}) != len(tensors):
+        raise c.fail("duplicate tensor names")
+    metadata = c.get(body, "metadata", dict, optional=True) or {}
+    writer = c.get(body, "writer", dict, optional=True) or {}
+    return Manifest(version=version, kind=kind, base_version=base, keyframe_version=keyframe_version,
+                    chain_length=chain_length, stream_id=c.get(body, "stream_id", str),
+                    created=c.get(body, "created", str), files=files, tensors=tuple(tensors),
+                    step=c.get(body, "step", int, optional=True), metadata=metadata, writer=writer,
+                    format_version=body["format_version"])
+
+
+def _check_format(c: _Checker, body: Any) -> None:
+    if c.get(body, "format", str) != FORMAT_NAME:
+        raise c.fail(f"not a {FORMAT_NAME} document")
+    fv = c.get(body, "format_version", int)
+    if fv > FORMAT_VERSION or fv < 1:
+        raise IncompatibleStreamError(
+            f"format version {fv} is not supported (this ckptstream reads up to {FORMAT_VERSION})",
+            version=c.version, file=c.file, hint="Upgrade ckptstream to read this stream")
+
+
+def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: dict[str, int]) -> TensorEntry:
+    name = c.get(item, "name", str)
+    if not 0 < len(name) <= 1024 or not name.isprintable():
+        raise c.fail(f"tensor name {name[:80]!r} is empty, too long or has control characters")
+    dtype = c.get(item, "dtype", str, name)
+    if dtype not in DTYPE_SIZES:
+        raise c.fail(f"unknown dtype {dtype!r}", name)
+    shape_list = c.get(item, "shape", list, name)
+    if len(shape_list) > 16 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FILE_BYTES
+                                       for d in shape_list):
+        raise c.fail(f"invalid shape {shape_list!r}", name)
+    encoding = c.get(item, "encoding", str, name)
+    if encoding not in allowed:
+        raise c.fail(f"encoding {encoding!r} is not allowed here", name)
+    entry = TensorEntry(name=name, dtype=dtype, shape=tuple(shape_list), hash=c.hash(item, "hash", name),
+                        encoding=encoding, changed=c.count(item, "changed", optional=True, tensor=name))
+    if entry.nbytes > MAX_FILE_BYTES:
+        raise c.fail("tensor is larger than any file may be", name)
+    if encoding == ENCODING_UNCHANGED:
+        return entry
+    file = c.file_name(item, "file", name)
+    if file not in file_sizes:
+        raise c.fail(f"tensor is stored in {file!r}, which the manifest does not list", name)
+    offset, length = c.count(item, "offset", tensor=name), c.count(item, "length", tensor=name)
+    if offset + length > file_sizes[file]:
+        raise c.fail(f"stored range [{offset}, {offset + length}) lies beyond the end of {file}", name)
+    entry = dataclasses.replace(entry, file=file, offset=offset, length=length,
+                                stored_hash=c.hash(item, "stored_hash", name))
+    if encoding == ENCODING_RAW:
+        if length != entry.nbytes:
+            raise c.fail(f"raw tensor stores {length} bytes but its shape and dtype need {entry.nbytes}", name)
+        return entry
+    chunk_list = c.get(item, "chunks", list, name)
+    chunks = []
+    for chunk in chunk_list:
+        if (not isinstance(chunk, list) or len(chunk) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in chunk)
+                or not 0 < chunk[0] <= MAX_CHUNK_BYTES or not 0 <= chunk[1] <= MAX_FILE_BYTES
+                or chunk[0] % entry.itemsize):
+            raise c.fail(f"invalid chunk {chunk!r}", name)
+        chunks.append((chunk[0], chunk[1]))
+    if sum(r for r, _ in chunks) != entry.nbytes or sum(s for _, s in chunks) != length:
+        raise c.fail("chunk sizes do not add up to the tensor's and the stored range's sizes", name)
+    return dataclasses.replace(entry, shuffle=bool(c.get(item, "shuffle", bool, name)), chunks=tuple(chunks))
+
+
+# ---------------------------------------------------------------------------------------- stream.json
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """Stream-wide metadata (``stream.json``): identity, format version and non-weight asset files."""
+
+    stream_id: str
+    created: str
+    assets: tuple[FileEntry, ...] = ()
+    format_version: int = FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": FORMAT_NAME, "format_version": self.format_version,
+                           "stream_id": self.stream_id, "created": self.created,
+                           "assets": [a.to_json() for a in self.assets]}, indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "StreamInfo":
+        c = _Checker(None, STREAM_FILE)
+        if len(raw) > MAX_STREAM_FILE_BYTES:
+            raise c.fail(f"{STREAM_FILE} is {len(raw)} bytes, over the limit")
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise IntegrityError(f"not valid JSON ({exc})", file=STREAM_FILE) from exc
+        _check_format(c, body)
+        return cls(stream_id=c.get(body, "stream_id", str), created=c.get(body, "created", str),
+                   assets=c.files(c.get(body, "assets", list)), format_version=body["format_version"])

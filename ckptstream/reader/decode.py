@@ -1,0 +1,150 @@
+"""Decoding tensors of a version: reading stored bytes, checking hashes, applying delta chains.
+
+Each tensor is decoded on its own (its stored ranges are read directly), so tensors decode in parallel
+and memory stays bounded by the tensors in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from .. import codec
+from ..errors import IntegrityError
+from ..format import (CHUNKED_ENCODINGS, ENCODING_RAW, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ENCODING_ZSTD,
+                      Hasher, Manifest, TensorEntry, content_hash, data_path)
+from ..storage import Storage
+
+class BaseTensors(Protocol):
+    """Already-decoded tensors of one version (e.g. a materialized directory) to start decoding from."""
+
+    version: int
+
+    def load(self, name: str) -> torch.Tensor | None:
+        """A fresh, writable copy of the tensor, or None if this base does not hold it."""
+
+
+def read_stored(storage: Storage, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
+    """The stored bytes of ``entry`` as a uint8 tensor, checked against ``stored_hash``."""
+    assert entry.file is not None
+    path = data_path(manifest.version, entry.file)
+    out = torch.empty(entry.length, dtype=torch.uint8)
+    try:
+        storage.read_into(path, entry.offset, codec.buffer_of(out))
+    except FileNotFoundError:
+        raise IntegrityError("data file is missing", version=manifest.version, file=path, tensor=entry.name,
+                             hint="The version is damaged; publish a new keyframe or restore the file") from None
+    except EOFError:
+        raise IntegrityError("data file is truncated", version=manifest.version, file=path, tensor=entry.name,
+                             hint="The version is damaged; publish a new keyframe or restore the file") from None
+    actual = content_hash(codec.buffer_of(out))
+    if actual != entry.stored_hash:
+        raise IntegrityError(f"stored bytes hash mismatch (expected {entry.stored_hash}, got {actual})",
+                             version=manifest.version, file=path, tensor=entry.name,
+                             hint="The stored data is corrupt; this version cannot be used")
+    return out
+
+
+def apply_entry(storage: Storage, manifest: Manifest, entry: TensorEntry, out: torch.Tensor | None) -> torch.Tensor:
+    """Apply one version's encoding of a tensor: returns its raw bytes (uint8), ``out`` being the base's."""
+    if entry.encoding == ENCODING_UNCHANGED:
+        assert out is not None
+        return out
+    stored = read_stored(storage, manifest, entry)
+    if entry.encoding == ENCODING_RAW:
+        return stored
+    if entry.encoding == ENCODING_ZSTD:
+        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+    assert out is not None and entry.encoding in CHUNKED_ENCODINGS
+    raw_pos = stored_pos = 0
+    for raw_len, stored_len in entry.chunks:
+        try:
+            chunk = codec.decode_chunk(codec.buffer_of(stored[stored_pos:stored_pos + stored_len]), raw_len,
+                                       entry.itemsize, shuffle=entry.shuffle)
+        except ValueError as exc:
+            raise IntegrityError(f"cannot decode chunk at byte {raw_pos}: {exc}", version=manifest.version,
+                                 file=data_path(manifest.version, entry.file or ""), tensor=entry.name) from None
+        target = out[raw_pos:raw_pos + raw_len]
+        if entry.encoding == ENCODING_XOR_ZSTD:
+            codec.xor_into(target, chunk)
+        else:
+            target.copy_(chunk)
+        raw_pos += raw_len
+        stored_pos += stored_len
+    return out
+
+
+def decode_tensor(storage: Storage, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
+                  base: BaseTensors | None = None) -> torch.Tensor:
+    """Decode one tensor of ``target``, following its delta chain back to a full encoding or to ``base``.
+
+    Args:
+        manifests: looks up the manifest of a version (MissingBaseError if it is gone).
+        base: decoded tensors of a version in the chain to start from instead of the keyframe.
+
+    Returns:
+        The tensor with the entry's dtype and shape, its bytes checked against the entry's hash.
+    """
+    steps: list[tuple[Manifest, TensorEntry]] = []
+    manifest, current = target, entry
+    start: torch.Tensor | None = None
+    while True:
+        steps.append((manifest, current))
+        if current.encoding in (ENCODING_RAW, ENCODING_ZSTD):
+            break
+        assert manifest.base_version is not None
+        base_manifest = manifests(manifest.base_version)
+        try:
+            previous = base_manifest.tensor(current.name)
+        except KeyError:
+            raise IntegrityError(f"delta refers to tensor missing from its base version {base_manifest.version}",
+                                 version=manifest.version, tensor=current.name) from None
+        if (previous.dtype, previous.shape) != (current.dtype, current.shape):
+            raise IntegrityError(f"delta has dtype/shape {current.dtype}{list(current.shape)} but its base "
+                                 f"version {base_manifest.version} has {previous.dtype}{list(previous.shape)}",
+                                 version=manifest.version, tensor=current.name)
+        if base is not None and base.version == base_manifest.version:
+            start = _load_base(base, previous)
+            if start is not None:
+                break
+        manifest, current = base_manifest, previous
+    out = start
+    for manifest, current in reversed(steps):
+        out = apply_entry(storage, manifest, current, out)
+    assert out is not None
+    actual = content_hash(codec.buffer_of(out))
+    if actual != entry.hash:
+        raise IntegrityError(f"decoded tensor hash mismatch (expected {entry.hash}, got {actual})",
+                             version=target.version, tensor=entry.name,
+                             hint="A version in its delta chain is corrupt; run `ckptstream verify`")
+    return out.view(codec.torch_dtype(entry.dtype)).reshape(entry.shape)
+
+
+def _load_base(base: BaseTensors, entry: TensorEntry) -> torch.Tensor | None:
+    """The base's bytes of a tensor (None if it lacks it), checked against the base version's hash."""
+    tensor = base.load(entry.name)
+    if tensor is None:
+        return None
+    if tensor.dtype != codec.torch_dtype(entry.dtype) or tuple(tensor.shape) != entry.shape:
+        raise IntegrityError(f"the given base copy has {tensor.dtype}{list(tensor.shape)}, the base version "
+                             f"{entry.dtype}{list(entry.shape)}", version=base.version, tensor=entry.name,
+                             hint="The local base directory is stale or foreign; materialize it again")
+    raw = codec.as_bytes(tensor.contiguous())
+    if content_hash(codec.buffer_of(raw)) != entry.hash:
+        raise IntegrityError("the given base copy differs from the base version", version=base.version,
+                             tensor=entry.name,
+                             hint="The local base directory is stale or corrupt; materialize it again")
+    return raw
+
+
+def file_hash(storage: Storage, path: str, block: int = 8 << 20) -> tuple[int, str]:
+    """Size and content hash of a stored file, read sequentially."""
+    hasher = Hasher()
+    size = 0
+    with storage.open_read(path) as f:
+        while data := f.read(block):
+            hasher.update(data)
+            size += len(data)
+    return size, hasher.digest()
+

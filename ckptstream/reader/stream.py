@@ -1,0 +1,358 @@
+"""``Stream``: discovering, reading, verifying, diffing and materializing the versions of a stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from .. import codec
+from ..errors import (CkptStreamError, IntegrityError, MissingBaseError, StreamNotFoundError,
+                      VersionNotFoundError)
+from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, STREAM_FILE, TEMP_PREFIX, FileEntry, Manifest, StreamInfo, asset_path,
+                      content_hash, data_path, manifest_path, parse_version_name, safetensors_header,
+                      shard_groups)
+from ..storage import Storage, open_storage
+from ..parallel import ordered_parallel
+from .decode import BaseTensors, decode_tensor, file_hash
+
+MARKER_FILE = "ckptstream.json"
+"""Written last into a materialized directory: which stream and version it holds."""
+DEFAULT_INFLIGHT_BYTES = 1 << 30
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``Stream.verify`` checked for one version."""
+
+    version: int
+    files: int
+    tensors: int
+    stored_bytes: int
+    decoded_bytes: int
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How one tensor differs between two versions."""
+
+    name: str
+    status: str  # "same", "changed", "added", "removed", "retyped"
+    numel: int
+    changed: int
+    max_abs_diff: float | None
+
+
+class Stream:
+    """Read access to a ckptstream stream at a URL (local path, ``file://``, ``s3://``, any fsspec URL).
+
+    Example::
+
+        stream = Stream("s3://bucket/run1")
+        v = stream.latest()
+        for name, tensor in stream.iter_tensors(v):
+            ...
+        stream.materialize(v, "/dev/shm/model")   # a directory vLLM can serve
+    """
+
+    def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
+                 storage: Storage | None = None):
+        self.url = url
+        self.storage = storage or open_storage(url, storage_options)
+        self._info: StreamInfo | None = None
+        self._manifests: dict[int, Manifest] = {}
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------------------------------- discovery
+
+    def exists(self) -> bool:
+        """True if the stream has been created (its ``stream.json`` exists)."""
+        return self.storage.exists(STREAM_FILE)
+
+    def info(self) -> StreamInfo:
+        """The stream's metadata (identity, format version, asset files)."""
+        if self._info is None:
+            try:
+                raw = self.storage.read(STREAM_FILE)
+            except FileNotFoundError:
+                raise StreamNotFoundError(f"no stream at {self.url} ({STREAM_FILE} is missing)",
+                                          hint="Check the URL, or publish a first version to create it") from None
+            self._info = StreamInfo.from_bytes(raw)
+        return self._info
+
+    def versions(self) -> list[int]:
+        """Committed versions, oldest first (one listing of the manifests directory)."""
+        found = []
+        for entry in self.storage.list(MANIFESTS_DIR):
+            version = parse_version_name(entry.name)
+            if version is not None and not entry.is_dir and entry.name.endswith(".json"):
+                found.append(version)
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        """The newest committed version, or None if there is none."""
+        versions = self.versions()
+        return versions[-1] if versions else None
+
+    def has_version(self, version: int) -> bool:
+        """Whether ``version`` is committed: one cheap probe of its manifest, no listing."""
+        return self.storage.exists(manifest_path(version))
+
+    def resolve(self, version: int | str) -> int:
+        """A version number from an int, a numeric string or ``"latest"``."""
+        if isinstance(version, int):
+            return version
+        if version == "latest":
+            latest = self.latest()
+            if latest is None:
+                self.info()  # a clearer error if the stream itself is missing
+                raise VersionNotFoundError(f"stream {self.url} has no versions yet")
+            return latest
+        try:
+            return int(version)
+        except ValueError:
+            raise ValueError(f"not a version: {version!r} (use a number or 'latest')") from None
+
+    def manifest(self, version: int) -> Manifest:
+        """The validated manifest of a committed version (VersionNotFoundError if none)."""
+        with self._lock:
+            cached = self._manifests.get(version)
+        if cached is not None:
+            return cached
+        try:
+            raw = self.storage.read(manifest_path(version))
+        except FileNotFoundError:
+            raise VersionNotFoundError("no such version in the stream", version=version,
+                                       hint=f"`ckptstream ls {self.url}` lists the committed versions") from None
+        manifest = Manifest.from_bytes(raw, version=version, stream_id=self.info().stream_id)
+        with self._lock:
+            self._manifests[version] = manifest
+        return manifest
+
+    def _base_manifest(self, version: int) -> Manifest:
+        try:
+            return self.manifest(version)
+        except VersionNotFoundError:
+            raise MissingBaseError("this base of a delta is gone from storage", version=version,
+                                   hint="It was garbage-collected or never committed; "
+                                        "decode from a newer keyframe instead") from None
+
+    def chain(self, version: int) -> list[Manifest]:
+        """Manifests from the nearest keyframe up to ``version``, oldest first."""
+        chain = [self.manifest(version)]
+        while chain[-1].base_version is not None:
+            chain.append(self._base_manifest(chain[-1].base_version))
+        return list(reversed(chain))
+
+    # -------------------------------------------------------------------------------------------- data
+
+    def iter_tensors(self, version: int, *, base_dir: str | os.PathLike[str] | None = None,
+                     names: Iterable[str] | None = None, workers: int | None = None,
+                     max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+        """Decode the tensors of ``version`` in manifest order, every hash checked.
+
+        Tensors decode in parallel threads; at most ``max_inflight_bytes`` of decoded tensors are held
+        (at least one tensor). With ``base_dir`` (a directory materialized from a version of this
+        stream's delta chain), deltas are applied to it instead of decoding from the keyframe.
+        """
+        target = self.manifest(version)
+        self.chain(version)  # fail early, naming the missing base
+        base = MaterializedBase(base_dir, self.info().stream_id) if base_dir is not None else None
+        entries = target.tensors
+        if names is not None:
+            wanted = set(names)
+            entries = tuple(t for t in entries if t.name in wanted)
+            missing = wanted - {t.name for t in entries}
+            if missing:
+                raise KeyError(f"version {version} has no tensor(s) {sorted(missing)}")
+
+        def work(entry: Any) -> tuple[str, torch.Tensor]:
+            return entry.name, decode_tensor(self.storage, self._base_manifest, target, entry, base)
+
+        try:
+            yield from ordered_parallel(entries, work, lambda e: e.nbytes, max_cost=max_inflight_bytes,
+                                        workers=workers)
+        finally:
+            if base is not None:
+                base.close()
+
+    def read_tensor(self, version: int, name: str) -> torch.Tensor:
+        """One tensor of a version, decoded and checked."""
+        target = self.manifest(version)
+        try:
+            entry = target.tensor(name)
+        except KeyError:
+            raise KeyError(f"version {version} has no tensor {name!r}") from None
+        return decode_tensor(self.storage, self._base_manifest, target, entry)
+
+    def asset(self, entry: FileEntry) -> bytes:
+        """The bytes of a non-weight asset file, checked against its hash."""
+        path = asset_path(entry.name)
+        try:
+            raw = self.storage.read(path)
+        except FileNotFoundError:
+            raise IntegrityError("asset file is missing", file=path) from None
+        if len(raw) != entry.size or content_hash(raw) != entry.hash:
+            raise IntegrityError("asset file does not match stream.json (corrupt or replaced)", file=path)
+        return raw
+
+    # ----------------------------------------------------------------------------------- materialize
+
+    def materialize(self, version: int | str, out_dir: str | os.PathLike[str], *,
+                    base_dir: str | os.PathLike[str] | None = None, overwrite: bool = False,
+                    shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None,
+                    workers: int | None = None) -> Path:
+        """Write ``version`` as a plain Hugging Face directory that ``vllm serve``/``reload_weights`` load.
+
+        The directory holds safetensors shards (with ``model.safetensors.index.json`` when sharded), the
+        stream's asset files (config.json, tokenizer, ...) and a ``ckptstream.json`` marker. It is built
+        under a temporary name beside ``out_dir`` and renamed into place, so it is never seen incomplete.
+
+        Returns:
+            The path of the directory.
+        """
+        v = self.resolve(version)
+        manifest = self.manifest(v)
+        out = Path(out_dir).absolute()
+        if out.exists() and any(out.iterdir()) and not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --force to replace it)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        temp = out.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}-{out.name}"
+        temp.mkdir()
+        try:
+            groups = shard_groups([t.nbytes for t in manifest.tensors], shard_bytes)
+            tensors = self.iter_tensors(v, base_dir=base_dir, workers=workers)
+            weight_map = {}
+            for index, group in enumerate(groups):
+                file_name = ("model.safetensors" if len(groups) == 1
+                             else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors")
+                entries = [manifest.tensors[i] for i in group]
+                header, _ = safetensors_header(((t.name, t.dtype, t.shape, t.nbytes) for t in entries),
+                                               {"format": "pt"})
+                with open(temp / file_name, "wb") as f:
+                    f.write(header)
+                    for entry in entries:
+                        name, tensor = next(tensors)
+                        assert name == entry.name
+                        f.write(codec.buffer_of(codec.as_bytes(tensor)))
+                        weight_map[name] = file_name
+                        if progress:
+                            progress(entry.nbytes)
+            tensors.close()
+            if len(groups) > 1:
+                index_doc = {"metadata": {"total_size": manifest.full_bytes}, "weight_map": weight_map}
+                (temp / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2))
+            for asset in self.info().assets:
+                (temp / asset.name).write_bytes(self.asset(asset))
+            (temp / MARKER_FILE).write_text(json.dumps(
+                {"stream": self.url, "stream_id": manifest.stream_id, "version": v, "kind": manifest.kind,
+                 "step": manifest.step}, indent=1))
+            if out.exists() and any(out.iterdir()):
+                trash = out.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}-old-{out.name}"
+                os.rename(out, trash)
+                os.rename(temp, out)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(temp, out)
+        finally:
+            shutil.rmtree(temp, ignore_errors=True)
+        return out
+
+    # ---------------------------------------------------------------------------------------- verify
+
+    def verify(self, version: int | str, *, progress: Progress | None = None) -> VerifyReport:
+        """Check everything about a version: manifest seal and schema, its delta chain, every tensor
+        decoded bit-exactly against its hash, and the size and hash of each of its data files.
+
+        Raises:
+            IntegrityError / MissingBaseError / VersionNotFoundError: naming the version, file, tensor.
+        """
+        v = self.resolve(version)
+        manifest = self.manifest(v)
+        decoded = 0
+        for _, tensor in self.iter_tensors(v):
+            decoded += tensor.numel() * tensor.element_size()
+            if progress:
+                progress(tensor.numel() * tensor.element_size())
+        for entry in manifest.files:
+            path = data_path(v, entry.name)
+            try:
+                size, digest = file_hash(self.storage, path)
+            except FileNotFoundError:
+                raise IntegrityError("data file is missing", version=v, file=path) from None
+            if size != entry.size:
+                raise IntegrityError(f"data file has {size} bytes, manifest says {entry.size} (truncated?)",
+                                     version=v, file=path)
+            if digest != entry.hash:
+                raise IntegrityError(f"data file hash mismatch (expected {entry.hash}, got {digest})",
+                                     version=v, file=path)
+        for asset in self.info().assets:
+            self.asset(asset)
+        return VerifyReport(v, len(manifest.files), len(manifest.tensors), manifest.stored_bytes, decoded)
+
+    # ------------------------------------------------------------------------------------------ diff
+
+    def diff(self, a: int | str, b: int | str) -> list[TensorDiff]:
+        """Per-tensor differences between two versions (bit-level change counts, max abs difference)."""
+        va, vb = self.resolve(a), self.resolve(b)
+        ma, mb = self.manifest(va).tensor_map(), self.manifest(vb).tensor_map()
+        out = []
+        for name in list(ma) + [n for n in mb if n not in ma]:
+            ea, eb = ma.get(name), mb.get(name)
+            if ea is None or eb is None:
+                entry = eb or ea
+                assert entry is not None
+                out.append(TensorDiff(name, "added" if ea is None else "removed", entry.numel, entry.numel, None))
+            elif (ea.dtype, ea.shape) != (eb.dtype, eb.shape):
+                out.append(TensorDiff(name, "retyped", eb.numel, eb.numel, None))
+            elif ea.hash == eb.hash:
+                out.append(TensorDiff(name, "same", ea.numel, 0, 0.0))
+            else:
+                ta, tb = self.read_tensor(va, name), self.read_tensor(vb, name)
+                changed = _count_bit_changes(ta, tb)
+                delta = None if ta.dtype == torch.bool else (tb.double() - ta.double()).abs().max().item()
+                out.append(TensorDiff(name, "changed", ea.numel, changed, delta))
+        return out
+
+
+def _count_bit_changes(a: torch.Tensor, b: torch.Tensor) -> int:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return int(torch.count_nonzero(a.reshape(-1).view(ints) != b.reshape(-1).view(ints)))
+
+
+class MaterializedBase(BaseTensors):
+    """Tensors of a directory written by ``Stream.materialize``, used as the start of delta decoding."""
+
+    def __init__(self, directory: str | os.PathLike[str], stream_id: str):
+        from safetensors import safe_open
+
+        self.directory = Path(directory)
+        try:
+            marker = json.loads((self.directory / MARKER_FILE).read_text())
+            self.version = int(marker["version"])
+            foreign = marker["stream_id"] != stream_id
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CkptStreamError(f"{self.directory} is not a directory materialized by ckptstream ({exc})",
+                                  hint="Pass a directory written by `ckptstream materialize`") from None
+        if foreign:
+            raise CkptStreamError(f"{self.directory} was materialized from another stream",
+                                  hint="Pass a directory materialized from this stream")
+        self._files = [safe_open(str(p), framework="pt") for p in sorted(self.directory.glob("*.safetensors"))]
+        self._where = {name: f for f in self._files for name in f.keys()}
+
+    def load(self, name: str) -> torch.Tensor | None:
+        f = self._where.get(name)
+        return None if f is None else f.get_tensor(name).clone()
+
+    def close(self) -> None:
+        self._files.clear()
+        self._where.clear()

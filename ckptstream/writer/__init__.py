@@ -1,0 +1,6 @@
+"""Publishing versions: generic tensors and Hugging Face directories."""
+
+from .hf import hf_assets, iter_hf_weights
+from .publisher import Publisher, open_or_create_stream
+
+__all__ = ["Publisher", "hf_assets", "iter_hf_weights", "open_or_create_stream"]

@@ -1,0 +1,47 @@
+"""Reading Hugging Face model directories: weights (safetensors) and the non-weight files beside them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..format import is_safe_file_name
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
+SKIPPED_FILES = ("ckptstream.json",)
+
+
+def hf_assets(directory: str | os.PathLike[str]) -> dict[str, bytes]:
+    """The non-weight files of a model directory (config.json, tokenizer files, generation_config.json):
+    every plain top-level file that is not a weight file, a weight index or hidden."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    assets = {}
+    for path in sorted(root.iterdir()):
+        name = path.name
+        if (not path.is_file() or name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
+                or name in SKIPPED_FILES or not is_safe_file_name(name)):
+            continue
+        assets[name] = path.read_bytes()
+    return assets
+
+
+def iter_hf_weights(directory: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the safetensors files of a model directory."""
+    from safetensors import safe_open
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    seen: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} appears in more than one file of {directory}")
+                seen.add(name)
+                yield name, f.get_tensor(name)
