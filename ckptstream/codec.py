@@ -13,7 +13,7 @@ import threading
 import torch
 import zstandard
 
-from .format import MAX_CHUNK_BYTES
+from .format import LAYOUT_DENSE, LAYOUT_SPARSE, MAX_CHUNK_BYTES
 
 TORCH_TO_DTYPE: dict[torch.dtype, str] = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
@@ -119,8 +119,15 @@ def xor_into(out: torch.Tensor, other: torch.Tensor) -> None:
     out.view(_INT_OF_SIZE[width]).bitwise_xor_(other.view(_INT_OF_SIZE[width]))
 
 
+SPARSE_MAX_DENSITY = 0.125
+"""XOR chunks with at most this fraction of changed elements use the sparse layout (FORMAT.md)."""
+
+_SPARSE_HEADER = 8  # u32 count of changed elements, u32 count of escaped gaps
+_GAP_ESCAPE = 255
+
+
 def encode_chunk(new: torch.Tensor, base: torch.Tensor | None, itemsize: int, *, shuffle: bool,
-                 level: int) -> tuple[bytes, int]:
+                 level: int) -> tuple[bytes, int, str]:
     """Encode one chunk of a tensor's bytes.
 
     Args:
@@ -129,36 +136,92 @@ def encode_chunk(new: torch.Tensor, base: torch.Tensor | None, itemsize: int, *,
         itemsize: element size, for shuffling and counting changed elements.
 
     Returns:
-        The stored bytes (one zstd frame) and the number of elements that differ from the base
-        (for ``zstd``: the number of elements).
+        The stored bytes (one zstd frame), the number of elements that differ from the base (for
+        ``zstd``: all of them) and the layout, ``LAYOUT_DENSE`` or ``LAYOUT_SPARSE``.
     """
     if base is None:
-        payload, changed = new, new.numel() // itemsize
+        payload, changed, layout = new, new.numel() // itemsize, LAYOUT_DENSE
     else:
         payload = new.clone()
         xor_into(payload, base)
-        changed = int(torch.count_nonzero(payload.view(_INT_OF_SIZE[itemsize])))
-    if shuffle:
+        ints = payload.view(_INT_OF_SIZE[itemsize])
+        positions = torch.nonzero(ints).view(-1)
+        changed = positions.numel()
+        layout = LAYOUT_SPARSE if changed <= SPARSE_MAX_DENSITY * ints.numel() else LAYOUT_DENSE
+        if layout == LAYOUT_SPARSE:
+            payload = _sparse_payload(positions, ints[positions], itemsize, shuffle)
+    if layout == LAYOUT_DENSE and shuffle:
         payload = _shuffle(payload, itemsize)
-    return _compressor(level).compress(buffer_of(payload)), changed
+    return _compressor(level).compress(buffer_of(payload)), changed, layout
 
 
-def decode_chunk(stored: bytes | memoryview, raw_bytes: int, itemsize: int, *, shuffle: bool) -> torch.Tensor:
+def _sparse_payload(positions: torch.Tensor, values: torch.Tensor, itemsize: int, shuffle: bool) -> torch.Tensor:
+    """Sparse layout: header, one gap byte per changed element (255 escapes to a u32 list), the values."""
+    gaps = torch.diff(positions, prepend=positions.new_tensor([-1])) - 1
+    escaped = gaps >= _GAP_ESCAPE
+    big = gaps[escaped].to(torch.int32)
+    small = gaps.clamp(max=_GAP_ESCAPE).to(torch.uint8)
+    value_bytes = values.contiguous().view(torch.uint8)
+    if shuffle:
+        value_bytes = _shuffle(value_bytes, itemsize)
+    header = torch.tensor([positions.numel(), big.numel()], dtype=torch.int32).view(torch.uint8)
+    return torch.cat([header, small, big.view(torch.uint8), value_bytes])
+
+
+def _decompress(stored: bytes | memoryview, max_bytes: int) -> bytearray:
+    try:
+        params = zstandard.get_frame_parameters(stored)
+        if params.content_size > max_bytes:
+            raise ValueError(f"frame declares {params.content_size} bytes, more than the {max_bytes} possible")
+        return bytearray(_decompressor().decompress(stored, max_output_size=max_bytes))
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"corrupt zstd frame ({exc})") from exc
+
+
+def decode_chunk(stored: bytes | memoryview, raw_bytes: int, itemsize: int, *, shuffle: bool,
+                 layout: str = LAYOUT_DENSE) -> torch.Tensor:
     """Decode one stored chunk back to its raw (or, for ``xor-zstd``, XOR) bytes as a uint8 tensor.
 
     Raises ValueError if the frame is malformed or does not decode to exactly ``raw_bytes`` bytes.
     """
     if raw_bytes > MAX_CHUNK_BYTES:
         raise ValueError(f"chunk of {raw_bytes} bytes exceeds the format's limit")
-    try:
-        params = zstandard.get_frame_parameters(stored)
-        if params.content_size != raw_bytes:
-            raise ValueError(f"frame declares {params.content_size} bytes, manifest says {raw_bytes}")
-        data = _decompressor().decompress(stored, max_output_size=raw_bytes)
-    except zstandard.ZstdError as exc:
-        raise ValueError(f"corrupt zstd frame ({exc})") from exc
+    if layout == LAYOUT_SPARSE:
+        return _decode_sparse(stored, raw_bytes, itemsize, shuffle)
+    data = _decompress(stored, raw_bytes)
     if len(data) != raw_bytes:
         raise ValueError(f"chunk decoded to {len(data)} bytes, expected {raw_bytes}")
-    chunk = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    chunk = torch.frombuffer(data, dtype=torch.uint8) if raw_bytes else torch.empty(0, dtype=torch.uint8)
     return _unshuffle(chunk, itemsize) if shuffle else chunk
 
+
+def _decode_sparse(stored: bytes | memoryview, raw_bytes: int, itemsize: int, shuffle: bool) -> torch.Tensor:
+    n = raw_bytes // itemsize
+    data = _decompress(stored, _SPARSE_HEADER + n * (1 + 4 + itemsize))
+    if len(data) < _SPARSE_HEADER:
+        raise ValueError("sparse chunk is shorter than its header")
+    payload = torch.frombuffer(data, dtype=torch.uint8)
+    count, n_big = (int(x) for x in payload[:_SPARSE_HEADER].view(torch.int32))
+    if not 0 <= count <= n or not 0 <= n_big <= count:
+        raise ValueError(f"sparse chunk claims {count} changes / {n_big} long gaps for {n} elements")
+    if len(data) != _SPARSE_HEADER + count * (1 + itemsize) + 4 * n_big:
+        raise ValueError("sparse chunk size does not match its header")
+    small_end = _SPARSE_HEADER + count
+    big_end = small_end + 4 * n_big
+    gaps = payload[_SPARSE_HEADER:small_end].to(torch.int64)
+    escaped = gaps == _GAP_ESCAPE
+    if int(escaped.sum()) != n_big:
+        raise ValueError("sparse chunk's escaped gaps do not match its header")
+    big = payload[small_end:big_end].clone().view(torch.int32).to(torch.int64)
+    if n_big and int(big.min()) < _GAP_ESCAPE:
+        raise ValueError("sparse chunk has an invalid long gap")
+    gaps[escaped] = big
+    positions = torch.cumsum(gaps + 1, 0) - 1
+    if count and int(positions[-1]) >= n:
+        raise ValueError("sparse chunk points past the end of its chunk")
+    value_bytes = payload[big_end:]
+    if shuffle:
+        value_bytes = _unshuffle(value_bytes, itemsize)
+    out = torch.zeros(raw_bytes, dtype=torch.uint8)
+    out.view(_INT_OF_SIZE[itemsize])[positions] = value_bytes.clone().view(_INT_OF_SIZE[itemsize])
+    return out

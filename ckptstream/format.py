@@ -47,6 +47,8 @@ ENCODING_RAW = "raw"            # stored bytes are the tensor's little-endian by
 ENCODING_ZSTD = "zstd"          # chunks of the tensor's bytes, optionally byte-shuffled, zstd-compressed
 ENCODING_XOR_ZSTD = "xor-zstd"  # like zstd, but of the XOR of the tensor's bytes with the base's
 ENCODING_UNCHANGED = "unchanged"  # bit-identical to the base version's tensor; no stored bytes
+LAYOUT_DENSE = "dense"    # a chunk's bytes, byte-shuffled if the tensor says so
+LAYOUT_SPARSE = "sparse"  # positions and values of the changed elements of an XOR chunk (xor-zstd only)
 KEYFRAME_ENCODINGS = frozenset({ENCODING_RAW})
 DELTA_ENCODINGS = frozenset({ENCODING_ZSTD, ENCODING_XOR_ZSTD, ENCODING_UNCHANGED})
 CHUNKED_ENCODINGS = frozenset({ENCODING_ZSTD, ENCODING_XOR_ZSTD})
@@ -186,7 +188,8 @@ class TensorEntry:
 
     ``hash`` is the hash of the decoded tensor's raw little-endian bytes. ``file``/``offset``/``length``
     locate the stored bytes (absent for ``unchanged``), ``stored_hash`` is their hash, and ``chunks``
-    lists ``(raw_bytes, stored_bytes)`` of each independently compressed chunk for chunked encodings.
+    lists ``(raw_bytes, stored_bytes, layout)`` of each independently compressed chunk for chunked
+    encodings.
     ``changed`` counts elements whose bits differ from the base version (deltas only).
     """
 
@@ -200,7 +203,7 @@ class TensorEntry:
     length: int = 0
     stored_hash: str | None = None
     shuffle: bool = False
-    chunks: tuple[tuple[int, int], ...] = ()
+    chunks: tuple[tuple[int, int, str], ...] = ()
     changed: int | None = None
 
     @property
@@ -478,14 +481,15 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
         return entry
     chunk_list = c.get(item, "chunks", list, name)
     chunks = []
+    layouts = (LAYOUT_DENSE, LAYOUT_SPARSE) if encoding == ENCODING_XOR_ZSTD else (LAYOUT_DENSE,)
     for chunk in chunk_list:
-        if (not isinstance(chunk, list) or len(chunk) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in chunk)
+        if (not isinstance(chunk, list) or len(chunk) != 3
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in chunk[:2])
                 or not 0 < chunk[0] <= MAX_CHUNK_BYTES or not 0 <= chunk[1] <= MAX_FILE_BYTES
-                or chunk[0] % entry.itemsize):
+                or chunk[0] % entry.itemsize or chunk[2] not in layouts):
             raise c.fail(f"invalid chunk {chunk!r}", name)
-        chunks.append((chunk[0], chunk[1]))
-    if sum(r for r, _ in chunks) != entry.nbytes or sum(s for _, s in chunks) != length:
+        chunks.append((chunk[0], chunk[1], chunk[2]))
+    if sum(c[0] for c in chunks) != entry.nbytes or sum(c[1] for c in chunks) != length:
         raise c.fail("chunk sizes do not add up to the tensor's and the stored range's sizes", name)
     return dataclasses.replace(entry, shuffle=bool(c.get(item, "shuffle", bool, name)), chunks=tuple(chunks))
 

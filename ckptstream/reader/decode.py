@@ -58,10 +58,10 @@ def apply_entry(storage: Storage, manifest: Manifest, entry: TensorEntry, out: t
         out = torch.empty(entry.nbytes, dtype=torch.uint8)
     assert out is not None and entry.encoding in CHUNKED_ENCODINGS
     raw_pos = stored_pos = 0
-    for raw_len, stored_len in entry.chunks:
+    for raw_len, stored_len, layout in entry.chunks:
         try:
             chunk = codec.decode_chunk(codec.buffer_of(stored[stored_pos:stored_pos + stored_len]), raw_len,
-                                       entry.itemsize, shuffle=entry.shuffle)
+                                       entry.itemsize, shuffle=entry.shuffle, layout=layout)
         except ValueError as exc:
             raise IntegrityError(f"cannot decode chunk at byte {raw_pos}: {exc}", version=manifest.version,
                                  file=data_path(manifest.version, entry.file or ""), tensor=entry.name) from None

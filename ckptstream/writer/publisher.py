@@ -59,7 +59,7 @@ class _Base:
 class _Encoded:
     encoding: str
     frames: list[bytes]
-    chunks: list[tuple[int, int]]
+    chunks: list[tuple[int, int, str]]
     changed: int
 
 
@@ -342,19 +342,20 @@ class Publisher:
                 tasks.append((index, new_bytes[start:end], None if base_bytes is None else base_bytes[start:end],
                               tensor.element_size()))
 
-        def encode(task: tuple[int, torch.Tensor, torch.Tensor | None, int]) -> tuple[int, int, bytes, int]:
+        def encode(task: tuple[int, torch.Tensor, torch.Tensor | None, int]) -> tuple[int, int, bytes, int, str]:
             index, new, old, itemsize = task
-            frame, changed = codec.encode_chunk(new, old, itemsize, shuffle=self.shuffle, level=self.zstd_level)
-            return index, new.numel(), frame, changed
+            frame, changed, layout = codec.encode_chunk(new, old, itemsize, shuffle=self.shuffle,
+                                                        level=self.zstd_level)
+            return index, new.numel(), frame, changed, layout
 
         stored = 0
         results = ordered_parallel(tasks, encode, lambda task: task[1].numel(), executor=self._encoder,
                                    max_cost=max(self.chunk_bytes, 64 << 20) * 4)
         try:
-            for index, raw_len, frame, changed in results:
+            for index, raw_len, frame, changed, layout in results:
                 plan = plans[index]
                 plan.frames.append(frame)
-                plan.chunks.append((raw_len, len(frame)))
+                plan.chunks.append((raw_len, len(frame), layout))
                 plan.changed += changed
                 stored += len(frame)
                 if stored > limit:
