@@ -480,7 +480,8 @@ class Publisher:
 def open_or_create_stream(storage: Storage, assets: Mapping[str, bytes] | None) -> StreamInfo:
     """The stream's ``StreamInfo``, creating the stream (assets, then ``stream.json``) if it is new.
 
-    Raises IncompatibleStreamError if the stream exists with different assets than ``assets``.
+    Raises IncompatibleStreamError if a file of ``assets`` differs from the stream's file of that name
+    (files the stream lacks are ignored: the assets are fixed when the stream is created).
     """
     assets = dict(assets or {})
     for name in assets:
@@ -505,14 +506,12 @@ def open_or_create_stream(storage: Storage, assets: Mapping[str, bytes] | None) 
             return info
         except FileExistsError:
             info = StreamInfo.from_bytes(storage.read(STREAM_FILE))
-    if assets:
-        have = {a.name: a.hash for a in info.assets}
-        want = {name: content_hash(data) for name, data in assets.items()}
-        if have != want:
-            different = sorted(n for n in set(have) | set(want) if have.get(n) != want.get(n))
-            raise IncompatibleStreamError(
-                f"the stream was created with other non-weight files ({', '.join(different)} differ)",
-                file=STREAM_FILE, hint="A stream holds one model; publish to a new stream URL")
+    have = {a.name: a.hash for a in info.assets}
+    different = sorted(n for n, data in assets.items() if n in have and content_hash(data) != have[n])
+    if different:
+        raise IncompatibleStreamError(
+            f"the stream was created with other non-weight files ({', '.join(different)} differ)",
+            file=STREAM_FILE, hint="A stream holds one model; publish to a new stream URL")
     return info
 
 

