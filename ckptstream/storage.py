@@ -59,6 +59,8 @@ class Storage(ABC):
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the file's bytes from ``offset``; a short file is an EOFError."""
+        if not len(buffer):
+            return
         data = self.read(path, offset, offset + len(buffer))
         if len(data) != len(buffer):
             raise EOFError(f"{path}: wanted {len(buffer)} bytes at {offset}, file has {len(data)}")
@@ -229,7 +231,8 @@ class FsspecStorage(Storage):
             yield f
         except BaseException:
             with contextlib.suppress(Exception):
-                getattr(f, "discard", lambda: None)()  # abort a multipart upload: nothing appears
+                f.discard()  # abort the (multipart) upload: nothing appears
+                f.closed = True  # so that garbage collection does not complete the upload
             raise
         f.close()
 

@@ -1,0 +1,96 @@
+"""Shared fixtures: stream URLs on every backend (a local directory and a real S3-protocol server on
+loopback, moto's server mode as in the s3fs test suite), tiny models and tensor helpers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from ckptstream.codec import as_bytes, buffer_of
+from ckptstream.format import content_hash
+from ckptstream.synthetic import TinyModelSpec, write_tiny_model
+
+BACKENDS = ["local", "s3"]
+logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1, configured the standard AWS way (environment variables)."""
+    pytest.importorskip("s3fs")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                            "AWS_ENDPOINT_URL")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=endpoint)
+    yield endpoint
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.stop()
+
+
+def new_bucket(endpoint: str) -> str:
+    import boto3
+
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(params=BACKENDS)
+def stream_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty stream location on each backend."""
+    if request.param == "local":
+        return str(tmp_path / "stream")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return f"s3://{new_bucket(endpoint)}/runs/stream"
+
+
+@pytest.fixture
+def local_url(tmp_path: Path) -> str:
+    return str(tmp_path / "stream")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 model directory (single safetensors file)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", TinyModelSpec())
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    return content_hash(buffer_of(as_bytes(t.contiguous())))
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Bit-exact equality of two tensor sets (names, dtypes, shapes and bytes)."""
+    assert list(got) == list(want) or set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert got[name].shape == tensor.shape, name
+        assert tensor_hash(got[name]) == tensor_hash(tensor), name
+
+
+def random_state(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
+    """A small mixed-dtype state dict."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": (torch.randn(64 * scale, 48, generator=g) * 0.02).bfloat16(),
+        "layer.0.w": (torch.randn(48, 96 * scale, generator=g)).half(),
+        "layer.0.b": torch.randn(96 * scale, generator=g),
+        "layer.0.norm": torch.ones(48, dtype=torch.bfloat16),
+        "steps": torch.arange(7, dtype=torch.int64),
+    }
