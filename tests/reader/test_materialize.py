@@ -1,0 +1,88 @@
+"""Materialized directories: plain HF layout that vLLM loads, built atomically, also from a local base."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptstream import Publisher, Stream
+from ckptstream.synthetic import rl_like_step
+from ckptstream.writer import iter_hf_weights
+from tests.conftest import assert_same_tensors
+
+
+@pytest.fixture
+def model_stream(stream_url, tiny_model):
+    state = dict(iter_hf_weights(tiny_model))
+    history = []
+    with Publisher(stream_url, assets=tiny_model, keyframe_every=3) as publisher:
+        for step in range(5):
+            if step:
+                rl_like_step(state, fraction=0.01)
+            history.append({k: v.clone() for k, v in state.items()})
+            publisher.publish(state, step=step).result()
+    return stream_url, history
+
+
+def test_materialize_writes_a_servable_directory(model_stream, tiny_model, tmp_path):
+    url, history = model_stream
+    out = Stream(url).materialize("latest", tmp_path / "out")
+    assert_same_tensors(load_file(out / "model.safetensors"), history[4])
+    for name in ("config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (tiny_model / name).read_bytes()
+    assert json.loads((out / "ckptstream.json").read_text())["version"] == 4
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_materialize_sharded_with_index(model_stream, tmp_path):
+    url, history = model_stream
+    out = Stream(url).materialize(2, tmp_path / "sharded", shard_bytes=100_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    loaded = {}
+    for f in files:
+        loaded.update(load_file(out / f))
+    assert_same_tensors(loaded, history[2])
+
+
+def test_materialize_from_a_local_base(model_stream, tmp_path):
+    url, history = model_stream
+    stream = Stream(url)
+    base = stream.materialize(3, tmp_path / "v3")
+    out = stream.materialize(4, tmp_path / "v4", base_dir=base)
+    assert_same_tensors(load_file(out / "model.safetensors"), history[4])
+    # A corrupted base copy is detected, not silently used.
+    tensors = load_file(base / "model.safetensors")
+    name = next(iter(tensors))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(base / "model.safetensors"))
+    with pytest.raises(Exception, match="base copy differs"):
+        stream.materialize(4, tmp_path / "v4b", base_dir=base)
+    assert not (tmp_path / "v4b").exists()
+
+
+def test_materialize_refuses_to_clobber(model_stream, tmp_path):
+    url, history = model_stream
+    stream = Stream(url)
+    out = stream.materialize(0, tmp_path / "m")
+    with pytest.raises(FileExistsError):
+        stream.materialize(1, out)
+    stream.materialize(1, out, overwrite=True)
+    assert_same_tensors(load_file(out / "model.safetensors"), history[1])
+
+
+def test_diff_counts_changed_elements(model_stream):
+    url, history = model_stream
+    diffs = {d.name: d for d in Stream(url).diff(1, 2)}
+    for name, before in history[1].items():
+        after = history[2][name]
+        changed = int((before.view(torch.int16) != after.view(torch.int16)).sum())
+        assert diffs[name].changed == changed
+        assert diffs[name].status == ("same" if changed == 0 else "changed")
