@@ -44,11 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("Error: interrupted", file=sys.stderr)
         return 130
-    except (CkptStreamError, OSError, ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one `Error:` line and an exit code
         if os.environ.get("CKPTSTREAM_TRACEBACK"):
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"Error: {message}", file=sys.stderr)
+        print(f"Error: {message or type(exc).__name__} (set CKPTSTREAM_TRACEBACK=1 for details)"
+              if not isinstance(exc, CkptStreamError) else f"Error: {message}", file=sys.stderr)
         if isinstance(exc, CkptStreamError):
             return exc.exit_code
         if isinstance(exc, FileNotFoundError):

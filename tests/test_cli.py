@@ -1,0 +1,125 @@
+"""The command line: subcommands, --json, exit codes, stderr errors; local and S3 streams."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ckptstream import Stream
+from ckptstream.cli import main
+from ckptstream.format import manifest_path
+from ckptstream.storage import open_storage
+from ckptstream.synthetic import TinyModelSpec, rl_like_step, write_tiny_model
+from ckptstream.writer import iter_hf_weights
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def published(stream_url, tmp_path, capsys):
+    """Three versions published with the CLI, one process each (a delta needs the base from storage)."""
+    model = write_tiny_model(tmp_path / "m0", TinyModelSpec())
+    state = dict(iter_hf_weights(model))
+    cache = str(tmp_path / "cache")
+    for step in range(3):
+        if step:
+            rl_like_step(state, fraction=0.02)
+            write_tiny_model(tmp_path / f"m{step}", TinyModelSpec(), state=state)
+        code, out, _ = run(capsys, "publish", stream_url, "--from-hf", str(tmp_path / f"m{step}"), "--step",
+                           str(step), "--json", "--cache-dir", cache if step == 2 else "")
+        assert code == 0
+        summary = json.loads(out)
+        assert summary["version"] == step and summary["kind"] == ("keyframe" if step == 0 else "delta")
+    return stream_url, state
+
+
+def test_ls_show_verify_diff_materialize(published, tmp_path, capsys):
+    url, state = published
+    code, out, _ = run(capsys, "ls", url, "--json")
+    rows = json.loads(out)
+    assert code == 0 and [r["version"] for r in rows] == [0, 1, 2]
+    assert rows[2]["base_version"] == 1 and rows[2]["stored_fraction"] < 0.2
+    code, out, _ = run(capsys, "ls", url)
+    assert "VERSION" in out and "delta" in out
+    code, out, _ = run(capsys, "show", url, "latest", "--tensors")
+    assert code == 0 and "chain        0 -> 1 -> 2" in out and "model.embed_tokens.weight" in out
+    code, out, _ = run(capsys, "show", url, "2", "--json")
+    assert json.loads(out)["chain"] == [0, 1, 2]
+    code, out, _ = run(capsys, "verify", url)
+    assert code == 0 and out.count(": ok") == 3
+    code, out, _ = run(capsys, "diff", url, "1", "2", "--json")
+    assert code == 0 and all(d["status"] == "changed" for d in json.loads(out))
+    code, out, _ = run(capsys, "materialize", url, "latest", str(tmp_path / "out"), "--json")
+    assert code == 0 and json.loads(out)["version"] == 2
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "ckptstream.json", "ckptstream_tiny_model.json", "config.json", "generation_config.json",
+        "model.safetensors"]
+    code, _, err = run(capsys, "materialize", url, "1", str(tmp_path / "out"))
+    assert code == 5 and err.startswith("Error:") and "not empty" in err
+
+
+def test_errors_have_exit_codes(published, tmp_path, capsys):
+    url, _ = published
+    code, _, err = run(capsys, "show", url, "9")
+    assert code == 4 and "Error: version 9: no such version" in err
+    code, _, err = run(capsys, "ls", str(tmp_path / "nowhere"))
+    assert code == 4 and "no stream at" in err
+    storage = open_storage(url)
+    raw = bytearray(storage.read(manifest_path(1)))
+    raw[len(raw) // 2] ^= 1
+    storage.delete(manifest_path(1))
+    storage.put(manifest_path(1), bytes(raw))
+    code, out, err = run(capsys, "verify", url, "--json")
+    results = json.loads(out)
+    assert code == 3 and [r["ok"] for r in results] == [True, False, False]
+    assert "version 1, file manifests/000000000001.json" in err
+    code, _, err = run(capsys, "publish", url, "--from-hf", str(tmp_path / "m2"), "--version", "1")
+    assert code == 5 and "not newer than the latest version 2" in err
+
+
+def test_gc_dry_run_then_real(published, capsys):
+    url, _ = published
+    code, out, _ = run(capsys, "gc", url, "--keep-last", "1", "--json")
+    assert code == 0 and json.loads(out)["deleted_versions"] == []  # 2 needs its chain 0 and 1
+    code, out, _ = run(capsys, "gc", url, "--keep-last", "1", "--grace", "0", "--dry-run")
+    assert "would delete 0 version(s)" in out
+    assert Stream(url).versions() == [0, 1, 2]
+
+
+def test_console_script_help_and_storage_options(tmp_path, s3_endpoint):
+    help_text = subprocess.run([sys.executable, "-m", "ckptstream.cli", "ls", "--help"], capture_output=True,
+                               text=True, check=True).stdout
+    assert "examples:" in help_text and "exit codes:" in help_text and "--json" in help_text
+    # S3 configured only through --storage-option (no AWS_ENDPOINT_URL in the environment).
+    from tests.conftest import new_bucket
+
+    bucket = new_bucket(s3_endpoint)
+    model = write_tiny_model(tmp_path / "m", TinyModelSpec(arch="qwen3"))
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    url = f"s3://{bucket}/s"
+    options = ["-o", json.dumps({"endpoint_url": s3_endpoint}).join(["client_kwargs=", ""])]
+    result = subprocess.run(["ckptstream", "publish", url, "--from-hf", str(model), "--cache-dir", "", *options],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    result = subprocess.run(["ckptstream", "verify", url, *options], capture_output=True, text=True, env=env)
+    assert result.returncode == 0 and "version 0: ok" in result.stdout
+    result = subprocess.run(["ckptstream", "verify", url], capture_output=True, text=True,
+                            env={**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    assert result.returncode != 0 and result.stderr.startswith("Error:") and "Traceback" not in result.stderr
+
+
+def test_make_tiny_model_sizes(tmp_path, capsys):
+    code, out, _ = run(capsys, "make-tiny-model", str(tmp_path / "t"), "--arch", "llama", "--size", "8MB",
+                       "--shard-size", "2MB", "--json")
+    info = json.loads(out)
+    assert code == 0 and 6e6 < info["bytes"] < 11e6 and info["tie_embeddings"]
+    assert (tmp_path / "t" / "model.safetensors.index.json").exists()
+    assert "lm_head.weight" not in dict(iter_hf_weights(tmp_path / "t"))
