@@ -9,6 +9,7 @@ bit-identical.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,7 +61,7 @@ class TinyModelSpec:
         heads = max(hidden // 64, 4) if hidden >= 256 else 4
         vocab = 512 if target_bytes < (256 << 20) else 8192
         embed = vocab * hidden * (1 if arch == "llama" else 2)
-        layers = max(1, round((target_bytes / 2 - embed) / _layer_params(hidden, heads)))
+        layers = max(1, math.ceil((target_bytes / 2 - embed) / _layer_params(hidden, heads)))
         fields = dict(arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads,
                       num_kv_heads=max(1, heads // 2), intermediate_size=3 * hidden, vocab_size=vocab,
                       tie_embeddings=arch == "llama")
