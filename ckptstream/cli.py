@@ -44,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("Error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ckptstream ls URL | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except Exception as exc:  # noqa: BLE001 - every failure becomes one `Error:` line and an exit code
         if os.environ.get("CKPTSTREAM_TRACEBACK"):
             raise

@@ -110,13 +110,38 @@ def _unshuffle(chunk: torch.Tensor, itemsize: int) -> torch.Tensor:
     return chunk.view(itemsize, -1).t().contiguous().view(-1)
 
 
+def _widest_int_view(n: int, *tensors: torch.Tensor) -> torch.dtype:
+    """The widest integer dtype that evenly and alignedly covers ``n`` bytes of every tensor."""
+    width = 8
+    while width > 1 and (n % width or any(t.data_ptr() % width for t in tensors)):
+        width //= 2
+    return _INT_OF_SIZE[width]
+
+
 def xor_into(out: torch.Tensor, other: torch.Tensor) -> None:
     """``out ^= other`` for two uint8 tensors of the same length, on the widest integer view."""
-    n = out.numel()
-    width = 8
-    while width > 1 and (n % width or out.data_ptr() % width or other.data_ptr() % width):
-        width //= 2
-    out.view(_INT_OF_SIZE[width]).bitwise_xor_(other.view(_INT_OF_SIZE[width]))
+    wide = _widest_int_view(out.numel(), out, other)
+    out.view(wide).bitwise_xor_(other.view(wide))
+
+
+def _xor(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a ^ b`` for two uint8 tensors of the same length, as a new uint8 tensor."""
+    wide = _widest_int_view(a.numel(), a, b)
+    return torch.bitwise_xor(a.view(wide), b.view(wide)).view(torch.uint8)
+
+
+def _changed_positions(xor: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """Indices of the non-zero elements of an XOR chunk (uint8 bytes of ``itemsize``-byte elements).
+
+    Scans 8-byte words first and looks inside the few non-zero ones: about twice as fast as ``nonzero``
+    over the elements when changes are sparse.
+    """
+    if itemsize >= 8 or xor.numel() % 8 or xor.data_ptr() % 8:
+        return torch.nonzero(xor.view(_INT_OF_SIZE[itemsize])).view(-1)
+    lanes = 8 // itemsize
+    words = torch.nonzero(xor.view(torch.int64)).view(-1)
+    row, lane = torch.nonzero(xor.view(_INT_OF_SIZE[itemsize]).view(-1, lanes)[words], as_tuple=True)
+    return words[row] * lanes + lane
 
 
 SPARSE_MAX_DENSITY = 0.125
@@ -142,10 +167,9 @@ def encode_chunk(new: torch.Tensor, base: torch.Tensor | None, itemsize: int, *,
     if base is None:
         payload, changed, layout = new, new.numel() // itemsize, LAYOUT_DENSE
     else:
-        payload = new.clone()
-        xor_into(payload, base)
+        payload = _xor(new, base)
         ints = payload.view(_INT_OF_SIZE[itemsize])
-        positions = torch.nonzero(ints).view(-1)
+        positions = _changed_positions(payload, itemsize)
         changed = positions.numel()
         layout = LAYOUT_SPARSE if changed <= SPARSE_MAX_DENSITY * ints.numel() else LAYOUT_DENSE
         if layout == LAYOUT_SPARSE:
@@ -178,24 +202,40 @@ def _decompress(stored: bytes | memoryview, max_bytes: int) -> bytearray:
         raise ValueError(f"corrupt zstd frame ({exc})") from exc
 
 
-def decode_chunk(stored: bytes | memoryview, raw_bytes: int, itemsize: int, *, shuffle: bool,
-                 layout: str = LAYOUT_DENSE) -> torch.Tensor:
-    """Decode one stored chunk back to its raw (or, for ``xor-zstd``, XOR) bytes as a uint8 tensor.
+def apply_chunk(target: torch.Tensor, stored: bytes | memoryview, itemsize: int, *, shuffle: bool,
+                layout: str = LAYOUT_DENSE, xor: bool = False) -> None:
+    """Decode one stored chunk into ``target``, the chunk's uint8 bytes: ``target ^= decoded`` for XOR
+    chunks (a sparse chunk touches only its changed elements), ``target[:] = decoded`` otherwise.
 
-    Raises ValueError if the frame is malformed or does not decode to exactly ``raw_bytes`` bytes.
+    Raises ValueError if the frame is malformed or does not decode to exactly the chunk's size.
     """
+    raw_bytes = target.numel()
     if raw_bytes > MAX_CHUNK_BYTES:
         raise ValueError(f"chunk of {raw_bytes} bytes exceeds the format's limit")
     if layout == LAYOUT_SPARSE:
-        return _decode_sparse(stored, raw_bytes, itemsize, shuffle)
+        if not xor:
+            raise ValueError("the sparse layout is only valid for XOR chunks")
+        positions, values = _decode_sparse(stored, raw_bytes, itemsize, shuffle)
+        ints = target.view(_INT_OF_SIZE[itemsize])
+        ints.scatter_(0, positions, ints.gather(0, positions).bitwise_xor_(values))
+        return
     data = _decompress(stored, raw_bytes)
     if len(data) != raw_bytes:
         raise ValueError(f"chunk decoded to {len(data)} bytes, expected {raw_bytes}")
-    chunk = torch.frombuffer(data, dtype=torch.uint8) if raw_bytes else torch.empty(0, dtype=torch.uint8)
-    return _unshuffle(chunk, itemsize) if shuffle else chunk
+    if not raw_bytes:
+        return
+    chunk = torch.frombuffer(data, dtype=torch.uint8)
+    if shuffle:
+        chunk = _unshuffle(chunk, itemsize)
+    if xor:
+        xor_into(target, chunk)
+    else:
+        target.copy_(chunk)
 
 
-def _decode_sparse(stored: bytes | memoryview, raw_bytes: int, itemsize: int, shuffle: bool) -> torch.Tensor:
+def _decode_sparse(stored: bytes | memoryview, raw_bytes: int, itemsize: int,
+                   shuffle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and XOR values of the changed elements of a sparse chunk, validated."""
     n = raw_bytes // itemsize
     data = _decompress(stored, _SPARSE_HEADER + n * (1 + 4 + itemsize))
     if len(data) < _SPARSE_HEADER:
@@ -219,9 +259,7 @@ def _decode_sparse(stored: bytes | memoryview, raw_bytes: int, itemsize: int, sh
     positions = torch.cumsum(gaps + 1, 0) - 1
     if count and int(positions[-1]) >= n:
         raise ValueError("sparse chunk points past the end of its chunk")
-    value_bytes = payload[big_end:]
+    value_bytes = payload[big_end:].clone()  # aligned for the integer view
     if shuffle:
         value_bytes = _unshuffle(value_bytes, itemsize)
-    out = torch.zeros(raw_bytes, dtype=torch.uint8)
-    out.view(_INT_OF_SIZE[itemsize])[positions] = value_bytes.clone().view(_INT_OF_SIZE[itemsize])
-    return out
+    return positions, value_bytes.view(_INT_OF_SIZE[itemsize])

@@ -25,25 +25,31 @@ def test_xor_chunk_round_trip(dtype, density, shuffle):
     frame, count, layout = codec.encode_chunk(new, base, itemsize, shuffle=shuffle, level=3)
     assert count == int((new.view(n, itemsize) != base.view(n, itemsize)).any(1).sum())
     assert layout == (LAYOUT_SPARSE if count <= codec.SPARSE_MAX_DENSITY * n else LAYOUT_DENSE)
-    xor = codec.decode_chunk(frame, new.numel(), itemsize, shuffle=shuffle, layout=layout)
     restored = base.clone()
-    codec.xor_into(restored, xor)
+    codec.apply_chunk(restored, frame, itemsize, shuffle=shuffle, layout=layout, xor=True)
     assert torch.equal(restored, new)
+    if layout == LAYOUT_DENSE:
+        full, _, _ = codec.encode_chunk(new, None, itemsize, shuffle=shuffle, level=3)
+        decoded = torch.zeros_like(new)
+        codec.apply_chunk(decoded, full, itemsize, shuffle=shuffle)
+        assert torch.equal(decoded, new)
 
 
 def test_corrupt_frames_are_refused():
     data = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
     frame, _, _ = codec.encode_chunk(data, None, 4, shuffle=True, level=3)
     with pytest.raises(ValueError):
-        codec.decode_chunk(frame[:-3], data.numel(), 4, shuffle=True)
+        codec.apply_chunk(torch.empty_like(data), frame[:-3], 4, shuffle=True)
     with pytest.raises(ValueError, match="declares"):
-        codec.decode_chunk(frame, data.numel() - 4, 4, shuffle=True)
+        codec.apply_chunk(torch.empty_like(data)[:-4], frame, 4, shuffle=True)
     base = data.clone()
     new = data.clone()
     new[100] ^= 1
     sparse, _, layout = codec.encode_chunk(new, base, 4, shuffle=True, level=3)
     assert layout == LAYOUT_SPARSE
     with pytest.raises(ValueError):  # a sparse payload read as dense is a size mismatch, not garbage
-        codec.decode_chunk(sparse, data.numel(), 4, shuffle=True, layout=LAYOUT_DENSE)
+        codec.apply_chunk(base.clone(), sparse, 4, shuffle=True, layout=LAYOUT_DENSE, xor=True)
     with pytest.raises(ValueError):
-        codec.decode_chunk(sparse, 64, 4, shuffle=True, layout=LAYOUT_SPARSE)
+        codec.apply_chunk(base.clone()[:64], sparse, 4, shuffle=True, layout=LAYOUT_SPARSE, xor=True)
+    with pytest.raises(ValueError, match="only valid for XOR"):
+        codec.apply_chunk(base.clone(), sparse, 4, shuffle=True, layout=LAYOUT_SPARSE)

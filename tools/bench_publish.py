@@ -90,6 +90,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="versions to publish (1 keyframe + deltas)")
     parser.add_argument("--fraction", type=float, default=0.01, help="fraction of elements changed per step")
     parser.add_argument("--dir", help="storage directory (default: a temp dir under /tmp)")
+    parser.add_argument("--out", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                        help="where materialized directories go, as a follower's cache would "
+                             "(default /dev/shm, else the storage directory)")
     args = parser.parse_args()
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckptstream-bench-"))
@@ -131,13 +134,14 @@ def main() -> None:
 
     stream = Stream(url)
     latest = stream.latest()
+    out = Path(tempfile.mkdtemp(prefix="ckptstream-bench-", dir=args.out)) if args.out else root
     cold = drop_caches()
     read_s, _ = timed(lambda: load(last_full.read_bytes()))
     drop_caches()
-    materialize_s, _ = timed(lambda: stream.materialize(latest, root / "mat", overwrite=True))
-    base = stream.materialize(latest - 1, root / "base", overwrite=True)
+    materialize_s, _ = timed(lambda: stream.materialize(latest, out / "mat", overwrite=True))
+    base = stream.materialize(latest - 1, out / "base", overwrite=True)
     drop_caches()
-    follow_s, _ = timed(lambda: stream.materialize(latest, root / "next", base_dir=base, overwrite=True))
+    follow_s, _ = timed(lambda: stream.materialize(latest, out / "next", base_dir=base, overwrite=True))
 
     deltas = [r for r in rows if r["kind"] == "delta"]
     med = lambda key: statistics.median(r[key] for r in deltas)  # noqa: E731
@@ -159,6 +163,8 @@ def main() -> None:
           f"{read_bw / 1e9:12.2f}   {(full_bytes / materialize_s) / read_bw:7.2f}x  >= 0.8x raw read bandwidth")
     print(f"{'storage raw write (fsync) / read GB/s':44} {write_bw / 1e9:12.2f}   {read_bw / 1e9:12.2f}   "
           f"{'(page cache dropped before each read)' if cold else '(page cache could not be dropped)'}")
+    if out != root:
+        shutil.rmtree(out, ignore_errors=True)
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -9,14 +9,15 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 
 from .. import codec
 from ..errors import (CkptStreamError, IntegrityError, MissingBaseError, StreamNotFoundError,
                       VersionNotFoundError)
-from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, STREAM_FILE, TEMP_PREFIX, FileEntry, Manifest, StreamInfo, asset_path,
+from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, STREAM_FILE, TEMP_PREFIX, FileEntry, Manifest, StreamInfo,
+                      TensorEntry, asset_path,
                       content_hash, data_path, manifest_path, parse_version_name, safetensors_header,
                       shard_groups)
 from ..storage import Storage, open_storage
@@ -28,6 +29,7 @@ MARKER_FILE = "ckptstream.json"
 DEFAULT_INFLIGHT_BYTES = 1 << 30
 
 Progress = Callable[[int], None]
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -165,8 +167,6 @@ class Stream:
         stream's delta chain), deltas are applied to it instead of decoding from the keyframe.
         """
         target = self.manifest(version)
-        self.chain(version)  # fail early, naming the missing base
-        base = MaterializedBase(base_dir, self.info().stream_id) if base_dir is not None else None
         entries = target.tensors
         if names is not None:
             wanted = set(names)
@@ -174,9 +174,18 @@ class Stream:
             missing = wanted - {t.name for t in entries}
             if missing:
                 raise KeyError(f"version {version} has no tensor(s) {sorted(missing)}")
+        yield from self._decode(target, entries, base_dir, lambda entry, tensor: (entry.name, tensor),
+                                workers=workers, max_inflight_bytes=max_inflight_bytes)
 
-        def work(entry: Any) -> tuple[str, torch.Tensor]:
-            return entry.name, decode_tensor(self.storage, self._base_manifest, target, entry, base)
+    def _decode(self, target: Manifest, entries: Iterable[TensorEntry], base_dir: str | os.PathLike[str] | None,
+                sink: Callable[[TensorEntry, torch.Tensor], R], *, workers: int | None = None,
+                max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> Iterator[R]:
+        """``sink(entry, tensor)`` for each decoded tensor, run on the decoding threads, results in order."""
+        self.chain(target.version)  # fail early, naming the missing base
+        base = MaterializedBase(base_dir, self.info().stream_id) if base_dir is not None else None
+
+        def work(entry: TensorEntry) -> R:
+            return sink(entry, decode_tensor(self.storage, self._base_manifest, target, entry, base))
 
         try:
             yield from ordered_parallel(entries, work, lambda e: e.nbytes, max_cost=max_inflight_bytes,
@@ -230,24 +239,38 @@ class Stream:
         temp.mkdir()
         try:
             groups = shard_groups([t.nbytes for t in manifest.tensors], shard_bytes)
-            tensors = self.iter_tensors(v, base_dir=base_dir, workers=workers)
-            weight_map = {}
-            for index, group in enumerate(groups):
-                file_name = ("model.safetensors" if len(groups) == 1
-                             else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors")
-                entries = [manifest.tensors[i] for i in group]
-                header, _ = safetensors_header(((t.name, t.dtype, t.shape, t.nbytes) for t in entries),
-                                               {"format": "pt"})
-                with open(temp / file_name, "wb") as f:
-                    f.write(header)
-                    for entry in entries:
-                        name, tensor = next(tensors)
-                        assert name == entry.name
-                        f.write(codec.buffer_of(codec.as_bytes(tensor)))
-                        weight_map[name] = file_name
-                        if progress:
-                            progress(entry.nbytes)
-            tensors.close()
+            weight_map: dict[str, str] = {}
+            placement: dict[str, tuple[int, int]] = {}  # tensor -> (output file descriptor, offset)
+            descriptors = []
+            try:
+                for index, group in enumerate(groups):
+                    file_name = ("model.safetensors" if len(groups) == 1
+                                 else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors")
+                    entries = [manifest.tensors[i] for i in group]
+                    header, offsets = safetensors_header(((t.name, t.dtype, t.shape, t.nbytes) for t in entries),
+                                                         {"format": "pt"})
+                    fd = os.open(temp / file_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    descriptors.append(fd)
+                    os.pwrite(fd, header, 0)
+                    for entry, offset in zip(entries, offsets):
+                        weight_map[entry.name] = file_name
+                        placement[entry.name] = (fd, offset)
+
+                def write(entry: TensorEntry, tensor: torch.Tensor) -> int:
+                    # Each decoding thread writes its tensor in place: decode and write overlap.
+                    fd, offset = placement[entry.name]
+                    data = codec.buffer_of(codec.as_bytes(tensor))
+                    written = 0
+                    while written < len(data):
+                        written += os.pwrite(fd, data[written:], offset + written)
+                    return entry.nbytes
+
+                for nbytes in self._decode(manifest, manifest.tensors, base_dir, write, workers=workers):
+                    if progress:
+                        progress(nbytes)
+            finally:
+                for fd in descriptors:
+                    os.close(fd)
             if len(groups) > 1:
                 index_doc = {"metadata": {"total_size": manifest.full_bytes}, "weight_map": weight_map}
                 (temp / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2))
