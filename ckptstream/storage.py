@@ -151,7 +151,7 @@ class PosixStorage(Storage):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temp, target)
-            _fsync_dir(directory)
+            fsync_path(directory)
         finally:
             _remove_quietly(temp)
 
@@ -173,7 +173,7 @@ class PosixStorage(Storage):
                 raise StorageCapabilityError(
                     f"cannot hard-link in {directory} ({exc}); ckptstream commits with link(2)",
                     hint="Use a file system that supports hard links (local disk, NFS, Lustre)") from exc
-            _fsync_dir(directory)
+            fsync_path(directory)
         finally:
             _remove_quietly(temp)
 
@@ -297,8 +297,9 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> 
     return FsspecStorage(fs, root, url.rstrip("/"))
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file or directory by path (a directory's fsync makes renames and links in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

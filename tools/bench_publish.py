@@ -29,15 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Publisher, Stream  # noqa: E402
 from ckptstream.cli import _parse_bytes  # noqa: E402
+from ckptstream.storage import fsync_path  # noqa: E402
 from ckptstream.synthetic import TinyModelSpec, rl_like_step, tiny_state_dict  # noqa: E402
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def drop_caches() -> bool:
