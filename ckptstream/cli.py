@@ -170,8 +170,8 @@ def _parser() -> argparse.ArgumentParser:
         """, with_common=False)
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
-    p.add_argument("--size", type=_parse_bytes, help="approximate weight bytes, e.g. 64MB, 1GB")
-    p.add_argument("--shard-size", type=_parse_bytes, help="split weights into shards of at most this size")
+    p.add_argument("--size", type=parse_bytes, help="approximate weight bytes, e.g. 64MB, 1GB")
+    p.add_argument("--shard-size", type=parse_bytes, help="split weights into shards of at most this size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print results as JSON")
 
@@ -181,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
         """, with_common=False)
     p.add_argument("--workdir", help="where to put the model, stream and outputs (default: a temp dir)")
     p.add_argument("--versions", type=int, default=12, help="versions to publish (default 12)")
-    p.add_argument("--size", type=_parse_bytes, default=_parse_bytes("32MB"), help="model size (default 32MB)")
+    p.add_argument("--size", type=parse_bytes, default=parse_bytes("32MB"), help="model size (default 32MB)")
     p.add_argument("--keyframe-every", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print results as JSON")
     return parser
@@ -189,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
 
 # -------------------------------------------------------------------------------------------- helpers
 
-def _parse_bytes(text: str) -> int:
+def parse_bytes(text: str) -> int:
     units = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
     number = text.strip().upper().rstrip()
     for unit in sorted(units, key=len, reverse=True):

@@ -28,7 +28,7 @@ from safetensors.torch import load, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Publisher, Stream  # noqa: E402
-from ckptstream.cli import _parse_bytes  # noqa: E402
+from ckptstream.cli import parse_bytes  # noqa: E402
 from ckptstream.storage import fsync_path  # noqa: E402
 from ckptstream.synthetic import TinyModelSpec, rl_like_step, tiny_state_dict  # noqa: E402
 
@@ -79,7 +79,7 @@ def raw_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=_parse_bytes, default=_parse_bytes("1GB"))
+    parser.add_argument("--size", type=parse_bytes, default=parse_bytes("1GB"))
     parser.add_argument("--steps", type=int, default=6, help="versions to publish (1 keyframe + deltas)")
     parser.add_argument("--fraction", type=float, default=0.01, help="fraction of elements changed per step")
     parser.add_argument("--dir", help="storage directory (default: a temp dir under /tmp)")
