@@ -268,7 +268,8 @@ def _version_summary(manifest: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- commands
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    from .writer import Publisher, iter_hf_weights
+    from .hf import iter_hf_weights
+    from .writer import Publisher
 
     with Publisher(args.url, storage_options=_storage_options(args), assets=args.from_hf,
                    keyframe_every=args.keyframe_every, base_cache_dir=args.cache_dir or None) as publisher:

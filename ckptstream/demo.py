@@ -18,7 +18,8 @@ import torch
 from .format import content_hash
 from .reader import Stream
 from .synthetic import TinyModelSpec, rl_like_step, write_tiny_model
-from .writer import Publisher, iter_hf_weights
+from .hf import iter_hf_weights
+from .writer import Publisher
 
 _MARKER = ".ckptstream-demo"
 

@@ -27,6 +27,7 @@ STREAM_FILE = "stream.json"
 ASSETS_DIR = "assets"
 MANIFESTS_DIR = "manifests"
 VERSIONS_DIR = "versions"
+REPLICAS_DIR = "replicas"
 TEMP_PREFIX = ".tmp-"
 """Prefix of every temporary name; anything carrying it older than the gc grace period is debris."""
 

@@ -14,7 +14,7 @@ from ckptstream.cli import main
 from ckptstream.format import manifest_path
 from ckptstream.storage import open_storage
 from ckptstream.synthetic import TinyModelSpec, rl_like_step, write_tiny_model
-from ckptstream.writer import iter_hf_weights
+from ckptstream.hf import iter_hf_weights
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

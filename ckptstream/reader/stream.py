@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, STREAM_FILE, TEMP_PREF
 from ..storage import Storage, open_storage
 from ..parallel import ordered_parallel
 from .decode import BaseTensors, decode_tensor, file_hash
+from .replicas import ReplicaRecord, read_replicas
 
 MARKER_FILE = "ckptstream.json"
 """Written last into a materialized directory: which stream and version it holds."""
@@ -154,6 +156,37 @@ class Stream:
         while chain[-1].base_version is not None:
             chain.append(self._base_manifest(chain[-1].base_version))
         return list(reversed(chain))
+
+    # ---------------------------------------------------------------------------------------- replicas
+
+    def replicas(self) -> list[ReplicaRecord]:
+        """The records followers keep in the stream: version served, state, last error, heartbeat."""
+        return read_replicas(self.storage)
+
+    def wait_for_version(self, version: int, *, min_replicas: int = 1, timeout: float | None = None,
+                         max_heartbeat_age: float = 60.0, poll_interval: float = 1.0) -> list[ReplicaRecord]:
+        """Block until at least ``min_replicas`` live replicas serve ``version`` or newer.
+
+        A trainer calls this to bound rollout staleness. Replicas whose heartbeat is older than
+        ``max_heartbeat_age`` seconds count as dead.
+
+        Returns:
+            The live replicas at ``version`` or newer.
+
+        Raises:
+            TimeoutError: not enough replicas caught up within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            now = time.time()
+            ready = [r for r in self.replicas() if r.version is not None and r.version >= version
+                     and r.age(now) <= max_heartbeat_age]
+            if len(ready) >= min_replicas:
+                return ready
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{len(ready)} of the {min_replicas} replicas needed serve version {version} "
+                                   f"or newer after {timeout} s")
+            time.sleep(poll_interval)
 
     # -------------------------------------------------------------------------------------------- data
 

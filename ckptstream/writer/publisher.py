@@ -110,7 +110,7 @@ class Publisher:
         self.base_cache_dir = Path(base_cache_dir) if base_cache_dir is not None else None
         self.writer_id = uuid.uuid4().hex[:12]
         if isinstance(assets, (str, os.PathLike)):
-            from .hf import hf_assets
+            from ..hf import hf_assets
             assets = hf_assets(assets)
         self.info = open_or_create_stream(self.storage, assets)
         self.stream._info = self.info

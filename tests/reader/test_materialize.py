@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from ckptstream import Publisher, Stream
 from ckptstream.synthetic import rl_like_step
-from ckptstream.writer import iter_hf_weights
+from ckptstream.hf import iter_hf_weights
 from tests.conftest import assert_same_tensors
 
 

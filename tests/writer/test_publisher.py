@@ -89,7 +89,7 @@ def test_multi_shard_keyframes_and_deltas(stream_url):
 def test_keyframe_shards_are_plain_safetensors(local_url, tiny_model):
     from safetensors.torch import load_file
 
-    from ckptstream.writer import iter_hf_weights
+    from ckptstream.hf import iter_hf_weights
 
     original = dict(iter_hf_weights(tiny_model))
     with Publisher(local_url, shard_bytes=200_000) as publisher:

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from ..format import is_safe_file_name
+from .format import is_safe_file_name
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
 SKIPPED_FILES = ("ckptstream.json",)
@@ -45,3 +45,17 @@ def iter_hf_weights(directory: str | os.PathLike[str]) -> Iterator[tuple[str, to
                     raise ValueError(f"tensor {name!r} appears in more than one file of {directory}")
                 seen.add(name)
                 yield name, f.get_tensor(name)
+
+
+def tensor_specs(directory: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Name -> (safetensors dtype, shape) of every tensor in a model directory, from the file headers
+    only (no tensor data is read)."""
+    from safetensors import safe_open
+
+    specs = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                specs[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+    return specs

@@ -1,0 +1,151 @@
+"""HTTP control of one vLLM server (``VLLM_SERVER_DEV_MODE=1`` routes), every call checked for its effect.
+
+vLLM routes can answer 200 while ignoring what was asked, so each control call is followed by a check:
+``/weight_info`` shows the new version, ``/is_paused`` the new state, a one-token generation succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from ..errors import CkptStreamError
+
+
+class VllmError(CkptStreamError, RuntimeError):
+    """A vLLM server refused a control call, did not do what it answered, or cannot generate."""
+
+
+class VllmUnreachable(VllmError, ConnectionError):
+    """The vLLM server does not answer (not started yet, restarting, or dead)."""
+
+
+class VllmClient:
+    """Controls one vLLM server.
+
+    Args:
+        url: base URL, e.g. ``http://127.0.0.1:8000``.
+        api_key: sent as ``Authorization: Bearer`` (vLLM's ``--api-key``).
+        timeout: seconds per HTTP request (reloads of large models get ``reload_timeout``).
+    """
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 30.0,
+                 reload_timeout: float = 1800.0):
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.reload_timeout = reload_timeout
+        self._model: str | None = None
+
+    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read()[:500].decode("utf-8", "replace")
+            raise VllmError(f"{method} {self.url}{path} answered {exc.code}: {detail}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+            raise VllmUnreachable(f"{method} {self.url}{path} failed: {exc}",
+                                  hint="Is the server running, and started with VLLM_SERVER_DEV_MODE=1?") from None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode("utf-8", "replace")
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def healthy(self) -> bool:
+        """Liveness only (``/health``); use ``probe`` to know the engine can generate."""
+        try:
+            self._request("GET", "/health", timeout=5)
+            return True
+        except VllmError:
+            return False
+
+    def wait_ready(self, timeout: float = 600.0, interval: float = 0.5) -> None:
+        """Wait until the server answers ``/health`` and generates one token."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.probe()
+                return
+            except VllmError as exc:
+                if time.monotonic() > deadline:
+                    raise VllmUnreachable(f"{self.url} not ready after {timeout:.0f} s ({exc})") from None
+                time.sleep(interval)
+
+    def model(self) -> str:
+        """The served model name (the first of ``/v1/models``)."""
+        if self._model is None:
+            models = self._request("GET", "/v1/models")
+            try:
+                self._model = models["data"][0]["id"]
+            except (TypeError, KeyError, IndexError):
+                raise VllmError(f"{self.url}/v1/models lists no model: {models!r}") from None
+        return self._model
+
+    def weight_version(self) -> str:
+        info = self._request("GET", "/weight_info")
+        if not isinstance(info, dict) or "weight_version" not in info:
+            raise VllmError(f"{self.url}/weight_info answered {info!r}",
+                            hint="Start vLLM with VLLM_SERVER_DEV_MODE=1")
+        return str(info["weight_version"])
+
+    def is_paused(self) -> bool:
+        return bool(self._request("GET", "/is_paused").get("is_paused"))
+
+    def generate(self, prompt: list[int], max_tokens: int, **extra: Any) -> list[int]:
+        """Greedy token ids for a token-id prompt."""
+        body = {"model": self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True, **extra}
+        answer = self._request("POST", "/v1/completions", body, timeout=max(self.timeout, 120))
+        try:
+            return list(answer["choices"][0]["token_ids"])
+        except (TypeError, KeyError, IndexError):
+            raise VllmError(f"{self.url}/v1/completions answered without token ids: {str(answer)[:300]}") from None
+
+    def probe(self) -> None:
+        """A real one-token request: liveness is not health."""
+        tokens = self.generate([1, 2, 3], 1)
+        if len(tokens) != 1:
+            raise VllmError(f"{self.url} generated {len(tokens)} tokens for a one-token probe")
+
+    # ---------------------------------------------------------------------------------------- control
+
+    def pause(self, mode: str = "keep") -> None:
+        self._request("POST", f"/pause?mode={mode}")
+        if not self.is_paused():
+            raise VllmError(f"{self.url}/pause answered but the server is not paused")
+
+    def resume(self) -> None:
+        self._request("POST", "/resume")
+        if self.is_paused():
+            raise VllmError(f"{self.url}/resume answered but the server is still paused")
+
+    def reload_weights(self, path: str) -> None:
+        """``reload_weights`` of a complete checkpoint directory on every worker."""
+        answer = self._request("POST", "/collective_rpc",
+                               {"method": "reload_weights",
+                                "kwargs": {"weights_path": str(path), "is_checkpoint_format": True}},
+                               timeout=self.reload_timeout)
+        if not isinstance(answer, dict) or "results" not in answer:
+            raise VllmError(f"{self.url}/collective_rpc reload_weights answered {answer!r}")
+
+    def reset_prefix_cache(self) -> None:
+        self._request("POST", "/reset_prefix_cache")
+
+    def set_weight_version(self, version: str) -> None:
+        self._request("POST", "/update_weight_version", {"new_version": version})
+        if self.weight_version() != version:
+            raise VllmError(f"{self.url}/update_weight_version answered but /weight_info does not show {version}")
