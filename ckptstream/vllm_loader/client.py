@@ -7,6 +7,7 @@ vLLM routes can answer 200 while ignoring what was asked, so each control call i
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -73,16 +74,19 @@ class VllmClient:
         except VllmError:
             return False
 
-    def wait_ready(self, timeout: float = 600.0, interval: float = 0.5) -> None:
-        """Wait until the server answers ``/health`` and generates one token."""
+    def wait_ready(self, timeout: float = 600.0, interval: float = 0.5,
+                   abort: threading.Event | None = None) -> None:
+        """Wait until the server generates one token (or ``abort`` is set, e.g. when its process died)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
                 self.probe()
                 return
             except VllmError as exc:
-                if time.monotonic() > deadline:
-                    raise VllmUnreachable(f"{self.url} not ready after {timeout:.0f} s ({exc})") from None
+                if time.monotonic() > deadline or (abort is not None and abort.is_set()):
+                    raise VllmUnreachable(f"{self.url} not ready after {timeout:.0f} s ({exc})"
+                                          if abort is None or not abort.is_set() else
+                                          f"{self.url} went away while starting ({exc})") from None
                 time.sleep(interval)
 
     def model(self) -> str:
@@ -94,6 +98,14 @@ class VllmClient:
             except (TypeError, KeyError, IndexError):
                 raise VllmError(f"{self.url}/v1/models lists no model: {models!r}") from None
         return self._model
+
+    def model_root(self) -> str | None:
+        """The path vLLM loaded the model from (``/v1/models`` root), if it reports one."""
+        models = self._request("GET", "/v1/models")
+        try:
+            return models["data"][0].get("root")
+        except (TypeError, KeyError, IndexError, AttributeError):
+            return None
 
     def weight_version(self) -> str:
         info = self._request("GET", "/weight_info")

@@ -1,0 +1,11 @@
+"""The follower side: keep running vLLM servers on the newest good version of a stream.
+
+Imports nothing of vLLM: servers are controlled over HTTP (``VLLM_SERVER_DEV_MODE=1`` routes).
+"""
+
+from .client import VllmClient, VllmError, VllmUnreachable
+from .follower import Follower, UpdateRecord, VersionCache, default_cache_dir
+from .serve import serve, vllm_command
+
+__all__ = ["Follower", "UpdateRecord", "VersionCache", "VllmClient", "VllmError", "VllmUnreachable",
+           "default_cache_dir", "serve", "vllm_command"]

