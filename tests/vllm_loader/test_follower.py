@@ -127,7 +127,7 @@ def test_bad_versions_are_refused_and_the_server_keeps_serving(setup):
     assert "hash mismatch" in setup.follower.refused[corrupt]
 
     wrong_shape = {**setup.state, "model.norm.weight": torch.ones(130, dtype=torch.bfloat16)}
-    shaped = setup.publisher.publish(wrong_shape).result().version
+    shaped = setup.publisher.publish(wrong_shape, keyframe=True).result().version  # not chained on the corrupt one
     assert setup.follower.step() is None
     assert "does not fit the served model" in setup.follower.refused[shaped]
     assert "model.norm.weight" in setup.follower.refused[shaped]
