@@ -205,6 +205,16 @@ def _parser() -> argparse.ArgumentParser:
                                                         "routes are unauthenticated)")
     p.add_argument("--port", type=int, default=8000)
 
+    p = command("replay", _cmd_replay, "load versions one by one into running vLLM servers and evaluate each "
+                "(the command goes after --)", """
+        ckptstream replay /mnt/nfs/run1 --versions 0:100:10 --vllm-url http://127.0.0.1:8000 -- python eval.py
+        ckptstream replay s3://bucket/run1 --versions 40:latest --vllm-url http://127.0.0.1:8000 --json -- ./eval.sh
+        # the command sees CKPTSTREAM_VERSION, CKPTSTREAM_URL and CKPTSTREAM_VLLM_URL
+        """, parents=[follow_options])
+    p.add_argument("url", help="stream URL")
+    p.add_argument("--versions", required=True, metavar="A:B[:STEP]", help="versions to evaluate (inclusive)")
+    p.add_argument("--vllm-url", action="append", required=True, metavar="URL", help="server(s) to load into")
+
     p = command("replicas", _cmd_replicas, "list the followers of a stream and what they serve", """
         ckptstream replicas /mnt/nfs/run1
         ckptstream replicas s3://bucket/run1 --json
@@ -514,6 +524,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args.url, args.passthrough, version=args.ref, pin=args.pin, host=args.host, port=args.port,
                  storage_options=_storage_options(args), cache_dir=args.cache_dir, replica_id=args.replica_id,
                  poll_interval=args.poll_interval, pause_mode=args.pause_mode, api_key=args.api_key)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from .vllm_loader import replay
+
+    _follow_logging()
+    results = replay(args.url, args.versions, args.vllm_url, args.passthrough, storage_options=_storage_options(args),
+                     cache_dir=args.cache_dir, api_key=args.api_key)
+    if args.json:
+        _print_json([asdict(r) for r in results])
+    else:
+        print(_table([[str(r.version), f"{r.load_s:.2f}s", "-" if r.exit_code is None else str(r.exit_code),
+                       f"{r.run_s:.2f}s", r.error or ""] for r in results],
+                     ["VERSION", "LOAD", "EXIT", "RUN", "ERROR"]))
+    return EXIT_OK if all(r.exit_code == 0 for r in results) else EXIT_ERROR
 
 
 def _cmd_replicas(args: argparse.Namespace) -> int:

@@ -203,3 +203,23 @@ def test_serve_follows_an_s3_stream_and_stops_cleanly(tmp_path, s3_endpoint):
     assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
     assert not client.healthy()  # the vLLM child is gone with it
     assert next(r for r in Stream(url).replicas()).state == "stopped"
+
+
+def test_replay_loads_each_version_before_running_the_command(setup, capsys):
+    from ckptstream.cli import main
+
+    refused = min(setup.follower.refused)  # the range starts at the corrupted version
+    # The command checks that the server really serves the version it is told about.
+    check = ("import os, sys; from ckptstream.vllm_loader import VllmClient; "
+             "sys.exit(0 if VllmClient(os.environ['CKPTSTREAM_VLLM_URL']).weight_version() == "
+             "os.environ['CKPTSTREAM_VERSION'] else 7)")
+    code = main(["replay", setup.url, "--versions", f"{refused}:latest", "--vllm-url", setup.served.url,
+                 "--cache-dir", str(setup.root / "replay-cache"), "--json", "--", "python", "-c", check])
+    results = __import__("json").loads(capsys.readouterr().out)
+    assert code == 1  # not every version could be evaluated
+    assert [r["version"] for r in results] == [v for v in Stream(setup.url).versions() if v >= refused]
+    for r in results:
+        if r["version"] in setup.follower.refused:
+            assert r["exit_code"] is None and r["error"]
+        else:
+            assert r["exit_code"] == 0, r
