@@ -146,8 +146,14 @@ class VllmClient:
         if not self.is_paused():
             raise VllmError(f"{self.url}/pause answered but the server is not paused")
 
-    def resume(self) -> None:
+    def resume(self, check: bool = True) -> None:
+        """Resume generation; ``check=False`` leaves the check to the caller (``check_resumed``), to keep
+        it out of the pause."""
         self._request("POST", "/resume")
+        if check:
+            self.check_resumed()
+
+    def check_resumed(self) -> None:
         if self.is_paused():
             raise VllmError(f"{self.url}/resume answered but the server is still paused")
 
@@ -163,7 +169,12 @@ class VllmClient:
     def reset_prefix_cache(self) -> None:
         self._request("POST", "/reset_prefix_cache")
 
-    def set_weight_version(self, version: str) -> None:
+    def set_weight_version(self, version: str, check: bool = True) -> None:
+        """Label the served weights; ``check=False`` leaves the check to the caller (``check_weight_version``)."""
         self._request("POST", "/update_weight_version", {"new_version": version})
+        if check:
+            self.check_weight_version(version)
+
+    def check_weight_version(self, version: str) -> None:
         if self.weight_version() != version:
             raise VllmError(f"{self.url}/update_weight_version answered but /weight_info does not show {version}")

@@ -256,10 +256,13 @@ class Follower:
             client.reload_weights(str(path))
             reload_s = time.perf_counter() - reload_started
             client.reset_prefix_cache()
-            client.set_weight_version(str(version))
+            client.set_weight_version(str(version), check=False)
         finally:
-            client.resume()
+            client.resume(check=False)
         paused = time.perf_counter() - started
+        # The effects are checked once generation runs again: none of these needs the pause.
+        client.check_resumed()
+        client.check_weight_version(str(version))
         client.probe()
         return paused, reload_s
 
