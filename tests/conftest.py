@@ -116,7 +116,6 @@ class VllmServer:
 
     def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, served_name: str = "model"):
         import subprocess
-        import sys
 
         from ckptstream.vllm_loader import VllmClient, vllm_command
 

@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from ckptstream import (IncompatibleStreamError, Publisher, Stream, VersionConflictError, VersionOrderError)
+from ckptstream import (IncompatibleStreamError, IntegrityError, Publisher, Stream, VersionConflictError,
+                        VersionOrderError)
 from ckptstream.format import DELTA, KEYFRAME
 from ckptstream.synthetic import rl_like_step
 from tests.conftest import assert_same_tensors, random_state
@@ -133,7 +134,7 @@ def test_background_failure_surfaces_at_next_call(local_url):
     with pytest.raises(VersionConflictError, match="version 1"):
         publisher.publish(random_state())
     # After surfacing, the publisher starts over from the stream and works again.
-    with pytest.raises(Exception):
+    with pytest.raises(IntegrityError):  # the squatter's bytes are no manifest of ours
         Stream(local_url).manifest(1)
     assert publisher.publish(random_state()).result().version == 2
     publisher.close()
