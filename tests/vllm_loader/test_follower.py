@@ -225,3 +225,20 @@ def test_replay_loads_each_version_before_running_the_command(setup, capsys):
             assert r["exit_code"] is None and r["error"]
         else:
             assert r["exit_code"] == 0, r
+
+
+def test_one_follower_drives_several_servers_and_pins(setup, tmp_path):
+    servers = [setup.served, setup.reference]
+    both = Follower(setup.url, [s.url for s in servers], cache_dir=tmp_path / "cache", replica_id="two")
+    version = setup.publish()
+    update = both.step()
+    assert update is not None and update.version == version
+    assert [s.client.weight_version() for s in servers] == [str(version)] * 2
+    assert setup.served.outputs() == setup.reference.outputs()
+    assert len(list((tmp_path / "cache").glob("*/*"))) == 1  # fetched and decoded once for both
+
+    pinned = Follower(setup.url, [setup.served.url], cache_dir=tmp_path / "pin", pin=version)
+    setup.publish()  # a newer version appears; the pinned follower stays
+    assert pinned.step().version == version and pinned.step() is None
+    assert setup.served.client.weight_version() == str(version)
+    setup.follower = pinned  # keeps the module's follower consistent with the server
