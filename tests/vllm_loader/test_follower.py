@@ -242,3 +242,50 @@ def test_one_follower_drives_several_servers_and_pins(setup, tmp_path):
     assert pinned.step().version == version and pinned.step() is None
     assert setup.served.client.weight_version() == str(version)
     setup.follower = pinned  # keeps the module's follower consistent with the server
+
+
+def test_storage_outage_keeps_serving_and_recovers(setup, s3_endpoint):
+    """The follower's storage (a second, real S3 server) goes away and comes back; vLLM keeps answering."""
+    from moto.server import ThreadedMotoServer
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
+               "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 5}}
+    import boto3
+
+    boto3.client("s3", endpoint_url=f"http://{host}:{port}").create_bucket(Bucket="outage")
+    url = "s3://outage/run"
+    publisher = Publisher(url, storage_options=options, assets=setup.model)
+    publisher.publish(setup.state).result()
+    follower = Follower(url, [setup.served.url], storage_options=options, cache_dir=setup.root / "outage-cache",
+                        poll_interval=0.1, replica_id="outage")
+    stop = threading.Event()
+    runner = threading.Thread(target=follower.run, args=(stop,))
+    runner.start()
+    try:
+        _wait(lambda: setup.served.client.weight_version() == "0")
+        moto.stop()  # storage unreachable
+        time.sleep(3)
+        assert runner.is_alive() and follower.current == 0
+        assert setup.served.outputs()  # still serving
+        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)  # moto keeps its data
+        moto.start()
+        rl_like_step(setup.state, fraction=0.2, max_ulps=40, generator=setup.generator)
+        version = publisher.publish(setup.state).result().version
+        _wait(lambda: setup.served.client.weight_version() == str(version), timeout=60)
+        assert version not in follower.refused
+    finally:
+        stop.set()
+        follower.wake.set()
+        runner.join(timeout=60)
+        publisher.close()
+        moto.stop()
+
+
+def _wait(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
