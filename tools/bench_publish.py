@@ -108,10 +108,12 @@ def main() -> None:
             if step:
                 rl_like_step(state, fraction=args.fraction, generator=generator)
             full_path = full_dir / f"step{step}.safetensors"
-            save_s, _ = timed(lambda: (save_file(state, str(full_path)), fsync_path(full_path)))
+            os.sync()  # earlier writes must not be flushed inside the next timed operation
+            save_s, _ = timed(lambda path=full_path: (save_file(state, str(path)), fsync_path(path)))
             full_file_bytes = full_path.stat().st_size
             if step:
                 full_path.unlink()  # keep only the last full file, for the read comparison
+            os.sync()
             start = time.perf_counter()
             future = publisher.publish(state, step=step)
             blocked = time.perf_counter() - start
