@@ -144,6 +144,8 @@ class Follower:
                 try:
                     self.step()
                     backoff = self.poll_interval
+                    if self.record.state == "error":  # recovered from an outage
+                        self._report(state="serving" if self.current is not None else "starting")
                 except Exception as exc:  # noqa: BLE001 - storage or servers away: keep serving, retry
                     backoff = min(max(backoff * 2, self.poll_interval), 30.0)
                     self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
@@ -171,9 +173,9 @@ class Follower:
         except VersionNotFoundError as exc:  # retired between discovery and fetch: normal, move on
             log.info("version %d is gone (%s); looking for a newer one", target, exc)
             return None
-        except (CkptStreamError, VllmError) as exc:
-            if isinstance(exc, VllmUnreachable):
-                raise
+        except VllmUnreachable:
+            raise  # not the version's fault: run() retries it once the server is back
+        except CkptStreamError as exc:  # corrupt, foreign, misshapen, or a reload the server refused
             self._refuse(target, exc)
             return None
         return update
@@ -194,11 +196,11 @@ class Follower:
             VllmError: a server failed to load it (servers reverted to the current version).
         """
         manifest = self.stream.manifest(version)
+        self._check_against_served(manifest)  # before fetching anything
         self._report(state="updating")
         started = time.perf_counter()
         path, base, fetched = self.prepare(version)
         prepare_s = time.perf_counter() - started
-        self._check_against_served(manifest)
         pause_s = reload_s = 0.0
         done: list[VllmClient] = []
         for client in self.clients:
