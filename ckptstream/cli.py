@@ -502,6 +502,7 @@ def _follow_logging() -> None:
 
 
 def _cmd_follow(args: argparse.Namespace) -> int:
+    import signal
     import threading
 
     from .vllm_loader import Follower
@@ -511,8 +512,6 @@ def _cmd_follow(args: argparse.Namespace) -> int:
                         pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
                         pause_mode=args.pause_mode, api_key=args.api_key)
     stop = threading.Event()
-    import signal
-
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     follower.run(stop)

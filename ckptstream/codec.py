@@ -13,7 +13,7 @@ import threading
 import torch
 import zstandard
 
-from .format import LAYOUT_DENSE, LAYOUT_SPARSE, MAX_CHUNK_BYTES
+from .format import LAYOUT_DENSE, LAYOUT_SPARSE, MAX_CHUNK_BYTES, content_hash
 
 TORCH_TO_DTYPE: dict[torch.dtype, str] = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
@@ -67,6 +67,11 @@ def buffer_of(byte_tensor: torch.Tensor) -> memoryview:
     array = (ctypes.c_ubyte * n).from_address(byte_tensor.data_ptr())
     array.owner = byte_tensor  # the memoryview holds the array, the array holds the tensor
     return memoryview(array).cast("B")
+
+
+def tensor_hash(tensor: torch.Tensor) -> str:
+    """The format's hash of a CPU tensor's raw bytes (the manifest's ``hash`` of a decoded tensor)."""
+    return content_hash(buffer_of(as_bytes(tensor.contiguous())))
 
 
 def from_bytes(data: bytes | bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from .codec import as_bytes, buffer_of
-from .format import content_hash
+from .codec import tensor_hash
 from .hf import iter_hf_weights
 from .reader import Stream
 from .synthetic import TinyModelSpec, rl_like_step, write_tiny_model
@@ -44,25 +43,17 @@ def _say(message: str) -> None:
 
 
 def _hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {n: content_hash(buffer_of(as_bytes(t.contiguous()))) for n, t in state.items()}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return {name: tensor_hash(tensor) for name, tensor in state.items()}
 
 
 class _Server:
     """``ckptstream serve`` on a background thread, with vLLM's output in a log file."""
 
     def __init__(self, url: str, workdir: Path):
-        from .vllm_loader import VllmClient, serve
+        from .vllm_loader import VllmClient, free_port, serve
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.port = _free_port()
+        self.port = free_port()
         self.log = workdir / "vllm.log"
         self.updates: dict[int, Any] = {}
         self.stop = threading.Event()

@@ -12,8 +12,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from ckptstream.codec import as_bytes, buffer_of
-from ckptstream.format import content_hash
+from ckptstream.codec import tensor_hash
 from ckptstream.synthetic import TinyModelSpec, write_tiny_model
 
 BACKENDS = ["local", "s3"]
@@ -71,10 +70,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", TinyModelSpec())
 
 
-def tensor_hash(t: torch.Tensor) -> str:
-    return content_hash(buffer_of(as_bytes(t.contiguous())))
-
-
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     """Bit-exact equality of two tensor sets (names, dtypes, shapes and bytes)."""
     assert list(got) == list(want) or set(got) == set(want)
@@ -103,21 +98,13 @@ VLLM_CPU_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat1
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [100, 200, 300, 400, 5], [42] * 10]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VllmServer:
     """A real vLLM (vllm-cpu here) OpenAI server in a child process, with the dev-mode routes on loopback."""
 
     def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, served_name: str = "model"):
         import subprocess
 
-        from ckptstream.vllm_loader import VllmClient, vllm_command
+        from ckptstream.vllm_loader import VllmClient, free_port, vllm_command
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Publisher, Stream  # noqa: E402
 from ckptstream.cli import parse_bytes  # noqa: E402
-from ckptstream.demo import CPU_VLLM_ARGS, _free_port  # noqa: E402
+from ckptstream.demo import CPU_VLLM_ARGS  # noqa: E402
 from ckptstream.storage import fsync_path  # noqa: E402
 from ckptstream.synthetic import TinyModelSpec, rl_like_step, write_tiny_model  # noqa: E402
-from ckptstream.vllm_loader import VllmClient, serve  # noqa: E402
+from ckptstream.vllm_loader import VllmClient, free_port, serve  # noqa: E402
 
 
 def timed_reload(client: VllmClient, path: Path) -> tuple[float, float]:
@@ -71,7 +71,7 @@ def main() -> None:
     publisher.publish(state).result()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    port = _free_port()
+    port = free_port()
     updates = {}
     stop = threading.Event()
     server = threading.Thread(target=serve, kwargs=dict(

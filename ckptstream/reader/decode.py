@@ -109,7 +109,7 @@ def decode_tensor(storage: Storage, manifests: Callable[[int], Manifest], target
     for manifest, current in reversed(steps):
         out = apply_entry(storage, manifest, current, out)
     assert out is not None
-    actual = content_hash(codec.buffer_of(out))
+    actual = codec.tensor_hash(out)
     if actual != entry.hash:
         raise IntegrityError(f"decoded tensor hash mismatch (expected {entry.hash}, got {actual})",
                              version=target.version, tensor=entry.name,
@@ -128,7 +128,7 @@ def load_checked(base: BaseTensors, entry: TensorEntry) -> torch.Tensor | None:
                              f"{entry.dtype}{list(entry.shape)}", version=base.version, tensor=entry.name,
                              hint="The local base directory is stale or foreign; materialize it again")
     raw = codec.as_bytes(tensor.contiguous())
-    if content_hash(codec.buffer_of(raw)) != entry.hash:
+    if codec.tensor_hash(raw) != entry.hash:
         raise IntegrityError("the given base copy differs from the base version", version=base.version,
                              tensor=entry.name,
                              hint="The local base directory is stale or corrupt; materialize it again")

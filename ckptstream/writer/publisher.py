@@ -272,7 +272,7 @@ class Publisher:
 
     def _write(self, job: _Job) -> Manifest:
         base = self._current_base(job.version)
-        hashes = [self._encoder.submit(_tensor_hash, t) for _, t in job.tensors]
+        hashes = [self._encoder.submit(codec.tensor_hash, t) for _, t in job.tensors]
         delta = None
         if not job.keyframe and base is not None and base.manifest.chain_length + 1 < self.keyframe_every:
             delta = self._encode_delta(job, base)
@@ -472,7 +472,7 @@ class Publisher:
             return None
         expected = manifest.tensor_map()
         if set(tensors) != set(expected) or any(
-                _tensor_hash(t) != expected[n].hash for n, t in tensors.items()):
+                codec.tensor_hash(t) != expected[n].hash for n, t in tensors.items()):
             return None
         return tensors
 
@@ -528,10 +528,6 @@ def _validate_tensors(items: list[tuple[str, torch.Tensor]]) -> None:
         if tensor.layout != torch.strided:
             raise TypeError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors can be published")
         codec.dtype_name(tensor.dtype)
-
-
-def _tensor_hash(tensor: torch.Tensor) -> str:
-    return content_hash(codec.buffer_of(codec.as_bytes(tensor)))
 
 
 def _now() -> str:
