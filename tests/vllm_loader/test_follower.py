@@ -290,3 +290,27 @@ def _wait(condition, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.1)
+
+
+def test_follower_process_killed_and_restarted_catches_up_from_its_cache(setup, tmp_path):
+    command = ["ckptstream", "follow", setup.url, "--vllm-url", setup.served.url, "--cache-dir",
+               str(tmp_path / "cache"), "--poll-interval", "0.1", "--replica-id", "killed"]
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(logs[0], "wb"))
+    try:
+        before = setup.publish()
+        Stream(setup.url).wait_for_version(before, timeout=120, poll_interval=0.1)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    after = setup.publish()  # published while no follower runs
+    second = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(logs[1], "wb"))
+    try:
+        Stream(setup.url).wait_for_version(after, timeout=120, poll_interval=0.1)
+        assert setup.served.outputs() == setup.expected(after)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0
+    log = logs[1].read_text()
+    assert f"servers already serve version {before} (cached)" in log
+    assert f"version {after} serving: fetched" in log and f"(delta on cached {before})" in log
