@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable), e.g. -o profile=train -o "
                              "endpoint_url=http://127.0.0.1:9000; values are parsed as JSON when possible")
-    common.add_argument("--json", action="store_true", help="print results as JSON")
+    common.add_argument("--json", action="store_true", help="print results as JSON (follow, serve: one JSON line per update)")
 
     def command(name: str, run: Callable[[argparse.Namespace], int | None], help: str, examples: str,
                 with_common: bool = True, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
@@ -331,10 +331,20 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     from .hf import iter_hf_weights
     from .writer import Publisher
 
+    total = sum(path.stat().st_size for path in Path(args.from_hf).glob("*.safetensors"))
     with Publisher(args.url, storage_options=_storage_options(args), assets=args.from_hf,
                    keyframe_every=args.keyframe_every, base_cache_dir=args.cache_dir or None) as publisher:
-        manifest = publisher.publish(iter_hf_weights(args.from_hf), args.number, step=args.step,
-                                     keyframe=args.keyframe).result()
+        with _progress(total, "read") as progress:
+            def tensors() -> Iterator[tuple[str, Any]]:
+                for name, tensor in iter_hf_weights(args.from_hf):
+                    if progress:
+                        progress(tensor.numel() * tensor.element_size())
+                    yield name, tensor
+
+            future = publisher.publish(tensors(), args.number, step=args.step, keyframe=args.keyframe)
+        if sys.stderr.isatty():
+            print("encoding, writing and committing ...", file=sys.stderr, flush=True)
+        manifest = future.result()
     summary = _version_summary(manifest)
     if args.json:
         _print_json(summary)
@@ -510,7 +520,7 @@ def _cmd_follow(args: argparse.Namespace) -> int:
     _follow_logging()
     follower = Follower(args.url, args.vllm_url, storage_options=_storage_options(args), cache_dir=args.cache_dir,
                         pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
-                        pause_mode=args.pause_mode, api_key=args.api_key)
+                        pause_mode=args.pause_mode, api_key=args.api_key, on_update=_update_printer(args))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -524,7 +534,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _follow_logging()
     return serve(args.url, args.passthrough, version=args.ref, pin=args.pin, host=args.host, port=args.port,
                  storage_options=_storage_options(args), cache_dir=args.cache_dir, replica_id=args.replica_id,
-                 poll_interval=args.poll_interval, pause_mode=args.pause_mode, api_key=args.api_key)
+                 poll_interval=args.poll_interval, pause_mode=args.pause_mode, api_key=args.api_key,
+                 on_update=_update_printer(args))
+
+
+def _update_printer(args: argparse.Namespace) -> Callable[[Any], None] | None:
+    """With --json: one JSON line per update on stdout (the log lines stay on stderr)."""
+    if not args.json:
+        return None
+    return lambda update: print(json.dumps(asdict(update)), flush=True)
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:

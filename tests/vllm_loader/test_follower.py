@@ -7,6 +7,7 @@ expected greedy outputs; once, a fresh server started directly on a materialized
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -219,7 +220,7 @@ def test_replay_loads_each_version_before_running_the_command(setup, capsys):
              "os.environ['CKPTSTREAM_VERSION'] else 7)")
     code = main(["replay", setup.url, "--versions", f"{refused}:latest", "--vllm-url", setup.served.url,
                  "--cache-dir", str(setup.root / "replay-cache"), "--json", "--", "python", "-c", check])
-    results = __import__("json").loads(capsys.readouterr().out)
+    results = json.loads(capsys.readouterr().out)
     assert code == 1  # not every version could be evaluated
     assert [r["version"] for r in results] == [v for v in Stream(setup.url).versions() if v >= refused]
     for r in results:
@@ -305,7 +306,8 @@ def test_follower_process_killed_and_restarted_catches_up_from_its_cache(setup, 
         first.send_signal(signal.SIGKILL)
         first.wait()
     after = setup.publish()  # published while no follower runs
-    second = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(logs[1], "wb"))
+    updates = tmp_path / "updates.jsonl"
+    second = subprocess.Popen(command + ["--json"], stdout=open(updates, "wb"), stderr=open(logs[1], "wb"))
     try:
         Stream(setup.url).wait_for_version(after, timeout=120, poll_interval=0.1)
         assert setup.served.outputs() == setup.expected(after)
@@ -313,5 +315,7 @@ def test_follower_process_killed_and_restarted_catches_up_from_its_cache(setup, 
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=60) == 0
     log = logs[1].read_text()
+    records = [json.loads(line) for line in updates.read_text().splitlines()]
+    assert [(r["version"], r["base_version"]) for r in records] == [(after, before)]
     assert f"servers already serve version {before} (cached)" in log
     assert f"version {after} serving: fetched" in log and f"(delta on cached {before})" in log
