@@ -167,8 +167,8 @@ def write_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None
 
 def rl_like_step(state: Mapping[str, torch.Tensor], *, fraction: float = 0.01, max_ulps: int = 3,
                  generator: torch.Generator | None = None) -> int:
-    """Change ``fraction`` of the elements of every floating-point tensor, in place, by 1..``max_ulps``
-    units in the last place (up or down); everything else stays bit-identical.
+    """Change ``fraction`` of the elements of every floating-point tensor, in place and on its device, by
+    1..``max_ulps`` units in the last place (up or down); everything else stays bit-identical.
 
     Returns the number of elements changed (elements picked twice count once).
     """
@@ -178,9 +178,10 @@ def rl_like_step(state: Mapping[str, torch.Tensor], *, fraction: float = 0.01, m
             continue
         bits = tensor.view(_BITS_OF[tensor.element_size()]).view(-1)
         count = max(1, int(bits.numel() * fraction))
-        positions = torch.randint(0, bits.numel(), (count,), generator=generator).unique()
-        steps = torch.randint(1, max_ulps + 1, (positions.numel(),), generator=generator)
-        signs = torch.randint(0, 2, (positions.numel(),), generator=generator) * 2 - 1
+        # Random draws on the generator's device (CPU by default), applied where the tensor lives (also a GPU).
+        positions = torch.randint(0, bits.numel(), (count,), generator=generator).unique().to(bits.device)
+        steps = torch.randint(1, max_ulps + 1, (positions.numel(),), generator=generator).to(bits.device)
+        signs = (torch.randint(0, 2, (positions.numel(),), generator=generator) * 2 - 1).to(bits.device)
         old = bits[positions].to(torch.int64)
         sign_bit = 1 << (8 * tensor.element_size() - 1)
         negative = old < 0

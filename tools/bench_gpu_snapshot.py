@@ -2,7 +2,7 @@
 """Benchmark + check on a GPU machine: publishing CUDA tensors.
 
 A bf16 model (default 15 GB, 7B-shaped) lives on the GPU; each step changes 1 % of its elements by a few
-ulps on the GPU, and ``Publisher.publish`` snapshots it into reused pinned host buffers. Prints, side by
+ulps there (``rl_like_step``), and ``Publisher.publish`` snapshots it into reused pinned host buffers. Prints, side by
 side: the trainer-blocking time of ``publish`` (first call, which allocates the pinned buffers, and the
 steady state) against a naive ``{name: t.cpu()}`` copy; the background encode+write time; the delta size.
 Then checks that every published version decodes bit-exactly to what was on the GPU.
@@ -27,18 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckptstream import Publisher, Stream  # noqa: E402
 from ckptstream.cli import parse_bytes  # noqa: E402
 from ckptstream.codec import tensor_hash  # noqa: E402
-from ckptstream.synthetic import TinyModelSpec, tiny_state_dict  # noqa: E402
-
-
-def gpu_rl_step(state: dict[str, torch.Tensor], fraction: float, generator: torch.Generator) -> None:
-    """1..3 ulps up or down on ``fraction`` of the elements of each tensor, on the GPU."""
-    for tensor in state.values():
-        bits = tensor.view(torch.int16).view(-1)
-        count = max(1, int(bits.numel() * fraction))
-        positions = torch.randint(0, bits.numel(), (count,), device=tensor.device, generator=generator)
-        steps = torch.randint(1, 4, (count,), device=tensor.device, generator=generator, dtype=torch.int16)
-        magnitude = (bits[positions] & 0x7FFF) + steps
-        bits[positions] = (bits[positions] & -0x8000) | magnitude.clamp(max=0x7F7F)
+from ckptstream.synthetic import TinyModelSpec, rl_like_step, tiny_state_dict  # noqa: E402
 
 
 def main() -> None:
@@ -62,12 +51,12 @@ def main() -> None:
     del naive
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckptstream-gpu-"))
-    generator = torch.Generator(device="cuda").manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
     expected, rows = [], []
     with Publisher(str(root / "stream"), keyframe_every=args.steps + 1, workers=16) as publisher:
         for step in range(args.steps):
             if step:
-                gpu_rl_step(state, 0.01, generator)
+                rl_like_step(state, fraction=0.01, generator=generator)
             torch.cuda.synchronize()
             started = time.perf_counter()
             future = publisher.publish(state, step=step)

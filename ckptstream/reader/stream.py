@@ -7,7 +7,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
@@ -17,11 +16,11 @@ import torch
 from .. import codec
 from ..errors import (CkptStreamError, IntegrityError, MissingBaseError, StreamNotFoundError,
                       VersionNotFoundError)
-from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, STREAM_FILE, TEMP_PREFIX, FileEntry, Manifest, StreamInfo,
+from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, STREAM_FILE, FileEntry, Manifest, StreamInfo,
                       TensorEntry, asset_path,
                       content_hash, data_path, manifest_path, parse_version_name, safetensors_header,
                       shard_groups)
-from ..storage import Storage, open_storage
+from ..storage import Storage, open_storage, temp_name
 from ..parallel import ordered_parallel
 from .decode import BaseTensors, decode_tensor, file_hash, load_checked
 from .replicas import ReplicaRecord, read_replicas
@@ -268,7 +267,7 @@ class Stream:
         if out.exists() and any(out.iterdir()) and not overwrite:
             raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --force to replace it)")
         out.parent.mkdir(parents=True, exist_ok=True)
-        temp = out.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}-{out.name}"
+        temp = out.parent / temp_name(out.name)
         temp.mkdir()
         try:
             groups = shard_groups([t.nbytes for t in manifest.tensors], shard_bytes)
@@ -313,7 +312,7 @@ class Stream:
                 {"stream": self.url, "stream_id": manifest.stream_id, "version": v, "kind": manifest.kind,
                  "step": manifest.step}, indent=1))
             if out.exists() and any(out.iterdir()):
-                trash = out.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}-old-{out.name}"
+                trash = out.parent / temp_name(f"old-{out.name}")
                 os.rename(out, trash)
                 os.rename(temp, out)
                 shutil.rmtree(trash, ignore_errors=True)

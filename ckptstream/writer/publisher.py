@@ -30,7 +30,7 @@ from ..format import (DEFAULT_SHARD_BYTES, DELTA, ENCODING_RAW, ENCODING_UNCHANG
                       shard_groups)
 from ..parallel import default_workers, ordered_parallel
 from ..reader import Stream
-from ..storage import Storage
+from ..storage import Storage, temp_name
 
 log = logging.getLogger("ckptstream.publish")
 
@@ -447,7 +447,7 @@ class Publisher:
 
         path = self._base_cache_file()
         path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".tmp-{uuid.uuid4().hex}-{path.name}")
+        temp = path.with_name(temp_name(path.name))
         try:
             save_file(dict(tensors), str(temp), metadata={"version": str(manifest.version)})
             os.replace(temp, path)
