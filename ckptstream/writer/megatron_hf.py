@@ -146,7 +146,7 @@ def split_qkv(name: str, tensor: torch.Tensor, arch: HFArchitecture) -> tuple[to
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: HFArchitecture) -> torch.Tensor:
     """The inverse of :func:`split_qkv`."""
-    groups, d = arch.num_kv_heads, arch.head_dim
+    groups = arch.num_kv_heads
     rest = q.shape[1:]
     parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
     return torch.cat(parts, dim=1).reshape(-1, *rest)
