@@ -2,9 +2,9 @@
 launch recipe and the publish benchmark. Imports megatron-core.
 
 ``build_gpt_model`` makes this rank's part of a ``GPTModel`` of the architecture in a Hugging Face
-``config.json`` (call it after ``parallel_state.initialize_model_parallel``); ``cpu_forward_support``
-makes megatron-core's forward pass run on a CPU-only machine; ``pipeline_logits`` runs a forward pass
-over the pipeline stages and returns the whole logits on the last stage.
+``config.json`` (call it after ``parallel_state.initialize_model_parallel``); ``cpu_support`` makes
+megatron-core run on a CPU-only machine; ``pipeline_logits`` runs a forward pass over the pipeline
+stages and returns the whole logits on the last stage.
 """
 
 from __future__ import annotations
@@ -69,35 +69,42 @@ def build_gpt_model(hf_config_dir: str | os.PathLike[str], *, params_dtype: torc
     stage_args: dict[str, Any] = {}
     if vp_stage is not None:
         stage_args["vp_stage"] = vp_stage
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(hf["vocab_size"]),
-                    max_sequence_length=hf.get("max_position_embeddings", 2048),
-                    pre_process=mpu.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
-                    post_process=mpu.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
-                    share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-                    position_embedding_type="rope", rotary_base=int(hf.get("rope_theta", 10000)),
-                    parallel_output=False, **stage_args)
+    with cpu_support():
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(hf["vocab_size"]),
+                        max_sequence_length=hf.get("max_position_embeddings", 2048),
+                        pre_process=mpu.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+                        post_process=mpu.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+                        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+                        position_embedding_type="rope", rotary_base=int(hf.get("rope_theta", 10000)),
+                        parallel_output=False, **stage_args)
 
 
 @contextlib.contextmanager
-def cpu_forward_support() -> Iterator[None]:
-    """Let megatron-core's forward pass run without CUDA: rotary embedding asks for
-    ``torch.cuda.current_device()``, and dropout regions fork the CUDA RNG tracker. Also defines the
-    router's ``te_general_gemm`` as absent, which megatron-core 0.16.1 leaves undefined without
+def cpu_support() -> Iterator[None]:
+    """Let megatron-core build and run a model on a machine without CUDA (a no-op where CUDA exists):
+    rotary embedding asks for ``torch.cuda.current_device()``, dropout regions fork the CUDA RNG tracker,
+    a pipeline with tied embeddings moves the last stage's copy with ``Tensor.cuda()``, and saving a
+    torch_dist checkpoint calls ``torch.cuda.synchronize()``. Also defines
+    the router's ``te_general_gemm`` as absent, which megatron-core 0.16.1 leaves undefined without
     Transformer Engine (a NameError in every MoE forward)."""
+    if torch.cuda.is_available():
+        yield
+        return
     from megatron.core import tensor_parallel
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    saved = torch.cuda.current_device, tracker.fork
+    saved = torch.cuda.current_device, torch.cuda.synchronize, tracker.fork, torch.Tensor.cuda
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()  # type: ignore[method-assign]
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     try:
         yield
     finally:
-        torch.cuda.current_device, tracker.fork = saved  # type: ignore[method-assign]
+        torch.cuda.current_device, torch.cuda.synchronize, tracker.fork, torch.Tensor.cuda = saved  # type: ignore
 
 
 @torch.no_grad()
@@ -117,7 +124,13 @@ def pipeline_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor | None:
         model.set_input_tensor(hidden)
     # An explicit causal mask (True: masked): megatron's default one is built on a CUDA device.
     causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).triu(1)
-    output = model(tokens, positions, attention_mask=causal[None, None])
+    was_training = model.training
+    model.eval()
+    try:
+        with cpu_support():
+            output = model(tokens, positions, attention_mask=causal[None, None])
+    finally:
+        model.train(was_training)
     if not mpu.is_pipeline_last_stage():
         dist.send(output.contiguous(), dst=mpu.get_pipeline_model_parallel_next_rank())
         return None

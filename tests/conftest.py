@@ -155,3 +155,30 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     yield start
     for server in started:
         server.stop()
+
+
+def run_ranks(target, world_size: int, *args: object, timeout: float = 300) -> list[int | None]:
+    """Run ``target(rank, world_size, port, *args)`` in ``world_size`` spawned processes (a real
+    torch.distributed job on loopback); return their exit codes (None: still running at the timeout,
+    then killed)."""
+    import multiprocessing
+    import time
+
+    from ckptstream.vllm_loader.serve import free_port
+
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=target, args=(rank, world_size, port, *args))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = []
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        codes.append(process.exitcode)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return codes

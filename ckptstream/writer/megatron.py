@@ -25,6 +25,9 @@ from .megatron_hf import HFArchitecture, from_hf, to_hf
 
 _LAYER_PREFIX = re.compile(r"decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)(\d+)(\.)|(mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
+_COLUMN_PARALLEL = re.compile(r"(?:^embedding\.word_embeddings\.weight|^output_layer\.weight|linear_qkv\.(?:weight|bias)"
+                              r"|linear_fc1\.(?:weight|bias)\d*)$")
+_ROW_PARALLEL = re.compile(r"(?:linear_proj|linear_fc2)\.weight\d*$")
 _GATED_FC1 = re.compile(r"(?:^|\.)(?:mlp\.linear_fc1|mlp\.experts\.local_experts\.\d+\.linear_fc1|mlp\.experts\.linear_fc1)"
                         r"\.(?:weight\d*|bias\d*)$")
 
@@ -147,9 +150,16 @@ def _global_expert(match: re.Match[str], offset: int) -> str:
     return f"{match.group(4)}{int(match.group(5)) + offset}"
 
 
-def _partition_dim(param: torch.Tensor) -> int | None:
-    """The dimension Megatron splits this parameter along over tensor-parallel ranks (None: replicated)."""
-    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+def partition_dim(name: str) -> int | None:
+    """The dimension Megatron splits a parameter along over tensor-parallel ranks (None: replicated).
+
+    Decided by name: Megatron sets the ``partition_dim`` attribute only when it initializes the weights
+    itself (not with ``perform_initialization=False``, the usual setting when loading a checkpoint)."""
+    if _COLUMN_PARALLEL.search(name):
+        return 0
+    if _ROW_PARALLEL.search(name):
+        return 1
+    return None
 
 
 def gather_tensor_parallel(name: str, shard: torch.Tensor, group: Any) -> torch.Tensor:
@@ -161,7 +171,7 @@ def gather_tensor_parallel(name: str, shard: torch.Tensor, group: Any) -> torch.
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
-    dim = _partition_dim(shard)
+    dim = partition_dim(name)
     if size == 1 or dim is None:
         return shard
     shards = [torch.empty_like(shard) for _ in range(size)]
@@ -172,9 +182,9 @@ def gather_tensor_parallel(name: str, shard: torch.Tensor, group: Any) -> torch.
     return torch.cat(shards, dim=dim)
 
 
-def shard_tensor_parallel(name: str, whole: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+def shard_tensor_parallel(name: str, whole: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """This rank's shard of a whole tensor: the inverse of :func:`gather_tensor_parallel`."""
-    dim = _partition_dim(param)
+    dim = partition_dim(name)
     if size == 1 or dim is None:
         return whole
     if _GATED_FC1.search(name):
@@ -204,12 +214,12 @@ def load_hf_weights(model: Any, hf_weights: Mapping[str, torch.Tensor], hf_confi
         rank = mpu.get_expert_tensor_parallel_rank() if expert else mpu.get_tensor_model_parallel_rank()
         size = mpu.get_expert_tensor_parallel_world_size() if expert else mpu.get_tensor_model_parallel_world_size()
         whole = wholes[name]
-        dim = _partition_dim(param)
+        dim = partition_dim(name)
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             padded = torch.zeros(param.shape[0] * (size if dim == 0 else 1), *whole.shape[1:], dtype=whole.dtype)
             padded[:whole.shape[0]] = whole
             whole = padded
-        param.copy_(shard_tensor_parallel(name, whole, param, rank, size))
+        param.copy_(shard_tensor_parallel(name, whole, rank, size))
 
 
 def _unwrap(module: Any) -> Any:
