@@ -33,6 +33,10 @@ exit codes:
 """
 
 
+class UsageError(Exception):
+    """Arguments that parse but do not go together (exit code 2, like argparse's own errors)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -48,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("Error: interrupted", file=sys.stderr)
         return 130
+    except UsageError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except BrokenPipeError:  # `ckptstream ls URL | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
@@ -103,12 +110,24 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
         return p
 
-    p = command("publish", _cmd_publish, "publish a Hugging Face model directory as a new version", """
+    p = command("publish", _cmd_publish, "publish a Hugging Face model directory or a Megatron checkpoint as a new "
+                                         "version", """
         ckptstream publish /mnt/nfs/run1 --from-hf ./checkpoint-100 --step 100
         ckptstream publish s3://bucket/run1 --from-hf ./ckpt --version 7 --keyframe
+        ckptstream publish /mnt/nfs/run1 --from-megatron ./megatron_save --hf-config ./Qwen3-8B
+        ckptstream publish /mnt/nfs/run1 --from-megatron ./megatron_save/iter_0000200 --hf-config ./Qwen3-8B --dtype bfloat16
         """)
     p.add_argument("url", help="stream URL")
-    p.add_argument("--from-hf", required=True, metavar="DIR", help="model directory with *.safetensors")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from-hf", metavar="DIR", help="model directory with *.safetensors")
+    source.add_argument("--from-megatron", metavar="CKPT_DIR",
+                        help="Megatron torch_dist checkpoint: the save directory (its newest iteration, from "
+                             "latest_checkpointed_iteration.txt) or one iter_XXXXXXX/ directory; needs --hf-config")
+    p.add_argument("--hf-config", metavar="DIR", help="with --from-megatron: a Hugging Face directory of the "
+                                                      "architecture (config.json, tokenizer files)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                   help="with --from-megatron: dtype to publish (default: config.json's torch_dtype, else the "
+                        "checkpoint's)")
     p.add_argument("--version", type=int, dest="number", help="version number (default: latest + 1)")
     p.add_argument("--step", type=int, help="training step to record")
     p.add_argument("--keyframe", action="store_true", help="write a keyframe, not a delta")
@@ -328,20 +347,29 @@ def _version_summary(manifest: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- commands
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    from .hf import iter_hf_weights
     from .writer import Publisher
 
-    total = sum(path.stat().st_size for path in Path(args.from_hf).glob("*.safetensors"))
-    with Publisher(args.url, storage_options=_storage_options(args), assets=args.from_hf,
+    if args.from_megatron:
+        if not args.hf_config:
+            raise UsageError("--from-megatron needs --hf-config DIR (config.json and tokenizer of the architecture)")
+        assets, source, total, step = _megatron_source(args)
+    else:
+        from .hf import iter_hf_weights
+
+        if args.hf_config or args.dtype:
+            raise UsageError("--hf-config and --dtype apply to --from-megatron only")
+        assets, source, step = args.from_hf, iter_hf_weights(args.from_hf), args.step
+        total = sum(path.stat().st_size for path in Path(args.from_hf).glob("*.safetensors"))
+    with Publisher(args.url, storage_options=_storage_options(args), assets=assets,
                    keyframe_every=args.keyframe_every, base_cache_dir=args.cache_dir or None) as publisher:
         with _progress(total, "read") as progress:
             def tensors() -> Iterator[tuple[str, Any]]:
-                for name, tensor in iter_hf_weights(args.from_hf):
+                for name, tensor in source:
                     if progress:
                         progress(tensor.numel() * tensor.element_size())
                     yield name, tensor
 
-            future = publisher.publish(tensors(), args.number, step=args.step, keyframe=args.keyframe)
+            future = publisher.publish(tensors(), args.number, step=step, keyframe=args.keyframe)
         if sys.stderr.isatty():
             print("encoding, writing and committing ...", file=sys.stderr, flush=True)
         manifest = future.result()
@@ -354,6 +382,26 @@ def _cmd_publish(args: argparse.Namespace) -> int:
               + f"): {_human(manifest.stored_bytes)} stored for {_human(manifest.full_bytes)} of weights "
               f"({100 * summary['stored_fraction']:.2f}%)")
     return EXIT_OK
+
+
+def _megatron_source(args: argparse.Namespace) -> tuple[str, Iterator[tuple[str, Any]], int, int | None]:
+    """Assets, HF tensors, byte count and step of ``--from-megatron`` (step: --step, else the iteration)."""
+    import json
+
+    import torch
+
+    from .writer.megatron_hf import HFArchitecture
+    from .writer.torch_dist import TorchDistCheckpoint
+
+    arch = HFArchitecture.from_dir(args.hf_config)
+    checkpoint = TorchDistCheckpoint(args.from_megatron)
+    dtype_name = args.dtype
+    if dtype_name is None:
+        config = json.loads((Path(args.hf_config) / "config.json").read_text())
+        dtype_name = config.get("torch_dtype") or config.get("dtype")
+    dtype = getattr(torch, dtype_name) if isinstance(dtype_name, str) and hasattr(torch, dtype_name) else None
+    step = args.step if args.step is not None else checkpoint.iteration
+    return args.hf_config, checkpoint.iter_hf(arch, dtype), checkpoint.nbytes, step
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ def megatron_config(hf_config_dir: str | os.PathLike[str], *, params_dtype: torc
         add_qkv_bias=hf["model_type"] == "qwen2", qk_layernorm=hf["model_type"] in ("qwen3", "qwen3_moe"),
         tensor_model_parallel_size=mpu.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=mpu.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=mpu.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=mpu.get_expert_model_parallel_world_size(),
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=True, perform_initialization=False, hidden_dropout=0.0, attention_dropout=0.0,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ckptstream import Stream
+from ckptstream.cli import main
 from ckptstream.synthetic import TinyModelSpec, rl_like_step, tiny_state_dict, write_tiny_model
 from tests.conftest import assert_same_tensors, run_ranks
 
@@ -32,6 +33,7 @@ def _init_parallel(rank: int, world_size: int, port: int, layout: dict[str, int]
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     mpu.initialize_model_parallel(tensor_model_parallel_size=layout.get("tp", 1),
                                   pipeline_model_parallel_size=layout.get("pp", 1),
+                                  virtual_pipeline_model_parallel_size=layout.get("vpp"),
                                   expert_model_parallel_size=layout.get("ep", 1))
 
 
@@ -42,9 +44,9 @@ def _load_versions(arch_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, t
 
 
 def _publish_worker(rank: int, world_size: int, port: int, layout: dict[str, int], workdir: str,
-                    archs: list[str], checkpoint: bool) -> None:
-    """One rank: for each architecture, load version 0, publish, load version 1, publish, run the
-    forward pass, and (``checkpoint``) save a torch_dist checkpoint of version 1."""
+                    models: list[str], checkpoint: bool) -> None:
+    """One rank: for each model, load version 0, publish, load version 1, publish, run the forward pass
+    (not with virtual pipeline chunks), and (``checkpoint``) save a torch_dist checkpoint of version 1."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -52,21 +54,25 @@ def _publish_worker(rank: int, world_size: int, port: int, layout: dict[str, int
     from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
 
     _init_parallel(rank, world_size, port, layout)
-    for arch in archs:
-        arch_dir = Path(workdir) / arch
-        hf_dir = arch_dir / "hf"
-        v0, v1 = _load_versions(arch_dir)
-        model = build_gpt_model(hf_dir)
+    for label in models:
+        model_dir = Path(workdir) / label
+        hf_dir = model_dir / "hf"
+        v0, v1 = _load_versions(model_dir)
+        if layout.get("vpp"):
+            model = [build_gpt_model(hf_dir, vp_stage=chunk) for chunk in range(layout["vpp"])]
+        else:
+            model = build_gpt_model(hf_dir)
         load_hf_weights(model, v0, hf_dir)
-        with MegatronPublisher(str(arch_dir / "stream"), model, hf_dir, dtype=torch.bfloat16) as publisher:
+        with MegatronPublisher(str(model_dir / "stream"), model, hf_dir, dtype=torch.bfloat16) as publisher:
             publisher.publish(0, step=0)
             load_hf_weights(model, v1, hf_dir)  # the trainer may change weights as soon as publish returns
             publisher.publish(1, step=1).result()
-        logits = pipeline_logits(model, TOKENS)
-        if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
-            torch.save(logits[..., :VOCAB].clone(), arch_dir / f"logits-rank{rank}.pt")
+        if not layout.get("vpp"):
+            logits = pipeline_logits(model, TOKENS)
+            if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
+                torch.save(logits[..., :VOCAB].clone(), model_dir / f"logits-rank{rank}.pt")
         if checkpoint:
-            _save_torch_dist(model, arch_dir / "megatron_ckpt", iteration=1)
+            _save_torch_dist(model, model_dir / "megatron_ckpt", iteration=1)
     dist.destroy_process_group()
 
 
@@ -82,37 +88,47 @@ def _save_torch_dist(model, save_dir: Path, iteration: int) -> None:
     if dist.get_rank() == 0:
         iteration_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    with cpu_support():
-        dist_checkpointing.save(model.sharded_state_dict(), str(iteration_dir))
+    chunks = model if isinstance(model, list) else [model]
+    with cpu_support():  # one entry per virtual pipeline chunk, as megatron's training loop saves them
+        dist_checkpointing.save({f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)},
+                                str(iteration_dir))
     if dist.get_rank() == 0:
         (save_dir / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     dist.barrier()
 
 
+MODELS = {  # label: spec (Llama with tied embeddings, which pipeline parallelism duplicates)
+    "qwen2": TinyModelSpec(arch="qwen2", vocab_size=VOCAB),
+    "llama": TinyModelSpec(arch="llama", vocab_size=VOCAB, tie_embeddings=True),
+    "qwen3": TinyModelSpec(arch="qwen3", vocab_size=VOCAB),
+    "qwen3_moe": TinyModelSpec(arch="qwen3_moe", vocab_size=VOCAB),
+    "llama-4-layers": TinyModelSpec(arch="llama", vocab_size=VOCAB, tie_embeddings=True, num_layers=4),
+}
+
+
 @pytest.fixture(scope="module")
 def hf_versions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict, dict]]:
-    """Per architecture: a Hugging Face directory (version 0) and the weights of version 1 (an RL-like
-    change of version 0)."""
+    """Per model: a Hugging Face directory (version 0) and the weights of version 1 (an RL-like change of
+    version 0)."""
     root = tmp_path_factory.mktemp("megatron-hf")
     models = {}
-    for arch in ("qwen2", "llama", "qwen3", "qwen3_moe"):
-        spec = TinyModelSpec(arch=arch, vocab_size=VOCAB, tie_embeddings=arch == "llama", num_layers=2)
+    for label, spec in MODELS.items():
         v0 = tiny_state_dict(spec)
         v1 = {name: tensor.clone() for name, tensor in v0.items()}
         rl_like_step(v1, generator=torch.Generator().manual_seed(1))
-        models[arch] = (write_tiny_model(root / arch, spec, state=v0), v0, v1)
+        models[label] = (write_tiny_model(root / label, spec, state=v0), v0, v1)
     return models
 
 
-def _prepare(workdir: Path, archs: list[str], hf_versions: dict) -> None:
+def _prepare(workdir: Path, labels: list[str], hf_versions: dict) -> None:
     from safetensors.torch import save_file
 
-    for arch in archs:
-        hf_dir, _, v1 = hf_versions[arch]
-        arch_dir = workdir / arch
-        arch_dir.mkdir(parents=True)
-        (arch_dir / "hf").symlink_to(hf_dir)
-        save_file(v1, str(arch_dir / "v1.safetensors"))
+    for label in labels:
+        hf_dir, _, v1 = hf_versions[label]
+        model_dir = workdir / label
+        model_dir.mkdir(parents=True)
+        (model_dir / "hf").symlink_to(hf_dir)
+        save_file(v1, str(model_dir / "v1.safetensors"))
 
 
 def _hf_logits(model_dir: Path) -> torch.Tensor:
@@ -129,28 +145,90 @@ LAYOUTS = [
     pytest.param({"pp": 2}, ["qwen3", "llama"], False, id="pp2"),
     pytest.param({"tp": 2, "pp": 2}, ["qwen2", "llama", "qwen3_moe"], True, id="tp2-pp2"),
     pytest.param({"ep": 2}, ["qwen3_moe"], True, id="ep2-dp2"),
+    pytest.param({"pp": 2, "vpp": 2}, ["llama-4-layers"], True, id="pp2-vpp2"),
 ]
 
 
-@pytest.mark.parametrize("layout,archs,checkpoint", LAYOUTS)
-def test_publish_matches_hf(layout: dict[str, int], archs: list[str], checkpoint: bool, hf_versions: dict,
+@pytest.mark.parametrize("layout,models,checkpoint", LAYOUTS)
+def test_publish_matches_hf(layout: dict[str, int], models: list[str], checkpoint: bool, hf_versions: dict,
                             tmp_path: Path) -> None:
     world_size = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("ep", 1)
-    _prepare(tmp_path, archs, hf_versions)
-    codes = run_ranks(_publish_worker, world_size, layout, str(tmp_path), archs, checkpoint)
+    _prepare(tmp_path, models, hf_versions)
+    codes = run_ranks(_publish_worker, world_size, layout, str(tmp_path), models, checkpoint)
     assert codes == [0] * world_size
-    for arch in archs:
-        _, v0, v1 = hf_versions[arch]
-        stream = Stream(str(tmp_path / arch / "stream"))
+    for label in models:
+        _, v0, v1 = hf_versions[label]
+        model_dir = tmp_path / label
+        stream = Stream(str(model_dir / "stream"))
         assert stream.versions() == [0, 1]
         manifest = stream.manifest(1)
         assert manifest.kind == "delta" and manifest.base_version == 0
         assert manifest.metadata["parallel"]["tp"] == layout.get("tp", 1)
         assert_same_tensors(dict(stream.iter_tensors(0)), v0)
         assert_same_tensors(dict(stream.iter_tensors(1)), v1)
-        logit_files = list((tmp_path / arch).glob("logits-rank*.pt"))
-        assert len(logit_files) == 1 + (layout.get("ep", 1) - 1)  # one per data-parallel replica
-        stream.materialize(1, tmp_path / arch / "materialized")
-        expected = _hf_logits(tmp_path / arch / "materialized")
+        if checkpoint:  # the offline converter gives the live publish's tensors
+            converted = model_dir / "converted"
+            assert main(["publish", str(converted), "--from-megatron", str(model_dir / "megatron_ckpt"),
+                         "--hf-config", str(model_dir / "hf")]) == 0
+            offline = Stream(str(converted)).manifest(0)
+            assert offline.step == 1  # the checkpoint's iteration
+            assert {t.name: t.hash for t in offline.tensors} == {t.name: t.hash for t in manifest.tensors}
+        if layout.get("vpp"):
+            continue
+        logit_files = list(model_dir.glob("logits-rank*.pt"))
+        assert len(logit_files) == layout.get("ep", 1)  # one per data-parallel replica
+        stream.materialize(1, model_dir / "materialized")
+        expected = _hf_logits(model_dir / "materialized")
         for path in logit_files:
             torch.testing.assert_close(torch.load(path), expected, rtol=0, atol=1e-4)
+
+
+def _dying_worker(rank: int, world_size: int, port: int, workdir: str) -> None:
+    """Pipeline-parallel ranks publish version 0, then rank 1 is SIGKILLed after writing its data files of
+    version 1 (the kill is real; the patch only decides when it happens). Rank 0 records what it saw."""
+    import signal
+
+    from ckptstream.synthetic_megatron import build_gpt_model
+    from ckptstream.writer.distributed import DistributedPublisher
+    from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
+
+    _init_parallel(rank, world_size, port, {"pp": 2})
+    model_dir = Path(workdir) / "qwen3"
+    v0, v1 = _load_versions(model_dir)
+    model = build_gpt_model(model_dir / "hf")
+    load_hf_weights(model, v0, model_dir / "hf")
+    publisher = MegatronPublisher(str(model_dir / "stream"), model, model_dir / "hf",
+                                  timeout=datetime.timedelta(seconds=60))
+    publisher.publish(0).result()
+    if rank == 1:
+        write_data = DistributedPublisher._write_data
+
+        def write_then_die(self, *args, **kwargs):
+            result = write_data(self, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        DistributedPublisher._write_data = write_then_die  # type: ignore[method-assign]
+    load_hf_weights(model, v1, model_dir / "hf")
+    try:
+        publisher.publish(1).result()
+        outcome = "committed"
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+        outcome = f"{type(exc).__name__}: {exc}"
+    (model_dir / "rank0.json").write_text(json.dumps({"outcome": outcome}))
+
+
+def test_rank_killed_mid_publish_leaves_no_version(hf_versions: dict, tmp_path: Path) -> None:
+    from ckptstream.writer import collect_garbage
+
+    _prepare(tmp_path, ["qwen3"], hf_versions)
+    codes = run_ranks(_dying_worker, 2, str(tmp_path), timeout=240)
+    assert codes[1] == -9 and codes[0] == 0
+    outcome = json.loads((tmp_path / "qwen3" / "rank0.json").read_text())["outcome"]
+    assert outcome.startswith("PublishError") and "version 1" in outcome
+    stream = Stream(str(tmp_path / "qwen3" / "stream"))
+    assert stream.versions() == [0]
+    stream.verify(0)  # raises if version 0 was damaged
+    report = collect_garbage(stream, keep_last=5, grace_seconds=0)
+    assert report.debris  # the dead rank's (and the survivor's) files of version 1
+    assert stream.versions() == [0]
