@@ -232,3 +232,52 @@ def test_rank_killed_mid_publish_leaves_no_version(hf_versions: dict, tmp_path: 
     report = collect_garbage(stream, keep_last=5, grace_seconds=0)
     assert report.debris  # the dead rank's (and the survivor's) files of version 1
     assert stream.versions() == [0]
+
+
+class _RunsCode:
+    """Unpickling this would run a shell command: a malicious checkpoint metadata file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_offline_converter_refuses_bad_checkpoints(hf_versions: dict, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import pickle
+    import shutil
+
+    _prepare(tmp_path, ["qwen2"], hf_versions)
+    assert run_ranks(_publish_worker, 1, {}, str(tmp_path), ["qwen2"], True) == [0]
+    good = tmp_path / "qwen2" / "megatron_ckpt"
+    hf_dir = str(tmp_path / "qwen2" / "hf")
+
+    def convert(checkpoint: Path) -> int:
+        return main(["publish", str(tmp_path / f"stream-{checkpoint.name}"), "--from-megatron", str(checkpoint),
+                     "--hf-config", hf_dir])
+
+    malicious = tmp_path / "malicious"
+    shutil.copytree(good, malicious)
+    marker = tmp_path / "code-ran"
+    (malicious / "iter_0000001" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    assert convert(malicious) == 3
+    assert not marker.exists()
+    assert "posix.system is not part of a checkpoint's metadata" in capsys.readouterr().err
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    data_file = sorted((truncated / "iter_0000001").glob("*.distcp"))[0]
+    data_file.write_bytes(data_file.read_bytes()[:1000])
+    assert convert(truncated) == 3
+    error = capsys.readouterr().err
+    assert data_file.name in error and "tensor " in error
+
+    missing = tmp_path / "missing"
+    shutil.copytree(good, missing)
+    (missing / "latest_checkpointed_iteration.txt").write_text("7")
+    assert convert(missing) != 0
+    assert "iter_0000007" in capsys.readouterr().err
+    assert not (tmp_path / "stream-truncated" / "manifests").exists() or not list(
+        (tmp_path / "stream-truncated" / "manifests").iterdir())
