@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from . import __version__
 from .errors import CkptStreamError
+from .synthetic import ARCHITECTURES
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_CONFLICT, EXIT_INCOMPATIBLE = range(7)
 EXIT_CODES_HELP = """\
@@ -246,7 +247,7 @@ def _parser() -> argparse.ArgumentParser:
         ckptstream make-tiny-model ./llama --arch llama        # tied embeddings
         """, with_common=False)
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
+    p.add_argument("--arch", default="qwen2", choices=list(ARCHITECTURES))
     p.add_argument("--size", type=parse_bytes, help="approximate weight bytes, e.g. 64MB, 1GB")
     p.add_argument("--shard-size", type=parse_bytes, help="split weights into shards of at most this size")
     p.add_argument("--seed", type=int, default=0)
