@@ -79,7 +79,7 @@ class MegatronPublisher:
         mpu = self._mpu
         layout = {"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size(),
                   "ep": mpu.get_expert_model_parallel_world_size(), "dp": mpu.get_data_parallel_world_size()}
-        return self.publisher.publish(self._hf_tensors(), version, step=step,
+        return self.publisher.publish(self.iter_hf_tensors(), version, step=step,
                                       metadata={"source": "megatron", "parallel": layout, **(metadata or {})},
                                       keyframe=keyframe)
 
@@ -97,8 +97,10 @@ class MegatronPublisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's share of the Hugging Face tensors, each gathered just before it is snapshotted.
+    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's share of the Hugging Face tensors, on the parameters' device, gathered one at a time
+        (``publish`` snapshots each before the next is gathered). Consume it on every rank in step: the
+        gathers are collectives of the trainer's process groups.
 
         One replica of each tensor is written: the first tensor-parallel rank of data-parallel rank 0
         (with context parallelism) for dense tensors; the first expert-tensor-parallel rank of
@@ -113,12 +115,9 @@ class MegatronPublisher:
             expert = ".experts." in name
             if not (expert_replica if expert else dense_replica):
                 continue
-            if expert:
-                group, tp_rank = mpu.get_expert_tensor_parallel_group(), mpu.get_expert_tensor_parallel_rank()
-            else:
-                group, tp_rank = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_rank()
+            group = mpu.get_expert_tensor_parallel_group() if expert else mpu.get_tensor_model_parallel_group()
             whole = gather_tensor_parallel(name, param.detach(), group)
-            if tp_rank != 0:
+            if whole is None:
                 continue
             if self.dtype is not None:
                 whole = whole.to(self.dtype)
@@ -162,20 +161,25 @@ def partition_dim(name: str) -> int | None:
     return None
 
 
-def gather_tensor_parallel(name: str, shard: torch.Tensor, group: Any) -> torch.Tensor:
-    """The whole tensor from every tensor-parallel rank's shard (a collective over ``group``).
+def gather_tensor_parallel(name: str, shard: torch.Tensor, group: Any) -> torch.Tensor | None:
+    """The whole tensor from every tensor-parallel rank's shard, on the group's first rank (None on the
+    others): a collective over ``group``.
 
     Column-parallel shards are concatenated along dim 0, row-parallel along dim 1; gated ``linear_fc1``
-    shards, each [gate_r; up_r], are regrouped into [gate; up].
+    shards, each [gate_r; up_r], are regrouped into [gate; up]. Replicated tensors are returned as they are
+    on the first rank, without communication.
     """
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
+    first = dist.get_rank(group) == 0
     dim = partition_dim(name)
     if size == 1 or dim is None:
-        return shard
-    shards = [torch.empty_like(shard) for _ in range(size)]
-    dist.all_gather(shards, shard.contiguous(), group=group)
+        return shard if first else None
+    shards = [torch.empty_like(shard) for _ in range(size)] if first else None
+    dist.gather(shard.contiguous(), shards, dst=dist.get_global_rank(group, 0), group=group)
+    if shards is None:
+        return None
     if _GATED_FC1.search(name):
         halves = [s.chunk(2, dim=dim) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
