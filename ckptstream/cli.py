@@ -387,8 +387,6 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 def _megatron_source(args: argparse.Namespace) -> tuple[str, Iterator[tuple[str, Any]], int, int | None]:
     """Assets, HF tensors, byte count and step of ``--from-megatron`` (step: --step, else the iteration)."""
-    import json
-
     import torch
 
     from .writer.megatron_hf import HFArchitecture
@@ -396,11 +394,7 @@ def _megatron_source(args: argparse.Namespace) -> tuple[str, Iterator[tuple[str,
 
     arch = HFArchitecture.from_dir(args.hf_config)
     checkpoint = TorchDistCheckpoint(args.from_megatron)
-    dtype_name = args.dtype
-    if dtype_name is None:
-        config = json.loads((Path(args.hf_config) / "config.json").read_text())
-        dtype_name = config.get("torch_dtype") or config.get("dtype")
-    dtype = getattr(torch, dtype_name) if isinstance(dtype_name, str) and hasattr(torch, dtype_name) else None
+    dtype = getattr(torch, args.dtype) if args.dtype else arch.dtype
     step = args.step if args.step is not None else checkpoint.iteration
     return args.hf_config, checkpoint.iter_hf(arch, dtype), checkpoint.nbytes, step
 

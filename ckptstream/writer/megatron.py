@@ -43,8 +43,9 @@ class MegatronPublisher:
             Float16Module are looked through).
         hf_config_dir: a Hugging Face model directory of the architecture: its ``config.json`` drives the
             name mapping, and its non-weight files (config, tokenizer) become the stream's assets.
-        dtype: cast published tensors to this dtype (e.g. ``torch.bfloat16`` from fp32 parameters);
-            default: the parameters' dtype.
+        dtype: the dtype to publish. Default: ``torch_dtype`` of config.json, the dtype vLLM serves (Megatron
+            keeps some parameters, e.g. layer norms and routers, in fp32 beside bf16 weights), else each
+            parameter's own dtype.
         storage_options, timeout, group: as for :class:`DistributedPublisher`.
         **options: the other options of :class:`Publisher` (``keyframe_every``, ``max_in_flight``, ...).
 
@@ -65,7 +66,7 @@ class MegatronPublisher:
         self._mpu = parallel_state
         self.chunks = [_unwrap(chunk) for chunk in (model if isinstance(model, (list, tuple)) else [model])]
         self.arch = HFArchitecture.from_dir(hf_config_dir)
-        self.dtype = dtype
+        self.dtype = dtype if dtype is not None else self.arch.dtype
         self.publisher = DistributedPublisher(url, group=group, timeout=timeout, storage_options=storage_options,
                                               assets=hf_config_dir, **options)
 
@@ -119,9 +120,8 @@ class MegatronPublisher:
             whole = gather_tensor_parallel(name, param.detach(), group)
             if whole is None:
                 continue
-            if self.dtype is not None:
-                whole = whole.to(self.dtype)
-            yield from to_hf(name, whole, self.arch)
+            for hf_name, tensor in to_hf(name, whole, self.arch):
+                yield hf_name, tensor if self.dtype is None else tensor.to(self.dtype)
 
 
 def global_parameters(chunks: Sequence[Any], mpu: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -56,6 +56,7 @@ class HFArchitecture:
     vocab_size: int
     tie_embeddings: bool
     num_experts: int = 0
+    dtype: torch.dtype | None = None  # config.json's torch_dtype: what vLLM serves the model in
 
     @classmethod
     def from_config(cls, config: dict) -> "HFArchitecture":
@@ -64,12 +65,15 @@ class HFArchitecture:
             raise ConversionError(f"model_type {model_type!r} is not supported",
                                   hint=f"Supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         heads = int(config["num_attention_heads"])
+        dtype_name = config.get("torch_dtype") or config.get("dtype")
+        dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
         return cls(model_type=model_type, num_layers=int(config["num_hidden_layers"]), num_heads=heads,
                    num_kv_heads=int(config.get("num_key_value_heads") or heads),
                    head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
                    vocab_size=int(config["vocab_size"]),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   num_experts=int(config.get("num_experts") or 0))
+                   num_experts=int(config.get("num_experts") or 0),
+                   dtype=dtype if isinstance(dtype, torch.dtype) else None)
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike[str]) -> "HFArchitecture":

@@ -46,7 +46,11 @@ def _load_versions(arch_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, t
 def _publish_worker(rank: int, world_size: int, port: int, layout: dict[str, int], workdir: str,
                     models: list[str], checkpoint: bool) -> None:
     """One rank: for each model, load version 0, publish, load version 1, publish, run the forward pass
-    (not with virtual pipeline chunks), and (``checkpoint``) save a torch_dist checkpoint of version 1."""
+    (not with virtual pipeline chunks), and (``checkpoint``) save a torch_dist checkpoint of version 1.
+
+    The model is fp32 (for an exact forward pass) and published as bf16; with ``layout["bf16"]`` it is
+    bf16 as in training, where Megatron keeps layer norms in fp32, and published in config.json's dtype
+    by default (no forward pass: tools/check_megatron_logits.py compares bf16 logits on GPUs)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -58,16 +62,18 @@ def _publish_worker(rank: int, world_size: int, port: int, layout: dict[str, int
         model_dir = Path(workdir) / label
         hf_dir = model_dir / "hf"
         v0, v1 = _load_versions(model_dir)
+        params_dtype = torch.bfloat16 if layout.get("bf16") else torch.float32
         if layout.get("vpp"):
-            model = [build_gpt_model(hf_dir, vp_stage=chunk) for chunk in range(layout["vpp"])]
+            model = [build_gpt_model(hf_dir, params_dtype=params_dtype, vp_stage=chunk) for chunk in range(layout["vpp"])]
         else:
-            model = build_gpt_model(hf_dir)
+            model = build_gpt_model(hf_dir, params_dtype=params_dtype)
         load_hf_weights(model, v0, hf_dir)
-        with MegatronPublisher(str(model_dir / "stream"), model, hf_dir, dtype=torch.bfloat16) as publisher:
+        cast = {} if layout.get("bf16") else {"dtype": torch.bfloat16}
+        with MegatronPublisher(str(model_dir / "stream"), model, hf_dir, **cast) as publisher:
             publisher.publish(0, step=0)
             load_hf_weights(model, v1, hf_dir)  # the trainer may change weights as soon as publish returns
             publisher.publish(1, step=1).result()
-        if not layout.get("vpp"):
+        if not layout.get("vpp") and not layout.get("bf16"):
             logits = pipeline_logits(model, TOKENS)
             if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
                 torch.save(logits[..., :VOCAB].clone(), model_dir / f"logits-rank{rank}.pt")
@@ -146,6 +152,7 @@ LAYOUTS = [
     pytest.param({"tp": 2, "pp": 2}, ["qwen2", "llama", "qwen3_moe"], True, id="tp2-pp2"),
     pytest.param({"ep": 2}, ["qwen3_moe"], True, id="ep2-dp2"),
     pytest.param({"pp": 2, "vpp": 2}, ["llama-4-layers"], True, id="pp2-vpp2"),
+    pytest.param({"tp": 2, "bf16": True}, ["qwen2", "qwen3_moe"], False, id="tp2-bf16-params"),
 ]
 
 
@@ -173,7 +180,7 @@ def test_publish_matches_hf(layout: dict[str, int], models: list[str], checkpoin
             offline = Stream(str(converted)).manifest(0)
             assert offline.step == 1  # the checkpoint's iteration
             assert {t.name: t.hash for t in offline.tensors} == {t.name: t.hash for t in manifest.tensors}
-        if layout.get("vpp"):
+        if layout.get("vpp") or layout.get("bf16"):
             continue
         logit_files = list(model_dir.glob("logits-rank*.pt"))
         assert len(logit_files) == layout.get("ep", 1)  # one per data-parallel replica
