@@ -63,6 +63,12 @@ def build_gpt_model(hf_config_dir: str | os.PathLike[str], *, params_dtype: torc
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.1 leaves the router's optional Transformer Engine GEMM undefined when TE is
+        # not installed: a NameError in every MoE forward pass, on any device.
+        moe_utils.te_general_gemm = None
     hf = json.loads((Path(hf_config_dir) / "config.json").read_text())
     config = megatron_config(hf_config_dir, params_dtype=params_dtype, **overrides)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,

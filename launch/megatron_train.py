@@ -38,6 +38,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from ckptstream.hf import iter_hf_weights
     from ckptstream.synthetic import TinyModelSpec, write_tiny_model
@@ -50,6 +51,8 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
     rank = dist.get_rank()
     mpu.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    if cuda:
+        model_parallel_cuda_manual_seed(0)  # the RNG states of megatron's dropout regions
     hf_dir = Path(args.hf_model)
     if rank == 0 and not (hf_dir / "config.json").exists():
         write_tiny_model(hf_dir, TinyModelSpec())

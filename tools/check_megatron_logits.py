@@ -46,6 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from ckptstream import Stream
     from ckptstream.synthetic_megatron import build_gpt_model, pipeline_logits
@@ -58,6 +59,8 @@ def main() -> None:
     rank = dist.get_rank()
     mpu.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                                   expert_model_parallel_size=args.ep)
+    if cuda:
+        model_parallel_cuda_manual_seed(0)  # the RNG states of megatron's dropout regions
     device = torch.device("cuda") if cuda else torch.device("cpu")
     archs = args.arch or (["qwen3_moe"] if args.ep > 1 else ["qwen2", "llama", "qwen3", "qwen3_moe"])
     root = Path(args.dir or tempfile.gettempdir()) / "ckptstream-check-megatron"
