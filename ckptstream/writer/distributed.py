@@ -32,8 +32,8 @@ class DistributedPublisher(Publisher):
 
     Every rank of ``group`` calls ``publish`` with the same version and its own tensors (names disjoint
     across ranks; a rank may have none). A version is a delta only if every rank's part can be one
-    (``delta_max_ratio`` applies to each rank's part). A new publisher starts with a keyframe: the ranks
-    never decode the stream to find a delta base.
+    (``delta_max_ratio`` applies to each rank's part). A new publisher, and one whose last version failed,
+    starts with a keyframe: the ranks never decode the stream to find a delta base.
 
     Args:
         url: the stream, as for :class:`Publisher`; every rank must reach the same storage.
@@ -67,7 +67,29 @@ class DistributedPublisher(Publisher):
         """
         if version is None:
             raise ValueError("DistributedPublisher.publish needs an explicit version, the same on every rank")
-        return super().publish(named_tensors, version, step=step, metadata=metadata, keyframe=keyframe)
+        self._check_open()
+        self._raise_failure()  # an earlier version's failure: every rank raises it here, no collective pending
+        try:
+            return super().publish(named_tensors, version, step=step, metadata=metadata, keyframe=keyframe)
+        except Exception as exc:
+            # This rank cannot take part (a bad tensor, a version not newer than the stream's latest): vote
+            # the version down so that the other ranks abort it now rather than at the timeout.
+            self._committer.submit(self._vote_down, version, exc)
+            raise
+
+    def _vote_down(self, version: int, failure: BaseException) -> None:
+        """Take part in a version's coordination as a failed rank (this rank has no job for it)."""
+        import torch.distributed as dist
+
+        try:
+            dist.all_reduce(torch.tensor([_VOTE_FAILED]), op=dist.ReduceOp.MAX, group=self._group)
+            report = f"{type(failure).__name__}: {failure}"
+            dist.gather_object((report, [], []), [None] * self._size if self._rank == 0 else None, dst=self._root,
+                               group=self._group)
+            outcome: list[Any] = [("failed", f"rank 0 failed ({report})")] if self._rank == 0 else [None]
+            dist.broadcast_object_list(outcome, src=self._root, group=self._group)
+        except Exception as exc:  # noqa: BLE001 - the caller already has this rank's error
+            log.warning("version %d: could not tell the other ranks that this rank failed: %s", version, exc)
 
     def _current_base(self, version: int) -> _Base | None:
         return self._base
