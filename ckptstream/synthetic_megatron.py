@@ -10,12 +10,33 @@ stages and returns the whole logits on the last stage.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+
+def initialize_parallel(*, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
+                        timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> torch.device:
+    """Start torch.distributed from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``LOCAL_RANK``) — NCCL with one GPU per rank where CUDA exists, else gloo on CPU —
+    then megatron's model-parallel state and, on GPUs, its RNG states. Returns this rank's device."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
+    if cuda:
+        model_parallel_cuda_manual_seed(0)  # the RNG states of megatron's dropout regions
+    return torch.device("cuda") if cuda else torch.device("cpu")
 
 
 def megatron_config(hf_config_dir: str | os.PathLike[str], *, params_dtype: torch.dtype = torch.float32,

@@ -15,9 +15,7 @@ the loss and how long ``publish`` blocked training.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import time
 from pathlib import Path
 
@@ -37,28 +35,18 @@ def main() -> None:
                         help="make each step last at least this long (a tiny model trains faster than a real one)")
     args = parser.parse_args()
 
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     from ckptstream.hf import iter_hf_weights
     from ckptstream.synthetic import TinyModelSpec, write_tiny_model
-    from ckptstream.synthetic_megatron import build_gpt_model, cpu_support
+    from ckptstream.synthetic_megatron import build_gpt_model, cpu_support, initialize_parallel
     from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
+    device = initialize_parallel(tp=args.tp)
     rank = dist.get_rank()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=args.tp)
-    if cuda:
-        model_parallel_cuda_manual_seed(0)  # the RNG states of megatron's dropout regions
     hf_dir = Path(args.hf_model)
     if rank == 0 and not (hf_dir / "config.json").exists():
         write_tiny_model(hf_dir, TinyModelSpec())
     dist.barrier()
 
-    device = torch.device("cuda") if cuda else torch.device("cpu")
     model = build_gpt_model(hf_dir)
     load_hf_weights(model, dict(iter_hf_weights(hf_dir)), hf_dir)
     model.to(device)

@@ -19,7 +19,6 @@ buffers) with their ratio.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -49,15 +48,12 @@ def main() -> None:
 
     from megatron.core import parallel_state as mpu
 
-    from ckptstream.synthetic_megatron import build_gpt_model
+    from ckptstream.synthetic_megatron import build_gpt_model, initialize_parallel
     from ckptstream.writer.megatron import MegatronPublisher
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    device = initialize_parallel(tp=args.tp or int(os.environ["WORLD_SIZE"]))
+    cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=args.tp or world)
     root = Path(args.dir or (tempfile.gettempdir() + "/ckptstream-bench-megatron"))
     hf_dir = root / "hf"
     spec = TinyModelSpec.for_size(args.size, vocab_size=32000 if args.size >= (1 << 30) else 8192)
@@ -69,7 +65,6 @@ def main() -> None:
         (root / "sync").mkdir(parents=True)
     dist.barrier()
 
-    device = torch.device("cuda") if cuda else torch.device("cpu")
     model = build_gpt_model(hf_dir, params_dtype=torch.bfloat16).to(device)
     torch.manual_seed(rank)
     with torch.no_grad():

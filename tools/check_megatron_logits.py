@@ -18,9 +18,7 @@ size (bf16 rounding); a wrong mapping gives errors orders of magnitude larger.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -46,22 +44,14 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from ckptstream import Stream
-    from ckptstream.synthetic_megatron import build_gpt_model, pipeline_logits
+    from ckptstream.synthetic_megatron import build_gpt_model, initialize_parallel, pipeline_logits
     from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    device = initialize_parallel(tp=args.tp, pp=args.pp, ep=args.ep)
+    cuda = device.type == "cuda"
     rank = dist.get_rank()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                  expert_model_parallel_size=args.ep)
-    if cuda:
-        model_parallel_cuda_manual_seed(0)  # the RNG states of megatron's dropout regions
-    device = torch.device("cuda") if cuda else torch.device("cpu")
     archs = args.arch or (["qwen3_moe"] if args.ep > 1 else ["qwen2", "llama", "qwen3", "qwen3_moe"])
     root = Path(args.dir or tempfile.gettempdir()) / "ckptstream-check-megatron"
     tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))

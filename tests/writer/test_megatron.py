@@ -26,15 +26,13 @@ TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_see
 
 
 def _init_parallel(rank: int, world_size: int, port: int, layout: dict[str, int]) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
+    """The environment torchrun would give this rank, then the same initialization as the recipes."""
+    from ckptstream.synthetic_megatron import initialize_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    mpu.initialize_model_parallel(tensor_model_parallel_size=layout.get("tp", 1),
-                                  pipeline_model_parallel_size=layout.get("pp", 1),
-                                  virtual_pipeline_model_parallel_size=layout.get("vpp"),
-                                  expert_model_parallel_size=layout.get("ep", 1))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    initialize_parallel(tp=layout.get("tp", 1), pp=layout.get("pp", 1), vpp=layout.get("vpp"), ep=layout.get("ep", 1),
+                        timeout=datetime.timedelta(seconds=120))
 
 
 def _load_versions(arch_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
