@@ -91,6 +91,24 @@ class DistributedPublisher(Publisher):
         except Exception as exc:  # noqa: BLE001 - the caller already has this rank's error
             log.warning("version %d: could not tell the other ranks that this rank failed: %s", version, exc)
 
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order: a collective over the group."""
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self._size
+        dist.all_gather_object(values, value, group=self._group)
+        return values
+
+    def agree(self, failure: BaseException | None) -> None:
+        """Raise on every rank if ``failure`` is set on any (a collective over the group): for checks that
+        may fail on some ranks only, so that no rank goes on to wait for the others."""
+        reports = self.all_gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        failed = [f"rank {rank}: {report}" for rank, report in enumerate(reports) if report]
+        if failed:
+            raise PublishError(f"another rank failed ({'; '.join(failed)})")
+
     def _current_base(self, version: int) -> _Base | None:
         return self._base
 

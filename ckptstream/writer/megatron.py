@@ -21,7 +21,7 @@ import torch
 from ..errors import ConversionError
 from ..format import Manifest
 from .distributed import DistributedPublisher
-from .megatron_hf import HFArchitecture, from_hf, to_hf
+from .megatron_hf import HFArchitecture, check_complete, from_hf, to_hf
 
 _LAYER_PREFIX = re.compile(r"decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)(\d+)(\.)|(mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
@@ -69,6 +69,16 @@ class MegatronPublisher:
         self.dtype = dtype if dtype is not None else self.arch.dtype
         self.publisher = DistributedPublisher(url, group=group, timeout=timeout, storage_options=storage_options,
                                               assets=hf_config_dir, **options)
+        try:
+            names, failure = self._check_mapping(), None
+        except ConversionError as exc:
+            names, failure = set(), exc
+        try:
+            self.publisher.agree(failure)  # every rank raises if any rank's parameters cannot be mapped
+            check_complete(set().union(*self.publisher.all_gather(names)), self.arch)
+        except BaseException:
+            self.publisher.close()
+            raise
 
     def publish(self, version: int, *, step: int | None = None, metadata: Mapping[str, Any] | None = None,
                 keyframe: bool = False) -> Future[Manifest]:
@@ -97,6 +107,23 @@ class MegatronPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _check_mapping(self) -> set[str]:
+        """Map every parameter of this rank on shapes alone (meta tensors), before any training step, so
+        that a model and config.json that do not fit fail here on every rank rather than in a gather.
+        Returns the Hugging Face names this rank's parameters give."""
+        mpu = self._mpu
+        names = set()
+        for name, param in global_parameters(self.chunks, mpu):
+            if name == "output_layer.weight" and self.arch.tie_embeddings:
+                continue
+            shape = list(param.shape)
+            dim = partition_dim(name)
+            if dim is not None:
+                shape[dim] *= (mpu.get_expert_tensor_parallel_world_size() if ".experts." in name
+                               else mpu.get_tensor_model_parallel_world_size())
+            names.update(n for n, _ in to_hf(name, torch.empty(shape, dtype=param.dtype, device="meta"), self.arch))
+        return names
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's share of the Hugging Face tensors, on the parameters' device, gathered one at a time

@@ -56,6 +56,8 @@ class HFArchitecture:
     vocab_size: int
     tie_embeddings: bool
     num_experts: int = 0
+    qkv_bias: bool = False
+    qk_norm: bool = False
     dtype: torch.dtype | None = None  # config.json's torch_dtype: what vLLM serves the model in
 
     @classmethod
@@ -73,6 +75,8 @@ class HFArchitecture:
                    vocab_size=int(config["vocab_size"]),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                    num_experts=int(config.get("num_experts") or 0),
+                   qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+                   qk_norm=model_type in ("qwen3", "qwen3_moe"),
                    dtype=dtype if isinstance(dtype, torch.dtype) else None)
 
     @classmethod
@@ -85,6 +89,34 @@ class HFArchitecture:
                 raise
             raise ConversionError(f"cannot read the Hugging Face config {path}: {exc!r}",
                                   hint="Pass --hf-config a model directory with a complete config.json") from exc
+
+
+def hf_tensor_names(arch: HFArchitecture) -> list[str]:
+    """Every tensor name a Hugging Face checkpoint of ``arch`` holds (what vLLM loads)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if arch.tie_embeddings else ["lm_head.weight"])
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "self_attn.o_proj.weight"]
+        names += [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"
+                  for kind in (("weight", "bias") if arch.qkv_bias else ("weight",))]
+        if arch.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if arch.num_experts:
+            names.append(p + "mlp.gate.weight")
+            names += [f"{p}mlp.experts.{e}.{x}_proj.weight" for e in range(arch.num_experts) for x in ("gate", "up", "down")]
+        else:
+            names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return names
+
+
+def check_complete(names: set[str], arch: HFArchitecture) -> None:
+    """Raise ConversionError naming the tensors of ``arch`` missing from ``names``."""
+    missing = [name for name in hf_tensor_names(arch) if name not in names]
+    if missing:
+        raise ConversionError(f"{len(missing)} tensors of the model config.json describes have no source, e.g. "
+                              f"{', '.join(missing[:4])}", tensor=missing[0],
+                              hint="Check that --hf-config / hf_config_dir describes this model (layers, experts, "
+                                   "biases, norms)")
 
 
 def to_hf(name: str, tensor: torch.Tensor, arch: HFArchitecture) -> list[tuple[str, torch.Tensor]]:

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ConversionError, IntegrityError
-from .megatron_hf import HFArchitecture, to_hf
+from .megatron_hf import HFArchitecture, check_complete, to_hf
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 _MODEL_KEY = re.compile(r"(?:embedding\.word_embeddings\.weight|output_layer\.weight|decoder\..+)")
@@ -141,10 +141,15 @@ class TorchDistCheckpoint:
                                           self._assemble(key, size, dtype, chunks, layer))
 
     def iter_hf(self, arch: HFArchitecture, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, tensor) of every model tensor, cast to ``dtype`` if given."""
+        """(Hugging Face name, tensor) of every model tensor, cast to ``dtype`` if given. Raises
+        ConversionError after the last one if a tensor of ``arch`` had no source in the checkpoint (so a
+        publisher consuming it commits nothing)."""
+        produced = set()
         for name, tensor in self.iter_megatron():
             for hf_name, hf_tensor in to_hf(name, tensor, arch):
+                produced.add(hf_name)
                 yield hf_name, hf_tensor if dtype is None else hf_tensor.to(dtype)
+        check_complete(produced, arch)
 
     def _assemble(self, key: str, size: torch.Size, dtype: torch.dtype, chunks: list[_Chunk],
                   layer: int | None) -> torch.Tensor:

@@ -279,6 +279,15 @@ def test_offline_converter_refuses_bad_checkpoints(hf_versions: dict, tmp_path: 
     error = capsys.readouterr().err
     assert data_file.name in error and "tensor " in error
 
+    bigger = tmp_path / "three-layers"  # config.json describes more layers than the checkpoint holds
+    shutil.copytree(tmp_path / "qwen2" / "hf", bigger)
+    config = json.loads((bigger / "config.json").read_text())
+    (bigger / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    assert main(["publish", str(tmp_path / "stream-bigger"), "--from-megatron", str(good), "--hf-config",
+                 str(bigger)]) == 6
+    assert "tensor model.layers.2.input_layernorm.weight" in capsys.readouterr().err
+    assert Stream(str(tmp_path / "stream-bigger")).versions() == []
+
     missing = tmp_path / "missing"
     shutil.copytree(good, missing)
     (missing / "latest_checkpointed_iteration.txt").write_text("7")
@@ -286,3 +295,32 @@ def test_offline_converter_refuses_bad_checkpoints(hf_versions: dict, tmp_path: 
     assert "iter_0000007" in capsys.readouterr().err
     assert not (tmp_path / "stream-truncated" / "manifests").exists() or not list(
         (tmp_path / "stream-truncated" / "manifests").iterdir())
+
+
+def _mismatch_worker(rank: int, world_size: int, port: int, workdir: str) -> None:
+    """Pipeline stages build a 2-layer model but name a config.json of 1 layer: only the last stage holds
+    an unmappable layer. Each rank records what MegatronPublisher raised."""
+    from ckptstream.synthetic_megatron import build_gpt_model
+    from ckptstream.writer.megatron import MegatronPublisher
+
+    _init_parallel(rank, world_size, port, {"pp": 2})
+    model = build_gpt_model(Path(workdir) / "qwen3" / "hf")
+    try:
+        MegatronPublisher(str(Path(workdir) / "stream"), model, Path(workdir) / "one-layer")
+        outcome = "constructed"
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+        outcome = f"{type(exc).__name__}: {exc}"
+    Path(workdir, f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def test_model_and_config_mismatch_fails_on_every_rank(hf_versions: dict, tmp_path: Path) -> None:
+    import shutil
+
+    _prepare(tmp_path, ["qwen3"], hf_versions)
+    shutil.copytree(tmp_path / "qwen3" / "hf", tmp_path / "one-layer")
+    config = json.loads((tmp_path / "one-layer" / "config.json").read_text())
+    (tmp_path / "one-layer" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    assert run_ranks(_mismatch_worker, 2, str(tmp_path), timeout=120) == [0, 0]
+    first, last = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    assert last.startswith("ConversionError: tensor decoder.layers.1.") and "beyond the 1 layers" in last
+    assert first.startswith("PublishError") and "rank 1: ConversionError" in first

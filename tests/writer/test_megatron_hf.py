@@ -9,7 +9,8 @@ import torch
 
 from ckptstream.errors import ConversionError
 from ckptstream.synthetic import ARCHITECTURES, TinyModelSpec, tiny_config, tiny_state_dict
-from ckptstream.writer.megatron_hf import HFArchitecture, fuse_qkv, from_hf, split_qkv, to_hf
+from ckptstream.writer.megatron_hf import (HFArchitecture, check_complete, fuse_qkv, from_hf, hf_tensor_names,
+                                           split_qkv, to_hf)
 from tests.conftest import assert_same_tensors
 
 
@@ -24,6 +25,10 @@ def test_round_trip(arch_name: str, te_names: bool) -> None:
     assert any("layer_norm_weight" in name for name in megatron) == te_names
     back = {name: tensor for m_name, m_tensor in megatron.items() for name, tensor in to_hf(m_name, m_tensor, arch)}
     assert_same_tensors(back, hf)
+    assert sorted(hf_tensor_names(arch)) == sorted(hf)
+    check_complete(set(back), arch)
+    with pytest.raises(ConversionError, match="1 tensors of the model config.json describes have no source"):
+        check_complete(set(back) - {"model.norm.weight"}, arch)
 
 
 def test_qkv_grouping_follows_kv_channels() -> None:
