@@ -6,6 +6,7 @@ on the published weights gives the logits of the Megatron model's own forward pa
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -65,6 +66,10 @@ def _publish_worker(rank: int, world_size: int, port: int, layout: dict[str, int
             model = [build_gpt_model(hf_dir, params_dtype=params_dtype, vp_stage=chunk) for chunk in range(layout["vpp"])]
         else:
             model = build_gpt_model(hf_dir, params_dtype=params_dtype)
+        if layout.get("bf16"):  # as megatron's training loop wraps a bf16 model
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(model.config, model)
         load_hf_weights(model, v0, hf_dir)
         cast = {} if layout.get("bf16") else {"dtype": torch.bfloat16}
         with MegatronPublisher(str(model_dir / "stream"), model, hf_dir, **cast) as publisher:
@@ -85,6 +90,7 @@ def _save_torch_dist(model, save_dir: Path, iteration: int) -> None:
     latest_checkpointed_iteration.txt."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     from ckptstream.synthetic_megatron import cpu_support
 
@@ -93,9 +99,19 @@ def _save_torch_dist(model, save_dir: Path, iteration: int) -> None:
         iteration_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     chunks = model if isinstance(model, list) else [model]
-    with cpu_support():  # one entry per virtual pipeline chunk, as megatron's training loop saves them
-        dist_checkpointing.save({f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)},
-                                str(iteration_dir))
+    # One entry per virtual pipeline chunk, as megatron's training loop saves them, beside what else it
+    # saves: optimizer moments (under the optimizer's key names), the RNG state, common values.
+    state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    state["optimizer"] = {
+        f"{chunk_key}.{key}": dataclasses.replace(value, key=f"optimizer.state.exp_avg.{value.key}",
+                                                  data=torch.zeros_like(value.data))
+        for chunk_key, chunk_state in state.items() for key, value in chunk_state.items()
+        if isinstance(value, ShardedTensor)}
+    state["rng_state"] = ShardedObject("rng_state", {"seed": dist.get_rank()}, (dist.get_world_size(),),
+                                       (dist.get_rank(),), replica_id=0)
+    state["iteration"] = iteration
+    with cpu_support():
+        dist_checkpointing.save(state, str(iteration_dir))
     if dist.get_rank() == 0:
         (save_dir / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     dist.barrier()
