@@ -30,13 +30,17 @@ def initialize_parallel(*, tp: int = 1, pp: int = 1, vpp: int | None = None, ep:
 
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
     if cuda:
         model_parallel_cuda_manual_seed(0)  # the RNG states of megatron's dropout regions
-    return torch.device("cuda") if cuda else torch.device("cpu")
+        return device
+    return torch.device("cpu")
 
 
 def megatron_config(hf_config_dir: str | os.PathLike[str], *, params_dtype: torch.dtype = torch.float32,
