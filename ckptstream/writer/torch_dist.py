@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ConversionError, IntegrityError
+from ..parallel import ordered_parallel
 from .megatron_hf import HFArchitecture, check_complete, to_hf
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -128,17 +129,27 @@ class TorchDistCheckpoint:
         """The checkpoint's model tensor keys (Megatron names, layers stacked)."""
         return list(self._tensors)
 
-    def iter_megatron(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(global Megatron name, whole tensor), one layer (and one expert) at a time."""
+    def iter_megatron(self, *, workers: int = 4, max_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
+        """(global Megatron name, whole tensor), one layer (and one expert) at a time, in checkpoint order.
+
+        Layers are read by ``workers`` threads ahead of the consumer, at most ``max_bytes`` of them at
+        once (and always one)."""
+        pieces = []  # (key, size, dtype, chunks, layer or None: the whole tensor)
         for key, (size, dtype, chunks) in self._tensors.items():
             stacked = key.startswith("decoder.layers.") and not key.split(".")[2].isdigit()
-            if not stacked:
-                yield from _split_experts(key, self._assemble(key, size, dtype, chunks, None))
-                continue
-            rest = key[len("decoder.layers."):]
-            for layer in range(size[0]):
-                yield from _split_experts(f"decoder.layers.{layer}.{rest}",
-                                          self._assemble(key, size, dtype, chunks, layer))
+            pieces += [(key, size, dtype, chunks, layer) for layer in (range(size[0]) if stacked else [None])]
+
+        def read(piece: tuple[str, torch.Size, torch.dtype, list[_Chunk], int | None]) -> tuple[str, torch.Tensor]:
+            key, size, dtype, chunks, layer = piece
+            name = key if layer is None else f"decoder.layers.{layer}.{key[len('decoder.layers.'):]}"
+            return name, self._assemble(key, size, dtype, chunks, layer)
+
+        def cost(piece: tuple[str, torch.Size, torch.dtype, list[_Chunk], int | None]) -> int:
+            _, size, dtype, _, layer = piece
+            return size.numel() // (1 if layer is None else size[0]) * dtype.itemsize
+
+        for name, tensor in ordered_parallel(pieces, read, cost, max_cost=max_bytes, workers=workers):
+            yield from _split_experts(name, tensor)
 
     def iter_hf(self, arch: HFArchitecture, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) of every model tensor, cast to ``dtype`` if given. Raises
@@ -155,23 +166,25 @@ class TorchDistCheckpoint:
                   layer: int | None) -> torch.Tensor:
         """The whole tensor of ``key`` (or its slice ``layer`` of the leading axis) from its chunks."""
         shape = tuple(size) if layer is None else tuple(size[1:])
-        whole = torch.empty(shape, dtype=dtype)
-        covered = 0
+        if layer is not None:
+            chunks = [c for c in chunks if c.offsets[0] <= layer < c.offsets[0] + c.sizes[0]]
+        parts = []  # (offsets, tensor) within ``shape``
         for chunk in chunks:
-            offsets, sizes = chunk.offsets, chunk.sizes
-            if layer is not None:
-                if not offsets[0] <= layer < offsets[0] + sizes[0]:
-                    continue
-                part = self._read(key, chunk, dtype)[layer - offsets[0]]
-                offsets, sizes = offsets[1:], sizes[1:]
+            part = self._read(key, chunk, dtype)
+            if layer is None:
+                parts.append((chunk.offsets, part))
             else:
-                part = self._read(key, chunk, dtype)
-            whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = part
-            covered += part.numel()
-        if covered != whole.numel():
-            raise IntegrityError(f"the checkpoint's chunks cover {covered} of {whole.numel()} elements",
+                parts.append((chunk.offsets[1:], part[layer - chunk.offsets[0]]))
+        covered = sum(part.numel() for _, part in parts)
+        if covered != torch.Size(shape).numel():
+            raise IntegrityError(f"the checkpoint's chunks cover {covered} of {torch.Size(shape).numel()} elements",
                                  tensor=key if layer is None else f"{key} (layer {layer})",
                                  file=str(self.directory))
+        if len(parts) == 1:  # one chunk holds it all (a checkpoint without tensor parallelism): no copy
+            return parts[0][1]
+        whole = torch.empty(shape, dtype=dtype)
+        for offsets, part in parts:
+            whole[tuple(slice(o, o + n) for o, n in zip(offsets, part.shape))] = part
         return whole
 
     def _read(self, key: str, chunk: _Chunk, dtype: torch.dtype) -> torch.Tensor:
