@@ -41,15 +41,16 @@ class TinyModelSpec:
     moe_intermediate_size: int = 64
     dtype: str = "bfloat16"
     seed: int = 0
+    kv_channels: int | None = None  # per-head size where it is not hidden_size / num_heads (as in Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.kv_channels or self.hidden_size // self.num_heads
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {self.arch!r} (choose from {', '.join(ARCHITECTURES)})")
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+        if (self.kv_channels is None and self.hidden_size % self.num_heads) or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
         if self.head_dim < 32:
             raise ValueError(f"head_dim {self.head_dim} is below 32, which vLLM cannot serve")
@@ -106,7 +107,7 @@ def tiny_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     """Random weights of a spec under Hugging Face names (normal(0, 0.02) matrices, unit norms)."""
     generator = torch.Generator().manual_seed(spec.seed)
     dtype = getattr(torch, spec.dtype)
-    h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
 
     def matrix(rows: int, cols: int) -> torch.Tensor:
         return (torch.randn(rows, cols, generator=generator) * 0.02).to(dtype)
@@ -118,17 +119,17 @@ def tiny_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         state[p + "input_layernorm.weight"] = vector(h, ones=True)
-        state[p + "self_attn.q_proj.weight"] = matrix(h, h)
+        state[p + "self_attn.q_proj.weight"] = matrix(q, h)
         state[p + "self_attn.k_proj.weight"] = matrix(kv, h)
         state[p + "self_attn.v_proj.weight"] = matrix(kv, h)
         if spec.arch == "qwen2":
-            state[p + "self_attn.q_proj.bias"] = vector(h)
+            state[p + "self_attn.q_proj.bias"] = vector(q)
             state[p + "self_attn.k_proj.bias"] = vector(kv)
             state[p + "self_attn.v_proj.bias"] = vector(kv)
         if spec.arch in ("qwen3", "qwen3_moe"):
             state[p + "self_attn.q_norm.weight"] = vector(spec.head_dim, ones=True)
             state[p + "self_attn.k_norm.weight"] = vector(spec.head_dim, ones=True)
-        state[p + "self_attn.o_proj.weight"] = matrix(h, h)
+        state[p + "self_attn.o_proj.weight"] = matrix(h, q)
         state[p + "post_attention_layernorm.weight"] = vector(h, ones=True)
         if spec.arch == "qwen3_moe":
             state[p + "mlp.gate.weight"] = matrix(spec.num_experts, h)

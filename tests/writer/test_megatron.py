@@ -120,7 +120,7 @@ def _save_torch_dist(model, save_dir: Path, iteration: int) -> None:
 MODELS = {  # label: spec (Llama with tied embeddings, which pipeline parallelism duplicates)
     "qwen2": TinyModelSpec(arch="qwen2", vocab_size=VOCAB),
     "llama": TinyModelSpec(arch="llama", vocab_size=VOCAB, tie_embeddings=True),
-    "qwen3": TinyModelSpec(arch="qwen3", vocab_size=VOCAB),
+    "qwen3": TinyModelSpec(arch="qwen3", vocab_size=VOCAB, kv_channels=64),  # head_dim ≠ hidden / heads
     "qwen3_moe": TinyModelSpec(arch="qwen3_moe", vocab_size=VOCAB),
     "llama-4-layers": TinyModelSpec(arch="llama", vocab_size=VOCAB, tie_embeddings=True, num_layers=4),
 }
