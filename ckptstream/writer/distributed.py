@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import CkptStreamError, PublishError, VersionConflictError
+from ..errors import PublishError, VersionConflictError
 from ..format import FileEntry, Manifest, TensorEntry, data_path
 from .publisher import NamedTensors, Publisher, _Base, _Job
 
@@ -162,13 +162,13 @@ class DistributedPublisher(Publisher):
                 owner[entry.name] = rank
         files = [f for _, rank_files, _ in parts for f in rank_files]
         tensors = sorted((t for _, _, rank_tensors in parts for t in rank_tensors), key=lambda t: _natural(t.name))
-        manifest = self._version_manifest(job, base, files, tensors)
         try:
+            manifest = self._version_manifest(job, base, files, tensors)
             self._commit(manifest)
         except VersionConflictError as exc:
             return "conflict", str(exc)
-        except (CkptStreamError, OSError) as exc:
-            return "failed", f"rank 0 could not commit ({exc})"
+        except Exception as exc:  # noqa: BLE001 - every rank must hear the outcome, whatever it is
+            return "failed", f"rank 0 could not commit ({type(exc).__name__}: {exc})"
         return "committed", manifest.to_bytes()
 
     def _remove_files(self, version: int, files: list[FileEntry]) -> None:
