@@ -60,6 +60,16 @@ def _worker(rank: int, world_size: int, port: int, url: str, report: str) -> Non
     # Both ranks go on with the next version.
     outcomes[5] = publisher.publish(_rank_tensors(rank, 2), 5).result().kind
     publisher.close()
+
+    # A restarted job: a version that is not newer is refused on every rank, the next one starts a chain.
+    publisher = DistributedPublisher(url, timeout=datetime.timedelta(seconds=60))
+    try:
+        publisher.publish(_rank_tensors(rank, 2), 5)
+        outcomes[6] = "accepted"
+    except Exception as exc:  # noqa: BLE001
+        outcomes[6] = type(exc).__name__
+    outcomes[7] = publisher.publish(_rank_tensors(rank, 2), 7).result().kind
+    publisher.close()
     Path(report, f"rank{rank}.json").write_text(json.dumps(outcomes))
     dist.destroy_process_group()
 
@@ -79,11 +89,12 @@ def test_ranks_publish_parts_of_one_version(stream_url: str, tmp_path: Path) -> 
         # Version 2 is a keyframe: rank 1's part changed entirely, so neither rank writes a delta. After the
         # failed versions the publishers start over from a keyframe.
         assert [rank_outcomes[str(v)] for v in (0, 1, 2, 5)] == ["keyframe", "delta", "keyframe", "keyframe"]
+        assert rank_outcomes["6"] == "VersionOrderError" and rank_outcomes["7"] == "keyframe"
         assert rank_outcomes["3"].startswith("PublishError") and "published by ranks 0 and 1" in rank_outcomes["3"]
     assert outcomes[0]["4"].startswith("PublishError") and "rank 1 failed (TypeError" in outcomes[0]["4"]
     assert outcomes[1]["4"].startswith("TypeError")
     stream = Stream(stream_url)
-    assert stream.versions() == [0, 1, 2, 5]
+    assert stream.versions() == [0, 1, 2, 5, 7]
     for version in (0, 1, 2):
         assert_same_tensors(dict(stream.iter_tensors(version)), {**_rank_tensors(0, version), **_rank_tensors(1, version)})
     # The aborted versions left no data behind: every rank removed the files it had written.
