@@ -3,8 +3,9 @@
 The weights are split over tensor-, pipeline-, expert- and data-parallel ranks under Megatron names.
 ``MegatronPublisher`` enumerates each rank's parameters under global names, gathers tensor-parallel shards
 (in the trainer's own process groups, while the trainer waits), converts them to the Hugging Face tensors
-vLLM loads, and hands them to a :class:`DistributedPublisher`: one rank per pipeline stage (and per
-expert-parallel rank for experts) writes its layers, in parallel with the others, and rank 0 commits.
+vLLM loads, and hands them to a :class:`DistributedPublisher`: the tensor-parallel ranks of each pipeline
+stage (and of each expert-parallel rank, for experts) take turns writing its tensors, every rank in
+parallel with the others, and rank 0 commits.
 megatron-core is imported only when a publisher is built.
 """
 
@@ -130,21 +131,27 @@ class MegatronPublisher:
         (``publish`` snapshots each before the next is gathered). Consume it on every rank in step: the
         gathers are collectives of the trainer's process groups.
 
-        One replica of each tensor is written: the first tensor-parallel rank of data-parallel rank 0
-        (with context parallelism) for dense tensors; the first expert-tensor-parallel rank of
-        expert-data-parallel rank 0 for experts. Other data-parallel replicas skip even the gathers.
+        One replica of each tensor is written, by one rank of the tensor-parallel group of data-parallel
+        rank 0 (with context parallelism) for dense tensors, of the expert-tensor-parallel group of
+        expert-data-parallel rank 0 for experts; the tensors take turns among the group's ranks. Other
+        data-parallel replicas skip even the gathers.
         """
         mpu = self._mpu
         dense_replica = mpu.get_data_parallel_rank(with_context_parallel=True) == 0
         expert_replica = mpu.get_expert_data_parallel_rank() == 0
-        for name, param in global_parameters(self.chunks, self._mpu):
+        for index, (name, param) in enumerate(global_parameters(self.chunks, self._mpu)):
             if name == "output_layer.weight" and self.arch.tie_embeddings:
                 continue  # the last pipeline stage's copy of the embedding
             expert = ".experts." in name
             if not (expert_replica if expert else dense_replica):
                 continue
-            group = mpu.get_expert_tensor_parallel_group() if expert else mpu.get_tensor_model_parallel_group()
-            whole = gather_tensor_parallel(name, param.detach(), group)
+            if expert:
+                group, size = mpu.get_expert_tensor_parallel_group(), mpu.get_expert_tensor_parallel_world_size()
+            else:
+                group, size = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size()
+            # Parameters take turns among the group's ranks: each writes (and holds in host memory) 1/size
+            # of the stage, and the ranks encode and write in parallel.
+            whole = gather_tensor_parallel(name, param.detach(), group, owner=index % size)
             if whole is None:
                 continue
             for hf_name, tensor in to_hf(name, whole, self.arch):
@@ -188,23 +195,23 @@ def partition_dim(name: str) -> int | None:
     return None
 
 
-def gather_tensor_parallel(name: str, shard: torch.Tensor, group: Any) -> torch.Tensor | None:
-    """The whole tensor from every tensor-parallel rank's shard, on the group's first rank (None on the
-    others): a collective over ``group``.
+def gather_tensor_parallel(name: str, shard: torch.Tensor, group: Any, owner: int = 0) -> torch.Tensor | None:
+    """The whole tensor from every tensor-parallel rank's shard, on the group's rank ``owner`` (None on
+    the others): a collective over ``group``.
 
     Column-parallel shards are concatenated along dim 0, row-parallel along dim 1; gated ``linear_fc1``
     shards, each [gate_r; up_r], are regrouped into [gate; up]. Replicated tensors are returned as they are
-    on the first rank, without communication.
+    on ``owner``, without communication.
     """
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
-    first = dist.get_rank(group) == 0
+    mine = dist.get_rank(group) == owner
     dim = partition_dim(name)
     if size == 1 or dim is None:
-        return shard if first else None
-    shards = [torch.empty_like(shard) for _ in range(size)] if first else None
-    dist.gather(shard.contiguous(), shards, dst=dist.get_global_rank(group, 0), group=group)
+        return shard if mine else None
+    shards = [torch.empty_like(shard) for _ in range(size)] if mine else None
+    dist.gather(shard.contiguous(), shards, dst=dist.get_global_rank(group, owner), group=group)
     if shards is None:
         return None
     if _GATED_FC1.search(name):

@@ -185,6 +185,8 @@ def test_publish_matches_hf(layout: dict[str, int], models: list[str], checkpoin
         manifest = stream.manifest(1)
         assert manifest.kind == "delta" and manifest.base_version == 0
         assert manifest.metadata["parallel"]["tp"] == layout.get("tp", 1)
+        # Every rank wrote its share (dense tensors of data-parallel rank 0 and experts of each EP rank).
+        assert len({f.name.split("-")[1] for f in stream.manifest(0).files}) == world_size
         assert_same_tensors(dict(stream.iter_tensors(0)), v0)
         assert_same_tensors(dict(stream.iter_tensors(1)), v1)
         if checkpoint:  # the offline converter gives the live publish's tensors
