@@ -123,3 +123,14 @@ def test_make_tiny_model_sizes(tmp_path, capsys):
     assert code == 0 and 6e6 < info["bytes"] < 11e6 and info["tie_embeddings"]
     assert (tmp_path / "t" / "model.safetensors.index.json").exists()
     assert "lm_head.weight" not in dict(iter_hf_weights(tmp_path / "t"))
+
+
+def test_publish_default_cache_dir_is_under_home(tmp_path, monkeypatch, capsys):
+    """The default --cache-dir (~/.cache/ckptstream/publish) is expanded, not created as a literal ``~``."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("CKPTSTREAM_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    model = write_tiny_model(tmp_path / "model", TinyModelSpec())
+    assert run(capsys, "publish", str(tmp_path / "stream"), "--from-hf", str(model))[0] == 0
+    assert list((tmp_path / "home" / ".cache" / "ckptstream" / "publish").glob("*.safetensors"))
+    assert not (tmp_path / "~").exists()

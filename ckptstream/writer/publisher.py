@@ -107,7 +107,7 @@ class Publisher:
         self.chunk_bytes = chunk_bytes
         self.zstd_level = zstd_level
         self.shuffle = shuffle
-        self.base_cache_dir = Path(base_cache_dir) if base_cache_dir is not None else None
+        self.base_cache_dir = Path(base_cache_dir).expanduser() if base_cache_dir is not None else None
         self.writer_id = uuid.uuid4().hex[:12]
         if isinstance(assets, (str, os.PathLike)):
             from ..hf import hf_assets
