@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckptstream import Stream  # noqa: E402
 from ckptstream.cli import main as cli, parse_bytes  # noqa: E402
 from ckptstream.synthetic import TinyModelSpec, tiny_config  # noqa: E402
+from ckptstream.vllm_loader.serve import free_port  # noqa: E402
 
 
 def save_checkpoint(hf_dir: Path, save_dir: Path, size: int) -> None:
@@ -37,7 +38,7 @@ def save_checkpoint(hf_dir: Path, save_dir: Path, size: int) -> None:
 
     from ckptstream.synthetic_megatron import build_gpt_model, cpu_support, initialize_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     initialize_parallel()
     spec = TinyModelSpec.for_size(size, vocab_size=8192)
     hf_dir.mkdir(parents=True)
@@ -51,12 +52,6 @@ def save_checkpoint(hf_dir: Path, save_dir: Path, size: int) -> None:
     with cpu_support():
         dist_checkpointing.save(model.sharded_state_dict(), str(iteration_dir))
     (save_dir / "latest_checkpointed_iteration.txt").write_text("1")
-
-
-def _free_port() -> int:
-    from ckptstream.vllm_loader.serve import free_port
-
-    return free_port()
 
 
 def timed_publish(root: Path, name: str, args: list[str]) -> float:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ckptstream import Stream  # noqa: E402
 from ckptstream.cli import parse_bytes  # noqa: E402
 from ckptstream.storage import fsync_path  # noqa: E402
 from ckptstream.synthetic import TinyModelSpec, rl_like_step, tiny_config  # noqa: E402
@@ -91,8 +92,6 @@ def main() -> None:
         commit = time.perf_counter() - started
         sync = _timed(lambda: _sync_save(publisher, root / "sync" / f"rank{rank}.safetensors"), cuda)
         if rank == 0:
-            from ckptstream import Stream
-
             latest = Stream(str(root / "stream")).manifest(step)
             rows.append((blocked, commit, sync))
             print(f"{step:4d} {latest.kind:>8} {blocked:14.3f}s {commit:12.3f}s {sync:9.3f}s "

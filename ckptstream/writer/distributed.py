@@ -12,7 +12,7 @@ import datetime as _dt
 import logging
 import re
 from concurrent.futures import Future
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -79,17 +79,31 @@ class DistributedPublisher(Publisher):
 
     def _vote_down(self, version: int, failure: BaseException) -> None:
         """Take part in a version's coordination as a failed rank (this rank has no job for it)."""
-        import torch.distributed as dist
-
         try:
-            dist.all_reduce(torch.tensor([_VOTE_FAILED]), op=dist.ReduceOp.MAX, group=self._group)
-            report = f"{type(failure).__name__}: {failure}"
-            dist.gather_object((report, [], []), [None] * self._size if self._rank == 0 else None, dst=self._root,
-                               group=self._group)
-            outcome: list[Any] = [("failed", f"rank 0 failed ({report})")] if self._rank == 0 else [None]
-            dist.broadcast_object_list(outcome, src=self._root, group=self._group)
+            self._vote(_VOTE_FAILED)
+            self._exchange(f"{type(failure).__name__}: {failure}", [], [], lambda parts: ("failed", _failures(parts)))
         except Exception as exc:  # noqa: BLE001 - the caller already has this rank's error
             log.warning("version %d: could not tell the other ranks that this rank failed: %s", version, exc)
+
+    def _vote(self, vote: int) -> int:
+        """Phase one: the highest of every rank's vote (``_VOTE_*``)."""
+        import torch.distributed as dist
+
+        votes = torch.tensor([vote])
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._group)
+        return int(votes)
+
+    def _exchange(self, report: str | None, files: list[FileEntry], tensors: list[TensorEntry],
+                  decide: Callable[[list[Any]], tuple[str, Any]]) -> tuple[str, Any]:
+        """Phase two: every rank's report (its failure or None, its files and tensors) goes to rank 0, where
+        ``decide(parts)`` gives the outcome; every rank returns that outcome."""
+        import torch.distributed as dist
+
+        parts: list[Any] | None = [None] * self._size if self._rank == 0 else None
+        dist.gather_object((report, files, tensors), parts, dst=self._root, group=self._group)
+        outcome: list[Any] = [decide(parts) if parts is not None else None]
+        dist.broadcast_object_list(outcome, src=self._root, group=self._group)
+        return outcome[0]
 
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (picklable), in rank order: a collective over the group."""
@@ -113,8 +127,6 @@ class DistributedPublisher(Publisher):
         return self._base
 
     def _write(self, job: _Job) -> Manifest:
-        import torch.distributed as dist
-
         base = self._base
         hashes = self._hash_async(job)
         failure: BaseException | None = None
@@ -123,26 +135,19 @@ class DistributedPublisher(Publisher):
             delta = self._try_delta(job, base)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             failure = exc
-        vote = torch.tensor([_VOTE_FAILED if failure else _VOTE_KEYFRAME if delta is None else _VOTE_DELTA])
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
+        vote = self._vote(_VOTE_FAILED if failure else _VOTE_KEYFRAME if delta is None else _VOTE_DELTA)
         files: list[FileEntry] = []
         tensors: list[TensorEntry] = []
-        if int(vote) == _VOTE_KEYFRAME:
+        if vote == _VOTE_KEYFRAME:
             delta = None
-        if int(vote) != _VOTE_FAILED:
+        if vote != _VOTE_FAILED:
             try:
                 files, tensors = self._write_data(job, delta, hashes)
             except Exception as exc:  # noqa: BLE001
                 failure = exc
         report = None if failure is None else f"{type(failure).__name__}: {failure}"
-        parts: list[Any] | None = [None] * self._size if self._rank == 0 else None
-        dist.gather_object((report, files, tensors), parts, dst=self._root, group=self._group)
-        outcome: list[Any] = [None]
-        if self._rank == 0:
-            assert parts is not None
-            outcome[0] = self._commit_parts(job, base if delta is not None else None, parts)
-        dist.broadcast_object_list(outcome, src=self._root, group=self._group)
-        status, payload = outcome[0]
+        status, payload = self._exchange(report, files, tensors, lambda parts: self._commit_parts(
+            job, base if delta is not None else None, parts))
         if status == "committed":
             return Manifest.from_bytes(payload, version=job.version, stream_id=self.info.stream_id)
         self._remove_files(job.version, files)
@@ -151,9 +156,9 @@ class DistributedPublisher(Publisher):
 
     def _commit_parts(self, job: _Job, base: _Base | None, parts: list[Any]) -> tuple[str, Any]:
         """Rank 0: commit the manifest of every rank's files, or say why not."""
-        failures = [f"rank {rank} failed ({report})" for rank, (report, _, _) in enumerate(parts) if report]
+        failures = _failures(parts)
         if failures:
-            return "failed", "; ".join(failures)
+            return "failed", failures
         owner: dict[str, int] = {}
         for rank, (_, _, tensors) in enumerate(parts):
             for entry in tensors:
@@ -177,6 +182,11 @@ class DistributedPublisher(Publisher):
                 self.storage.delete(data_path(version, entry.name))
             except OSError as exc:
                 log.warning("version %d: cannot remove %s (left for `ckptstream gc`): %s", version, entry.name, exc)
+
+
+def _failures(parts: list[Any]) -> str:
+    """What the ranks' reports say failed ("" if nothing)."""
+    return "; ".join(f"rank {rank} failed ({report})" for rank, (report, _, _) in enumerate(parts) if report)
 
 
 def _natural(name: str) -> list[Any]:

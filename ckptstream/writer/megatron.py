@@ -65,7 +65,7 @@ class MegatronPublisher:
         from megatron.core import parallel_state
 
         self._mpu = parallel_state
-        self.chunks = [_unwrap(chunk) for chunk in (model if isinstance(model, (list, tuple)) else [model])]
+        self.chunks = _model_chunks(model)
         self.arch = HFArchitecture.from_dir(hf_config_dir)
         self.dtype = dtype if dtype is not None else self.arch.dtype
         self.publisher = DistributedPublisher(url, group=group, timeout=timeout, storage_options=storage_options,
@@ -121,8 +121,7 @@ class MegatronPublisher:
             shape = list(param.shape)
             dim = partition_dim(name)
             if dim is not None:
-                shape[dim] *= (mpu.get_expert_tensor_parallel_world_size() if ".experts." in name
-                               else mpu.get_tensor_model_parallel_world_size())
+                shape[dim] *= _tensor_parallel(mpu, name)[2]
             names.update(n for n, _ in to_hf(name, torch.empty(shape, dtype=param.dtype, device="meta"), self.arch))
         return names
 
@@ -142,13 +141,9 @@ class MegatronPublisher:
         for index, (name, param) in enumerate(global_parameters(self.chunks, self._mpu)):
             if name == "output_layer.weight" and self.arch.tie_embeddings:
                 continue  # the last pipeline stage's copy of the embedding
-            expert = ".experts." in name
-            if not (expert_replica if expert else dense_replica):
+            if not (expert_replica if _is_expert(name) else dense_replica):
                 continue
-            if expert:
-                group, size = mpu.get_expert_tensor_parallel_group(), mpu.get_expert_tensor_parallel_world_size()
-            else:
-                group, size = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size()
+            group, _, size = _tensor_parallel(mpu, name)
             # Parameters take turns among the group's ranks: each writes (and holds in host memory) 1/size
             # of the stage, and the ranks encode and write in parallel.
             whole = gather_tensor_parallel(name, param.detach(), group, owner=index % size)
@@ -239,8 +234,7 @@ def load_hf_weights(model: Any, hf_weights: Mapping[str, torch.Tensor], hf_confi
     from megatron.core import parallel_state as mpu
 
     arch = HFArchitecture.from_dir(hf_config_dir)
-    chunks = [_unwrap(chunk) for chunk in (model if isinstance(model, (list, tuple)) else [model])]
-    named = list(global_parameters(chunks, mpu))
+    named = list(global_parameters(_model_chunks(model), mpu))
     te_names = any("layer_norm_weight" in n or re.search(r"experts\.linear_fc1\.weight\d+$", n) for n, _ in named)
     wholes = dict(from_hf(dict(hf_weights), arch, te_names=te_names))
     if arch.tie_embeddings:
@@ -248,16 +242,32 @@ def load_hf_weights(model: Any, hf_weights: Mapping[str, torch.Tensor], hf_confi
     for name, param in named:
         if name not in wholes:
             raise ConversionError("the Hugging Face weights have no tensor for this Megatron parameter", tensor=name)
-        expert = ".experts." in name
-        rank = mpu.get_expert_tensor_parallel_rank() if expert else mpu.get_tensor_model_parallel_rank()
-        size = mpu.get_expert_tensor_parallel_world_size() if expert else mpu.get_tensor_model_parallel_world_size()
+        _, rank, size = _tensor_parallel(mpu, name)
         whole = wholes[name]
-        dim = partition_dim(name)
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            padded = torch.zeros(param.shape[0] * (size if dim == 0 else 1), *whole.shape[1:], dtype=whole.dtype)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):  # vocabulary-parallel
+            padded = torch.zeros(param.shape[0] * size, *whole.shape[1:], dtype=whole.dtype)
             padded[:whole.shape[0]] = whole
             whole = padded
         param.copy_(shard_tensor_parallel(name, whole, rank, size))
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+def _tensor_parallel(mpu: Any, name: str) -> tuple[Any, int, int]:
+    """(group, this rank, size) of the tensor-parallel group that splits a parameter: the expert one for
+    experts."""
+    if _is_expert(name):
+        return (mpu.get_expert_tensor_parallel_group(), mpu.get_expert_tensor_parallel_rank(),
+                mpu.get_expert_tensor_parallel_world_size())
+    return (mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_rank(),
+            mpu.get_tensor_model_parallel_world_size())
+
+
+def _model_chunks(model: Any) -> list[Any]:
+    """The GPTModel chunks of a model or of a list of virtual-pipeline chunks, wrappers looked through."""
+    return [_unwrap(chunk) for chunk in (model if isinstance(model, (list, tuple)) else [model])]
 
 
 def _unwrap(module: Any) -> Any:

@@ -84,9 +84,9 @@ class HFArchitecture:
         path = Path(directory) / "config.json"
         try:
             return cls.from_config(json.loads(path.read_text()))
+        except ConversionError:
+            raise
         except (OSError, ValueError, KeyError) as exc:
-            if isinstance(exc, ConversionError):
-                raise
             raise ConversionError(f"cannot read the Hugging Face config {path}: {exc!r}",
                                   hint="Pass --hf-config a model directory with a complete config.json") from exc
 

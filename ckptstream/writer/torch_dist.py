@@ -57,14 +57,12 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Builds only PyTorch distributed-checkpoint metadata (and the torch types it refers to)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in _ALLOWED_GLOBALS or (
-            module.startswith("torch.distributed.checkpoint.") and not name.startswith("__"))
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            allowed = True
-        if not allowed:
+        checkpoint_module = module.startswith("torch.distributed.checkpoint.")
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if not ((module, name) in _ALLOWED_GLOBALS or dtype or (checkpoint_module and not name.startswith("__"))):
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
         found = super().find_class(module, name)
-        if module.startswith("torch.distributed.checkpoint.") and not isinstance(found, type) and name != "_MEM_FORMAT_ENCODING":
+        if checkpoint_module and not isinstance(found, type):
             raise pickle.UnpicklingError(f"{module}.{name} is not a metadata class")
         return found
 
@@ -124,10 +122,6 @@ class TorchDistCheckpoint:
     def nbytes(self) -> int:
         """Bytes of the model tensors, as stored."""
         return sum(size.numel() * dtype.itemsize for size, dtype, _ in self._tensors.values())
-
-    def keys(self) -> list[str]:
-        """The checkpoint's model tensor keys (Megatron names, layers stacked)."""
-        return list(self._tensors)
 
     def iter_megatron(self, *, workers: int = 4, max_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
         """(global Megatron name, whole tensor), one layer (and one expert) at a time, in checkpoint order.
