@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from . import __version__
-from .errors import CkptStreamError
+from .errors import (EXIT_CONFLICT, EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE,
+                     CkptStreamError)
 from .synthetic import ARCHITECTURES
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_CONFLICT, EXIT_INCOMPATIBLE = range(7)
 EXIT_CODES_HELP = """\
 exit codes:
   0  success

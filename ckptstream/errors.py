@@ -8,6 +8,15 @@ what failed and what to do next.
 
 from __future__ import annotations
 
+# CLI exit codes: one definition, used by the error classes below and by the command line.
+EXIT_OK = 0
+EXIT_ERROR = 1  # unexpected error
+EXIT_USAGE = 2  # usage error
+EXIT_INTEGRITY = 3  # corrupt, truncated or unsafe data
+EXIT_NOT_FOUND = 4  # no such stream or version, or a delta's base is gone
+EXIT_CONFLICT = 5  # the version exists or is not newer than the latest
+EXIT_INCOMPATIBLE = 6  # unsupported format version, other model, storage lacks a primitive
+
 
 class CkptStreamError(Exception):
     """Base class of every ckptstream error.
@@ -19,7 +28,7 @@ class CkptStreamError(Exception):
         exit_code: the CLI exit code for this kind of error.
     """
 
-    exit_code = 1
+    exit_code = EXIT_ERROR
 
     def __init__(self, message: str, *, version: int | None = None, file: str | None = None,
                  tensor: str | None = None, hint: str | None = None):
@@ -46,7 +55,7 @@ class IntegrityError(CkptStreamError, ValueError):
     Never retried silently: the version is refused as a whole.
     """
 
-    exit_code = 3
+    exit_code = EXIT_INTEGRITY
 
 
 class UnsafeManifestError(IntegrityError):
@@ -56,7 +65,7 @@ class UnsafeManifestError(IntegrityError):
 class VersionNotFoundError(CkptStreamError, FileNotFoundError):
     """The requested version has no committed manifest (never published, or garbage-collected)."""
 
-    exit_code = 4
+    exit_code = EXIT_NOT_FOUND
 
 
 class MissingBaseError(VersionNotFoundError):
@@ -66,31 +75,31 @@ class MissingBaseError(VersionNotFoundError):
 class StreamNotFoundError(CkptStreamError, FileNotFoundError):
     """No stream exists at the given URL."""
 
-    exit_code = 4
+    exit_code = EXIT_NOT_FOUND
 
 
 class VersionConflictError(CkptStreamError, FileExistsError):
     """Another writer committed this version first; the losing writer's data is left as debris for gc."""
 
-    exit_code = 5
+    exit_code = EXIT_CONFLICT
 
 
 class VersionOrderError(CkptStreamError, ValueError):
     """A version number is not greater than the latest version of the stream."""
 
-    exit_code = 5
+    exit_code = EXIT_CONFLICT
 
 
 class IncompatibleStreamError(CkptStreamError, ValueError):
     """The stream uses an unsupported format version, or differs from what the caller publishes."""
 
-    exit_code = 6
+    exit_code = EXIT_INCOMPATIBLE
 
 
 class StorageCapabilityError(CkptStreamError, OSError):
     """The storage backend lacks a primitive the format requires (e.g. atomic put-if-absent)."""
 
-    exit_code = 6
+    exit_code = EXIT_INCOMPATIBLE
 
 
 class PublishError(CkptStreamError, RuntimeError):
@@ -100,4 +109,12 @@ class PublishError(CkptStreamError, RuntimeError):
 class ConversionError(CkptStreamError, ValueError):
     """A Megatron model or checkpoint holds a tensor that cannot be mapped to the Hugging Face layout."""
 
-    exit_code = 6
+    exit_code = EXIT_INCOMPATIBLE
+
+
+class VllmError(CkptStreamError, RuntimeError):
+    """A vLLM server refused a control call, did not do what it answered, or cannot generate."""
+
+
+class VllmUnreachable(VllmError, ConnectionError):
+    """The vLLM server does not answer (not started yet, restarting, or dead)."""

@@ -30,6 +30,10 @@ VERSIONS_DIR = "versions"
 REPLICAS_DIR = "replicas"
 TEMP_PREFIX = ".tmp-"
 """Prefix of every temporary name; anything carrying it older than the gc grace period is debris."""
+MARKER_FILE = "ckptstream.json"
+"""Written last into a materialized directory: which stream and version it holds."""
+INDEX_FILE = "model.safetensors.index.json"
+"""The safetensors index of a sharded materialized directory."""
 
 VERSION_DIGITS = 12
 MAX_VERSION = 10**VERSION_DIGITS - 1
@@ -37,6 +41,11 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_STREAM_FILE_BYTES = 16 << 20
 MAX_FILE_BYTES = 1 << 50
 MAX_CHUNK_BYTES = 1 << 30
+MAX_TENSOR_NAME_BYTES = 1024
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a manifest or stream.json may have (metadata included)."""
+RESERVED_TENSOR_NAMES = frozenset({"__metadata__"})
+"""Names safetensors gives a meaning of its own: a tensor so named makes the file unreadable."""
 """Upper bound on one decoded chunk: bounds the memory a reader needs per chunk."""
 DEFAULT_SHARD_BYTES = 4 << 30
 """Default upper bound on one data file (writers) and one materialized shard (readers)."""
@@ -67,6 +76,9 @@ _HASH_RE = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _MANIFEST_HASH_KEY = b'"manifest_hash": "' + HASH_PREFIX.encode()
 _ZERO_HASH = HASH_PREFIX + "0" * 32
+_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
+"""File name endings of model weights (any framework): never assets."""
 
 
 # ----------------------------------------------------------------------------------------------- hashes
@@ -87,6 +99,53 @@ class Hasher:
 def content_hash(data: bytes | bytearray | memoryview) -> str:
     """Hash of ``data`` in the format's notation."""
     return HASH_PREFIX + xxhash.xxh3_128_hexdigest(data)
+
+
+# ------------------------------------------------------------------------------------------------- JSON
+
+def dumps_json(value: Any, *, what: str, indent: int | None = 1) -> bytes:
+    """Strict JSON (RFC 8259) of ``value``: NaN and Infinity are refused, as is nesting deeper than
+    ``MAX_JSON_DEPTH`` (ValueError naming ``what``)."""
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.dumps(value, indent=indent, allow_nan=False).encode()
+    except ValueError as exc:
+        raise ValueError(f"{what} is not strict JSON ({exc}); NaN and Infinity cannot be stored") from None
+
+
+def loads_json(raw: bytes, *, version: int | None, file: str) -> Any:
+    """Parse untrusted strict JSON: IntegrityError for malformed text, NaN/Infinity, or nesting deeper
+    than ``MAX_JSON_DEPTH`` (never a RecursionError)."""
+    def refuse_constant(token: str) -> Any:
+        raise ValueError(f"{token} is not JSON")
+
+    try:
+        body = json.loads(raw, parse_constant=refuse_constant)
+    except RecursionError:
+        body = None
+    except ValueError as exc:
+        raise IntegrityError(f"not valid JSON ({exc})", version=version, file=file) from None
+    if body is None or json_depth(body) > MAX_JSON_DEPTH:
+        raise IntegrityError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels", version=version, file=file,
+                             hint="The writer did not follow the ckptstream format; refusing it")
+    return body
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of arrays and objects in a parsed JSON value (a scalar has depth 0), iteratively."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_JSON_DEPTH:
+            return depth
+        pending.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 # ------------------------------------------------------------------------------------------------ names
@@ -120,6 +179,33 @@ def data_path(version: int, file_name: str) -> str:
 
 def asset_path(name: str) -> str:
     return f"{ASSETS_DIR}/{name}"
+
+
+def tensor_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a tensor name, or None if it can (FORMAT.md, "Tensor names"): a string of
+    1 to ``MAX_TENSOR_NAME_BYTES`` bytes of UTF-8 without control characters (U+0000-U+001F,
+    U+007F-U+009F) that is not a reserved name."""
+    if not isinstance(name, str):
+        return f"tensor name {name!r} is not a string"
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"tensor name {name[:80]!r} is not valid UTF-8"
+    if not 0 < len(encoded) <= MAX_TENSOR_NAME_BYTES:
+        return f"tensor name {name[:80]!r} must have 1 to {MAX_TENSOR_NAME_BYTES} bytes of UTF-8"
+    if _CONTROL_RE.search(name):
+        return f"tensor name {name[:80]!r} has control characters"
+    if name in RESERVED_TENSOR_NAMES:
+        return f"tensor name {name!r} is reserved by safetensors"
+    return None
+
+
+def is_reserved_asset_name(name: str) -> bool:
+    """True for names an asset may not take: they would replace or shadow the published weights, their
+    index or the materialization marker in a materialized directory."""
+    lowered = name.lower()
+    return (lowered.endswith(WEIGHT_SUFFIXES) or lowered.endswith(".index.json")
+            or lowered in (MARKER_FILE, INDEX_FILE))
 
 
 def is_safe_file_name(name: object) -> bool:

@@ -8,10 +8,7 @@ from typing import Iterator
 
 import torch
 
-from .format import is_safe_file_name
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
-SKIPPED_FILES = ("ckptstream.json",)
+from .format import is_reserved_asset_name, is_safe_file_name
 
 
 def hf_assets(directory: str | os.PathLike[str]) -> dict[str, bytes]:
@@ -23,8 +20,7 @@ def hf_assets(directory: str | os.PathLike[str]) -> dict[str, bytes]:
     assets = {}
     for path in sorted(root.iterdir()):
         name = path.name
-        if (not path.is_file() or name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
-                or name in SKIPPED_FILES or not is_safe_file_name(name)):
+        if not path.is_file() or is_reserved_asset_name(name) or not is_safe_file_name(name):
             continue
         assets[name] = path.read_bytes()
     return assets

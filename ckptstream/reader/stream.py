@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ import torch
 from .. import codec
 from ..errors import (CkptStreamError, IntegrityError, MissingBaseError, StreamNotFoundError,
                       VersionNotFoundError)
-from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, STREAM_FILE, FileEntry, Manifest, StreamInfo,
+from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, MARKER_FILE, STREAM_FILE, FileEntry, Manifest, StreamInfo,
                       TensorEntry, asset_path,
                       content_hash, data_path, manifest_path, parse_version_name, safetensors_header,
                       shard_groups)
@@ -25,9 +26,10 @@ from ..parallel import ordered_parallel
 from .decode import BaseTensors, decode_tensor, file_hash, load_checked
 from .replicas import ReplicaRecord, read_replicas
 
-MARKER_FILE = "ckptstream.json"
-"""Written last into a materialized directory: which stream and version it holds."""
 DEFAULT_INFLIGHT_BYTES = 1 << 30
+MANIFEST_CACHE_SIZE = 64
+"""Parsed manifests a ``Stream`` keeps (least recently used go first): long-lived followers and
+publishers of streams with thousands of versions hold a bounded number."""
 
 Progress = Callable[[int], None]
 R = TypeVar("R")
@@ -72,7 +74,7 @@ class Stream:
         self.url = url
         self.storage = storage or open_storage(url, storage_options)
         self._info: StreamInfo | None = None
-        self._manifests: dict[int, Manifest] = {}
+        self._manifests: collections.OrderedDict[int, Manifest] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------------------------------- discovery
@@ -129,8 +131,9 @@ class Stream:
         """The validated manifest of a committed version (VersionNotFoundError if none)."""
         with self._lock:
             cached = self._manifests.get(version)
-        if cached is not None:
-            return cached
+            if cached is not None:
+                self._manifests.move_to_end(version)
+                return cached
         try:
             raw = self.storage.read(manifest_path(version))
         except FileNotFoundError:
@@ -139,6 +142,8 @@ class Stream:
         manifest = Manifest.from_bytes(raw, version=version, stream_id=self.info().stream_id)
         with self._lock:
             self._manifests[version] = manifest
+            while len(self._manifests) > MANIFEST_CACHE_SIZE:
+                self._manifests.popitem(last=False)
         return manifest
 
     def _base_manifest(self, version: int) -> Manifest:

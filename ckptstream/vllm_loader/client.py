@@ -13,15 +13,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from ..errors import CkptStreamError
-
-
-class VllmError(CkptStreamError, RuntimeError):
-    """A vLLM server refused a control call, did not do what it answered, or cannot generate."""
-
-
-class VllmUnreachable(VllmError, ConnectionError):
-    """The vLLM server does not answer (not started yet, restarting, or dead)."""
+from ..errors import VllmError, VllmUnreachable
 
 
 class VllmClient:
