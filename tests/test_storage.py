@@ -6,6 +6,8 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -14,8 +16,9 @@ import pytest
 
 from ckptstream.cli import main
 from ckptstream.errors import EXIT_INCOMPATIBLE, StorageCapabilityError
-from ckptstream.storage import (Capabilities, FsspecStorage, PosixStorage, ReadOnlyStorage, Storage, open_storage,
-                                register_backend, registered_schemes)
+from ckptstream.storage import (MAX_CONCURRENT_READS, Capabilities, FsspecStorage, PosixStorage, ReadOnlyStorage,
+                                Storage, open_storage, register_backend, registered_schemes)
+from ckptstream.storage.base import concurrently
 from ckptstream.testing.storage import StorageSuite
 from tests.helpers import new_bucket
 
@@ -234,3 +237,29 @@ def test_import_is_cheap():
     out = subprocess.run([sys.executable, "-c", code, package_dir], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(Path(package_dir).parent)})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------------------------ concurrency
+
+
+def test_concurrent_reads_are_bounded_and_raise_the_first_error():
+    lock = threading.Lock()
+    running = peak = 0
+
+    def work(i: int) -> int:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.02)
+        with lock:
+            running -= 1
+        if i in (7, 30):
+            raise EOFError(f"range {i}")
+        return i
+
+    with pytest.raises(EOFError, match="range 7"):
+        concurrently(work, list(range(3 * MAX_CONCURRENT_READS)))
+    assert peak == MAX_CONCURRENT_READS
+    assert running == 0  # every item finished before the error was raised
+    assert concurrently(lambda i: i * 2, list(range(40))) == [i * 2 for i in range(40)]

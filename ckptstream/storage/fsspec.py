@@ -64,11 +64,13 @@ class FsspecStorage(Storage):
                                      [ranges[i][1] for i in wanted], batch_size=MAX_CONCURRENT_READS,
                                      on_error="raise")
         except OSError as exc:
-            if exc.errno == errno.EINVAL:  # S3's 416: some range starts at or past the end of the file
-                size = self.size(path)
-                start, end = next(ranges[i] for i in wanted if ranges[i][0] >= size)
-                raise short_read(path, start, end - start, 0) from None
-            raise
+            if exc.errno != errno.EINVAL:
+                raise
+            size = self.size(path)  # S3's 416: a range starts at or past the end of the file
+            past = [ranges[i] for i in wanted if ranges[i][0] >= size]
+            if not past:
+                raise
+            raise short_read(path, past[0][0], past[0][1] - past[0][0], 0) from None
         for i, data in zip(wanted, got):
             start, end = ranges[i]
             if len(data) != end - start:
