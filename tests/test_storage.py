@@ -181,6 +181,12 @@ def test_posix_capabilities(tmp_path):
     assert storage.capabilities == Capabilities(posix=True, notifications=True)  # watchdog is installed here
 
 
+def test_capabilities_are_consistent():
+    with pytest.raises(ValueError):
+        Capabilities(writable=False)  # put_if_absent is a write
+    assert not Capabilities(writable=False, put_if_absent=False).writable
+
+
 # ------------------------------------------------------------------------------------ registry
 
 
@@ -223,6 +229,8 @@ def test_register_backend(tmp_path):
     assert seen == [(f"{scheme.upper()}://a/b", {"k": "v"})]
     with pytest.raises(ValueError, match="already has a storage backend"):
         register_backend(scheme, lambda url, options: PosixStorage(url))
+    register_backend(scheme, lambda url, options: ReadOnlyStorage(factory(url, options)), replace=True)
+    assert not open_storage(f"{scheme}://a/b").capabilities.writable
     with pytest.raises(ValueError):
         register_backend("bad://", factory)
 

@@ -1,7 +1,7 @@
 """From a stream URL to its storage backend: a registry of URL schemes, with fsspec as the fallback.
 
 Local paths, ``file://`` and ``local://`` are POSIX directories; a scheme registered with
-:func:`register_backend` gets its own backend (a read-only HTTP backend, a test double); any other scheme
+:func:`register_backend` gets its own backend (such as a read-only HTTP backend); any other scheme
 fsspec knows (``s3://``, ``memory://``, ...) is an :class:`FsspecStorage`. fsspec is imported only then.
 """
 
