@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -14,6 +13,7 @@ import torch
 
 from ckptstream.codec import tensor_hash
 from ckptstream.synthetic import TinyModelSpec, write_tiny_model
+from tests.helpers import new_bucket
 
 BACKENDS = ["local", "s3"]
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
@@ -40,14 +40,6 @@ def s3_endpoint() -> Iterator[str]:
         else:
             os.environ[key] = value
     server.stop()
-
-
-def new_bucket(endpoint: str) -> str:
-    import boto3
-
-    name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
-    return name
 
 
 @pytest.fixture(params=BACKENDS)

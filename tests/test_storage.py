@@ -1,14 +1,103 @@
-"""The generic storage suite: the same behaviour on every backend."""
+"""The generic storage suite run against every backend, and what is particular to each backend."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
 import pytest
 
-from ckptstream.storage import open_storage
+from ckptstream.cli import main
+from ckptstream.errors import EXIT_INCOMPATIBLE, StorageCapabilityError
+from ckptstream.storage import (MAX_CONCURRENT_READS, Capabilities, FsspecStorage, PosixStorage, ReadOnlyStorage,
+                                Storage, open_storage, register_backend, registered_schemes)
+from ckptstream.storage.base import concurrently
+from ckptstream.testing.storage import StorageSuite
+from tests.helpers import new_bucket
+
+# ------------------------------------------------------------------------------------ the suite, per backend
+
+
+def _write_files(root: Path, files: Mapping[str, bytes]) -> None:
+    for path, data in files.items():
+        target = root.joinpath(*path.split("/"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+class TestPosixStorage(StorageSuite):
+    @pytest.fixture
+    def storage(self, tmp_path: Path) -> Storage:
+        return open_storage(str(tmp_path / "stream"))
+
+    def populate(self, storage: Storage, files: Mapping[str, bytes]) -> None:
+        assert isinstance(storage, PosixStorage)
+        _write_files(Path(storage.root), files)
+
+
+class TestS3Storage(StorageSuite):
+    """FsspecStorage over s3fs, against a real S3-protocol server (moto) on loopback."""
+
+    @pytest.fixture
+    def storage(self, s3_endpoint: str) -> Storage:
+        self.bucket = new_bucket(s3_endpoint)
+        self.endpoint = s3_endpoint
+        return open_storage(f"s3://{self.bucket}/runs/stream")
+
+    def populate(self, storage: Storage, files: Mapping[str, bytes]) -> None:
+        import boto3  # another client than the storage's own, so that no cache of it knows the files
+
+        client = boto3.client("s3", endpoint_url=self.endpoint)
+        for path, data in files.items():
+            client.put_object(Bucket=self.bucket, Key=f"runs/stream/{path}", Body=data)
+
+
+class TestMemoryStorage(StorageSuite):
+    """FsspecStorage over fsspec's memory:// file system: no atomic put-if-absent, files visible while
+    being written (so writes go through a temporary name)."""
+
+    @pytest.fixture
+    def storage(self) -> Iterator[Storage]:
+        storage = open_storage(f"memory://ckptstream-test-{uuid.uuid4().hex}/stream")
+        yield storage
+        assert isinstance(storage, FsspecStorage)
+        storage.delete_tree("")  # memory:// is one store for the whole process
+
+    def populate(self, storage: Storage, files: Mapping[str, bytes]) -> None:
+        assert isinstance(storage, FsspecStorage)
+        for path, data in files.items():
+            storage.fs.pipe_file(f"{storage.root}/{path}", data)
+
+    def test_memory_has_no_put_if_absent(self, storage: Storage) -> None:
+        assert not storage.capabilities.put_if_absent and not storage.atomic_create
+
+
+class TestReadOnlyStorage(StorageSuite):
+    """The read-only branch of the suite, on a read-only view of a POSIX directory."""
+
+    read_only = True
+
+    @pytest.fixture
+    def storage(self, tmp_path: Path) -> Storage:
+        self.root = tmp_path / "stream"
+        return ReadOnlyStorage(PosixStorage(str(self.root)))
+
+    def populate(self, storage: Storage, files: Mapping[str, bytes]) -> None:
+        _write_files(self.root, files)
+
+
+# ------------------------------------------------------------------------------------ the same, per stream URL
 
 
 @pytest.fixture
-def storage(stream_url: str):
+def storage(stream_url: str) -> Storage:
     return open_storage(stream_url)
 
 
@@ -59,3 +148,126 @@ def test_put_replaces(storage):
     storage.put("replicas/r.json", b"old")
     storage.put("replicas/r.json", b"new")
     assert storage.read("replicas/r.json") == b"new"
+
+
+# ------------------------------------------------------------------------------------ POSIX particulars
+
+
+def test_posix_put_if_absent_accepts_its_own_retransmitted_link(tmp_path, monkeypatch):
+    """NFS: a link(2) whose reply was lost is retransmitted and answered EEXIST although this very call
+    created the link. That cannot be caused for real on a local disk, so os.link is replaced by one that
+    links and then reports EEXIST, as the NFS client does."""
+    real_link = os.link
+
+    def link_then_eexist(src, dst, *args, **kwargs):
+        real_link(src, dst, *args, **kwargs)
+        raise FileExistsError(17, "File exists", dst)
+
+    storage = PosixStorage(str(tmp_path / "stream"))
+    monkeypatch.setattr(os, "link", link_then_eexist)
+    storage.put_if_absent("manifests/000000000001.json", b"mine")
+    monkeypatch.setattr(os, "link", real_link)
+    assert storage.read("manifests/000000000001.json") == b"mine"
+    assert [e.name for e in storage.list("manifests")] == ["000000000001.json"]  # the temp file is gone
+    with pytest.raises(FileExistsError):  # someone else's file under the name is still a conflict
+        storage.put_if_absent("manifests/000000000001.json", b"theirs")
+    assert storage.read("manifests/000000000001.json") == b"mine"
+
+
+def test_posix_capabilities(tmp_path):
+    storage = open_storage(f"file://{tmp_path}/stream")
+    assert isinstance(storage, PosixStorage) and storage.root == f"{tmp_path}/stream"
+    assert storage.is_posix and storage.atomic_create
+    assert storage.capabilities == Capabilities(posix=True, notifications=True)  # watchdog is installed here
+
+
+def test_capabilities_are_consistent():
+    with pytest.raises(ValueError):
+        Capabilities(writable=False)  # put_if_absent is a write
+    assert not Capabilities(writable=False, put_if_absent=False).writable
+
+
+# ------------------------------------------------------------------------------------ registry
+
+
+def test_unknown_scheme_is_a_capability_error():
+    with pytest.raises(StorageCapabilityError) as info:
+        open_storage("foo://bucket/stream")
+    message = str(info.value)
+    assert "'foo'" in message and "foo://bucket/stream" in message
+    assert "s3" in message and "file" in message and "memory" in message  # what is supported
+    assert info.value.exit_code == EXIT_INCOMPATIBLE
+
+
+def test_scheme_without_its_package_is_a_capability_error():
+    for url, package in [("gs://bucket/stream", "gcsfs"), ("hdfs://namenode/stream", "pyarrow")]:
+        if importlib.util.find_spec(package) is not None:
+            continue
+        with pytest.raises(StorageCapabilityError, match=f"'{url.partition(':')[0]}'.*not installed"):
+            open_storage(url)
+
+
+def test_cli_unknown_scheme_exits_incompatible(capsys):
+    assert main(["ls", "foo://bucket/stream"]) == EXIT_INCOMPATIBLE
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and "unknown storage URL scheme 'foo'" in err
+
+
+def test_register_backend(tmp_path):
+    scheme = f"ckpt{uuid.uuid4().hex[:8]}"
+    seen = []
+
+    def factory(url, options):
+        seen.append((url, dict(options)))
+        return PosixStorage(str(tmp_path / url.partition("://")[2]))
+
+    register_backend(scheme, factory)
+    register_backend(scheme, factory)  # the same factory again is fine
+    assert scheme in registered_schemes() and {"file", "local"} <= set(registered_schemes())
+    storage = open_storage(f"{scheme.upper()}://a/b", {"k": "v"})  # schemes are case-insensitive
+    assert isinstance(storage, PosixStorage) and storage.root == str(tmp_path / "a" / "b")
+    assert seen == [(f"{scheme.upper()}://a/b", {"k": "v"})]
+    with pytest.raises(ValueError, match="already has a storage backend"):
+        register_backend(scheme, lambda url, options: PosixStorage(url))
+    register_backend(scheme, lambda url, options: ReadOnlyStorage(factory(url, options)), replace=True)
+    assert not open_storage(f"{scheme}://a/b").capabilities.writable
+    with pytest.raises(ValueError):
+        register_backend("bad://", factory)
+
+
+def test_import_is_cheap():
+    """Importing the storage package imports neither fsspec (nor s3fs) nor torch. The parent package is
+    stubbed, since what ckptstream/__init__.py imports is not the storage package's doing."""
+    code = ("import sys, types; pkg = types.ModuleType('ckptstream'); pkg.__path__ = [sys.argv[1]]; "
+            "sys.modules['ckptstream'] = pkg; import ckptstream.storage; "
+            "print(sorted(m for m in ('fsspec', 's3fs', 'torch', 'watchdog') if m in sys.modules))")
+    package_dir = str(Path(__file__).resolve().parent.parent / "ckptstream")
+    out = subprocess.run([sys.executable, "-c", code, package_dir], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(package_dir).parent)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------------------------ concurrency
+
+
+def test_concurrent_reads_are_bounded_and_raise_the_first_error():
+    lock = threading.Lock()
+    running = peak = 0
+
+    def work(i: int) -> int:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.02)
+        with lock:
+            running -= 1
+        if i in (7, 30):
+            raise EOFError(f"range {i}")
+        return i
+
+    with pytest.raises(EOFError, match="range 7"):
+        concurrently(work, list(range(3 * MAX_CONCURRENT_READS)))
+    assert peak == MAX_CONCURRENT_READS
+    assert running == 0  # every item finished before the error was raised
+    assert concurrently(lambda i: i * 2, list(range(40))) == [i * 2 for i in range(40)]

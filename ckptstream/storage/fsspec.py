@@ -1,0 +1,158 @@
+"""A stream on an fsspec file system: S3 through s3fs, or any other fsspec protocol.
+
+This module never imports fsspec itself (it is handed a file system), so importing the package stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import errno
+from collections.abc import Iterator, Sequence
+from typing import IO, Any
+
+from ..errors import StorageCapabilityError
+from .base import MAX_CONCURRENT_READS, Capabilities, Entry, Storage, check_ranges, short_read, temp_name
+
+# Object stores whose fsspec backend turns open(path, "xb") into an atomic put-if-absent (s3fs sends a PUT
+# with If-None-Match: *), and whose objects appear only when their (multipart) upload completes, so a
+# file can be written under its final name directly.
+_CONDITIONAL_PUT_PROTOCOLS = ("s3", "s3a")
+
+
+class FsspecStorage(Storage):
+    """An fsspec file system (S3 through s3fs). Commits with ``open(path, "xb")``: a conditional PUT.
+
+    On other file systems (``memory://``, ...) files are written under a temporary name and moved into
+    place, and ``put_if_absent`` is refused: their exclusive create is a check-then-write.
+    """
+
+    def __init__(self, fs: Any, root: str, url: str):
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+        self._object_store = any(p in _CONDITIONAL_PUT_PROTOCOLS for p in protocols)
+        self.capabilities = Capabilities(put_if_absent=self._object_store)
+
+    def _abs(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    # ------------------------------------------------------------------------------------------ reading
+
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        full = self._abs(path)
+        if start is not None and end is not None and end <= start:
+            self.fs.info(full)  # FileNotFoundError as for any read; an empty range is not a request (s3fs
+            return b""  # sends one without a Range header and returns the whole object)
+        try:
+            return self.fs.cat_file(full, start=start, end=end)
+        except OSError as exc:
+            # A range that starts at or past the end of the file: S3 answers 416 where a file gives b"".
+            if exc.errno == errno.EINVAL and start and start >= self.size(path):
+                return b""
+            raise
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        if not self.fs.async_impl:
+            return super().read_ranges(path, ranges)  # threads over read()
+        check_ranges(ranges)
+        wanted = [i for i, (start, end) in enumerate(ranges) if end > start]
+        out = [b""] * len(ranges)
+        try:
+            got = self.fs.cat_ranges([self._abs(path)] * len(wanted), [ranges[i][0] for i in wanted],
+                                     [ranges[i][1] for i in wanted], batch_size=MAX_CONCURRENT_READS,
+                                     on_error="raise")
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            size = self.size(path)  # S3's 416: a range starts at or past the end of the file
+            past = [ranges[i] for i in wanted if ranges[i][0] >= size]
+            if not past:
+                raise
+            raise short_read(path, past[0][0], past[0][1] - past[0][0], 0) from None
+        for i, data in zip(wanted, got):
+            start, end = ranges[i]
+            if len(data) != end - start:
+                raise short_read(path, start, end - start, len(data))
+            out[i] = data
+        return out
+
+    def read_ranges_into(self, path: str, targets: Sequence[tuple[int, memoryview]]) -> None:
+        datas = self.read_ranges(path, [(offset, offset + len(buffer)) for offset, buffer in targets])
+        for (_, buffer), data in zip(targets, datas):
+            buffer[:] = data
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return self.fs.open(self._abs(path), "rb", block_size=8 << 20, cache_type="readahead")
+
+    # ------------------------------------------------------------------------------------------ writing
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        final = self._abs(path)
+        # An object appears only when its (multipart) upload completes, so the final name is safe to use;
+        # elsewhere (memory://: a file is visible as soon as it is opened) write aside and move into place.
+        directory, _, name = final.rpartition("/")
+        target = final if self._object_store else f"{directory}/{temp_name(name)}"
+        f = self.fs.open(target, "wb")
+        try:
+            yield f
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard()  # abort the (multipart) upload: nothing appears
+                f.closed = True  # so that garbage collection does not complete the upload
+            if target != final:
+                with contextlib.suppress(Exception):
+                    f.close()
+                    self.fs.rm_file(target)
+            raise
+        f.close()
+        if target != final:
+            self.fs.mv(target, final)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        if not self.capabilities.put_if_absent:
+            raise StorageCapabilityError(
+                f"storage {self.url} has no atomic put-if-absent, so concurrent commits could be lost",
+                file=path, hint="Use a POSIX path or an S3-compatible object store")
+        with self.fs.open(self._abs(path), "xb") as f:  # s3fs: PUT with If-None-Match: *
+            f.write(data)
+
+    # ------------------------------------------------------------------------------------------ metadata
+
+    def list(self, path: str) -> list[Entry]:
+        full = self._abs(path)
+        self.fs.invalidate_cache(full)
+        try:
+            items = self.fs.ls(full, detail=True)
+        except FileNotFoundError:
+            return []
+        entries = []
+        for item in items:
+            name = item["name"].rstrip("/").rsplit("/", 1)[-1]
+            if item["name"].rstrip("/") == full:
+                continue
+            # S3 says LastModified, local-like file systems mtime, memory:// only created.
+            modified = item.get("LastModified") or item.get("mtime") or item.get("created")
+            if isinstance(modified, _dt.datetime):
+                modified = modified.timestamp()
+            entries.append(Entry(name, item["type"] == "directory", int(item.get("size") or 0), modified))
+        return entries
+
+    def size(self, path: str) -> int:
+        self.fs.invalidate_cache(self._abs(path))
+        return int(self.fs.info(self._abs(path))["size"])
+
+    def exists(self, path: str) -> bool:
+        full = self._abs(path)
+        self.fs.invalidate_cache(full)
+        return bool(self.fs.isfile(full))
+
+    def delete(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._abs(path))
+
+    def delete_tree(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._abs(path), recursive=True)

@@ -1,0 +1,62 @@
+"""Storages that wrap another one and change what it may do, without touching the backend."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import IO
+
+from .base import Entry, Storage, Watch, capability_error
+
+
+class ReadOnlyStorage(Storage):
+    """A read-only view of another storage: reads, listings and watches pass through, every write raises
+    StorageCapabilityError (a reader that must never change the stream it reads, such as a verifier)."""
+
+    def __init__(self, inner: Storage):
+        self.inner = inner
+        self.url = inner.url
+        self.capabilities = dataclasses.replace(inner.capabilities, writable=False, put_if_absent=False)
+
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.inner.read(path, start, end)
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        self.inner.read_into(path, offset, buffer)
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return self.inner.read_ranges(path, ranges)
+
+    def read_ranges_into(self, path: str, targets: Sequence[tuple[int, memoryview]]) -> None:
+        self.inner.read_ranges_into(path, targets)
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return self.inner.open_read(path)
+
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        raise capability_error(self, "write a file", path)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        raise capability_error(self, "create a file", path)
+
+    def put(self, path: str, data: bytes) -> None:
+        raise capability_error(self, "write a file", path)
+
+    def list(self, path: str) -> list[Entry]:
+        return self.inner.list(path)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def delete(self, path: str) -> None:
+        raise capability_error(self, "delete a file", path)
+
+    def delete_tree(self, path: str) -> None:
+        raise capability_error(self, "delete a directory", path)
+
+    def watch(self, path: str, callback: Callable[[], None]) -> Watch | None:
+        return self.inner.watch(path, callback)
