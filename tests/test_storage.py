@@ -19,7 +19,7 @@ from ckptstream.errors import EXIT_INCOMPATIBLE, StorageCapabilityError
 from ckptstream.storage import (MAX_CONCURRENT_READS, Capabilities, FsspecStorage, PosixStorage, ReadOnlyStorage,
                                 Storage, open_storage, register_backend, registered_schemes)
 from ckptstream.storage.base import concurrently
-from ckptstream.testing.storage import StorageSuite
+from ckptstream.testing.storage import ReadOnlyStorageSuite, WritableStorageSuite
 from tests.helpers import new_bucket
 
 # ------------------------------------------------------------------------------------ the suite, per backend
@@ -32,7 +32,7 @@ def _write_files(root: Path, files: Mapping[str, bytes]) -> None:
         target.write_bytes(data)
 
 
-class TestPosixStorage(StorageSuite):
+class TestPosixStorage(WritableStorageSuite):
     @pytest.fixture
     def storage(self, tmp_path: Path) -> Storage:
         return open_storage(str(tmp_path / "stream"))
@@ -42,7 +42,7 @@ class TestPosixStorage(StorageSuite):
         _write_files(Path(storage.root), files)
 
 
-class TestS3Storage(StorageSuite):
+class TestS3Storage(WritableStorageSuite):
     """FsspecStorage over s3fs, against a real S3-protocol server (moto) on loopback."""
 
     @pytest.fixture
@@ -59,7 +59,7 @@ class TestS3Storage(StorageSuite):
             client.put_object(Bucket=self.bucket, Key=f"runs/stream/{path}", Body=data)
 
 
-class TestMemoryStorage(StorageSuite):
+class TestMemoryStorage(WritableStorageSuite):
     """FsspecStorage over fsspec's memory:// file system: no atomic put-if-absent, files visible while
     being written (so writes go through a temporary name)."""
 
@@ -79,10 +79,8 @@ class TestMemoryStorage(StorageSuite):
         assert not storage.capabilities.put_if_absent and not storage.atomic_create
 
 
-class TestReadOnlyStorage(StorageSuite):
+class TestReadOnlyStorage(ReadOnlyStorageSuite):
     """The read-only branch of the suite, on a read-only view of a POSIX directory."""
-
-    read_only = True
 
     @pytest.fixture
     def storage(self, tmp_path: Path) -> Storage:

@@ -3,7 +3,7 @@ that a new backend (in ckptstream or outside it) proves itself by subclassing it
 
 Usage (pytest collects the subclass, not this base)::
 
-    class TestMyStorage(StorageSuite):
+    class TestMyStorage(WritableStorageSuite):   # ReadOnlyStorageSuite for a backend that cannot write
         @pytest.fixture
         def storage(self, tmp_path):
             return MyStorage(...)
@@ -11,8 +11,8 @@ Usage (pytest collects the subclass, not this base)::
         def populate(self, storage, files):  # bypass the storage under test
             ...
 
-A read-only backend sets ``read_only = True`` and must implement :meth:`StorageSuite.populate` (the suite
-then checks that every write is refused and that reads work on files put there another way).
+A read-only backend subclasses ``ReadOnlyStorageSuite`` and must implement :meth:`StorageSuite.populate` (the
+suite then checks that every write is refused and that reads work on files put there another way).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..errors import StorageCapabilityError
 from ..format import TEMP_PREFIX
 from ..storage import Capabilities, Storage
 
-__all__ = ["StorageSuite"]
+__all__ = ["ReadOnlyStorageSuite", "StorageSuite", "WritableStorageSuite"]
 
 # 1 KiB whose bytes all differ from their neighbours, so that an off-by-one range shows.
 DATA = bytes(range(256)) * 4
@@ -57,10 +57,6 @@ class StorageSuite:
             raise NotImplementedError(f"{type(self).__name__} is read-only and must define populate()")
         for path, data in files.items():
             storage.put(path, data)
-
-    def _needs_writes(self, storage: Storage) -> None:
-        if not storage.capabilities.writable:
-            pytest.skip("read-only backend (test_writes_are_refused covers it)")
 
     # ------------------------------------------------------------------------------------- capabilities
 
@@ -178,10 +174,30 @@ class StorageSuite:
         assert entries["one"].mtime is not None
         assert [e.name for e in storage.list("d/sub")] == ["two"]
 
-    # ------------------------------------------------------------------------------------------ writing
+    # ------------------------------------------------------------------------------------------ changes
+
+    def test_watch(self, storage: Storage) -> None:
+        self.populate(storage, {"manifests/old.json": b"{}"})
+        changed = threading.Event()
+        watch = storage.watch("manifests", changed.set)
+        if not storage.capabilities.notifications:
+            assert watch is None
+            return
+        assert watch is not None
+        try:
+            time.sleep(0.2)  # let the watch settle
+            assert storage.read("manifests/old.json") == b"{}"
+            assert not changed.wait(0.5), "a read is not a change"
+            self.populate(storage, {"manifests/new.json": b"{}"})
+            assert changed.wait(self.notify_timeout), "no notification of a new file"
+        finally:
+            watch.stop()
+
+
+class WritableStorageSuite(StorageSuite):
+    """The suite of a backend that writes: atomic writes, put-if-absent (or its refusal), deletes."""
 
     def test_open_write_appears_only_on_success(self, storage: Storage) -> None:
-        self._needs_writes(storage)
         with pytest.raises(RuntimeError), storage.open_write("versions/x/data.bin") as f:
             f.write(b"partial")
             raise RuntimeError("writer crashed")
@@ -194,7 +210,6 @@ class StorageSuite:
         assert storage.read("versions/x/data.bin") == DATA
 
     def test_open_write_failure_keeps_the_old_file(self, storage: Storage) -> None:
-        self._needs_writes(storage)
         storage.put("r/file", b"old")
         with pytest.raises(RuntimeError), storage.open_write("r/file") as f:
             f.write(b"new, but never finished")
@@ -204,13 +219,11 @@ class StorageSuite:
             assert [e.name for e in storage.list("r") if not e.name.startswith(TEMP_PREFIX)] == ["file"]
 
     def test_put_replaces(self, storage: Storage) -> None:
-        self._needs_writes(storage)
         storage.put("replicas/r.json", b"old")
         storage.put("replicas/r.json", b"new")
         assert storage.read("replicas/r.json") == b"new"
 
     def test_put_if_absent_is_exclusive(self, storage: Storage) -> None:
-        self._needs_writes(storage)
         if not storage.capabilities.put_if_absent:
             with pytest.raises(StorageCapabilityError):
                 storage.put_if_absent("manifests/a.json", b"first")
@@ -224,9 +237,8 @@ class StorageSuite:
             assert [e.name for e in storage.list("manifests")] == ["a.json"]  # no temp file left behind
 
     def test_put_if_absent_race_has_one_winner(self, storage: Storage) -> None:
-        self._needs_writes(storage)
         if not storage.capabilities.put_if_absent:
-            pytest.skip("no put-if-absent (test_put_if_absent_is_exclusive checks it is refused)")
+            return  # test_put_if_absent_is_exclusive checks that it is refused
         writers = 8
         start = threading.Barrier(writers)
         outcomes: dict[int, str] = {}
@@ -251,7 +263,6 @@ class StorageSuite:
         assert storage.read("manifests/race.json") == f"writer {winners[0]}".encode()
 
     def test_delete_is_idempotent(self, storage: Storage) -> None:
-        self._needs_writes(storage)
         storage.put("d/one", b"1")
         storage.delete("d/one")
         storage.delete("d/one")  # missing is fine
@@ -259,7 +270,6 @@ class StorageSuite:
         storage.delete("never/was")
 
     def test_delete_tree_is_idempotent(self, storage: Storage) -> None:
-        self._needs_writes(storage)
         storage.put("t/one", b"1")
         storage.put("t/sub/two", b"22")
         storage.put("keep", b"k")
@@ -271,9 +281,13 @@ class StorageSuite:
         if storage.capabilities.listing:
             assert storage.list("t") == []
 
+
+class ReadOnlyStorageSuite(StorageSuite):
+    """The suite of a read-only backend: every write is refused; reads work on files ``populate`` put there."""
+
+    read_only = True
+
     def test_writes_are_refused(self, storage: Storage) -> None:
-        if storage.capabilities.writable:
-            pytest.skip("writable backend")
         self.populate(storage, {FILE: DATA})
         with pytest.raises(StorageCapabilityError), storage.open_write(FILE) as f:
             f.write(b"x")
@@ -287,22 +301,3 @@ class StorageSuite:
             storage.delete_tree("d")
         assert storage.read(FILE) == DATA
         assert not storage.exists("manifests/a.json")
-
-    # ------------------------------------------------------------------------------------------ changes
-
-    def test_watch(self, storage: Storage) -> None:
-        self.populate(storage, {"manifests/old.json": b"{}"})
-        changed = threading.Event()
-        watch = storage.watch("manifests", changed.set)
-        if not storage.capabilities.notifications:
-            assert watch is None
-            return
-        assert watch is not None
-        try:
-            time.sleep(0.2)  # let the watch settle
-            assert storage.read("manifests/old.json") == b"{}"
-            assert not changed.wait(0.5), "a read is not a change"
-            self.populate(storage, {"manifests/new.json": b"{}"})
-            assert changed.wait(self.notify_timeout), "no notification of a new file"
-        finally:
-            watch.stop()
