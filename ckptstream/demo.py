@@ -23,7 +23,7 @@ import torch
 from .codec import tensor_hash
 from .hf import iter_hf_weights
 from .reader import Stream
-from .synthetic import TinyModelSpec, rl_like_step, write_tiny_model
+from .testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from .writer import Publisher
 
 _MARKER = ".ckptstream-demo"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptstream.codec import tensor_hash
-from ckptstream.synthetic import TinyModelSpec, write_tiny_model
+from ckptstream.testing.models import TinyModelSpec, write_tiny_model
 
 BACKENDS = ["local", "s3"]
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
