@@ -25,9 +25,19 @@ _LAZY_NAMES = {
 }
 
 if TYPE_CHECKING:
-    from .errors import (CkptStreamError, IncompatibleStreamError, IntegrityError, MissingBaseError, PublishError,
-                         StorageCapabilityError, StreamNotFoundError, UnsafeManifestError, VersionConflictError,
-                         VersionNotFoundError, VersionOrderError)
+    from .errors import (
+        CkptStreamError,
+        IncompatibleStreamError,
+        IntegrityError,
+        MissingBaseError,
+        PublishError,
+        StorageCapabilityError,
+        StreamNotFoundError,
+        UnsafeManifestError,
+        VersionConflictError,
+        VersionNotFoundError,
+        VersionOrderError,
+    )
     from .format import FORMAT_VERSION, Manifest, StreamInfo, TensorEntry
     from .reader import Stream, VerifyReport
     from .writer import Publisher

@@ -12,9 +12,9 @@ import pytest
 from ckptstream import Stream
 from ckptstream.cli import main
 from ckptstream.format import manifest_path
+from ckptstream.hf import iter_hf_weights
 from ckptstream.storage import open_storage
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
-from ckptstream.hf import iter_hf_weights
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

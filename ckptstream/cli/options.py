@@ -10,8 +10,7 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
-from ..errors import (EXIT_CONFLICT, EXIT_ERROR, EXIT_INCOMPATIBLE, EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_OK,
-                      EXIT_USAGE)
+from ..errors import EXIT_CONFLICT, EXIT_ERROR, EXIT_INCOMPATIBLE, EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:
     from ..reader import Stream

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream publish /mnt/nfs/run1 --from-hf ./checkpoint-100 --step 100
         ckptstream publish s3://bucket/run1 --from-hf ./ckpt --version 7 --keyframe
         ckptstream publish /mnt/nfs/run1 --from-megatron ./megatron_save --hf-config ./Qwen3-8B
-        ckptstream publish /mnt/nfs/run1 --from-megatron ./megatron_save/iter_0000200 --hf-config ./Qwen3-8B --dtype bfloat16
+        ckptstream publish /mnt/nfs/run1 --from-megatron ./save/iter_0000200 --hf-config ./Qwen3-8B --dtype bfloat16
         """)
     add_url(p)
     source = p.add_mutually_exclusive_group(required=True)

@@ -57,7 +57,7 @@ class TinyModelSpec:
             raise ValueError(f"head_dim {self.head_dim} is below 32, which vLLM cannot serve")
 
     @classmethod
-    def for_size(cls, target_bytes: int, arch: str = "qwen2", **overrides: object) -> "TinyModelSpec":
+    def for_size(cls, target_bytes: int, arch: str = "qwen2", **overrides: object) -> TinyModelSpec:
         """A spec whose weights take about ``target_bytes`` (bf16): the hidden size grows with the target,
         then layers are added until the size is reached."""
         hidden = 128
