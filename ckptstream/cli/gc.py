@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_url(p)
     p.add_argument("--keep-last", type=positive_int, required=True, metavar="K", help="keep the newest K versions")
     p.add_argument("--keep-every", type=int, metavar="M",
-                   help="also keep versions whose number is a multiple of M (0: none)")
+                   help="also keep versions whose number is a multiple of M")
     p.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="leave debris younger than this alone (default 3600)")
     p.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
