@@ -18,7 +18,7 @@ from typing import Sequence
 from .. import __version__
 from ..errors import EXIT_CONFLICT, EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, CkptStreamError
 from . import follow, gc, inspect, materialize, publish, tools
-from .options import EXIT_CODES_HELP, Parser, UsageError
+from .options import EXIT_CODES_HELP, Parser
 
 __all__ = ["main"]
 
@@ -45,9 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("Error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except UsageError as exc:
-        print(f"Error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except BrokenPipeError:  # `ckptstream ls URL | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK

@@ -38,7 +38,7 @@ def run_materialize(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         # --force replaces directories only: a file in the way is more likely a typo than a target.
-        raise UsageError(f"OUT_DIR {args.out_dir} is a file, not a directory: pick a directory path")
+        raise UsageError(f"OUT_DIR {args.out_dir} is a file, not a directory", hint="Pick a directory path")
     stream = open_stream(args)
     version = stream.resolve(args.ref)
     manifest = stream.manifest(version)

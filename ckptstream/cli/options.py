@@ -10,7 +10,16 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
-from ..errors import EXIT_CONFLICT, EXIT_ERROR, EXIT_INCOMPATIBLE, EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
+from ..errors import (
+    EXIT_CONFLICT,
+    EXIT_ERROR,
+    EXIT_INCOMPATIBLE,
+    EXIT_INTEGRITY,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_USAGE,
+    CkptStreamError,
+)
 
 if TYPE_CHECKING:
     from ..reader import Stream
@@ -31,8 +40,10 @@ VERSION_HELP = f"version number or '{LATEST}'"
 Run = Callable[[argparse.Namespace], "int | None"]
 
 
-class UsageError(Exception):
+class UsageError(CkptStreamError, ValueError):
     """Arguments that parse but do not go together (exit code 2, like argparse's own errors)."""
+
+    exit_code = EXIT_USAGE
 
 
 class Parser(argparse.ArgumentParser):
