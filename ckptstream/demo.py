@@ -23,7 +23,7 @@ import torch
 from .codec import tensor_hash
 from .hf import iter_hf_weights
 from .reader import Stream
-from .synthetic import TinyModelSpec, rl_like_step, write_tiny_model
+from .testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from .writer import Publisher
 
 _MARKER = ".ckptstream-demo"
@@ -96,7 +96,7 @@ def run_demo(*, workdir: Path | None, versions: int = 8, size: int = 32_000_000,
                     update = server.updates.get(manifest.version)
                     row["pause_s"] = None if update is None else update.pause_s
                     with ThreadPoolExecutor(8) as pool:
-                        row["greedy"] = list(pool.map(lambda p: server.client.generate(p, 16), PROMPTS))
+                        row["greedy"] = list(pool.map(server.client.generate, PROMPTS, [16] * len(PROMPTS)))
                     assert server.client.weight_version() == str(manifest.version)
     finally:
         if server is not None:

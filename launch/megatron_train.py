@@ -37,8 +37,8 @@ def main() -> None:
 
     from ckptstream import Stream
     from ckptstream.hf import iter_hf_weights
-    from ckptstream.synthetic import TinyModelSpec, write_tiny_model
-    from ckptstream.synthetic_megatron import build_gpt_model, cpu_support, initialize_parallel
+    from ckptstream.testing.megatron import build_gpt_model, cpu_support, initialize_parallel
+    from ckptstream.testing.models import TinyModelSpec, write_tiny_model
     from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
 
     device = initialize_parallel(tp=args.tp)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptstream.codec import tensor_hash
-from ckptstream.synthetic import TinyModelSpec, write_tiny_model
+from ckptstream.testing.models import TinyModelSpec, write_tiny_model
 from tests.helpers import new_bucket
 
 BACKENDS = ["local", "s3"]

@@ -12,9 +12,9 @@ import pytest
 from ckptstream import Stream
 from ckptstream.cli import main
 from ckptstream.format import manifest_path
-from ckptstream.storage import open_storage
-from ckptstream.synthetic import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.hf import iter_hf_weights
+from ckptstream.storage import open_storage
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -99,7 +99,7 @@ def test_console_script_help_and_storage_options(tmp_path, s3_endpoint):
                                text=True, check=True).stdout
     assert "examples:" in help_text and "exit codes:" in help_text and "--json" in help_text
     # S3 configured only through --storage-option (no AWS_ENDPOINT_URL in the environment).
-    from tests.conftest import new_bucket
+    from tests.helpers import new_bucket
 
     bucket = new_bucket(s3_endpoint)
     model = write_tiny_model(tmp_path / "m", TinyModelSpec(arch="qwen3"))
@@ -134,3 +134,85 @@ def test_publish_default_cache_dir_is_under_home(tmp_path, monkeypatch, capsys):
     assert run(capsys, "publish", str(tmp_path / "stream"), "--from-hf", str(model))[0] == 0
     assert list((tmp_path / "home" / ".cache" / "ckptstream" / "publish").glob("*.safetensors"))
     assert not (tmp_path / "~").exists()
+
+
+# ------------------------------------------------------------------ expected bad input: usage errors, not exit 1
+
+@pytest.fixture
+def one_version(tmp_path, tiny_model, capsys):
+    """A local stream with version 0, published with the CLI."""
+    url = str(tmp_path / "stream")
+    assert run(capsys, "publish", url, "--from-hf", str(tiny_model), "--cache-dir", "")[0] == 0
+    return url
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1"])
+@pytest.mark.parametrize("command", ["show", "materialize", "diff", "verify"])
+def test_bad_version_is_a_usage_error(one_version, tmp_path, capsys, command, bad):
+    argv = {"show": ["show", one_version, bad], "materialize": ["materialize", one_version, bad, str(tmp_path / "o")],
+            "diff": ["diff", one_version, "0", bad], "verify": ["verify", one_version, bad]}[command]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith("Error: ") and repr(bad) in err and "'latest'" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_version_options_are_usage_errors(one_version, tiny_model, capsys):
+    code, _, err = run(capsys, "publish", one_version, "--from-hf", str(tiny_model), "--version", "-1")
+    assert code == 2 and "Error: argument --version" in err
+    code, _, err = run(capsys, "follow", one_version, "--vllm-url", "http://127.0.0.1:9", "--pin", "x")
+    assert code == 2 and "Error: argument --pin" in err
+    code, _, err = run(capsys, "serve", one_version, "--version", "abc")
+    assert code == 2 and "Error: argument --version" in err
+
+
+def test_gc_keep_last_must_be_positive(one_version, capsys):
+    code, out, err = run(capsys, "gc", one_version, "--keep-last", "0")
+    assert code == 2 and out == "" and "Error: argument --keep-last: 0 is not a positive count" in err
+    assert Stream(one_version).versions() == [0]
+
+
+def test_publish_keyframe_every_must_be_positive(one_version, tiny_model, capsys):
+    code, _, err = run(capsys, "publish", one_version, "--from-hf", str(tiny_model), "--keyframe-every", "0")
+    assert code == 2 and "Error: argument --keyframe-every: 0 is not a positive count" in err
+    assert Stream(one_version).versions() == [0]
+
+
+def test_storage_option_without_value_is_a_usage_error(one_version, capsys):
+    code, out, err = run(capsys, "ls", one_version, "-o", "novalue")
+    assert code == 2 and out == ""
+    assert "Error: argument --storage-option/-o: wants KEY=VALUE, got 'novalue'" in err
+
+
+def test_materialize_onto_an_existing_file_is_a_usage_error(one_version, tmp_path, capsys):
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(b"keep me")
+    for extra in ([], ["--force"]):
+        code, out, err = run(capsys, "materialize", one_version, "latest", str(target), *extra)
+        assert code == 2 and out == "" and err.startswith("Error: ") and "is a file, not a directory" in err
+        assert target.read_bytes() == b"keep me"
+
+
+def test_unknown_url_scheme_is_incompatible(capsys):
+    code, out, err = run(capsys, "ls", "nosuchscheme://bucket/run1")
+    assert code == 6 and out == ""
+    assert err.startswith("Error: ") and "nosuchscheme" in err and "Traceback" not in err
+
+
+def test_parser_and_help_do_not_import_torch():
+    """`ckptstream --help` (and every command's) stays fast: building the parser imports no torch."""
+    commands = ["publish", "ls", "show", "diff", "replicas", "materialize", "verify", "gc", "follow", "serve",
+                "replay", "make-tiny-model", "demo"]
+    check = ("import contextlib, io, sys\n"
+             "from ckptstream.cli import main\n"
+             f"for argv in [['--help'], ['--version']] + [[c, '--help'] for c in {commands!r}]:\n"
+             "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+             "        try:\n"
+             "            code = main(argv)\n"
+             "        except SystemExit as exc:\n"
+             "            code = exc.code\n"
+             "    assert code == 0, argv\n"
+             "    assert argv[0] == '--version' or 'exit codes:' in out.getvalue(), argv\n"
+             "assert 'torch' not in sys.modules, 'torch imported'\n")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

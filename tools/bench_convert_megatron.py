@@ -27,8 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Stream  # noqa: E402
-from ckptstream.cli import main as cli, parse_bytes  # noqa: E402
-from ckptstream.synthetic import TinyModelSpec, tiny_config  # noqa: E402
+from ckptstream.cli import main as cli  # noqa: E402
+from ckptstream.cli.options import parse_bytes  # noqa: E402
+from ckptstream.testing.models import TinyModelSpec, tiny_config  # noqa: E402
 from ckptstream.vllm_loader.serve import free_port  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def save_checkpoint(hf_dir: Path, save_dir: Path, size: int) -> None:
     """A torch_dist checkpoint of a random bf16 model (one rank), as megatron's training loop lays it out."""
     from megatron.core import dist_checkpointing
 
-    from ckptstream.synthetic_megatron import build_gpt_model, cpu_support, initialize_parallel
+    from ckptstream.testing.megatron import build_gpt_model, cpu_support, initialize_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     initialize_parallel()

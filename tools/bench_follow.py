@@ -30,9 +30,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Publisher, Stream  # noqa: E402
-from ckptstream.cli import parse_bytes  # noqa: E402
+from ckptstream.cli.options import parse_bytes  # noqa: E402
 from ckptstream.storage import fsync_path  # noqa: E402
-from ckptstream.synthetic import TinyModelSpec, rl_like_step, write_tiny_model  # noqa: E402
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model  # noqa: E402
 from ckptstream.vllm_loader import BackgroundServe, VllmClient  # noqa: E402
 
 

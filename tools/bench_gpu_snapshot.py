@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Publisher, Stream  # noqa: E402
-from ckptstream.cli import parse_bytes  # noqa: E402
+from ckptstream.cli.options import parse_bytes  # noqa: E402
 from ckptstream.codec import tensor_hash  # noqa: E402
-from ckptstream.synthetic import TinyModelSpec, rl_like_step, tiny_state_dict  # noqa: E402
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, tiny_state_dict  # noqa: E402
 
 
 def main() -> None:

@@ -34,9 +34,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Stream  # noqa: E402
-from ckptstream.cli import parse_bytes  # noqa: E402
+from ckptstream.cli.options import parse_bytes  # noqa: E402
 from ckptstream.storage import fsync_path  # noqa: E402
-from ckptstream.synthetic import TinyModelSpec, rl_like_step, tiny_config  # noqa: E402
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, tiny_config  # noqa: E402
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
 
     from megatron.core import parallel_state as mpu
 
-    from ckptstream.synthetic_megatron import build_gpt_model, initialize_parallel
+    from ckptstream.testing.megatron import build_gpt_model, initialize_parallel
     from ckptstream.writer.megatron import MegatronPublisher
 
     device = initialize_parallel(tp=args.tp or int(os.environ["WORLD_SIZE"]))

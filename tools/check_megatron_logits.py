@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckptstream.synthetic import TinyModelSpec, rl_like_step, tiny_state_dict, write_tiny_model  # noqa: E402
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, tiny_state_dict, write_tiny_model  # noqa: E402
 
 VOCAB = 1000  # not a multiple of Megatron's padding
 
@@ -46,7 +46,7 @@ def main() -> None:
     from megatron.core import parallel_state as mpu
 
     from ckptstream import Stream
-    from ckptstream.synthetic_megatron import build_gpt_model, initialize_parallel, pipeline_logits
+    from ckptstream.testing.megatron import build_gpt_model, initialize_parallel, pipeline_logits
     from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
 
     device = initialize_parallel(tp=args.tp, pp=args.pp, ep=args.ep)

@@ -1,7 +1,26 @@
-"""Reading streams: discovery, verification, decoding and materialization of versions."""
+"""Reading streams: discovery, verification, decoding and materialization of versions.
 
-from .replicas import ReplicaRecord, read_replicas, replica_path, write_replica
-from .stream import MARKER_FILE, MaterializedBase, Stream, TensorDiff, VerifyReport
+Names are imported on first use: importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_face
+
+_LAZY_NAMES = {
+    **dict.fromkeys(("ReplicaRecord", "read_replicas", "replica_path", "write_replica"), ".replicas"),
+    **dict.fromkeys(("MaterializedBase", "Stream", "TensorDiff", "VerifyReport"), ".stream"),
+    "MARKER_FILE": "..format",
+}
+
+if TYPE_CHECKING:
+    from ..format import MARKER_FILE
+    from .replicas import ReplicaRecord, read_replicas, replica_path, write_replica
+    from .stream import MaterializedBase, Stream, TensorDiff, VerifyReport
+
+__getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
 __all__ = ["MARKER_FILE", "MaterializedBase", "ReplicaRecord", "Stream", "TensorDiff", "VerifyReport",
            "read_replicas", "replica_path", "write_replica"]

@@ -1,6 +1,10 @@
 """The follower side: keep running vLLM servers on the newest good version of a stream.
 
 Imports nothing of vLLM: servers are controlled over HTTP (``VLLM_SERVER_DEV_MODE=1`` routes).
+
+This face imports its submodules eagerly (and so torch), unlike ``ckptstream``, ``ckptstream.reader`` and
+``ckptstream.writer``: ``replay`` and ``serve`` name both a submodule and a function, and a lazy face would
+hand out the submodule to whoever asks after that submodule was imported.
 """
 
 from .client import VllmClient, VllmError, VllmUnreachable
@@ -8,5 +12,6 @@ from .follower import Follower, UpdateRecord, VersionCache, default_cache_dir
 from .replay import ReplayResult, replay, select_versions
 from .serve import CPU_VLLM_ARGS, BackgroundServe, free_port, serve, vllm_command
 
-__all__ = ["CPU_VLLM_ARGS", "BackgroundServe", "Follower", "ReplayResult", "UpdateRecord", "VersionCache", "VllmClient", "VllmError", "VllmUnreachable",
-           "default_cache_dir", "free_port", "replay", "select_versions", "serve", "vllm_command"]
+__all__ = ["CPU_VLLM_ARGS", "BackgroundServe", "Follower", "ReplayResult", "UpdateRecord", "VersionCache",
+           "VllmClient", "VllmError", "VllmUnreachable", "default_cache_dir", "free_port", "replay",
+           "select_versions", "serve", "vllm_command"]

@@ -1,11 +1,27 @@
 """Publishing versions (generic tensors, HF directories, many ranks, Megatron) and collecting old ones.
 
 ``MegatronPublisher`` is in :mod:`ckptstream.writer.megatron` (it needs megatron-core); the torch_dist
-checkpoint reader in :mod:`ckptstream.writer.torch_dist` does not.
+checkpoint reader in :mod:`ckptstream.writer.torch_dist` does not. Names are imported on first use:
+importing this package does not import torch.
 """
 
-from .distributed import DistributedPublisher
-from .gc import GcReport, collect_garbage
-from .publisher import Publisher, open_or_create_stream
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_face
+
+_LAZY_NAMES = {
+    "DistributedPublisher": ".distributed",
+    **dict.fromkeys(("GcReport", "collect_garbage"), ".gc"),
+    **dict.fromkeys(("Publisher", "open_or_create_stream"), ".publisher"),
+}
+
+if TYPE_CHECKING:
+    from .distributed import DistributedPublisher
+    from .gc import GcReport, collect_garbage
+    from .publisher import Publisher, open_or_create_stream
+
+__getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
 __all__ = ["DistributedPublisher", "GcReport", "Publisher", "collect_garbage", "open_or_create_stream"]

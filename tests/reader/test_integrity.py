@@ -13,7 +13,7 @@ from ckptstream import (IntegrityError, MissingBaseError, Publisher, Stream, Uns
                         VersionNotFoundError)
 from ckptstream.format import Manifest, data_path, manifest_path
 from ckptstream.storage import open_storage
-from ckptstream.synthetic import rl_like_step
+from ckptstream.testing.models import rl_like_step
 from ckptstream.writer import collect_garbage
 from tests.conftest import random_state
 

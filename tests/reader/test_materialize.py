@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from ckptstream import Publisher, Stream
-from ckptstream.synthetic import rl_like_step
 from ckptstream.hf import iter_hf_weights
+from ckptstream.testing.models import rl_like_step
 from tests.conftest import assert_same_tensors
 
 

@@ -21,7 +21,7 @@ import torch
 from ckptstream import Publisher, Stream
 from ckptstream.format import data_path
 from ckptstream.hf import iter_hf_weights
-from ckptstream.synthetic import TinyModelSpec, rl_like_step, write_tiny_model
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import Follower, VllmClient, VllmUnreachable
 from ckptstream.vllm_loader import free_port
 from tests.conftest import PROMPTS, VLLM_CPU_ARGS, new_bucket

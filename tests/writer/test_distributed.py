@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ckptstream import Stream
-from ckptstream.synthetic import rl_like_step
+from ckptstream.testing.models import rl_like_step
 from tests.conftest import assert_same_tensors, run_ranks
 
 

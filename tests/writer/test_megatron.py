@@ -17,7 +17,7 @@ import torch
 
 from ckptstream import Stream
 from ckptstream.cli import main
-from ckptstream.synthetic import TinyModelSpec, rl_like_step, tiny_state_dict, write_tiny_model
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, tiny_state_dict, write_tiny_model
 from tests.conftest import assert_same_tensors, run_ranks
 
 pytest.importorskip("megatron.core")
@@ -28,7 +28,7 @@ TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_see
 
 def _init_parallel(rank: int, world_size: int, port: int, layout: dict[str, int]) -> None:
     """The environment torchrun would give this rank, then the same initialization as the recipes."""
-    from ckptstream.synthetic_megatron import initialize_parallel
+    from ckptstream.testing.megatron import initialize_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
@@ -53,7 +53,7 @@ def _publish_worker(rank: int, world_size: int, port: int, layout: dict[str, int
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from ckptstream.synthetic_megatron import build_gpt_model, pipeline_logits
+    from ckptstream.testing.megatron import build_gpt_model, pipeline_logits
     from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
 
     _init_parallel(rank, world_size, port, layout)
@@ -92,7 +92,7 @@ def _save_torch_dist(model, save_dir: Path, iteration: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from ckptstream.synthetic_megatron import cpu_support
+    from ckptstream.testing.megatron import cpu_support
 
     iteration_dir = save_dir / f"iter_{iteration:07d}"
     if dist.get_rank() == 0:
@@ -211,7 +211,7 @@ def _dying_worker(rank: int, world_size: int, port: int, workdir: str) -> None:
     version 1 (the kill is real; the patch only decides when it happens). Rank 0 records what it saw."""
     import signal
 
-    from ckptstream.synthetic_megatron import build_gpt_model
+    from ckptstream.testing.megatron import build_gpt_model
     from ckptstream.writer.distributed import DistributedPublisher
     from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
 
@@ -318,7 +318,7 @@ def test_offline_converter_refuses_bad_checkpoints(hf_versions: dict, tmp_path: 
 def _mismatch_worker(rank: int, world_size: int, port: int, workdir: str) -> None:
     """Pipeline stages build a 2-layer model but name a config.json of 1 layer: only the last stage holds
     an unmappable layer. Each rank records what MegatronPublisher raised."""
-    from ckptstream.synthetic_megatron import build_gpt_model
+    from ckptstream.testing.megatron import build_gpt_model
     from ckptstream.writer.megatron import MegatronPublisher
 
     _init_parallel(rank, world_size, port, {"pp": 2})

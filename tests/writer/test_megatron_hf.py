@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptstream.errors import ConversionError
-from ckptstream.synthetic import ARCHITECTURES, TinyModelSpec, tiny_config, tiny_state_dict
+from ckptstream.testing.models import ARCHITECTURES, TinyModelSpec, tiny_config, tiny_state_dict
 from ckptstream.writer.megatron_hf import (HFArchitecture, check_complete, fuse_qkv, from_hf, hf_tensor_names,
                                            split_qkv, to_hf)
 from tests.conftest import assert_same_tensors

@@ -10,7 +10,7 @@ import torch
 from ckptstream import (IncompatibleStreamError, IntegrityError, Publisher, Stream, VersionConflictError,
                         VersionOrderError)
 from ckptstream.format import DELTA, KEYFRAME
-from ckptstream.synthetic import rl_like_step
+from ckptstream.testing.models import rl_like_step
 from tests.conftest import assert_same_tensors, random_state
 
 ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,

@@ -87,7 +87,6 @@ def build_gpt_model(hf_config_dir: str | os.PathLike[str], *, params_dtype: torc
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):

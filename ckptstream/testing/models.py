@@ -17,9 +17,10 @@ from typing import Mapping
 
 import torch
 
-ARCHITECTURES = ("qwen2", "llama", "qwen3", "qwen3_moe")
-_HF_NAMES = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "llama": ("LlamaForCausalLM", "llama"),
-             "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+from .architectures import ARCHITECTURES, HF_NAMES
+
+__all__ = ["ARCHITECTURES", "TinyModelSpec", "rl_like_step", "tiny_config", "tiny_state_dict", "write_tiny_model"]
+
 _BITS_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -56,7 +57,7 @@ class TinyModelSpec:
             raise ValueError(f"head_dim {self.head_dim} is below 32, which vLLM cannot serve")
 
     @classmethod
-    def for_size(cls, target_bytes: int, arch: str = "qwen2", **overrides: object) -> "TinyModelSpec":
+    def for_size(cls, target_bytes: int, arch: str = "qwen2", **overrides: object) -> TinyModelSpec:
         """A spec whose weights take about ``target_bytes`` (bf16): the hidden size grows with the target,
         then layers are added until the size is reached."""
         hidden = 128
@@ -80,7 +81,7 @@ def _layer_params(hidden: int, heads: int) -> int:
 
 def tiny_config(spec: TinyModelSpec) -> dict[str, object]:
     """The Hugging Face ``config.json`` of a spec."""
-    architecture, model_type = _HF_NAMES[spec.arch]
+    architecture, model_type = HF_NAMES[spec.arch]
     config: dict[str, object] = {
         "architectures": [architecture], "model_type": model_type, "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
@@ -156,7 +157,7 @@ def write_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None
     """
     from safetensors.torch import save_file
 
-    from .format import shard_groups
+    from ..format import shard_groups
 
     spec = spec or TinyModelSpec()
     out = Path(out_dir)

