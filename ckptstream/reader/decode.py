@@ -40,9 +40,9 @@ def apply_entry(files: DataFiles, manifest: Manifest, entry: TensorEntry, out: t
     raw_pos = stored_pos = 0
     for raw_len, stored_len, layout in entry.chunks:
         try:
-            codec.apply_chunk(out[raw_pos:raw_pos + raw_len], codec.buffer_of(stored[stored_pos:stored_pos + stored_len]),
-                              entry.itemsize, shuffle=entry.shuffle, layout=layout,
-                              xor=entry.encoding == ENCODING_XOR_ZSTD)
+            frame = codec.buffer_of(stored[stored_pos:stored_pos + stored_len])
+            codec.apply_chunk(out[raw_pos:raw_pos + raw_len], frame, entry.itemsize, shuffle=entry.shuffle,
+                              layout=layout, xor=entry.encoding == ENCODING_XOR_ZSTD)
         except ValueError as exc:
             raise IntegrityError(f"cannot decode chunk at byte {raw_pos}: {exc}", version=manifest.version,
                                  file=data_path(manifest.version, entry.file or ""), tensor=entry.name) from None
