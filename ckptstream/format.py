@@ -43,6 +43,10 @@ MAX_FILE_BYTES = 1 << 50
 """Upper bound on every size, offset, length, count and dimension a manifest declares."""
 MAX_CHUNK_BYTES = 1 << 30
 """Upper bound on one decoded chunk: bounds the memory a reader needs per chunk."""
+MAX_ZSTD_RATIO = 1 << 15
+"""No zstd frame decodes to more than this many times its size (a block holds at most 128 KiB and takes
+at least 4 bytes): bounds what a dense chunk may claim, so a reader never allocates for a tensor more than
+its stored bytes can fill."""
 MAX_SHAPE_DIMS = 16
 """Most dimensions a tensor may have."""
 MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
@@ -551,9 +555,9 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
     if dtype not in DTYPE_SIZES:
         raise c.fail(f"unknown dtype {dtype!r}", name)
     shape_list = c.get(item, "shape", list, name)
-    if len(shape_list) > MAX_SHAPE_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FILE_BYTES
-                                       for d in shape_list):
-        raise c.fail(f"invalid shape {shape_list!r}", name)
+    if len(shape_list) > MAX_SHAPE_DIMS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FILE_BYTES for d in shape_list):
+        raise c.fail(f"invalid shape {shape_list[:MAX_SHAPE_DIMS + 1]!r}", name)
     encoding = c.get(item, "encoding", str, name)
     if encoding not in allowed:
         raise c.fail(f"encoding {encoding!r} is not allowed here", name)
@@ -584,6 +588,8 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
                 or not 0 < chunk[0] <= MAX_CHUNK_BYTES or not 0 <= chunk[1] <= MAX_FILE_BYTES
                 or chunk[0] % entry.itemsize or chunk[2] not in layouts):
             raise c.fail(f"invalid chunk {chunk!r}", name)
+        if chunk[2] == LAYOUT_DENSE and chunk[0] > MAX_ZSTD_RATIO * chunk[1]:
+            raise c.fail(f"a chunk of {chunk[0]} bytes cannot be stored in a zstd frame of {chunk[1]}", name)
         chunks.append((chunk[0], chunk[1], chunk[2]))
     if sum(c[0] for c in chunks) != entry.nbytes or sum(c[1] for c in chunks) != length:
         raise c.fail("chunk sizes do not add up to the tensor's and the stored range's sizes", name)

@@ -148,3 +148,16 @@ def test_a_missing_tensor_is_a_tensor_not_found_error():
     with pytest.raises(TensorNotFoundError, match="version 3, tensor nope: this version has no such tensor") as exc:
         _manifest().tensor("nope")
     assert isinstance(exc.value, KeyError) and exc.value.exit_code == EXIT_NOT_FOUND
+
+
+def test_a_dense_chunk_cannot_claim_more_than_a_zstd_frame_holds():
+    def delta(raw: int, stored: int) -> Manifest:
+        entry = TensorEntry("w", "U8", (raw,), content_hash(b""), "zstd", "d.zst", 0, stored, content_hash(b""),
+                            chunks=((raw, stored, "dense"),))
+        return _manifest(version=4, kind="delta", base_version=3, keyframe_version=3, chain_length=1,
+                         files=(FileEntry("d.zst", stored, content_hash(b"")),), tensors=(entry,))
+
+    assert Manifest.from_bytes(delta(32768 * 100, 100).to_bytes(), version=4).tensors[0].nbytes == 32768 * 100
+    with pytest.raises(UnsafeManifestError, match="cannot be stored in a zstd frame of 100") as info:
+        Manifest.from_bytes(delta(1 << 30, 100).to_bytes(), version=4)  # before: a 1 GiB buffer, then an error
+    assert info.value.tensor == "w"

@@ -109,7 +109,7 @@ class Stream:
 
     def has_version(self, version: int) -> bool:
         """Whether ``version`` is committed: one cheap probe of its manifest, no listing."""
-        return self.storage.exists(manifest_path(version))
+        return self.storage.exists(manifest_path(_checked_version(version)))
 
     def resolve(self, version: int | str) -> int:
         """A version number from an int, a string of decimal digits or ``"latest"``.

@@ -162,12 +162,15 @@ def test_materialize_never_writes_an_asset_over_a_weight_file(two_versions, tmp_
     tmp_path.mkdir()
     stream = Stream(two_versions)
     manifest = stream.manifest(0)
+
+    def decode(sink):
+        return (sink(entry, tensor) for entry, (_, tensor) in zip(manifest.tensors, stream.iter_tensors(0)))
+
     for name in ("model.safetensors", "notes.txt"):  # reserved, and (case below) already written
         assets = [("notes.txt", b"a"), ("notes.txt", b"b")] if name == "notes.txt" else [(name, b"forged")]
         with pytest.raises(UnsafeManifestError, match="would replace"):
-            build_directory(tmp_path / name, manifest, decode=lambda sink: stream._decode(manifest, manifest.tensors,
-                                                                                          None, sink),
-                            assets=assets, marker={"version": 0}, overwrite=False, shard_bytes=1 << 30)
+            build_directory(tmp_path / name, manifest, decode=decode, assets=assets, marker={"version": 0},
+                            overwrite=False, shard_bytes=1 << 30)
         assert not (tmp_path / name).exists()
     assert not list(tmp_path.iterdir())  # no temporary directory left either
 
