@@ -131,11 +131,11 @@ def loads_json(raw: bytes, *, version: int | None, file: str) -> Any:
         raise ValueError(f"{token} is not JSON")
 
     def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        body = dict(pairs)
-        if len(body) != len(pairs):
-            seen: set[str] = set()
-            repeated = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-            raise ValueError(f"key {repeated[:80]!r} appears twice in one object")
+        body: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in body:
+                raise ValueError(f"key {key[:80]!r} appears twice in one object")
+            body[key] = value
         return body
 
     try:
