@@ -39,6 +39,8 @@ VERSION_DIGITS = 12
 MAX_VERSION = 10**VERSION_DIGITS - 1
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_STREAM_FILE_BYTES = 16 << 20
+MAX_REPLICA_RECORD_BYTES = 1 << 20
+"""Replica records larger than this are skipped unread (they are reports, not data)."""
 MAX_FILE_BYTES = 1 << 50
 """Upper bound on every size, offset, length, count and dimension a manifest declares."""
 MAX_CHUNK_BYTES = 1 << 30

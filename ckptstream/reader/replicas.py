@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from ..format import REPLICAS_DIR, dumps_json, is_safe_file_name, loads_json
+from ..format import MAX_REPLICA_RECORD_BYTES, REPLICAS_DIR, dumps_json, is_safe_file_name, loads_json
 from ..storage import Storage
 
 
@@ -78,10 +78,12 @@ def write_replica(storage: Storage, record: ReplicaRecord) -> None:
 
 
 def read_replicas(storage: Storage) -> list[ReplicaRecord]:
-    """Every readable replica record, sorted by id (unreadable ones are skipped: they are reports, not data)."""
+    """Every readable replica record, sorted by id (unreadable, malformed or oversized ones are skipped:
+    they are reports, not data)."""
     records = []
     for entry in storage.list(REPLICAS_DIR):
-        if entry.is_dir or not entry.name.endswith(".json") or entry.name.startswith("."):
+        if (entry.is_dir or not entry.name.endswith(".json") or entry.name.startswith(".")
+                or entry.size > MAX_REPLICA_RECORD_BYTES):
             continue
         path = f"{REPLICAS_DIR}/{entry.name}"
         try:

@@ -93,6 +93,7 @@ def test_deep_or_mistyped_replica_records_are_skipped(two_versions):
     storage.put("replicas/deep.json", b'{"replica_id": "deep", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
     storage.put("replicas/typed.json", b'{"replica_id": "typed", "version": "1", "heartbeat": "soon"}')
     storage.put("replicas/nan.json", b'{"replica_id": "nan", "heartbeat": NaN}')
+    storage.put("replicas/huge.json", b'{"replica_id": "huge", "host": "' + b"x" * (1 << 20) + b'"}')
     assert [r.replica_id for r in Stream(two_versions).replicas()] == ["good"]
 
 
