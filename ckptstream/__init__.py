@@ -14,9 +14,9 @@ from ._lazy import lazy_face
 
 __version__ = "0.1.0"
 
-_ERRORS = ("CkptStreamError", "IncompatibleStreamError", "IntegrityError", "MissingBaseError", "PublishError",
-           "StorageCapabilityError", "StreamNotFoundError", "UnsafeManifestError", "VersionConflictError",
-           "VersionNotFoundError", "VersionOrderError")
+_ERRORS = ("CkptStreamError", "IncompatibleStreamError", "IntegrityError", "InvalidVersionError", "MissingBaseError",
+           "PublishError", "StorageCapabilityError", "StreamNotFoundError", "TensorNotFoundError",
+           "UnsafeManifestError", "VersionConflictError", "VersionNotFoundError", "VersionOrderError")
 _LAZY_NAMES = {
     **dict.fromkeys(_ERRORS, ".errors"),
     **dict.fromkeys(("FORMAT_VERSION", "Manifest", "StreamInfo", "TensorEntry"), ".format"),
@@ -29,10 +29,12 @@ if TYPE_CHECKING:
         CkptStreamError,
         IncompatibleStreamError,
         IntegrityError,
+        InvalidVersionError,
         MissingBaseError,
         PublishError,
         StorageCapabilityError,
         StreamNotFoundError,
+        TensorNotFoundError,
         UnsafeManifestError,
         VersionConflictError,
         VersionNotFoundError,
@@ -45,8 +47,8 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
 __all__ = [
-    "FORMAT_VERSION", "CkptStreamError", "IncompatibleStreamError", "IntegrityError", "Manifest",
-    "MissingBaseError", "PublishError", "Publisher", "StorageCapabilityError", "Stream", "StreamInfo",
-    "StreamNotFoundError", "TensorEntry", "UnsafeManifestError", "VerifyReport", "VersionConflictError",
+    "FORMAT_VERSION", "CkptStreamError", "IncompatibleStreamError", "IntegrityError", "InvalidVersionError",
+    "Manifest", "MissingBaseError", "PublishError", "Publisher", "StorageCapabilityError", "Stream", "StreamInfo",
+    "StreamNotFoundError", "TensorEntry", "TensorNotFoundError", "UnsafeManifestError", "VerifyReport", "VersionConflictError",
     "VersionNotFoundError", "VersionOrderError", "__version__",
 ]

@@ -13,18 +13,28 @@ import threading
 import torch
 import zstandard
 
-from .format import LAYOUT_DENSE, LAYOUT_SPARSE, MAX_CHUNK_BYTES, content_hash
+from .format import DTYPE_SIZES, LAYOUT_DENSE, LAYOUT_SPARSE, MAX_CHUNK_BYTES, content_hash
 
-TORCH_TO_DTYPE: dict[torch.dtype, str] = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
-    torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
-    torch.float64: "F64",
-}
-for _name, _st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-                   ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
-    if hasattr(torch, _name):
-        TORCH_TO_DTYPE[getattr(torch, _name)] = _st
-DTYPE_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_DTYPE.items()}
+def _torch_dtype_of(name: str) -> torch.dtype | None:
+    """The torch dtype of a format dtype name, by the naming rule the two share (``F16`` float16,
+    ``U32`` uint32, ``F8_E4M3`` float8_e4m3fn, ...); None where this torch build lacks it."""
+    if name in ("BOOL", "BF16"):
+        candidates = ("bool" if name == "BOOL" else "bfloat16",)
+    elif name.startswith("F8_"):
+        candidates = (f"float8_{name[3:].lower()}", f"float8_{name[3:].lower()}fn")
+    else:
+        candidates = ({"F": "float", "I": "int", "U": "uint"}[name[0]] + name[1:],)
+    for candidate in candidates:
+        dtype = getattr(torch, candidate, None)
+        if isinstance(dtype, torch.dtype) and dtype.itemsize == DTYPE_SIZES[name]:
+            return dtype
+    return None
+
+
+DTYPE_TO_TORCH: dict[str, torch.dtype] = {
+    name: dtype for name in DTYPE_SIZES if (dtype := _torch_dtype_of(name)) is not None}
+"""Format dtype name -> torch dtype, for every dtype of ``format.DTYPE_SIZES`` this torch build has."""
+TORCH_TO_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPE_TO_TORCH.items()}
 
 # Integer dtype of each item size: XOR and change counting run on these views.
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -197,12 +207,25 @@ def _sparse_payload(positions: torch.Tensor, values: torch.Tensor, itemsize: int
     return torch.cat([header, small, big.view(torch.uint8), value_bytes])
 
 
-def _decompress(stored: bytes | memoryview, max_bytes: int) -> bytearray:
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame; skippable frames have other magic numbers
+
+
+def _decompress(stored: bytes | memoryview, max_bytes: int, *, exact: bool) -> bytearray:
+    """The content of a chunk's one zstd frame (FORMAT.md, "zstd frames"): a single frame, nothing before
+    or after it, declaring its content size (equal to ``max_bytes`` if ``exact``, at most it otherwise),
+    without a dictionary; a content checksum, if present, is verified."""
+    if bytes(stored[:4]) != _ZSTD_MAGIC:
+        raise ValueError("chunk does not start with a zstd frame (skippable frames and other data are refused)")
     try:
         params = zstandard.get_frame_parameters(stored)
-        if params.content_size > max_bytes:
-            raise ValueError(f"frame declares {params.content_size} bytes, more than the {max_bytes} possible")
-        return bytearray(_decompressor().decompress(stored, max_output_size=max_bytes))
+        if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+            raise ValueError("zstd frame does not declare its content size")
+        if params.dict_id:
+            raise ValueError(f"zstd frame needs dictionary {params.dict_id}; the format uses none")
+        if params.content_size > max_bytes or (exact and params.content_size != max_bytes):
+            raise ValueError(f"frame declares {params.content_size} bytes, "
+                             f"{'not' if exact else 'more than'} the {max_bytes} of its chunk")
+        return bytearray(_decompressor().decompress(stored, max_output_size=max_bytes, allow_extra_data=False))
     except zstandard.ZstdError as exc:
         raise ValueError(f"corrupt zstd frame ({exc})") from exc
 
@@ -224,8 +247,8 @@ def apply_chunk(target: torch.Tensor, stored: bytes | memoryview, itemsize: int,
         ints = target.view(_INT_OF_SIZE[itemsize])
         ints.scatter_(0, positions, ints.gather(0, positions).bitwise_xor_(values))
         return
-    data = _decompress(stored, raw_bytes)
-    if len(data) != raw_bytes:
+    data = _decompress(stored, raw_bytes, exact=True)
+    if len(data) != raw_bytes:  # zstd checks the declared size; kept as the invariant the copy relies on
         raise ValueError(f"chunk decoded to {len(data)} bytes, expected {raw_bytes}")
     if not raw_bytes:
         return
@@ -242,7 +265,7 @@ def _decode_sparse(stored: bytes | memoryview, raw_bytes: int, itemsize: int,
                    shuffle: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and XOR values of the changed elements of a sparse chunk, validated."""
     n = raw_bytes // itemsize
-    data = _decompress(stored, _SPARSE_HEADER + n * (1 + 4 + itemsize))
+    data = _decompress(stored, _SPARSE_HEADER + n * (1 + 4 + itemsize), exact=False)
     if len(data) < _SPARSE_HEADER:
         raise ValueError("sparse chunk is shorter than its header")
     payload = torch.frombuffer(data, dtype=torch.uint8)

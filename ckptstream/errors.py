@@ -72,6 +72,27 @@ class MissingBaseError(VersionNotFoundError):
     """A delta's base version (or a data file of it) is no longer on storage."""
 
 
+class TensorNotFoundError(CkptStreamError, KeyError):
+    """The version has no tensor of the requested name (a KeyError too, for dict-like callers)."""
+
+    exit_code = EXIT_NOT_FOUND
+
+    def __str__(self) -> str:  # KeyError would show the message quoted, as a repr
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidVersionError(CkptStreamError, ValueError):
+    """A version reference is neither ``latest`` nor a version number in the format's range."""
+
+    exit_code = EXIT_USAGE
+
+
+class NotADirectoryOutputError(CkptStreamError, NotADirectoryError):
+    """An output path given for a directory (``materialize``) exists and is not a directory."""
+
+    exit_code = EXIT_USAGE
+
+
 class StreamNotFoundError(CkptStreamError, FileNotFoundError):
     """No stream exists at the given URL."""
 

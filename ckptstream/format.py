@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import xxhash
 
-from .errors import IncompatibleStreamError, IntegrityError, UnsafeManifestError
+from .errors import IncompatibleStreamError, IntegrityError, TensorNotFoundError, UnsafeManifestError
 
 FORMAT_NAME = "ckptstream"
 FORMAT_VERSION = 1
@@ -39,14 +39,25 @@ VERSION_DIGITS = 12
 MAX_VERSION = 10**VERSION_DIGITS - 1
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_STREAM_FILE_BYTES = 16 << 20
+MAX_REPLICA_RECORD_BYTES = 1 << 20
+"""Replica records larger than this are skipped unread (they are reports, not data)."""
 MAX_FILE_BYTES = 1 << 50
+"""Upper bound on every size, offset, length, count and dimension a manifest declares."""
 MAX_CHUNK_BYTES = 1 << 30
+"""Upper bound on one decoded chunk: bounds the memory a reader needs per chunk."""
+MAX_ZSTD_RATIO = 1 << 15
+"""No zstd frame decodes to more than this many times its size (a block holds at most 128 KiB and takes
+at least 4 bytes): bounds what a dense chunk may claim, so a reader never allocates for a tensor more than
+its stored bytes can fill."""
+MAX_SHAPE_DIMS = 16
+"""Most dimensions a tensor may have."""
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+"""Upper bound on the JSON header of a keyframe data file (the safetensors library's own limit)."""
 MAX_TENSOR_NAME_BYTES = 1024
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects a manifest or stream.json may have (metadata included)."""
 RESERVED_TENSOR_NAMES = frozenset({"__metadata__"})
 """Names safetensors gives a meaning of its own: a tensor so named makes the file unreadable."""
-"""Upper bound on one decoded chunk: bounds the memory a reader needs per chunk."""
 DEFAULT_SHARD_BYTES = 4 << 30
 """Default upper bound on one data file (writers) and one materialized shard (readers)."""
 
@@ -115,17 +126,27 @@ def dumps_json(value: Any, *, what: str, indent: int | None = 1) -> bytes:
 
 
 def loads_json(raw: bytes, *, version: int | None, file: str) -> Any:
-    """Parse untrusted strict JSON: IntegrityError for malformed text, NaN/Infinity, or nesting deeper
-    than ``MAX_JSON_DEPTH`` (never a RecursionError)."""
+    """Parse untrusted strict JSON (FORMAT.md, "JSON"): IntegrityError for text that is not UTF-8,
+    malformed text, NaN/Infinity, a key repeated within one object, or nesting deeper than
+    ``MAX_JSON_DEPTH`` (never a RecursionError)."""
     def refuse_constant(token: str) -> Any:
         raise ValueError(f"{token} is not JSON")
 
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in body:
+                raise ValueError(f"key {key[:80]!r} appears twice in one object")
+            body[key] = value
+        return body
+
     try:
-        body = json.loads(raw, parse_constant=refuse_constant)
+        body = json.loads(raw.decode("utf-8"), parse_constant=refuse_constant, object_pairs_hook=unique_keys)
     except RecursionError:
         body = None
     except ValueError as exc:
-        raise IntegrityError(f"not valid JSON ({exc})", version=version, file=file) from None
+        raise IntegrityError(f"not valid JSON ({exc})", version=version, file=file,
+                             hint="The file is corrupt or its writer did not follow the ckptstream format") from None
     if body is None or json_depth(body) > MAX_JSON_DEPTH:
         raise IntegrityError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels", version=version, file=file,
                              hint="The writer did not follow the ckptstream format; refusing it")
@@ -339,19 +360,15 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def tensor(self, name: str) -> TensorEntry:
+        """The entry of tensor ``name``; TensorNotFoundError (a KeyError) if this version lacks it."""
         for t in self.tensors:
             if t.name == name:
                 return t
-        raise KeyError(name)
+        raise TensorNotFoundError("this version has no such tensor", version=self.version, tensor=name,
+                                  hint="`ckptstream show URL VERSION` lists its tensors")
 
     def tensor_map(self) -> dict[str, TensorEntry]:
         return {t.name: t for t in self.tensors}
-
-    def file(self, name: str) -> FileEntry:
-        for f in self.files:
-            if f.name == name:
-                return f
-        raise KeyError(name)
 
     @property
     def full_bytes(self) -> int:
@@ -389,10 +406,10 @@ class Manifest:
         }
 
     def to_bytes(self) -> bytes:
-        """Serialize, sealing the bytes with ``manifest_hash`` (FORMAT.md, "Manifest hash")."""
+        """Strict JSON (``indent=1``), sealed with ``manifest_hash`` (FORMAT.md, "Manifest seal")."""
         body = self.to_json()
         body["manifest_hash"] = _ZERO_HASH
-        raw = json.dumps(body, indent=1).encode()
+        raw = dumps_json(body, what=f"the manifest of version {self.version}")
         start = raw.rfind(_MANIFEST_HASH_KEY) + len(_MANIFEST_HASH_KEY)
         return raw[:start] + content_hash(raw)[len(HASH_PREFIX):].encode() + raw[start + 32:]
 
@@ -410,10 +427,7 @@ class Manifest:
             raise UnsafeManifestError(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} limit",
                                       version=version, file=file)
         seal = _check_sealed(raw, version=version, file=file)
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise IntegrityError(f"manifest is not valid JSON ({exc})", version=version, file=file) from exc
+        body = loads_json(raw, version=version, file=file)
         if not isinstance(body, dict) or body.get("manifest_hash") != seal:
             raise IntegrityError("manifest_hash is not the manifest's last top-level field",
                                  version=version, file=file)
@@ -536,15 +550,16 @@ def _check_format(c: _Checker, body: Any) -> None:
 
 def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: dict[str, int]) -> TensorEntry:
     name = c.get(item, "name", str)
-    if not 0 < len(name) <= 1024 or not name.isprintable():
-        raise c.fail(f"tensor name {name[:80]!r} is empty, too long or has control characters")
+    problem = tensor_name_problem(name)
+    if problem is not None:
+        raise c.fail(problem)
     dtype = c.get(item, "dtype", str, name)
     if dtype not in DTYPE_SIZES:
         raise c.fail(f"unknown dtype {dtype!r}", name)
     shape_list = c.get(item, "shape", list, name)
-    if len(shape_list) > 16 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FILE_BYTES
-                                       for d in shape_list):
-        raise c.fail(f"invalid shape {shape_list!r}", name)
+    if len(shape_list) > MAX_SHAPE_DIMS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FILE_BYTES for d in shape_list):
+        raise c.fail(f"invalid shape {shape_list[:MAX_SHAPE_DIMS + 1]!r}", name)
     encoding = c.get(item, "encoding", str, name)
     if encoding not in allowed:
         raise c.fail(f"encoding {encoding!r} is not allowed here", name)
@@ -575,6 +590,8 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
                 or not 0 < chunk[0] <= MAX_CHUNK_BYTES or not 0 <= chunk[1] <= MAX_FILE_BYTES
                 or chunk[0] % entry.itemsize or chunk[2] not in layouts):
             raise c.fail(f"invalid chunk {chunk!r}", name)
+        if chunk[2] == LAYOUT_DENSE and chunk[0] > MAX_ZSTD_RATIO * chunk[1]:
+            raise c.fail(f"a chunk of {chunk[0]} bytes cannot be stored in a zstd frame of {chunk[1]}", name)
         chunks.append((chunk[0], chunk[1], chunk[2]))
     if sum(c[0] for c in chunks) != entry.nbytes or sum(c[1] for c in chunks) != length:
         raise c.fail("chunk sizes do not add up to the tensor's and the stored range's sizes", name)
@@ -593,19 +610,26 @@ class StreamInfo:
     format_version: int = FORMAT_VERSION
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT_NAME, "format_version": self.format_version,
+        """Strict JSON of ``stream.json``; ValueError for an asset name a reader would refuse."""
+        reserved = [a.name for a in self.assets if is_reserved_asset_name(a.name)]
+        if reserved:
+            raise ValueError(f"asset names {reserved} are reserved for weights, their index or the marker")
+        return dumps_json({"format": FORMAT_NAME, "format_version": self.format_version,
                            "stream_id": self.stream_id, "created": self.created,
-                           "assets": [a.to_json() for a in self.assets]}, indent=1).encode()
+                           "assets": [a.to_json() for a in self.assets]}, what=STREAM_FILE)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "StreamInfo":
+        """Parse and validate an untrusted ``stream.json`` (UnsafeManifestError / IntegrityError)."""
         c = _Checker(None, STREAM_FILE)
         if len(raw) > MAX_STREAM_FILE_BYTES:
-            raise c.fail(f"{STREAM_FILE} is {len(raw)} bytes, over the limit")
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise IntegrityError(f"not valid JSON ({exc})", file=STREAM_FILE) from exc
+            raise c.fail(f"{STREAM_FILE} is {len(raw)} bytes, over the {MAX_STREAM_FILE_BYTES} limit")
+        body = loads_json(raw, version=None, file=STREAM_FILE)
         _check_format(c, body)
+        assets = c.files(c.get(body, "assets", list))
+        for asset in assets:
+            if is_reserved_asset_name(asset.name):
+                raise c.fail(f"asset {asset.name!r} has a name reserved for weights, their index or the "
+                             f"materialization marker: it would replace the published weights")
         return cls(stream_id=c.get(body, "stream_id", str), created=c.get(body, "created", str),
-                   assets=c.files(c.get(body, "assets", list)), format_version=body["format_version"])
+                   assets=assets, format_version=body["format_version"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import zstandard
 
 from ckptstream import codec
 from ckptstream.format import LAYOUT_DENSE, LAYOUT_SPARSE
@@ -53,3 +54,68 @@ def test_corrupt_frames_are_refused():
         codec.apply_chunk(base.clone()[:64], sparse, 4, shuffle=True, layout=LAYOUT_SPARSE, xor=True)
     with pytest.raises(ValueError, match="only valid for XOR"):
         codec.apply_chunk(base.clone(), sparse, 4, shuffle=True, layout=LAYOUT_SPARSE)
+
+
+def _dense_frame(data: torch.Tensor, **compressor) -> bytes:
+    return zstandard.ZstdCompressor(**compressor).compress(codec.buffer_of(data))
+
+
+def test_zstd_frame_rules():
+    """FORMAT.md, "zstd frames": one frame declaring its size, no dictionary, nothing before or after it;
+    a content checksum is allowed and verified."""
+    data = torch.arange(1024, dtype=torch.int32).view(torch.uint8)
+    good = _dense_frame(data, write_content_size=True)
+
+    def decode(frame: bytes) -> torch.Tensor:
+        out = torch.empty_like(data)
+        codec.apply_chunk(out, frame, 4, shuffle=False)
+        return out
+
+    assert torch.equal(decode(good), data)
+    checksummed = _dense_frame(data, write_content_size=True, write_checksum=True)
+    assert torch.equal(decode(checksummed), data)
+    damaged = bytearray(checksummed)
+    damaged[-1] ^= 1  # the checksum itself
+    with pytest.raises(ValueError, match="checksum"):
+        decode(bytes(damaged))
+    half = data.numel() // 2
+    halves = _dense_frame(data[:half], write_content_size=True) + _dense_frame(data[half:], write_content_size=True)
+    with pytest.raises(ValueError, match="declares 2048 bytes, not the 4096"):
+        decode(halves)
+    with pytest.raises(ValueError, match="unused data"):  # before: the second frame was ignored
+        decode(good + good)
+    with pytest.raises(ValueError, match="unused data"):
+        decode(good + b"\0\0\0\0")
+    skippable = (0x184D2A50).to_bytes(4, "little") + (4).to_bytes(4, "little") + b"note"
+    for frame in (skippable + good, skippable, good + skippable):
+        with pytest.raises(ValueError, match="skippable|unused data"):
+            decode(frame)
+    with pytest.raises(ValueError, match="does not declare its content size"):
+        decode(_dense_frame(data, write_content_size=False))
+    samples = [bytes([i % 7, i % 13, i % 5]) * 50 for i in range(500)]
+    dictionary = zstandard.train_dictionary(1024, samples)
+    with pytest.raises(ValueError, match="needs dictionary"):
+        decode(_dense_frame(data, write_content_size=True, dict_data=dictionary))
+
+
+def test_sparse_chunk_frame_rules():
+    base = torch.zeros(4096, dtype=torch.uint8)
+    new = base.clone()
+    new[100] = 1
+    sparse, _, layout = codec.encode_chunk(new, base, 4, shuffle=True, level=3)
+    assert layout == LAYOUT_SPARSE
+    with pytest.raises(ValueError, match="unused data"):
+        codec.apply_chunk(base.clone(), sparse + sparse, 4, shuffle=True, layout=LAYOUT_SPARSE, xor=True)
+    payload = zstandard.ZstdDecompressor().decompress(sparse)
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(payload)
+    with pytest.raises(ValueError, match="does not declare its content size"):
+        codec.apply_chunk(base.clone(), unsized, 4, shuffle=True, layout=LAYOUT_SPARSE, xor=True)
+
+
+def test_dtype_maps_derive_from_the_format():
+    from ckptstream.format import DTYPE_SIZES
+
+    assert set(codec.DTYPE_TO_TORCH) == set(DTYPE_SIZES)  # this torch build has every dtype of the format
+    for name, dtype in codec.DTYPE_TO_TORCH.items():
+        assert dtype.itemsize == DTYPE_SIZES[name] and codec.dtype_name(dtype) == name
+    assert codec.torch_dtype("F8_E4M3") == torch.float8_e4m3fn and codec.torch_dtype("U16") == torch.uint16

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ckptstream import IncompatibleStreamError, IntegrityError, UnsafeManifestError
-from ckptstream.format import (FileEntry, Manifest, TensorEntry, content_hash, is_safe_file_name, manifest_path,
-                               parse_version_name, shard_groups, version_name)
+from ckptstream.errors import EXIT_NOT_FOUND, TensorNotFoundError
+from ckptstream.format import (MAX_JSON_DEPTH, MAX_SHAPE_DIMS, FileEntry, Manifest, StreamInfo, TensorEntry,
+                               content_hash, is_safe_file_name, manifest_path, parse_version_name, shard_groups,
+                               tensor_name_problem, version_name)
 
 
 def _manifest(**changes) -> Manifest:
@@ -63,3 +67,97 @@ def test_newer_format_version_is_refused():
 def test_shard_groups():
     assert shard_groups([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
     assert shard_groups([], 10) == []
+
+
+def test_manifests_and_stream_files_are_strict_json():
+    with pytest.raises(ValueError, match="NaN and Infinity"):
+        _manifest(metadata={"loss": float("nan")}).to_bytes()
+    with pytest.raises(ValueError, match="nested deeper"):
+        _manifest(metadata={"deep": _nested(MAX_JSON_DEPTH)}).to_bytes()
+    raw = _manifest(metadata={"loss": 1.5}).to_bytes()
+    assert raw == _manifest(metadata={"loss": 1.5}).to_bytes()  # the byte form is deterministic
+    for bad in (raw.replace(b'"loss": 1.5', b'"loss": NaN'), raw.replace(b'"loss": 1.5', b'"loss": Infinity'),
+                raw.replace(b'"metadata": {', b'"metadata": {"step": 1, "step": 2,')):
+        with pytest.raises(IntegrityError, match="not valid JSON"):
+            Manifest.from_bytes(_reseal(bad), version=3)
+    info = StreamInfo("s", "2026-01-01T00:00:00Z")
+    assert StreamInfo.from_bytes(info.to_bytes()) == info
+    for bad in (info.to_bytes().replace(b'"s"', b'"s", "stream_id": "t"'), "\ufeff".encode() + info.to_bytes(),
+                info.to_bytes().decode().encode("utf-16")):
+        with pytest.raises(IntegrityError):
+            StreamInfo.from_bytes(bad)
+
+
+def _nested(depth: int) -> object:
+    value: object = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _reseal(raw: bytes) -> bytes:
+    """Seal ``raw`` again, as a writer would (FORMAT.md, "Manifest seal")."""
+    key = b'"manifest_hash": "xxh3-128:'
+    start = raw.rfind(key) + len(key)
+    zeroed = raw[:start] + b"0" * 32 + raw[start + 32:]
+    return raw[:start] + content_hash(zeroed)[len("xxh3-128:"):].encode() + raw[start + 32:]
+
+
+@pytest.mark.parametrize("name", ["", "a\nb", "tab\there", "x\x7f", "c1\x85", "\ud800", "é" * 513, "__metadata__"])
+def test_tensor_names_follow_the_one_rule(name):
+    assert tensor_name_problem(name) is not None
+    with pytest.raises(UnsafeManifestError):
+        Manifest.from_bytes(_manifest(tensors=(_raw_tensor(name),)).to_bytes(), version=3)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.weight", "é" * 512, "名前", "a b", "\u2028sep", "x" * 1024])
+def test_tensor_names_the_rule_allows(name):
+    # isprintable() refused some of these before (a space-like separator, non-Latin scripts are fine)
+    assert tensor_name_problem(name) is None
+    manifest = _manifest(tensors=(_raw_tensor(name),))
+    assert Manifest.from_bytes(manifest.to_bytes(), version=3).tensors[0].name == name
+
+
+def _raw_tensor(name: str) -> TensorEntry:
+    data = b"\0" * 16
+    return TensorEntry(name, "BF16", (2, 4), content_hash(data), "raw", "a.safetensors", 8, 16, content_hash(data))
+
+
+def test_shapes_have_at_most_16_dimensions():
+    ok = TensorEntry("w", "U8", (1,) * MAX_SHAPE_DIMS, content_hash(b"\0"), "raw", "a.safetensors", 8, 1,
+                     content_hash(b"\0"))
+    assert Manifest.from_bytes(_manifest(tensors=(ok,)).to_bytes(), version=3).tensors[0].shape == ok.shape
+    bad = TensorEntry("w", "U8", (1,) * (MAX_SHAPE_DIMS + 1), ok.hash, "raw", "a.safetensors", 8, 1, ok.hash)
+    with pytest.raises(UnsafeManifestError, match="invalid shape"):
+        Manifest.from_bytes(_manifest(tensors=(bad,)).to_bytes(), version=3)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "Model-00001-of-00002.SAFETENSORS", "pytorch_model.bin",
+                                  "model.safetensors.index.json", "ckptstream.json", "x.pt", "w.gguf"])
+def test_reserved_asset_names_are_refused(name):
+    info = StreamInfo("s", "2026-01-01T00:00:00Z", (FileEntry(name, 1, content_hash(b"x")),))
+    with pytest.raises(ValueError, match="reserved"):
+        info.to_bytes()
+    raw = StreamInfo("s", "2026-01-01T00:00:00Z", (FileEntry("config.json", 1, content_hash(b"x")),)).to_bytes()
+    with pytest.raises(UnsafeManifestError, match="reserved") as exc:
+        StreamInfo.from_bytes(raw.replace(b'"config.json"', json.dumps(name).encode()))
+    assert exc.value.file == "stream.json"
+
+
+def test_a_missing_tensor_is_a_tensor_not_found_error():
+    with pytest.raises(TensorNotFoundError, match="version 3, tensor nope: this version has no such tensor") as exc:
+        _manifest().tensor("nope")
+    assert isinstance(exc.value, KeyError) and exc.value.exit_code == EXIT_NOT_FOUND
+
+
+def test_a_dense_chunk_cannot_claim_more_than_a_zstd_frame_holds():
+    def delta(raw: int, stored: int) -> Manifest:
+        entry = TensorEntry("w", "U8", (raw,), content_hash(b""), "zstd", "d.zst", 0, stored, content_hash(b""),
+                            chunks=((raw, stored, "dense"),))
+        return _manifest(version=4, kind="delta", base_version=3, keyframe_version=3, chain_length=1,
+                         files=(FileEntry("d.zst", stored, content_hash(b"")),), tensors=(entry,))
+
+    assert Manifest.from_bytes(delta(32768 * 100, 100).to_bytes(), version=4).tensors[0].nbytes == 32768 * 100
+    with pytest.raises(UnsafeManifestError, match="cannot be stored in a zstd frame of 100") as info:
+        Manifest.from_bytes(delta(1 << 30, 100).to_bytes(), version=4)  # before: a 1 GiB buffer, then an error
+    assert info.value.tensor == "w"

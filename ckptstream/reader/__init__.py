@@ -11,14 +11,16 @@ from .._lazy import lazy_face
 
 _LAZY_NAMES = {
     **dict.fromkeys(("ReplicaRecord", "read_replicas", "replica_path", "write_replica"), ".replicas"),
-    **dict.fromkeys(("MaterializedBase", "Stream", "TensorDiff", "VerifyReport"), ".stream"),
+    **dict.fromkeys(("Stream", "TensorDiff", "VerifyReport"), ".stream"),
+    "MaterializedBase": ".materialize",
     "MARKER_FILE": "..format",
 }
 
 if TYPE_CHECKING:
     from ..format import MARKER_FILE
+    from .materialize import MaterializedBase
     from .replicas import ReplicaRecord, read_replicas, replica_path, write_replica
-    from .stream import MaterializedBase, Stream, TensorDiff, VerifyReport
+    from .stream import Stream, TensorDiff, VerifyReport
 
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 

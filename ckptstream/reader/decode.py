@@ -13,8 +13,9 @@ import torch
 from .. import codec
 from ..errors import IntegrityError
 from ..format import (CHUNKED_ENCODINGS, ENCODING_RAW, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ENCODING_ZSTD,
-                      Hasher, Manifest, TensorEntry, content_hash, data_path)
-from ..storage import Storage
+                      Manifest, TensorEntry, data_path)
+from .files import DataFiles
+
 
 class BaseTensors(Protocol):
     """Already-decoded tensors of one version (e.g. a materialized directory) to start decoding from."""
@@ -25,33 +26,12 @@ class BaseTensors(Protocol):
         """A fresh, writable copy of the tensor, or None if this base does not hold it."""
 
 
-def read_stored(storage: Storage, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
-    """The stored bytes of ``entry`` as a uint8 tensor, checked against ``stored_hash``."""
-    assert entry.file is not None
-    path = data_path(manifest.version, entry.file)
-    out = torch.empty(entry.length, dtype=torch.uint8)
-    try:
-        storage.read_into(path, entry.offset, codec.buffer_of(out))
-    except FileNotFoundError:
-        raise IntegrityError("data file is missing", version=manifest.version, file=path, tensor=entry.name,
-                             hint="The version is damaged; publish a new keyframe or restore the file") from None
-    except EOFError:
-        raise IntegrityError("data file is truncated", version=manifest.version, file=path, tensor=entry.name,
-                             hint="The version is damaged; publish a new keyframe or restore the file") from None
-    actual = content_hash(codec.buffer_of(out))
-    if actual != entry.stored_hash:
-        raise IntegrityError(f"stored bytes hash mismatch (expected {entry.stored_hash}, got {actual})",
-                             version=manifest.version, file=path, tensor=entry.name,
-                             hint="The stored data is corrupt; this version cannot be used")
-    return out
-
-
-def apply_entry(storage: Storage, manifest: Manifest, entry: TensorEntry, out: torch.Tensor | None) -> torch.Tensor:
+def apply_entry(files: DataFiles, manifest: Manifest, entry: TensorEntry, out: torch.Tensor | None) -> torch.Tensor:
     """Apply one version's encoding of a tensor: returns its raw bytes (uint8), ``out`` being the base's."""
     if entry.encoding == ENCODING_UNCHANGED:
         assert out is not None
         return out
-    stored = read_stored(storage, manifest, entry)
+    stored = files.read(manifest, entry)
     if entry.encoding == ENCODING_RAW:
         return stored
     if entry.encoding == ENCODING_ZSTD:
@@ -60,9 +40,9 @@ def apply_entry(storage: Storage, manifest: Manifest, entry: TensorEntry, out: t
     raw_pos = stored_pos = 0
     for raw_len, stored_len, layout in entry.chunks:
         try:
-            codec.apply_chunk(out[raw_pos:raw_pos + raw_len], codec.buffer_of(stored[stored_pos:stored_pos + stored_len]),
-                              entry.itemsize, shuffle=entry.shuffle, layout=layout,
-                              xor=entry.encoding == ENCODING_XOR_ZSTD)
+            frame = codec.buffer_of(stored[stored_pos:stored_pos + stored_len])
+            codec.apply_chunk(out[raw_pos:raw_pos + raw_len], frame, entry.itemsize, shuffle=entry.shuffle,
+                              layout=layout, xor=entry.encoding == ENCODING_XOR_ZSTD)
         except ValueError as exc:
             raise IntegrityError(f"cannot decode chunk at byte {raw_pos}: {exc}", version=manifest.version,
                                  file=data_path(manifest.version, entry.file or ""), tensor=entry.name) from None
@@ -71,7 +51,7 @@ def apply_entry(storage: Storage, manifest: Manifest, entry: TensorEntry, out: t
     return out
 
 
-def decode_tensor(storage: Storage, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
+def decode_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
                   base: BaseTensors | None = None) -> torch.Tensor:
     """Decode one tensor of ``target``, following its delta chain back to a full encoding or to ``base``.
 
@@ -107,7 +87,7 @@ def decode_tensor(storage: Storage, manifests: Callable[[int], Manifest], target
         manifest, current = base_manifest, previous
     out = start
     for manifest, current in reversed(steps):
-        out = apply_entry(storage, manifest, current, out)
+        out = apply_entry(files, manifest, current, out)
     assert out is not None
     actual = codec.tensor_hash(out)
     if actual != entry.hash:
@@ -133,15 +113,3 @@ def load_checked(base: BaseTensors, entry: TensorEntry) -> torch.Tensor | None:
                              tensor=entry.name,
                              hint="The local base directory is stale or corrupt; materialize it again")
     return raw
-
-
-def file_hash(storage: Storage, path: str, block: int = 8 << 20) -> tuple[int, str]:
-    """Size and content hash of a stored file, read sequentially."""
-    hasher = Hasher()
-    size = 0
-    with storage.open_read(path) as f:
-        while data := f.read(block):
-            hasher.update(data)
-            size += len(data)
-    return size, hasher.digest()
-

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from ..format import REPLICAS_DIR, is_safe_file_name
+from ..format import MAX_REPLICA_RECORD_BYTES, REPLICAS_DIR, dumps_json, is_safe_file_name, loads_json
 from ..storage import Storage
 
 
@@ -34,15 +33,37 @@ class ReplicaRecord:
         return (now if now is not None else time.time()) - self.heartbeat
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), indent=1).encode()
+        return dumps_json(asdict(self), what=f"replica record {self.replica_id}")
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "ReplicaRecord":
-        body: Any = json.loads(raw)
+    def from_bytes(cls, raw: bytes, *, file: str = REPLICAS_DIR) -> "ReplicaRecord":
+        """Parse an untrusted record; ValueError (IntegrityError included) for anything malformed: not
+        strict JSON, nested too deep, or a known field of the wrong type (unknown fields are ignored)."""
+        body: Any = loads_json(raw, version=None, file=file)
         if not isinstance(body, dict) or not isinstance(body.get("replica_id"), str):
             raise ValueError("not a replica record")
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in body.items() if k in known})
+        known = {k: v for k, v in body.items() if k in cls.__dataclass_fields__}
+        for key, value in known.items():
+            if not _FIELD_CHECKS.get(key, lambda _: True)(value):
+                raise ValueError(f"replica record field {key!r} has the wrong type")
+        return cls(**known)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "version": lambda v: v is None or _is_int(v),
+    "state": lambda v: isinstance(v, str),
+    "last_error": lambda v: v is None or isinstance(v, str),
+    "refused": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+    "heartbeat": lambda v: _is_int(v) or isinstance(v, float),
+    "urls": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "host": lambda v: isinstance(v, str),
+    "pid": _is_int,
+}
+"""What a readable record's known fields hold: a wrong type would break its readers' comparisons."""
 
 
 def replica_path(replica_id: str) -> str:
@@ -57,13 +78,16 @@ def write_replica(storage: Storage, record: ReplicaRecord) -> None:
 
 
 def read_replicas(storage: Storage) -> list[ReplicaRecord]:
-    """Every readable replica record, sorted by id (unreadable ones are skipped: they are reports, not data)."""
+    """Every readable replica record, sorted by id (unreadable, malformed or oversized ones are skipped:
+    they are reports, not data)."""
     records = []
     for entry in storage.list(REPLICAS_DIR):
-        if entry.is_dir or not entry.name.endswith(".json") or entry.name.startswith("."):
+        if (entry.is_dir or not entry.name.endswith(".json") or entry.name.startswith(".")
+                or entry.size > MAX_REPLICA_RECORD_BYTES):
             continue
+        path = f"{REPLICAS_DIR}/{entry.name}"
         try:
-            records.append(ReplicaRecord.from_bytes(storage.read(f"{REPLICAS_DIR}/{entry.name}")))
+            records.append(ReplicaRecord.from_bytes(storage.read(path), file=path))
         except (OSError, ValueError, TypeError):
             continue
     return sorted(records, key=lambda r: r.replica_id)

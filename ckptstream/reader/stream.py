@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import collections
-import json
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -14,16 +12,16 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 
-from .. import codec
-from ..errors import (CkptStreamError, IntegrityError, MissingBaseError, StreamNotFoundError,
-                      VersionNotFoundError)
-from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, MARKER_FILE, STREAM_FILE, FileEntry, Manifest, StreamInfo,
-                      TensorEntry, asset_path,
-                      content_hash, data_path, manifest_path, parse_version_name, safetensors_header,
-                      shard_groups)
-from ..storage import Storage, open_storage, temp_name
+from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, StreamNotFoundError,
+                      TensorNotFoundError, VersionNotFoundError)
+from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, MAX_VERSION, STREAM_FILE, FileEntry, Manifest,
+                      StreamInfo, TensorEntry, asset_path, content_hash, data_path, manifest_path,
+                      parse_version_name)
 from ..parallel import ordered_parallel
-from .decode import BaseTensors, decode_tensor, file_hash, load_checked
+from ..storage import Storage, open_storage
+from .decode import decode_tensor, load_checked
+from .files import DataFiles, file_hash
+from .materialize import MaterializedBase, build_directory
 from .replicas import ReplicaRecord, read_replicas
 
 DEFAULT_INFLIGHT_BYTES = 1 << 30
@@ -76,6 +74,7 @@ class Stream:
         self._info: StreamInfo | None = None
         self._manifests: collections.OrderedDict[int, Manifest] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._files = DataFiles(self.storage)
 
     # ---------------------------------------------------------------------------------------- discovery
 
@@ -110,25 +109,32 @@ class Stream:
 
     def has_version(self, version: int) -> bool:
         """Whether ``version`` is committed: one cheap probe of its manifest, no listing."""
-        return self.storage.exists(manifest_path(version))
+        return self.storage.exists(manifest_path(_checked_version(version)))
 
     def resolve(self, version: int | str) -> int:
-        """A version number from an int, a numeric string or ``"latest"``."""
-        if isinstance(version, int):
-            return version
+        """A version number from an int, a string of decimal digits or ``"latest"``.
+
+        Raises:
+            InvalidVersionError: (a ValueError) anything else, or a number outside ``[0, MAX_VERSION]``.
+            VersionNotFoundError: ``"latest"`` of a stream without versions.
+        """
         if version == "latest":
             latest = self.latest()
             if latest is None:
                 self.info()  # a clearer error if the stream itself is missing
                 raise VersionNotFoundError(f"stream {self.url} has no versions yet")
             return latest
-        try:
-            return int(version)
-        except ValueError:
-            raise ValueError(f"not a version: {version!r} (use a number or 'latest')") from None
+        if isinstance(version, str) and version.isascii() and version.isdigit():
+            version = int(version)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise InvalidVersionError(f"not a version: {version!r}",
+                                      hint=f"Give a version number or 'latest'; `ckptstream ls {self.url}` "
+                                           "lists the committed versions")
+        return _checked_version(version)
 
     def manifest(self, version: int) -> Manifest:
         """The validated manifest of a committed version (VersionNotFoundError if none)."""
+        _checked_version(version)
         with self._lock:
             cached = self._manifests.get(version)
             if cached is not None:
@@ -155,10 +161,24 @@ class Stream:
                                         "decode from a newer keyframe instead") from None
 
     def chain(self, version: int) -> list[Manifest]:
-        """Manifests from the nearest keyframe up to ``version``, oldest first."""
+        """Manifests from the nearest keyframe up to ``version``, oldest first.
+
+        Raises:
+            MissingBaseError: a base in the chain is gone.
+            IntegrityError: a delta's ``keyframe_version`` differs from its base's, or its ``chain_length``
+                is not its base's plus one (FORMAT.md, "Reader obligations"), naming the delta.
+        """
         chain = [self.manifest(version)]
         while chain[-1].base_version is not None:
-            chain.append(self._base_manifest(chain[-1].base_version))
+            delta = chain[-1]
+            base = self._base_manifest(delta.base_version)
+            if base.keyframe_version != delta.keyframe_version or base.chain_length + 1 != delta.chain_length:
+                raise IntegrityError(
+                    f"the delta claims keyframe {delta.keyframe_version} and chain length {delta.chain_length}, "
+                    f"but its base version {base.version} has keyframe {base.keyframe_version} and chain length "
+                    f"{base.chain_length}", version=delta.version, file=manifest_path(delta.version),
+                    hint="The manifests of this chain contradict each other; refusing the version")
+            chain.append(base)
         return list(reversed(chain))
 
     # ---------------------------------------------------------------------------------------- replicas
@@ -208,9 +228,11 @@ class Stream:
         if names is not None:
             wanted = set(names)
             entries = tuple(t for t in entries if t.name in wanted)
-            missing = wanted - {t.name for t in entries}
+            missing = sorted(wanted - {t.name for t in entries})
             if missing:
-                raise KeyError(f"version {version} has no tensor(s) {sorted(missing)}")
+                raise TensorNotFoundError(f"this version has no tensor(s) {missing[:10]}", version=version,
+                                          tensor=missing[0], hint=f"`ckptstream show {self.url} {version}` "
+                                                                  "lists its tensors")
         yield from self._decode(target, entries, base_dir, lambda entry, tensor: (entry.name, tensor),
                                 workers=workers, max_inflight_bytes=max_inflight_bytes)
 
@@ -222,7 +244,7 @@ class Stream:
         base = MaterializedBase(base_dir, self.info().stream_id) if base_dir is not None else None
 
         def work(entry: TensorEntry) -> R:
-            return sink(entry, decode_tensor(self.storage, self._base_manifest, target, entry, base))
+            return sink(entry, decode_tensor(self._files, self._base_manifest, target, entry, base))
 
         try:
             yield from ordered_parallel(entries, work, lambda e: e.nbytes, max_cost=max_inflight_bytes,
@@ -232,13 +254,11 @@ class Stream:
                 base.close()
 
     def read_tensor(self, version: int, name: str) -> torch.Tensor:
-        """One tensor of a version, decoded and checked."""
+        """One tensor of a version, decoded and checked (TensorNotFoundError, a KeyError, if it lacks it)."""
         target = self.manifest(version)
-        try:
-            entry = target.tensor(name)
-        except KeyError:
-            raise KeyError(f"version {version} has no tensor {name!r}") from None
-        return decode_tensor(self.storage, self._base_manifest, target, entry)
+        entry = target.tensor(name)
+        self.chain(version)
+        return decode_tensor(self._files, self._base_manifest, target, entry)
 
     def asset(self, entry: FileEntry) -> bytes:
         """The bytes of a non-weight asset file, checked against its hash."""
@@ -261,71 +281,28 @@ class Stream:
 
         The directory holds safetensors shards (with ``model.safetensors.index.json`` when sharded), the
         stream's asset files (config.json, tokenizer, ...) and a ``ckptstream.json`` marker. It is built
-        under a temporary name beside ``out_dir`` and renamed into place, so it is never seen incomplete.
+        under a temporary name beside ``out_dir`` and renamed into place, so it is never seen incomplete;
+        temporary directories that killed runs left beside ``out_dir`` are removed first (see
+        ``ckptstream.reader.materialize``). With ``base_dir``, deltas are applied to that earlier
+        materialized copy; a damaged copy is refused (IntegrityError naming its file), never used.
 
         Returns:
             The path of the directory.
+
+        Raises:
+            NotADirectoryOutputError: ``out_dir`` is an existing file.
+            FileExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
         """
         v = self.resolve(version)
         manifest = self.manifest(v)
-        out = Path(out_dir).absolute()
-        if out.exists() and any(out.iterdir()) and not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --force to replace it)")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        temp = out.parent / temp_name(out.name)
-        temp.mkdir()
-        try:
-            groups = shard_groups([t.nbytes for t in manifest.tensors], shard_bytes)
-            weight_map: dict[str, str] = {}
-            placement: dict[str, tuple[int, int]] = {}  # tensor -> (output file descriptor, offset)
-            descriptors = []
-            try:
-                for index, group in enumerate(groups):
-                    file_name = ("model.safetensors" if len(groups) == 1
-                                 else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors")
-                    entries = [manifest.tensors[i] for i in group]
-                    header, offsets = safetensors_header(((t.name, t.dtype, t.shape, t.nbytes) for t in entries),
-                                                         {"format": "pt"})
-                    fd = os.open(temp / file_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                    descriptors.append(fd)
-                    os.pwrite(fd, header, 0)
-                    for entry, offset in zip(entries, offsets):
-                        weight_map[entry.name] = file_name
-                        placement[entry.name] = (fd, offset)
-
-                def write(entry: TensorEntry, tensor: torch.Tensor) -> int:
-                    # Each decoding thread writes its tensor in place: decode and write overlap.
-                    fd, offset = placement[entry.name]
-                    data = codec.buffer_of(codec.as_bytes(tensor))
-                    written = 0
-                    while written < len(data):
-                        written += os.pwrite(fd, data[written:], offset + written)
-                    return entry.nbytes
-
-                for nbytes in self._decode(manifest, manifest.tensors, base_dir, write, workers=workers):
-                    if progress:
-                        progress(nbytes)
-            finally:
-                for fd in descriptors:
-                    os.close(fd)
-            if len(groups) > 1:
-                index_doc = {"metadata": {"total_size": manifest.full_bytes}, "weight_map": weight_map}
-                (temp / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2))
-            for asset in self.info().assets:
-                (temp / asset.name).write_bytes(self.asset(asset))
-            (temp / MARKER_FILE).write_text(json.dumps(
-                {"stream": self.url, "stream_id": manifest.stream_id, "version": v, "kind": manifest.kind,
-                 "step": manifest.step}, indent=1))
-            if out.exists() and any(out.iterdir()):
-                trash = out.parent / temp_name(f"old-{out.name}")
-                os.rename(out, trash)
-                os.rename(temp, out)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(temp, out)
-        finally:
-            shutil.rmtree(temp, ignore_errors=True)
-        return out
+        info = self.info()
+        marker = {"stream": self.url, "stream_id": manifest.stream_id, "version": v, "kind": manifest.kind,
+                  "step": manifest.step}
+        return build_directory(
+            out_dir, manifest,
+            decode=lambda sink: self._decode(manifest, manifest.tensors, base_dir, sink, workers=workers),
+            assets=((asset.name, self.asset(asset)) for asset in info.assets), marker=marker,
+            overwrite=overwrite, shard_bytes=shard_bytes, progress=progress)
 
     def check_materialized(self, directory: str | os.PathLike[str], version: int) -> None:
         """Check that a materialized directory holds exactly ``version``: its marker, the set of tensor
@@ -353,7 +330,8 @@ class Stream:
 
     def verify(self, version: int | str, *, progress: Progress | None = None) -> VerifyReport:
         """Check everything about a version: manifest seal and schema, its delta chain, every tensor
-        decoded bit-exactly against its hash, and the size and hash of each of its data files.
+        decoded bit-exactly against its hash, the size and hash of each of its data files, and that each
+        keyframe file's safetensors header carries the manifest's names, dtypes, shapes and offsets.
 
         Raises:
             IntegrityError / MissingBaseError / VersionNotFoundError: naming the version, file, tensor.
@@ -377,6 +355,7 @@ class Stream:
             if digest != entry.hash:
                 raise IntegrityError(f"data file hash mismatch (expected {entry.hash}, got {digest})",
                                      version=v, file=path)
+            self._files.check(manifest, entry.name)  # a keyframe's header, also for files no tensor uses
         for asset in self.info().assets:
             self.asset(asset)
         return VerifyReport(v, len(manifest.files), len(manifest.tensors), manifest.stored_bytes, decoded)
@@ -411,33 +390,8 @@ def _count_bit_changes(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(torch.count_nonzero(a.reshape(-1).view(ints) != b.reshape(-1).view(ints)))
 
 
-class MaterializedBase(BaseTensors):
-    """Tensors of a directory written by ``Stream.materialize``, used as the start of delta decoding."""
-
-    def __init__(self, directory: str | os.PathLike[str], stream_id: str):
-        from safetensors import safe_open
-
-        self.directory = Path(directory)
-        try:
-            marker = json.loads((self.directory / MARKER_FILE).read_text())
-            self.version = int(marker["version"])
-            foreign = marker["stream_id"] != stream_id
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CkptStreamError(f"{self.directory} is not a directory materialized by ckptstream ({exc})",
-                                  hint="Pass a directory written by `ckptstream materialize`") from None
-        if foreign:
-            raise CkptStreamError(f"{self.directory} was materialized from another stream",
-                                  hint="Pass a directory materialized from this stream")
-        self._files = [safe_open(str(p), framework="pt") for p in sorted(self.directory.glob("*.safetensors"))]
-        self._where = {name: f for f in self._files for name in f.keys()}
-
-    def names(self) -> list[str]:
-        return list(self._where)
-
-    def load(self, name: str) -> torch.Tensor | None:
-        f = self._where.get(name)
-        return None if f is None else f.get_tensor(name).clone()
-
-    def close(self) -> None:
-        self._files.clear()
-        self._where.clear()
+def _checked_version(version: int) -> int:
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:
+        raise InvalidVersionError(f"version {version!r} is out of range (versions are 0 to {MAX_VERSION})",
+                                  hint="Give a version number or 'latest'")
+    return version

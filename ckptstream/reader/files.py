@@ -1,0 +1,152 @@
+"""The data files of a stream's versions: checked against their manifest before any range of them is read,
+then read range by range with every stored hash checked (FORMAT.md, "Reader obligations").
+
+A manifest declares each file's size and every range inside it; a reader that trusted those numbers would
+seek or allocate whatever a damaged or forged manifest says. So before the first read of a file its real
+size must equal the declared one, and a keyframe file's safetensors header must describe exactly the
+manifest's tensors of that file (names, dtypes, shapes, offsets). Each file is checked once per
+``DataFiles`` (the most recent ``CHECKED_FILES_CACHE_SIZE`` are remembered).
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+import threading
+from typing import Any
+
+import torch
+
+from .. import codec
+from ..errors import IntegrityError
+from ..format import (KEYFRAME, MAX_SAFETENSORS_HEADER_BYTES, FileEntry, Hasher, Manifest, TensorEntry,
+                      content_hash, data_path, loads_json)
+from ..storage import Storage
+
+CHECKED_FILES_CACHE_SIZE = 4096
+"""Data files whose size (and header) a ``DataFiles`` remembers having checked."""
+
+_SAFETENSORS_PREFIX = 8  # u64 little-endian length of the JSON header
+_DAMAGED = "The version is damaged; publish a new keyframe or restore the file"
+
+
+class DataFiles:
+    """Checked access to the data files of one stream's versions (thread-safe)."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self._checked: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, manifest: Manifest, name: str, tensor: str | None = None) -> None:
+        """Refuse data file ``name`` of ``manifest`` unless its real size is the declared one and, for a keyframe,
+        its safetensors header matches the manifest. ``tensor`` (the one about to be read) is named in
+        errors.
+
+        Raises:
+            IntegrityError: naming the version, the file and ``tensor``.
+        """
+        key = (manifest.version, name)
+        with self._lock:
+            if key in self._checked:
+                self._checked.move_to_end(key)
+                return
+        file = next(f for f in manifest.files if f.name == name)  # parsing ensures tensors' files are listed
+        path = data_path(manifest.version, file.name)
+        try:
+            size = self.storage.size(path)
+        except FileNotFoundError:
+            raise IntegrityError("data file is missing", version=manifest.version, file=path, tensor=tensor,
+                                 hint=_DAMAGED) from None
+        if size != file.size:
+            raise IntegrityError(f"data file has {size} bytes, manifest says {file.size}"
+                                 + (" (truncated)" if size < file.size else ""),
+                                 version=manifest.version, file=path, tensor=tensor, hint=_DAMAGED)
+        if manifest.kind == KEYFRAME:
+            problem = self._header_problem(manifest, file)
+            if problem is not None:
+                self._refuse_header(manifest, file, problem, tensor)
+        with self._lock:
+            self._checked[key] = None
+            while len(self._checked) > CHECKED_FILES_CACHE_SIZE:
+                self._checked.popitem(last=False)
+
+    def read(self, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
+        """The stored bytes of ``entry`` as a uint8 tensor, its file checked first, the bytes checked
+        against ``stored_hash``."""
+        assert entry.file is not None
+        self.check(manifest, entry.file, entry.name)
+        path = data_path(manifest.version, entry.file)
+        out = torch.empty(entry.length, dtype=torch.uint8)
+        try:
+            self.storage.read_into(path, entry.offset, codec.buffer_of(out))
+        except FileNotFoundError:
+            raise IntegrityError("data file is missing", version=manifest.version, file=path, tensor=entry.name,
+                                 hint=_DAMAGED) from None
+        except EOFError:
+            raise IntegrityError("data file is truncated", version=manifest.version, file=path, tensor=entry.name,
+                                 hint=_DAMAGED) from None
+        actual = content_hash(codec.buffer_of(out))
+        if actual != entry.stored_hash:
+            raise IntegrityError(f"stored bytes hash mismatch (expected {entry.stored_hash}, got {actual})",
+                                 version=manifest.version, file=path, tensor=entry.name,
+                                 hint="The stored data is corrupt; this version cannot be used")
+        return out
+
+    def _header_problem(self, manifest: Manifest, file: FileEntry) -> tuple[str, str | None] | None:
+        """What in a keyframe file's safetensors header disagrees with the manifest (and which tensor)."""
+        path = data_path(manifest.version, file.name)
+        if file.size < _SAFETENSORS_PREFIX:
+            return "the file is too short for a safetensors header", None
+        (length,) = struct.unpack("<Q", self.storage.read(path, 0, _SAFETENSORS_PREFIX))
+        if length > min(MAX_SAFETENSORS_HEADER_BYTES, file.size - _SAFETENSORS_PREFIX):
+            return f"the safetensors header claims {length} bytes", None
+        raw = self.storage.read(path, _SAFETENSORS_PREFIX, _SAFETENSORS_PREFIX + length)
+        try:
+            header: Any = loads_json(raw, version=manifest.version, file=path)
+        except IntegrityError as exc:
+            return f"the safetensors header is not valid ({exc})", None
+        if not isinstance(header, dict):
+            return "the safetensors header is not a JSON object", None
+        data_start = _SAFETENSORS_PREFIX + length
+        expected = {t.name: t for t in manifest.tensors if t.file == file.name}
+        for name, spec in header.items():
+            if name == "__metadata__":
+                continue
+            entry = expected.pop(name, None)
+            if entry is None:
+                return "the file holds a tensor the manifest does not place in it", name
+            want = {"dtype": entry.dtype, "shape": list(entry.shape),
+                    "data_offsets": [entry.offset - data_start, entry.offset + entry.length - data_start]}
+            if not isinstance(spec, dict) or any(spec.get(k) != v for k, v in want.items()):
+                got = spec if not isinstance(spec, dict) else {k: spec.get(k) for k in want}
+                return f"the file says {got}, the manifest {want}", name
+        if expected:
+            return "the manifest places a tensor in the file that its header lacks", next(iter(expected))
+        return None
+
+    def _refuse_header(self, manifest: Manifest, file: FileEntry, problem: tuple[str, str | None],
+                       tensor: str | None) -> None:
+        """Raise for a header that disagrees with the manifest: as a corrupt file if the file's hash says
+        so, otherwise as a manifest that misdescribes its file."""
+        path = data_path(manifest.version, file.name)
+        _, digest = file_hash(self.storage, path)
+        if digest != file.hash:  # the whole file is damaged, not the tensor being read
+            raise IntegrityError(f"data file hash mismatch (expected {file.hash}, got {digest})",
+                                 version=manifest.version, file=path,
+                                 hint="The stored data is corrupt; this version cannot be used")
+        message, named = problem
+        raise IntegrityError(f"the keyframe's safetensors header disagrees with the manifest: {message}",
+                             version=manifest.version, file=path, tensor=named or tensor,
+                             hint="The manifest does not describe its data file; refusing this version")
+
+
+def file_hash(storage: Storage, path: str, block: int = 8 << 20) -> tuple[int, str]:
+    """Size and content hash of a stored file, read sequentially."""
+    hasher = Hasher()
+    size = 0
+    with storage.open_read(path) as f:
+        while data := f.read(block):
+            hasher.update(data)
+            size += len(data)
+    return size, hasher.digest()

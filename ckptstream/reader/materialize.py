@@ -1,0 +1,226 @@
+"""Materialized directories: a version written as a plain Hugging Face directory, and read back as the
+base of later deltas.
+
+A directory is built under a temporary name beside its final path and renamed into place, so nobody
+(vLLM, a follower's cache) ever sees it incomplete. The temporary directory ``.tmp-<32 hex>-<name>``
+holds ``lock``, a file its builder keeps ``flock``-ed for as long as it runs, and ``out``, the directory
+being built. It appears under that name only once its lock is held (it is created as
+``.tmp-<32 hex>.new`` and renamed). A killed build leaves its temporary directory behind, unlocked: the
+next build of the same name removes every ``.tmp-<32 hex>-<name>`` sibling whose lock it can take (or
+that has no lock file: an older ckptstream's debris) and leaves alone those still locked by a live build.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from .. import codec
+from ..errors import CkptStreamError, IntegrityError, NotADirectoryOutputError, UnsafeManifestError
+from ..format import (INDEX_FILE, MARKER_FILE, TEMP_PREFIX, Manifest, TensorEntry, asset_path, dumps_json,
+                      is_reserved_asset_name, loads_json, safetensors_header, shard_groups)
+from .decode import BaseTensors
+
+LOCK_FILE = "lock"
+"""Inside a temporary build directory: held with ``flock`` by the live build that owns the directory."""
+_BUILD_DIR = "out"
+
+Sink = Callable[[TensorEntry, torch.Tensor], int]
+"""Writes one decoded tensor and returns its byte count (called on the decoding threads)."""
+
+
+def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
+                    decode: Callable[[Sink], Iterator[int]], assets: Iterable[tuple[str, bytes]],
+                    marker: Mapping[str, Any], overwrite: bool, shard_bytes: int,
+                    progress: Callable[[int], None] | None = None) -> Path:
+    """Write the tensors of ``manifest`` as safetensors shards (with an index when there are several),
+    then the ``assets`` and the ``marker`` file, into ``out_dir``, atomically (see the module docstring).
+
+    Args:
+        decode: runs a sink on every decoded tensor of the version, yielding the sink's results.
+        assets: (name, bytes) of each non-weight file.
+        overwrite: replace a non-empty ``out_dir`` (else FileExistsError).
+
+    Raises:
+        NotADirectoryOutputError: ``out_dir`` exists and is not a directory.
+        FileExistsError: ``out_dir`` is not empty (at the start or when the build is done) and not ``overwrite``.
+        UnsafeManifestError: an asset would replace a weight file, the index or the marker.
+    """
+    out = Path(out_dir).absolute()
+    _check_output(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_builds(out)
+    temp, lock = _claim_build_dir(out)
+    try:
+        build = temp / _BUILD_DIR
+        build.mkdir()
+        _write_weights(build, manifest, decode, shard_bytes, progress)
+        for name, data in assets:
+            if is_reserved_asset_name(name) or (build / name).exists():
+                raise UnsafeManifestError(f"asset {name!r} would replace a weight file, the index or the marker",
+                                          file=asset_path(name), hint="The stream's stream.json is unsafe")
+            (build / name).write_bytes(data)
+        with open(build / MARKER_FILE, "xb") as f:  # last: a directory with its marker is complete
+            f.write(dumps_json(dict(marker), what=MARKER_FILE))
+        _check_output(out, overwrite)  # another build may have filled it meanwhile
+        if out.exists() and any(out.iterdir()):
+            os.rename(out, temp / "old")  # removed with the temporary directory
+        os.replace(build, out)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+        os.close(lock)
+    return out
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryOutputError(f"{out} exists and is not a directory",
+                                       hint="Give the path of a directory to create (or an existing one to "
+                                            "replace with overwrite=True / --force)")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --force to replace it)")
+
+
+def _write_weights(build: Path, manifest: Manifest, decode: Callable[[Sink], Iterator[int]], shard_bytes: int,
+                   progress: Callable[[int], None] | None) -> None:
+    groups = shard_groups([t.nbytes for t in manifest.tensors], shard_bytes)
+    weight_map: dict[str, str] = {}
+    placement: dict[str, tuple[int, int]] = {}  # tensor -> (output file descriptor, offset)
+    descriptors = []
+    try:
+        for index, group in enumerate(groups):
+            file_name = ("model.safetensors" if len(groups) == 1
+                         else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors")
+            entries = [manifest.tensors[i] for i in group]
+            header, offsets = safetensors_header(((t.name, t.dtype, t.shape, t.nbytes) for t in entries),
+                                                 {"format": "pt"})
+            fd = os.open(build / file_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            descriptors.append(fd)
+            os.pwrite(fd, header, 0)
+            for entry, offset in zip(entries, offsets):
+                weight_map[entry.name] = file_name
+                placement[entry.name] = (fd, offset)
+
+        def write(entry: TensorEntry, tensor: torch.Tensor) -> int:
+            # Each decoding thread writes its tensor in place: decode and write overlap.
+            fd, offset = placement[entry.name]
+            data = codec.buffer_of(codec.as_bytes(tensor))
+            written = 0
+            while written < len(data):
+                written += os.pwrite(fd, data[written:], offset + written)
+            return entry.nbytes
+
+        for nbytes in decode(write):
+            if progress:
+                progress(nbytes)
+    finally:
+        for fd in descriptors:
+            os.close(fd)
+    if len(groups) > 1:
+        index_doc = {"metadata": {"total_size": manifest.full_bytes}, "weight_map": weight_map}
+        (build / INDEX_FILE).write_bytes(dumps_json(index_doc, what=INDEX_FILE, indent=2))
+
+
+def _build_dir_pattern(name: str) -> re.Pattern[str]:
+    return re.compile(re.escape(TEMP_PREFIX) + "[0-9a-f]{32}-" + re.escape(name))
+
+
+def _claim_build_dir(out: Path) -> tuple[Path, int]:
+    """A new temporary build directory beside ``out`` and the descriptor of its held lock."""
+    token = uuid.uuid4().hex
+    staging = out.parent / f"{TEMP_PREFIX}{token}.new"  # not a name any build removes
+    staging.mkdir()
+    try:
+        lock = os.open(staging / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        temp = out.parent / f"{TEMP_PREFIX}{token}-{out.name}"
+        os.rename(staging, temp)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return temp, lock
+
+
+def remove_stale_builds(out: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary build directories of ``out`` left by killed builds (those whose lock can be
+    taken, or without a lock file); live builds' are kept. Returns the removed paths."""
+    out = Path(out).absolute()
+    pattern = _build_dir_pattern(out.name)
+    removed = []
+    try:
+        children = list(out.parent.iterdir())
+    except FileNotFoundError:
+        return removed
+    for child in children:
+        if not pattern.fullmatch(child.name) or child.is_symlink() or not child.is_dir():
+            continue
+        try:
+            lock: int | None = os.open(child / LOCK_FILE, os.O_RDWR)
+        except FileNotFoundError:
+            lock = None  # an older ckptstream's debris, or a finished build removing its directory
+        except OSError:
+            continue
+        try:
+            if lock is not None:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live build
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+        finally:
+            if lock is not None:
+                os.close(lock)
+    return removed
+
+
+class MaterializedBase(BaseTensors):
+    """Tensors of a directory written by ``Stream.materialize``, used as the start of delta decoding.
+
+    Raises:
+        CkptStreamError: the directory was not materialized from this stream.
+        IntegrityError: one of its safetensors files cannot be read (truncated or corrupt), naming it.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], stream_id: str):
+        from safetensors import SafetensorError, safe_open
+
+        self.directory = Path(directory)
+        try:
+            marker = loads_json((self.directory / MARKER_FILE).read_bytes(), version=None, file=MARKER_FILE)
+            self.version = int(marker["version"])
+            foreign = marker["stream_id"] != stream_id
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CkptStreamError(f"{self.directory} is not a directory materialized by ckptstream ({exc})",
+                                  hint="Pass a directory written by `ckptstream materialize`") from None
+        if foreign:
+            raise CkptStreamError(f"{self.directory} was materialized from another stream",
+                                  hint="Pass a directory materialized from this stream")
+        self._files = []
+        for path in sorted(self.directory.glob("*.safetensors")):
+            try:
+                self._files.append(safe_open(str(path), framework="pt"))
+            except (SafetensorError, OSError) as exc:
+                raise IntegrityError(f"the local copy of version {self.version} is damaged ({exc})",
+                                     file=str(path),
+                                     hint="Materialize this version without the base directory, or delete "
+                                          "the directory") from None
+        self._where = {name: f for f in self._files for name in f.keys()}
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def load(self, name: str) -> torch.Tensor | None:
+        f = self._where.get(name)
+        return None if f is None else f.get_tensor(name).clone()
+
+    def close(self) -> None:
+        self._files.clear()
+        self._where.clear()

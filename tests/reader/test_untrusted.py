@@ -1,0 +1,309 @@
+"""Crafted streams a reader must refuse with a clear error (version / file / tensor named) instead of a
+foreign exception, a crash or a silently wrong result: deep JSON, absurd sizes, assets posing as weights,
+keyframe headers that disagree with their manifest, inconsistent chains, damaged base directories, bad
+version references."""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptstream import IntegrityError, Publisher, Stream, UnsafeManifestError
+from ckptstream.errors import (EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_USAGE, InvalidVersionError,
+                               NotADirectoryOutputError, TensorNotFoundError)
+from ckptstream.format import STREAM_FILE, content_hash, data_path, manifest_path
+from ckptstream.reader import ReplicaRecord, write_replica
+from ckptstream.storage import open_storage
+from ckptstream.testing.models import rl_like_step
+from tests.conftest import random_state
+
+SEAL_KEY = b'"manifest_hash": "xxh3-128:'
+
+
+@pytest.fixture
+def two_versions(stream_url):
+    """Version 0 (a keyframe with assets) and 1 (a delta)."""
+    state = random_state(0, scale=2)
+    with Publisher(stream_url, assets={"config.json": b'{"model_type": "x"}'}, chunk_bytes=2048) as publisher:
+        publisher.publish(state).result()
+        rl_like_step(state, fraction=0.05)
+        publisher.publish(state).result()
+    return stream_url
+
+
+def _replace(url: str, path: str, data: bytes) -> None:
+    storage = open_storage(url)
+    storage.delete(path)
+    storage.put(path, data)
+
+
+def _reseal(raw: bytes) -> bytes:
+    """Seal manifest bytes again, as a writer does (FORMAT.md, "Manifest seal")."""
+    start = raw.rfind(SEAL_KEY) + len(SEAL_KEY)
+    zeroed = raw[:start] + b"0" * 32 + raw[start + 32:]
+    return raw[:start] + content_hash(zeroed)[len("xxh3-128:"):].encode() + raw[start + 32:]
+
+
+def _forge_raw(url: str, version: int, change: Callable[[bytes], bytes]) -> None:
+    """Change a manifest's bytes and seal them again, as a malicious or buggy writer would."""
+    raw = open_storage(url).read(manifest_path(version))
+    changed = change(raw)
+    assert changed != raw
+    _replace(url, manifest_path(version), _reseal(changed))
+
+
+def _forge(url: str, version: int, edit: Callable[[dict], None]) -> None:
+    def change(raw: bytes) -> bytes:
+        body = json.loads(raw)
+        edit(body)
+        return json.dumps(body, indent=1).encode()
+    _forge_raw(url, version, change)
+
+
+# ------------------------------------------------------------------------------------------ deep JSON
+
+def test_deeply_nested_stream_file_is_an_integrity_error(two_versions):
+    raw = open_storage(two_versions).read(STREAM_FILE)
+    deep = b"[" * 5000 + b"]" * 5000
+    nested = raw.replace(b'"format": "ckptstream"', b'"x": ' + deep + b', "format": "ckptstream"')
+    _replace(two_versions, STREAM_FILE, nested)
+    with pytest.raises(IntegrityError, match="nested deeper") as info:
+        Stream(two_versions).info()
+    assert info.value.file == STREAM_FILE and info.value.exit_code == EXIT_INTEGRITY
+
+
+@pytest.mark.parametrize("field", ["metadata", "step"])
+def test_deeply_nested_manifest_is_an_integrity_error(two_versions, field):
+    deep = b'{"a": ' * 2000 + b"1" + b"}" * 2000
+    old = b'"metadata": {}' if field == "metadata" else b'"step": null'
+    _forge_raw(two_versions, 1, lambda raw: raw.replace(old, b'"' + field.encode() + b'": ' + deep))
+    for action in (lambda s: s.manifest(1), lambda s: s.verify(1), lambda s: s.versions() and s.chain(1)):
+        with pytest.raises(IntegrityError, match="nested deeper") as info:
+            action(Stream(two_versions))
+        assert info.value.version == 1 and info.value.file == manifest_path(1)
+
+
+def test_deep_or_mistyped_replica_records_are_skipped(two_versions):
+    storage = open_storage(two_versions)
+    write_replica(storage, ReplicaRecord("good", version=1, state="serving", heartbeat=1.0))
+    storage.put("replicas/deep.json", b'{"replica_id": "deep", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    storage.put("replicas/typed.json", b'{"replica_id": "typed", "version": "1", "heartbeat": "soon"}')
+    storage.put("replicas/nan.json", b'{"replica_id": "nan", "heartbeat": NaN}')
+    storage.put("replicas/huge.json", b'{"replica_id": "huge", "host": "' + b"x" * (1 << 20) + b'"}')
+    assert [r.replica_id for r in Stream(two_versions).replicas()] == ["good"]
+
+
+# ------------------------------------------------------------------------------------------ absurd sizes
+
+def _raw_entry(body: dict) -> dict:
+    return next(t for t in body["tensors"] if t["encoding"] == "raw")
+
+
+def test_declared_file_size_beyond_the_real_one_is_refused_before_reading(two_versions):
+    name = None
+
+    def edit(body: dict) -> None:
+        nonlocal name
+        body["files"][0]["size"] = 2**50
+        entry = _raw_entry(body)
+        entry["offset"] = 2**49
+        name = entry["name"]
+    _forge(two_versions, 0, edit)
+    for action in (lambda s: s.read_tensor(0, name), lambda s: dict(s.iter_tensors(1)), lambda s: s.verify(0)):
+        with pytest.raises(IntegrityError, match=f"manifest says {2**50} \\(truncated\\)") as info:
+            action(Stream(two_versions))
+        assert info.value.version == 0 and info.value.file.startswith(data_path(0, ""))
+
+
+def test_huge_tensor_length_is_refused_before_allocating(two_versions, tmp_path):
+    name = None
+
+    def edit(body: dict) -> None:
+        nonlocal name
+        body["files"][0]["size"] = 2**50
+        entry = _raw_entry(body)
+        entry.update(dtype="U8", shape=[2**46], length=2**46)
+        name = entry["name"]
+    _forge(two_versions, 0, edit)
+    for action in (lambda s: s.read_tensor(0, name), lambda s: s.materialize(0, tmp_path / "m")):
+        with pytest.raises(IntegrityError, match="manifest says") as info:
+            action(Stream(two_versions))
+        assert info.value.version == 0 and info.value.tensor == name
+    assert not (tmp_path / "m").exists()
+
+
+# ------------------------------------------------------------------------------------ assets as weights
+
+@pytest.mark.parametrize("asset", ["model.safetensors", "model.safetensors.index.json", "ckptstream.json"])
+def test_an_asset_cannot_replace_the_weights(two_versions, tmp_path, asset):
+    storage = open_storage(two_versions)
+    forged = {"a": torch.full((4,), 7.0)}
+    from safetensors.torch import save
+
+    data = save(forged)
+    storage.put(f"assets/{asset}", data)
+    info = json.loads(storage.read(STREAM_FILE))
+    info["assets"][0].update(name=asset, size=len(data), hash=content_hash(data))  # config.json renamed
+    _replace(two_versions, STREAM_FILE, json.dumps(info, indent=1).encode())
+    for action in (lambda s: s.materialize(1, tmp_path / "out"), lambda s: s.verify(1), lambda s: s.info()):
+        with pytest.raises(UnsafeManifestError, match="reserved") as exc:
+            action(Stream(two_versions))
+        assert exc.value.file == STREAM_FILE
+    assert not (tmp_path / "out").exists()
+
+
+def test_materialize_never_writes_an_asset_over_a_weight_file(two_versions, tmp_path):
+    from ckptstream.reader.materialize import build_directory
+
+    tmp_path = tmp_path / "outputs"
+    tmp_path.mkdir()
+    stream = Stream(two_versions)
+    manifest = stream.manifest(0)
+
+    def decode(sink):
+        return (sink(entry, tensor) for entry, (_, tensor) in zip(manifest.tensors, stream.iter_tensors(0)))
+
+    for name in ("model.safetensors", "notes.txt"):  # reserved, and (case below) already written
+        assets = [("notes.txt", b"a"), ("notes.txt", b"b")] if name == "notes.txt" else [(name, b"forged")]
+        with pytest.raises(UnsafeManifestError, match="would replace"):
+            build_directory(tmp_path / name, manifest, decode=decode, assets=assets, marker={"version": 0},
+                            overwrite=False, shard_bytes=1 << 30)
+        assert not (tmp_path / name).exists()
+    assert not list(tmp_path.iterdir())  # no temporary directory left either
+
+
+# ------------------------------------------------------------------------------ keyframe header vs manifest
+
+def _first_raw(body: dict) -> dict:
+    return next(t for t in body["tensors"] if t["encoding"] == "raw" and t["dtype"] == "BF16")
+
+
+def _retype(body: dict) -> None:
+    _first_raw(body)["dtype"] = "F16"
+
+
+def _reshape(body: dict) -> None:
+    entry = _first_raw(body)
+    entry["shape"] = [entry["shape"][1], entry["shape"][0]]
+
+
+def _rename(body: dict) -> None:
+    _first_raw(body)["name"] = "renamed.weight"
+
+
+def _drop(body: dict) -> None:
+    body["tensors"].remove(_first_raw(body))
+
+
+def _duplicate(body: dict) -> None:
+    body["tensors"].append({**_first_raw(body), "name": "copy.weight"})
+
+
+@pytest.mark.parametrize("edit", [_retype, _reshape, _rename, _drop, _duplicate])
+def test_keyframe_header_must_match_the_manifest(two_versions, edit):
+    stream = Stream(two_versions)
+    manifest = stream.manifest(0)
+    key_file = manifest.files[0].name
+    _forge(two_versions, 0, edit)
+    forged = Stream(two_versions).manifest(0)
+    with pytest.raises(IntegrityError, match="safetensors header disagrees with the manifest") as info:
+        Stream(two_versions).verify(0)
+    assert info.value.version == 0 and info.value.file == data_path(0, key_file)
+    assert info.value.tensor is not None
+    name = forged.tensors[0].name
+    for action in (lambda s: s.read_tensor(0, name), lambda s: dict(s.iter_tensors(0))):
+        with pytest.raises(IntegrityError, match="safetensors header disagrees"):
+            action(Stream(two_versions))
+
+
+# ------------------------------------------------------------------------------------ chain consistency
+
+@pytest.mark.parametrize("field,value", [("chain_length", 5), ("keyframe_version", 1)])
+def test_chain_fields_must_agree_with_the_base(stream_url, field, value):
+    state = random_state(1)
+    with Publisher(stream_url) as publisher:
+        for _ in range(3):
+            publisher.publish(state).result()
+            rl_like_step(state, fraction=0.05)
+    assert Stream(stream_url).manifest(2).kind == "delta"
+    _forge(stream_url, 2, lambda body: body.update({field: value}))
+    for action in (lambda s: s.chain(2), lambda s: dict(s.iter_tensors(2)), lambda s: s.read_tensor(2, "steps"),
+                   lambda s: s.verify(2)):
+        with pytest.raises(IntegrityError, match="its base version 1 has keyframe 0 and chain length 1") as info:
+            action(Stream(stream_url))
+        assert info.value.version == 2 and info.value.file == manifest_path(2)
+
+
+# ------------------------------------------------------------------------------------ damaged base copy
+
+@pytest.mark.parametrize("damage", ["truncate", "header"])
+def test_damaged_base_directory_is_an_integrity_error_naming_the_file(two_versions, tmp_path, damage):
+    stream = Stream(two_versions)
+    base = stream.materialize(0, tmp_path / "v0")
+    shard = base / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        del data[len(data) // 2:]
+    else:
+        data[12] = ord("{") if data[12] != ord("{") else ord("[")  # inside the JSON header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="damaged") as info:
+        stream.materialize(1, tmp_path / "v1", base_dir=base)
+    assert info.value.file == str(shard) and info.value.exit_code == EXIT_INTEGRITY
+    assert not (tmp_path / "v1").exists()
+    with pytest.raises(IntegrityError):
+        stream.check_materialized(base, 0)
+
+
+# ------------------------------------------------------------------------------- references and outputs
+
+@pytest.mark.parametrize("ref", ["abc", "-1", -1, "1_0", " 1", "1.0", "", 10**12, True, None])
+def test_bad_version_references_are_usage_errors(two_versions, ref):
+    with pytest.raises(InvalidVersionError) as info:
+        Stream(two_versions).resolve(ref)
+    assert isinstance(info.value, ValueError) and info.value.exit_code == EXIT_USAGE
+    assert "'latest'" in str(info.value)
+
+
+def test_resolve_accepts_numbers_and_latest(two_versions):
+    stream = Stream(two_versions)
+    assert [stream.resolve(r) for r in ("0", 1, "latest", "000000000001")] == [0, 1, 1, 1]
+    with pytest.raises(InvalidVersionError):
+        stream.manifest(-1)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_materialize_onto_a_file_is_refused(two_versions, tmp_path, overwrite):
+    tmp_path = tmp_path / "outputs"
+    tmp_path.mkdir()
+    target = tmp_path / "a-file"
+    target.write_bytes(b"keep me")
+    with pytest.raises(NotADirectoryOutputError, match="is not a directory") as info:
+        Stream(two_versions).materialize(1, target, overwrite=overwrite)
+    assert isinstance(info.value, NotADirectoryError) and info.value.exit_code == EXIT_USAGE
+    assert target.read_bytes() == b"keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_missing_tensor_is_a_not_found_error(two_versions):
+    stream = Stream(two_versions)
+    for action in (lambda: stream.read_tensor(1, "nope"),
+                   lambda: dict(stream.iter_tensors(1, names=["nope", "steps"]))):
+        with pytest.raises(TensorNotFoundError, match="version 1, tensor nope") as info:
+            action()
+        assert isinstance(info.value, KeyError) and info.value.exit_code == EXIT_NOT_FOUND
+    assert list(dict(stream.iter_tensors(1, names=["steps"]))) == ["steps"]
+
+
+def test_materialized_output_is_the_published_version(two_versions, tmp_path):
+    stream = Stream(two_versions)
+    tmp_path = tmp_path / "outputs"
+    out = stream.materialize(1, tmp_path / "m")
+    want = dict(stream.iter_tensors(1))
+    got = load_file(out / "model.safetensors")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert sorted(p.name for p in out.iterdir()) == ["ckptstream.json", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
