@@ -4,8 +4,11 @@
 checkpoint reader in :mod:`ckptstream.writer.torch_dist` does not.
 """
 
+from .commit import commit_manifest, open_or_create_stream
+from .config import PublisherConfig
 from .distributed import DistributedPublisher
 from .gc import GcReport, collect_garbage
-from .publisher import Publisher, open_or_create_stream
+from .publisher import Publisher
 
-__all__ = ["DistributedPublisher", "GcReport", "Publisher", "collect_garbage", "open_or_create_stream"]
+__all__ = ["DistributedPublisher", "GcReport", "Publisher", "PublisherConfig", "collect_garbage", "commit_manifest",
+           "open_or_create_stream"]
