@@ -20,14 +20,15 @@ _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encodin
 
 class LossyProxy:
     """Forwards every request to ``upstream``; the first ``losses`` PUTs whose path matches ``pattern`` are
-    forwarded, and then answered with a 500 (``mode="500"``) or a closed connection (``mode="reset"``).
+    forwarded (not with ``forward=False``: then they never reach the server), and then answered with a 500
+    (``mode="500"``) or a closed connection (``mode="reset"``).
 
     Attributes:
         lost: paths of the requests whose response was lost, in order.
         seen: (method, path, status returned) of every request.
     """
 
-    def __init__(self, upstream: str, pattern: str, *, mode: str = "500", losses: int = 1):
+    def __init__(self, upstream: str, pattern: str, *, mode: str = "500", losses: int = 1, forward: bool = True):
         if mode not in ("500", "reset"):
             raise ValueError(f"unknown mode {mode!r}")
         target = urlsplit(upstream)
@@ -35,6 +36,7 @@ class LossyProxy:
         self.pattern = re.compile(pattern)
         self.mode = mode
         self.losses = losses
+        self.forward = forward
         self.lost: list[str] = []
         self.seen: list[tuple[str, str, int | None]] = []
         self._lock = threading.Lock()
@@ -48,6 +50,9 @@ class LossyProxy:
 
             def _forward(self) -> None:
                 body = self._body()
+                if self.command == "PUT" and not proxy.forward and proxy._take_loss(self.path):
+                    self._lose()
+                    return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=30)
                 try:
                     conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
@@ -61,19 +66,8 @@ class LossyProxy:
                     status, headers = response.status, response.getheaders()
                 finally:
                     conn.close()
-                if self.command == "PUT" and proxy._take_loss(self.path):
-                    proxy.seen.append((self.command, self.path, None if proxy.mode == "reset" else 500))
-                    if proxy.mode == "reset":
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                        self.close_connection = True
-                        return
-                    error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
-                             b"<Message>We encountered an internal error. Please try again.</Message></Error>")
-                    self.send_response(500)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(error)))
-                    self.end_headers()
-                    self.wfile.write(error)
+                if self.command == "PUT" and proxy.forward and proxy._take_loss(self.path):
+                    self._lose()
                     return
                 proxy.seen.append((self.command, self.path, status))
                 self.send_response(status)
@@ -84,6 +78,21 @@ class LossyProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(payload)
+
+            def _lose(self) -> None:
+                """Answer with a server error or a closed connection instead of the server's answer."""
+                proxy.seen.append((self.command, self.path, None if proxy.mode == "reset" else 500))
+                if proxy.mode == "reset":
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
+                error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
+                         b"<Message>We encountered an internal error. Please try again.</Message></Error>")
+                self.send_response(500)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(error)))
+                self.end_headers()
+                self.wfile.write(error)
 
             def _body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":

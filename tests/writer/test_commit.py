@@ -50,6 +50,34 @@ def test_lost_response_to_the_commit_put_is_not_a_conflict(s3_endpoint, mode):
     stream.verify(1)
 
 
+def test_commit_put_failing_after_the_server_stored_it_is_a_commit(s3_endpoint):
+    """Every answer to the commit PUT is lost and the retries run out: the PUT fails, but the manifest read
+    back is this writer's, so the version is committed."""
+    from tests.conftest import new_bucket
+
+    url = f"s3://{new_bucket(s3_endpoint)}/run"
+    with LossyProxy(s3_endpoint, MANIFEST_KEY, losses=100) as proxy:
+        options = {"endpoint_url": proxy.url, "config_kwargs": {"retries": {"max_attempts": 1}}}
+        with Publisher(url, storage_options=options) as publisher:
+            assert publisher.publish(random_state(0)).result().version == 0
+    assert len(proxy.lost) >= 1
+    Stream(url).verify(0)
+
+
+def test_commit_put_that_never_reached_the_server_fails(s3_endpoint):
+    from tests.conftest import new_bucket
+
+    url = f"s3://{new_bucket(s3_endpoint)}/run"
+    with LossyProxy(s3_endpoint, MANIFEST_KEY, losses=100, forward=False) as proxy:
+        options = {"endpoint_url": proxy.url, "config_kwargs": {"retries": {"max_attempts": 1}}}
+        publisher = Publisher(url, storage_options=options)
+        with pytest.raises(PublishError, match="version 0"):
+            publisher.publish(random_state(0)).result()
+        with pytest.raises(PublishError):
+            publisher.close()
+    assert Stream(url).versions() == []
+
+
 class _LinkAnsweredTwice(PosixStorage):
     """A mock of a fault that cannot be caused on a local disk: NFS answers a retransmitted LINK request
     whose first reply was lost with EEXIST, although the link is the caller's own."""
