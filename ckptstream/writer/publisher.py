@@ -302,31 +302,30 @@ class Publisher:
             failure = exc
         kind = self._coordinator.agree_kind(job.version, KEYFRAME if encoded is None else DELTA, failure)
         part = Part([], [], failure)
+        base_manifest = None
         if kind is not None and failure is None:
-            if kind == KEYFRAME or encoded is None:
+            if kind == KEYFRAME or encoded is None:  # the others may need a keyframe where this part was a delta
                 encoded = self._encoder.keyframe(job.tensors)
+            base_manifest = encoded.base
             try:
                 part.files, part.tensors = self._files.write(job.version, encoded, [h.result() for h in hashes])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
                 part.failure = exc
-        chosen = encoded
+        return self._coordinator.commit(
+            job.version, part, lambda files, tensors: self._commit(job, base_manifest, files, tensors),
+            lambda: self._files.remove(job.version, part.files))
 
-        def commit(files: list[FileEntry], tensors: list[TensorEntry]) -> Manifest:
-            assert chosen is not None
-            return self._commit(job, chosen, files, tensors)
-
-        return self._coordinator.commit(job.version, part, commit, lambda: self._files.remove(job.version, part.files))
-
-    def _commit(self, job: _Job, encoded: EncodedVersion, files: list[FileEntry],
+    def _commit(self, job: _Job, base: Manifest | None, files: list[FileEntry],
                 tensors: list[TensorEntry]) -> Manifest:
-        """The manifest of every part's files and tensors, committed (the stream created first if new)."""
+        """The manifest of every part's files and tensors — a keyframe, or a delta on ``base`` — committed
+        (the stream is created first if it is new)."""
         if not tensors:
             raise PublishError("a version needs at least one tensor; nothing was published", version=job.version,
                                hint="Pass the model's tensors to publish()")
         info = self._stream_file.info()
-        base = encoded.base
         manifest = Manifest(
-            version=job.version, kind=encoded.kind, base_version=None if base is None else base.version,
+            version=job.version, kind=KEYFRAME if base is None else DELTA,
+            base_version=None if base is None else base.version,
             keyframe_version=job.version if base is None else base.keyframe_version,
             chain_length=0 if base is None else base.chain_length + 1, stream_id=info.stream_id,
             created=utc_now(), files=tuple(files), tensors=tuple(tensors), step=job.step, metadata=job.metadata,

@@ -1,8 +1,13 @@
-"""A real HTTP proxy on 127.0.0.1 in front of an S3 server that loses the response to chosen requests.
+r"""A real HTTP proxy on loopback in front of an S3 server that loses the answers to chosen requests.
 
 The request still reaches the server (it stores the object); only the client never hears so: the proxy
 answers 500 instead, or closes the connection. This is what a lost response looks like to botocore, which
-then retries the request.
+then retries the request. For tests of code that commits to object stores::
+
+    with LossyProxy("http://127.0.0.1:5000", r"/manifests/[0-9]{12}\.json$") as proxy:
+        publisher = Publisher(url, storage_options={"endpoint_url": proxy.url})
+
+Only the standard library is used.
 """
 
 from __future__ import annotations
