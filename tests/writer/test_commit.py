@@ -224,3 +224,13 @@ def test_one_config_object_or_keyword_arguments(local_url):
         PublisherConfig(keyframe_every=0)
     with pytest.raises(TypeError):
         Publisher(local_url, keyframes=3)
+
+
+@pytest.mark.parametrize("step", [True, "3", 2.0])
+def test_step_must_be_an_int(local_url, step):
+    """A bool step would be written as JSON ``true``, which no reader takes for a step."""
+    with Publisher(local_url) as publisher:
+        with pytest.raises(TypeError, match="step"):
+            publisher.publish(random_state(), step=step)
+        assert publisher.publish(random_state(), step=3).result().step == 3
+    assert Stream(local_url).manifest(0).step == 3
