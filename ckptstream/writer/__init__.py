@@ -12,16 +12,21 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_face
 
 _LAZY_NAMES = {
+    **dict.fromkeys(("commit_manifest", "open_or_create_stream"), ".commit"),
+    "PublisherConfig": ".config",
     "DistributedPublisher": ".distributed",
     **dict.fromkeys(("GcReport", "collect_garbage"), ".gc"),
-    **dict.fromkeys(("Publisher", "open_or_create_stream"), ".publisher"),
+    "Publisher": ".publisher",
 }
 
 if TYPE_CHECKING:
+    from .commit import commit_manifest, open_or_create_stream
+    from .config import PublisherConfig
     from .distributed import DistributedPublisher
     from .gc import GcReport, collect_garbage
-    from .publisher import Publisher, open_or_create_stream
+    from .publisher import Publisher
 
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
-__all__ = ["DistributedPublisher", "GcReport", "Publisher", "collect_garbage", "open_or_create_stream"]
+__all__ = ["DistributedPublisher", "GcReport", "Publisher", "PublisherConfig", "collect_garbage", "commit_manifest",
+           "open_or_create_stream"]

@@ -1,9 +1,12 @@
 """``DistributedPublisher``: one version written by every rank of a ``torch.distributed`` job together.
 
-Each rank snapshots, encodes and writes its own tensors' data files in parallel with the others; the
-version becomes visible in a second phase, when rank 0 commits the manifest after every rank has
-reported its files durable. A failure on any rank aborts the version on every rank: no manifest is
-written, each rank removes its files, and every rank's future raises the same error.
+Each rank snapshots, encodes and writes its own tensors' data files in parallel with the others, through
+the same pipeline as a single :class:`~ckptstream.writer.publisher.Publisher`; ``RankCoordinator`` plugs
+the two coordination phases into it. Phase one votes on the version's kind (a delta only if every rank's
+part can be one); phase two gathers every rank's files and tensors at rank 0, which commits the manifest
+after every rank has reported its files durable, and broadcasts the outcome. A failure on any rank
+aborts the version on every rank: no manifest is written, each rank removes its files, and every rank's
+future raises the same error.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import PublishError, VersionConflictError
-from ..format import FileEntry, Manifest, TensorEntry, data_path
-from .publisher import NamedTensors, Publisher, _Base, _Job
+from ..format import DELTA, KEYFRAME, FileEntry, Manifest, TensorEntry
+from ..storage import Storage
+from .config import PublisherConfig
+from .publisher import CommitFn, Part, Publisher
+from .snapshot import NamedTensors
 
 log = logging.getLogger("ckptstream.publish")
 
@@ -27,70 +33,59 @@ log = logging.getLogger("ckptstream.publish")
 _VOTE_DELTA, _VOTE_KEYFRAME, _VOTE_FAILED = 0, 1, 2
 
 
-class DistributedPublisher(Publisher):
-    """Publishes versions whose tensors are spread over the ranks of a ``torch.distributed`` job.
-
-    Every rank of ``group`` calls ``publish`` with the same version and its own tensors (names disjoint
-    across ranks; a rank may have none). A version is a delta only if every rank's part can be one
-    (``delta_max_ratio`` applies to each rank's part). A new publisher, and one whose last version failed,
-    starts with a keyframe: the ranks never decode the stream to find a delta base.
+class RankCoordinator:
+    """The two coordination phases of a version over a process group (every rank, in version order).
 
     Args:
-        url: the stream, as for :class:`Publisher`; every rank must reach the same storage.
-        group: the process group to coordinate over. Default: a new gloo group of the whole world (so
-            coordination runs on background threads without touching the trainer's NCCL groups); every
-            rank must construct its publisher at the same point of the program.
-        timeout: how long a rank waits for the others before the version is failed.
-        **options: the other options of :class:`Publisher`.
+        group: the process group; rank 0 of it commits.
     """
 
-    def __init__(self, url: str, *, group: Any = None, timeout: _dt.timedelta = _dt.timedelta(minutes=10),
-                 **options: Any):
+    looks_up_base = False  # a rank cannot cheaply agree with the others on a version decoded from the stream
+
+    def __init__(self, group: Any):
         import torch.distributed as dist
 
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DistributedPublisher needs torch.distributed to be initialized on every rank")
-        # Collective first, so that a failure below cannot leave other ranks waiting in new_group.
-        self._group = group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
-        self._rank = dist.get_rank(self._group)
-        self._size = dist.get_world_size(self._group)
-        self._root = dist.get_global_rank(self._group, 0)
-        super().__init__(url, **options)
-        self._base_known = True
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.root = dist.get_global_rank(group, 0)
+        self.commits = self.rank == 0
 
-    def publish(self, named_tensors: NamedTensors, version: int | None = None, *, step: int | None = None,
-                metadata: Mapping[str, Any] | None = None, keyframe: bool = False) -> Future[Manifest]:
-        """Publish this rank's part of ``version``; call it on every rank with the same version.
+    def agree_kind(self, version: int, kind: str, failure: BaseException | None) -> str | None:
+        vote = self._vote(_VOTE_FAILED if failure else _VOTE_KEYFRAME if kind == KEYFRAME else _VOTE_DELTA)
+        return None if vote == _VOTE_FAILED else KEYFRAME if vote == _VOTE_KEYFRAME else DELTA
 
-        Returns a future resolving to the committed manifest on every rank, or raising the same
-        ``PublishError`` on every rank when any rank failed.
-        """
-        if version is None:
-            raise ValueError("DistributedPublisher.publish needs an explicit version, the same on every rank")
-        self._check_open()
-        self._raise_failure()  # an earlier version's failure: every rank raises it here, no collective pending
-        try:
-            return super().publish(named_tensors, version, step=step, metadata=metadata, keyframe=keyframe)
-        except Exception as exc:
-            # This rank cannot take part (a bad tensor, a version not newer than the stream's latest): vote
-            # the version down so that the other ranks abort it now rather than at the timeout.
-            self._committer.submit(self._vote_down, version, exc)
-            raise
+    def commit(self, version: int, part: Part, commit: CommitFn, discard: Callable[[], None]) -> Manifest:
+        report = None if part.failure is None else f"{type(part.failure).__name__}: {part.failure}"
+        status, payload = self._exchange(report, part.files, part.tensors, lambda parts: _commit_parts(parts, commit))
+        if status == "committed":
+            return Manifest.from_bytes(payload, version=version)
+        discard()
+        error_type = VersionConflictError if status == "conflict" else PublishError
+        raise error_type(f"not committed: {payload}", version=version)
 
-    def _vote_down(self, version: int, failure: BaseException) -> None:
-        """Take part in a version's coordination as a failed rank (this rank has no job for it)."""
+    def abandon(self, version: int | None, failure: BaseException) -> None:
+        """Take part in a version's coordination as a failed rank (this rank has no part of it)."""
         try:
             self._vote(_VOTE_FAILED)
             self._exchange(f"{type(failure).__name__}: {failure}", [], [], lambda parts: ("failed", _failures(parts)))
         except Exception as exc:  # noqa: BLE001 - the caller already has this rank's error
-            log.warning("version %d: could not tell the other ranks that this rank failed: %s", version, exc)
+            log.warning("version %s: could not tell the other ranks that this rank failed: %s", version, exc)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order: a collective over the group."""
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
 
     def _vote(self, vote: int) -> int:
         """Phase one: the highest of every rank's vote (``_VOTE_*``)."""
         import torch.distributed as dist
 
         votes = torch.tensor([vote])
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
         return int(votes)
 
     def _exchange(self, report: str | None, files: list[FileEntry], tensors: list[TensorEntry],
@@ -99,19 +94,83 @@ class DistributedPublisher(Publisher):
         ``decide(parts)`` gives the outcome; every rank returns that outcome."""
         import torch.distributed as dist
 
-        parts: list[Any] | None = [None] * self._size if self._rank == 0 else None
-        dist.gather_object((report, files, tensors), parts, dst=self._root, group=self._group)
+        parts: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object((report, files, tensors), parts, dst=self.root, group=self.group)
         outcome: list[Any] = [decide(parts) if parts is not None else None]
-        dist.broadcast_object_list(outcome, src=self._root, group=self._group)
+        dist.broadcast_object_list(outcome, src=self.root, group=self.group)
         return outcome[0]
+
+
+class DistributedPublisher:
+    """Publishes versions whose tensors are spread over the ranks of a ``torch.distributed`` job.
+
+    Every rank of ``group`` calls ``publish`` with the same version and its own tensors (names disjoint
+    across ranks; a rank may have none). A version is a delta only if every rank's part can be one
+    (``delta_max_ratio`` applies to each rank's part). A new publisher, and one whose last version failed,
+    starts with a keyframe: the ranks never decode the stream to find a delta base (``base_cache_dir``
+    does not apply). Rank 0 creates the stream at its first commit.
+
+    Args:
+        url: the stream, as for :class:`Publisher`; every rank must reach the same storage.
+        config: the options of :class:`Publisher`, in one object.
+        group: the process group to coordinate over. Default: a new gloo group of the whole world (so
+            coordination runs on background threads without touching the trainer's NCCL groups); every
+            rank must construct its publisher at the same point of the program.
+        timeout: how long a rank waits for the others before the version is failed.
+        **options: fields of :class:`PublisherConfig`, replacing ``config``'s.
+    """
+
+    def __init__(self, url: str, config: PublisherConfig | None = None, *, group: Any = None,
+                 timeout: _dt.timedelta = _dt.timedelta(minutes=10), **options: Any):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedPublisher needs torch.distributed to be initialized on every rank")
+        # Collective first, so that a failure below cannot leave other ranks waiting in new_group.
+        self._coordinator = RankCoordinator(group if group is not None else dist.new_group(backend="gloo",
+                                                                                            timeout=timeout))
+        self._publisher = Publisher(url, config, coordinator=self._coordinator, **options)
+
+    @property
+    def storage(self) -> Storage:
+        """The stream's storage."""
+        return self._publisher.storage
+
+    @property
+    def config(self) -> PublisherConfig:
+        """The options this publisher runs with."""
+        return self._publisher.config
+
+    def publish(self, named_tensors: NamedTensors, version: int | None = None, *, step: int | None = None,
+                metadata: Mapping[str, Any] | None = None, keyframe: bool = False) -> Future[Manifest]:
+        """Publish this rank's part of ``version``; call it on every rank with the same version.
+
+        Returns a future resolving to the committed manifest on every rank, or raising the same
+        ``PublishError`` on every rank when any rank failed. A rank whose ``publish`` raises (a bad
+        tensor, a version not newer than the stream's latest) makes the version fail on the others at
+        once, not at the timeout.
+        """
+        if version is None:
+            raise ValueError("DistributedPublisher.publish needs an explicit version, the same on every rank")
+        return self._publisher.publish(named_tensors, version, step=step, metadata=metadata, keyframe=keyframe)
+
+    def wait(self) -> None:
+        """Block until every version published so far is committed (on every rank); raise the first failure."""
+        self._publisher.wait()
+
+    def close(self, *, create_stream: bool = True) -> None:
+        """Wait for pending versions, then release threads and buffers (see :meth:`Publisher.close`)."""
+        self._publisher.close(create_stream=create_stream)
+
+    def __enter__(self) -> "DistributedPublisher":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(create_stream=exc_type is None)
 
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (picklable), in rank order: a collective over the group."""
-        import torch.distributed as dist
-
-        values: list[Any] = [None] * self._size
-        dist.all_gather_object(values, value, group=self._group)
-        return values
+        return self._coordinator.all_gather(value)
 
     def agree(self, failure: BaseException | None) -> None:
         """Raise on every rank if ``failure`` is set on any (a collective over the group): for checks that
@@ -123,65 +182,27 @@ class DistributedPublisher(Publisher):
         if failed:
             raise PublishError(f"another rank failed ({'; '.join(failed)})")
 
-    def _current_base(self, version: int) -> _Base | None:
-        return self._base
 
-    def _write(self, job: _Job) -> Manifest:
-        base = self._base
-        hashes = self._hash_async(job)
-        failure: BaseException | None = None
-        delta = None
-        try:
-            delta = self._try_delta(job, base)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            failure = exc
-        vote = self._vote(_VOTE_FAILED if failure else _VOTE_KEYFRAME if delta is None else _VOTE_DELTA)
-        files: list[FileEntry] = []
-        tensors: list[TensorEntry] = []
-        if vote == _VOTE_KEYFRAME:
-            delta = None
-        if vote != _VOTE_FAILED:
-            try:
-                files, tensors = self._write_data(job, delta, hashes)
-            except Exception as exc:  # noqa: BLE001
-                failure = exc
-        report = None if failure is None else f"{type(failure).__name__}: {failure}"
-        status, payload = self._exchange(report, files, tensors, lambda parts: self._commit_parts(
-            job, base if delta is not None else None, parts))
-        if status == "committed":
-            return Manifest.from_bytes(payload, version=job.version, stream_id=self.info.stream_id)
-        self._remove_files(job.version, files)
-        error_type = VersionConflictError if status == "conflict" else PublishError
-        raise error_type(f"not committed: {payload}", version=job.version)
-
-    def _commit_parts(self, job: _Job, base: _Base | None, parts: list[Any]) -> tuple[str, Any]:
-        """Rank 0: commit the manifest of every rank's files, or say why not."""
-        failures = _failures(parts)
-        if failures:
-            return "failed", failures
-        owner: dict[str, int] = {}
-        for rank, (_, _, tensors) in enumerate(parts):
-            for entry in tensors:
-                if entry.name in owner:
-                    return "failed", f"tensor {entry.name} was published by ranks {owner[entry.name]} and {rank}"
-                owner[entry.name] = rank
-        files = [f for _, rank_files, _ in parts for f in rank_files]
-        tensors = sorted((t for _, _, rank_tensors in parts for t in rank_tensors), key=lambda t: _natural(t.name))
-        try:
-            manifest = self._version_manifest(job, base, files, tensors)
-            self._commit(manifest)
-        except VersionConflictError as exc:
-            return "conflict", str(exc)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear the outcome, whatever it is
-            return "failed", f"rank 0 could not commit ({type(exc).__name__}: {exc})"
-        return "committed", manifest.to_bytes()
-
-    def _remove_files(self, version: int, files: list[FileEntry]) -> None:
-        for entry in files:
-            try:
-                self.storage.delete(data_path(version, entry.name))
-            except OSError as exc:
-                log.warning("version %d: cannot remove %s (left for `ckptstream gc`): %s", version, entry.name, exc)
+def _commit_parts(parts: list[Any], commit: CommitFn) -> tuple[str, Any]:
+    """Rank 0: commit the manifest of every rank's files, or say why not."""
+    failures = _failures(parts)
+    if failures:
+        return "failed", failures
+    owner: dict[str, int] = {}
+    for rank, (_, _, tensors) in enumerate(parts):
+        for entry in tensors:
+            if entry.name in owner:
+                return "failed", f"tensor {entry.name} was published by ranks {owner[entry.name]} and {rank}"
+            owner[entry.name] = rank
+    files = [f for _, rank_files, _ in parts for f in rank_files]
+    tensors = sorted((t for _, _, rank_tensors in parts for t in rank_tensors), key=lambda t: _natural(t.name))
+    try:
+        manifest = commit(files, tensors)
+    except VersionConflictError as exc:
+        return "conflict", str(exc)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear the outcome, whatever it is
+        return "failed", f"rank 0 could not commit ({type(exc).__name__}: {exc})"
+    return "committed", manifest.to_bytes()
 
 
 def _failures(parts: list[Any]) -> str:

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ConversionError
 from ..format import Manifest
+from .config import PublisherConfig
 from .distributed import DistributedPublisher
 from .megatron_hf import HFArchitecture, check_complete, from_hf, to_hf
 
@@ -47,8 +48,9 @@ class MegatronPublisher:
         dtype: the dtype to publish. Default: ``torch_dtype`` of config.json, the dtype vLLM serves (Megatron
             keeps some parameters, e.g. layer norms and routers, in fp32 beside bf16 weights), else each
             parameter's own dtype.
-        storage_options, timeout, group: as for :class:`DistributedPublisher`.
-        **options: the other options of :class:`Publisher` (``keyframe_every``, ``max_in_flight``, ...).
+        config, timeout, group: as for :class:`DistributedPublisher`.
+        **options: fields of :class:`PublisherConfig` (``storage_options``, ``keyframe_every``,
+            ``max_in_flight``, ...), replacing ``config``'s; the assets are ``hf_config_dir``'s files.
 
     Example::
 
@@ -60,7 +62,7 @@ class MegatronPublisher:
     """
 
     def __init__(self, url: str, model: Any, hf_config_dir: str | os.PathLike[str], *,
-                 dtype: torch.dtype | None = None, storage_options: Mapping[str, Any] | None = None,
+                 dtype: torch.dtype | None = None, config: PublisherConfig | None = None,
                  group: Any = None, timeout: _dt.timedelta = _dt.timedelta(minutes=10), **options: Any):
         from megatron.core import parallel_state
 
@@ -68,8 +70,8 @@ class MegatronPublisher:
         self.chunks = _model_chunks(model)
         self.arch = HFArchitecture.from_dir(hf_config_dir)
         self.dtype = dtype if dtype is not None else self.arch.dtype
-        self.publisher = DistributedPublisher(url, group=group, timeout=timeout, storage_options=storage_options,
-                                              assets=hf_config_dir, **options)
+        self.publisher = DistributedPublisher(url, config, group=group, timeout=timeout, assets=hf_config_dir,
+                                              **options)
         try:
             names, failure = self._check_mapping(), None
         except ConversionError as exc:
@@ -78,7 +80,7 @@ class MegatronPublisher:
             self.publisher.agree(failure)  # every rank raises if any rank's parameters cannot be mapped
             check_complete(set().union(*self.publisher.all_gather(names)), self.arch)
         except BaseException:
-            self.publisher.close()
+            self.publisher.close(create_stream=False)
             raise
 
     def publish(self, version: int, *, step: int | None = None, metadata: Mapping[str, Any] | None = None,

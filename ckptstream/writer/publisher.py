@@ -1,40 +1,105 @@
-"""``Publisher``: writes versions of model weights to a stream — keyframes and lossless deltas.
+"""``Publisher``: the pipeline that writes versions of model weights to a stream.
 
-The trainer waits only for the snapshot (a copy of the tensors into host buffers that are reused from
-version to version); encoding, writing and the commit run on background threads, at most
-``max_in_flight`` versions at a time, in version order.
+Each version goes through the same stages, each its own part:
+
+1. snapshot (``snapshot.SnapshotBuffers``): the tensors are copied into reused host buffers; the only
+   stage the trainer waits for — ``publish`` returns when it is done;
+2. encode (``encode.VersionEncoder``): a delta against the base (``base.BaseLookup``) where one is
+   allowed and pays, else a keyframe;
+3. write (``files.DataFileWriter``): the data files, under names unique to this writer;
+4. commit (``commit.commit_manifest``): the put-if-absent of the manifest; the stream itself is created
+   (``commit.LazyStream``) just before its first commit.
+
+Stages 2-4 run on a background thread, at most ``max_in_flight`` versions at a time, in version order;
+each version's future resolves when it is committed. How the processes writing a version agree on its
+kind and who commits it is a ``Coordinator``: ``LocalCoordinator`` for one process, the two-phase
+coordinator of :mod:`ckptstream.writer.distributed` for the ranks of a job.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import logging
 import os
 import socket
 import threading
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from .. import __version__, codec
-from ..errors import (CkptStreamError, IncompatibleStreamError, PublishError, VersionConflictError,
-                      VersionOrderError)
-from ..format import (DEFAULT_SHARD_BYTES, DELTA, ENCODING_RAW, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ENCODING_ZSTD, KEYFRAME,
-                      STREAM_FILE, FileEntry, Hasher, Manifest, StreamInfo, TensorEntry, asset_path,
-                      content_hash, data_path, is_safe_file_name, manifest_path, safetensors_header,
-                      shard_groups)
-from ..parallel import default_workers, ordered_parallel
+from ..errors import CkptStreamError, PublishError, VersionOrderError
+from ..format import DELTA, KEYFRAME, FileEntry, Manifest, TensorEntry, dumps_json
+from ..parallel import default_workers
 from ..reader import Stream
-from ..storage import Storage, temp_name
+from .base import BaseLookup
+from .commit import LazyStream, commit_manifest, load_assets, new_writer_id, utc_now
+from .config import PublisherConfig
+from .encode import DeltaEncoder, EncodedVersion, VersionEncoder
+from .files import DataFileWriter
+from .snapshot import NamedTensors, SnapshotBuffers
 
 log = logging.getLogger("ckptstream.publish")
 
-NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+CommitFn = Callable[[list[FileEntry], list[TensorEntry]], Manifest]
+"""Builds the manifest of a version from its files and tensors, creates the stream if it is new, and
+commits the manifest; returns it."""
+
+
+@dataclass
+class Part:
+    """What one process wrote of a version: its files and tensor entries, or why it could not."""
+
+    files: list[FileEntry]
+    tensors: list[TensorEntry]
+    failure: BaseException | None = None
+
+
+class Coordinator(Protocol):
+    """How the processes writing a version agree on it and commit it.
+
+    Attributes:
+        commits: whether this process commits versions (and creates the stream).
+        looks_up_base: whether a fresh publisher may take the stream's latest version as its delta base.
+    """
+
+    commits: bool
+    looks_up_base: bool
+
+    def agree_kind(self, version: int, kind: str, failure: BaseException | None) -> str | None:
+        """The kind of ``version`` (``KEYFRAME`` or ``DELTA``) every process writes, given this process's
+        choice (``failure`` if it could not encode); None: the version fails, write nothing."""
+        ...
+
+    def commit(self, version: int, part: Part, commit: CommitFn, discard: Callable[[], None]) -> Manifest:
+        """The committed manifest of ``version``, of which this process wrote ``part``; raises if it was
+        not committed (``discard`` removes this process's files where they are no use)."""
+        ...
+
+    def abandon(self, version: int | None, failure: BaseException) -> None:
+        """``publish`` failed before this process's part was queued (``version`` as requested)."""
+        ...
+
+
+class LocalCoordinator:
+    """One process writes and commits every version."""
+
+    commits = True
+    looks_up_base = True
+
+    def agree_kind(self, version: int, kind: str, failure: BaseException | None) -> str | None:
+        if failure is not None:
+            raise failure
+        return kind
+
+    def commit(self, version: int, part: Part, commit: CommitFn, discard: Callable[[], None]) -> Manifest:
+        if part.failure is not None:
+            raise part.failure
+        return commit(part.files, part.tensors)
+
+    def abandon(self, version: int | None, failure: BaseException) -> None:
+        pass  # nobody else waits for this version
 
 
 @dataclass
@@ -47,41 +112,19 @@ class _Job:
     future: Future[Manifest] = field(default_factory=Future)
 
 
-@dataclass
-class _Base:
-    """The last version this publisher committed (or found), with its tensors in host memory."""
-
-    manifest: Manifest
-    tensors: dict[str, torch.Tensor]
-
-
-@dataclass
-class _Encoded:
-    encoding: str
-    frames: list[bytes]
-    chunks: list[tuple[int, int, str]]
-    changed: int
-
-
 class Publisher:
     """Publishes versions of model weights to the stream at ``url``.
 
     Args:
         url: stream location: a local/NFS path, ``file://``, ``s3://bucket/prefix`` or any fsspec URL.
-        storage_options: passed to the fsspec file system (e.g. ``{"profile": "train"}``).
-        assets: the non-weight files that make a materialized directory servable (config.json,
-            tokenizer files, generation_config.json), as a mapping of file name to bytes or a Hugging Face
-            model directory to take them from. Stored once, when the stream is created.
-        keyframe_every: at most this many versions per keyframe chain (1 writes only keyframes).
-        delta_max_ratio: a delta larger than this fraction of the full bytes is written as a keyframe.
-        shard_bytes: maximum size of one data file.
-        chunk_bytes: size of independently compressed chunks (the unit of parallel encode/decode).
-        zstd_level: zstd compression level for deltas.
-        shuffle: byte-shuffle chunks before compression (groups the bytes of equal significance).
-        max_in_flight: versions snapshotted but not yet committed; ``publish`` blocks beyond this.
-        workers: encoder threads (default: one per core, at most 8).
-        base_cache_dir: a local directory keeping a copy of the last version this publisher wrote, so a
-            fresh process (e.g. the CLI) can write a delta without decoding the stream's latest version.
+        config: every option in one object (:class:`PublisherConfig`); default the defaults.
+        coordinator: how the processes writing a version agree on it (default: this process alone).
+        **options: fields of :class:`PublisherConfig` (``storage_options``, ``assets``,
+            ``keyframe_every``, ``delta_max_ratio``, ``shard_bytes``, ``chunk_bytes``, ``zstd_level``,
+            ``shuffle``, ``max_in_flight``, ``workers``, ``base_cache_dir``), replacing ``config``'s.
+
+    The stream is created (its assets, then ``stream.json``) just before the first version is committed,
+    or when a publisher that published nothing is closed; an existing stream's assets are checked at once.
 
     Example::
 
@@ -91,38 +134,29 @@ class Publisher:
                 pub.publish(model.state_dict(), step=step)   # returns once the snapshot is taken
     """
 
-    def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
-                 assets: Mapping[str, bytes] | str | os.PathLike[str] | None = None,
-                 keyframe_every: int = 10, delta_max_ratio: float = 0.5,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
-                 zstd_level: int = 3, shuffle: bool = True, max_in_flight: int = 1, workers: int | None = None,
-                 base_cache_dir: str | os.PathLike[str] | None = None):
-        if keyframe_every < 1 or max_in_flight < 1 or shard_bytes < 1 or chunk_bytes < 8:
-            raise ValueError("keyframe_every, max_in_flight, shard_bytes and chunk_bytes must be positive")
-        self.stream = Stream(url, storage_options=storage_options)
-        self.storage: Storage = self.stream.storage
-        self.keyframe_every = keyframe_every
-        self.delta_max_ratio = delta_max_ratio
-        self.shard_bytes = shard_bytes
-        self.chunk_bytes = chunk_bytes
-        self.zstd_level = zstd_level
-        self.shuffle = shuffle
-        self.base_cache_dir = Path(base_cache_dir).expanduser() if base_cache_dir is not None else None
-        self.writer_id = uuid.uuid4().hex[:12]
-        if isinstance(assets, (str, os.PathLike)):
-            from ..hf import hf_assets
-            assets = hf_assets(assets)
-        self.info = open_or_create_stream(self.storage, assets)
-        self.stream._info = self.info
-        self._slots = threading.BoundedSemaphore(max_in_flight)
+    def __init__(self, url: str, config: PublisherConfig | None = None, *, coordinator: Coordinator | None = None,
+                 **options: Any):
+        self.config = config = PublisherConfig.of(config, options)
+        self.stream = Stream(url, storage_options=config.storage_options)
+        self.storage = self.stream.storage
+        self.writer_id = new_writer_id()
+        self._coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
+        self._stream_file = LazyStream(self.storage, load_assets(config.assets))
+        self._bases = BaseLookup(self.stream if self._coordinator.looks_up_base else None,
+                                 config.base_cache_dir if self._coordinator.looks_up_base else None)
+        self._snapshots = SnapshotBuffers()
+        self._pool = ThreadPoolExecutor(config.workers or default_workers(), thread_name_prefix="ckptstream-encode")
+        self._encoder = VersionEncoder(
+            DeltaEncoder(self._pool, chunk_bytes=config.chunk_bytes, zstd_level=config.zstd_level,
+                         shuffle=config.shuffle, max_ratio=config.delta_max_ratio),
+            keyframe_every=config.keyframe_every)
+        self._files = DataFileWriter(self.storage, self.writer_id, config.shard_bytes)
+        self._slots = threading.BoundedSemaphore(config.max_in_flight)
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptstream-commit")
-        self._encoder = ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="ckptstream-encode")
         self._lock = threading.Lock()
         self._error: CkptStreamError | None = None
         self._last_version: int | None = None
-        self._base: _Base | None = None
-        self._base_known = False  # whether _base reflects the stream (False: look it up before a delta)
-        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._published = False  # whether publish was ever called
         self._closed = False
 
     # ------------------------------------------------------------------------------------ public API
@@ -137,7 +171,7 @@ class Publisher:
             version: the version number; default the latest version + 1 (0 for a new stream). Must be
                 greater than every version already in the stream.
             step: the training step, recorded in the manifest.
-            metadata: JSON-serializable data recorded in the manifest.
+            metadata: strict-JSON data recorded in the manifest (no NaN or Infinity, bounded nesting).
             keyframe: force a keyframe.
 
         Returns:
@@ -146,24 +180,29 @@ class Publisher:
 
         Raises:
             VersionOrderError: ``version`` is not newer than the latest version.
+            ValueError / TypeError: an invalid tensor name, tensor, step or metadata; nothing is published.
             PublishError (or the original CkptStreamError): an earlier background publish failed.
         """
         self._check_open()
         self._raise_failure()
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        metadata = dict(metadata or {})
-        json.dumps(metadata)  # TypeError now rather than in the background
-        with self._lock:
-            version = self._next_version(version)
-        self._slots.acquire()
+        self._published = True
         try:
-            snapshot = self._snapshot(items)
-        except BaseException:
-            self._slots.release()
+            metadata = _checked_metadata(metadata, step)
+            with self._lock:
+                number = self._next_version(version)
+            self._slots.acquire()
+            try:
+                snapshot = self._snapshots.take(named_tensors)
+            except BaseException:
+                self._slots.release()
+                raise
+        except Exception as exc:
+            # Whoever else writes parts of this version must hear that this part will not come.
+            self._committer.submit(self._coordinator.abandon, version, exc)
             raise
         with self._lock:
-            self._last_version = version
-        job = _Job(version, snapshot, step, metadata, keyframe)
+            self._last_version = number
+        job = _Job(number, snapshot, step, metadata, keyframe)
         self._committer.submit(self._run, job)
         return job.future
 
@@ -172,24 +211,31 @@ class Publisher:
         self._committer.submit(lambda: None).result()
         self._raise_failure()
 
-    def close(self) -> None:
-        """Wait for pending versions, then release threads and buffers."""
+    def close(self, *, create_stream: bool = True) -> None:
+        """Wait for pending versions, then release threads and buffers.
+
+        Args:
+            create_stream: create the stream (its assets) if this publisher never published and it does
+                not exist yet, so that ``Publisher(url, assets=...).close()`` prepares a stream.
+        """
         if self._closed:
             return
         try:
             self.wait()
+            if create_stream and not self._published and self._coordinator.commits:
+                self._stream_file.info()
         finally:
             self._closed = True
             self._committer.shutdown(wait=True)
-            self._encoder.shutdown(wait=True)
-            self._base = None
-            self._free.clear()
+            self._pool.shutdown(wait=True)
+            self._bases.forget()
+            self._snapshots.clear()
 
     def __enter__(self) -> "Publisher":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(create_stream=exc_type is None)
 
     # ------------------------------------------------------------------------------------ front half
 
@@ -203,7 +249,7 @@ class Publisher:
             if error is not None:
                 # Start over from what the stream holds: the next version is numbered from the stream.
                 self._last_version = None
-                self._base, self._base_known = None, False
+                self._bases.forget()
         if error is not None:
             raise error
 
@@ -220,34 +266,6 @@ class Publisher:
             raise ValueError("versions are non-negative")
         return requested
 
-    def _snapshot(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Copy tensors into host buffers (pinned for device tensors), reusing retired buffers. ``items`` is
-        consumed once, so it may produce each tensor just in time (e.g. gathered from other ranks)."""
-        snapshot = []
-        devices = set()
-        seen: set[str] = set()
-        with self._lock:
-            free = self._free
-            self._free = {}
-        for name, tensor in items:
-            _check_tensor(name, tensor, seen)
-            tensor = tensor.detach()
-            key = (tuple(tensor.shape), tensor.dtype)
-            on_device = tensor.device.type != "cpu"
-            buffers = free.get(key)
-            if buffers:
-                buffer = buffers.pop()
-            else:
-                buffer = torch.empty(key[0], dtype=tensor.dtype, pin_memory=on_device and torch.cuda.is_available())
-            buffer.copy_(tensor, non_blocking=on_device)
-            if on_device:
-                devices.add(tensor.device)
-            snapshot.append((name, buffer))
-        for device in devices:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        return snapshot
-
     # ------------------------------------------------------------------------------------- back half
 
     def _run(self, job: _Job) -> None:
@@ -257,7 +275,7 @@ class Publisher:
             if failed:
                 raise PublishError("not published because an earlier version failed", version=job.version)
             manifest = self._write(job)
-            self._promote(job, manifest)
+            self._snapshots.retire(self._bases.promote(manifest, job.tensors))
             job.future.set_result(manifest)
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller through the future
             error = exc if isinstance(exc, CkptStreamError) else PublishError(
@@ -273,283 +291,56 @@ class Publisher:
             self._slots.release()
 
     def _write(self, job: _Job) -> Manifest:
-        base = self._current_base(job.version)
-        hashes = self._hash_async(job)
-        delta = self._try_delta(job, base)
-        files, tensors = self._write_data(job, delta, hashes)
-        manifest = self._version_manifest(job, base if delta is not None else None, files, tensors)
-        self._commit(manifest)
+        """Encode, write and commit one version (on the background thread)."""
+        base = self._bases.current(job.version)
+        hashes = [self._pool.submit(codec.tensor_hash, t) for _, t in job.tensors]
+        encoded: EncodedVersion | None = None
+        failure: BaseException | None = None
+        try:
+            encoded = self._encoder.try_delta(job.tensors, base, force_keyframe=job.keyframe)
+        except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
+            failure = exc
+        kind = self._coordinator.agree_kind(job.version, KEYFRAME if encoded is None else DELTA, failure)
+        part = Part([], [], failure)
+        base_manifest = None
+        if kind is not None and failure is None:
+            if kind == KEYFRAME or encoded is None:  # the others may need a keyframe where this part was a delta
+                encoded = self._encoder.keyframe(job.tensors)
+            base_manifest = encoded.base
+            try:
+                part.files, part.tensors = self._files.write(job.version, encoded, [h.result() for h in hashes])
+            except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
+                part.failure = exc
+        return self._coordinator.commit(
+            job.version, part, lambda files, tensors: self._commit(job, base_manifest, files, tensors),
+            lambda: self._files.remove(job.version, part.files))
+
+    def _commit(self, job: _Job, base: Manifest | None, files: list[FileEntry],
+                tensors: list[TensorEntry]) -> Manifest:
+        """The manifest of every part's files and tensors — a keyframe, or a delta on ``base`` — committed
+        (the stream is created first if it is new)."""
+        if not tensors:
+            raise PublishError("a version needs at least one tensor; nothing was published", version=job.version,
+                               hint="Pass the model's tensors to publish()")
+        info = self._stream_file.info()
+        manifest = Manifest(
+            version=job.version, kind=KEYFRAME if base is None else DELTA,
+            base_version=None if base is None else base.version,
+            keyframe_version=job.version if base is None else base.keyframe_version,
+            chain_length=0 if base is None else base.chain_length + 1, stream_id=info.stream_id,
+            created=utc_now(), files=tuple(files), tensors=tuple(tensors), step=job.step, metadata=job.metadata,
+            writer={"id": self.writer_id, "host": socket.gethostname(), "pid": os.getpid(),
+                    "library": f"ckptstream {__version__}"})
+        commit_manifest(self.storage, manifest)
         return manifest
 
-    def _hash_async(self, job: _Job) -> list[Future[str]]:
-        return [self._encoder.submit(codec.tensor_hash, t) for _, t in job.tensors]
 
-    def _try_delta(self, job: _Job, base: _Base | None) -> list[_Encoded] | None:
-        """The delta against ``base``, or None where this version is to be a keyframe."""
-        if job.keyframe or base is None or base.manifest.chain_length + 1 >= self.keyframe_every:
-            return None
-        return self._encode_delta(job, base)
-
-    def _write_data(self, job: _Job, delta: list[_Encoded] | None, hashes: list[Future[str]]
-                    ) -> tuple[list[FileEntry], list[TensorEntry]]:
-        """Write the version's data files (a keyframe where ``delta`` is None); return their entries."""
-        if delta is None:
-            return self._write_keyframe(job, [h.result() for h in hashes])
-        return self._write_delta(job, delta, [h.result() for h in hashes])
-
-    def _version_manifest(self, job: _Job, base: _Base | None, files: list[FileEntry],
-                          tensors: list[TensorEntry]) -> Manifest:
-        """The manifest of a keyframe (``base`` None) or of a delta against ``base``."""
-        if base is None:
-            return self._manifest(job, KEYFRAME, None, job.version, 0, files, tensors)
-        return self._manifest(job, DELTA, base.manifest.version, base.manifest.keyframe_version,
-                              base.manifest.chain_length + 1, files, tensors)
-
-    def _commit(self, manifest: Manifest) -> None:
-        """Make the version visible: put-if-absent of its manifest."""
-        try:
-            self.storage.put_if_absent(manifest_path(manifest.version), manifest.to_bytes())
-        except FileExistsError:
-            raise VersionConflictError("another writer committed this version first", version=manifest.version,
-                                       hint="This writer's data files are left for `ckptstream gc`; "
-                                            "publish a newer version") from None
-        log.info("committed version %d (%s, %d bytes stored)", manifest.version, manifest.kind,
-                 manifest.stored_bytes)
-
-    def _manifest(self, job: _Job, kind: str, base: int | None, keyframe_version: int, chain_length: int,
-                  files: list[FileEntry], tensors: list[TensorEntry]) -> Manifest:
-        return Manifest(version=job.version, kind=kind, base_version=base, keyframe_version=keyframe_version,
-                        chain_length=chain_length, stream_id=self.info.stream_id, created=_now(),
-                        files=tuple(files), tensors=tuple(tensors), step=job.step, metadata=job.metadata,
-                        writer={"id": self.writer_id, "host": socket.gethostname(), "pid": os.getpid(),
-                                "library": f"ckptstream {__version__}"})
-
-    def _write_keyframe(self, job: _Job, hashes: list[str]) -> tuple[list[FileEntry], list[TensorEntry]]:
-        groups = shard_groups([t.numel() * t.element_size() for _, t in job.tensors], self.shard_bytes)
-        files, entries = [], []
-        for index, group in enumerate(groups):
-            name = f"model-{self.writer_id}-{index + 1:05d}-of-{len(groups):05d}.safetensors"
-            members = [(job.tensors[i], hashes[i]) for i in group]
-            header, offsets = safetensors_header(
-                ((n, codec.dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for (n, t), _ in members),
-                {"format": "pt", "ckptstream_version": str(job.version)})
-            file_hasher = Hasher()
-            size = len(header)
-            with self.storage.open_write(data_path(job.version, name)) as f:
-                f.write(header)
-                file_hasher.update(header)
-                for ((tensor_name, tensor), digest), offset in zip(members, offsets):
-                    data = codec.buffer_of(codec.as_bytes(tensor))
-                    f.write(data)
-                    file_hasher.update(data)
-                    size += len(data)
-                    entries.append(TensorEntry(name=tensor_name, dtype=codec.dtype_name(tensor.dtype),
-                                               shape=tuple(tensor.shape), hash=digest, encoding=ENCODING_RAW,
-                                               file=name, offset=offset, length=len(data), stored_hash=digest))
-            files.append(FileEntry(name, size, file_hasher.digest()))
-        return files, entries
-
-    def _encode_delta(self, job: _Job, base: _Base) -> list[_Encoded] | None:
-        """Encode every tensor against the base; None as soon as the delta outgrows ``delta_max_ratio``."""
-        limit = self.delta_max_ratio * sum(t.numel() * t.element_size() for _, t in job.tensors)
-        tasks = []  # (tensor index, new bytes, base bytes or None, itemsize)
-        plans = []
-        for index, (name, tensor) in enumerate(job.tensors):
-            previous = base.tensors.get(name)
-            if previous is not None and (previous.dtype, previous.shape) != (tensor.dtype, tensor.shape):
-                previous = None
-            new_bytes = codec.as_bytes(tensor)
-            base_bytes = codec.as_bytes(previous) if previous is not None else None
-            plans.append(_Encoded(ENCODING_XOR_ZSTD if previous is not None else ENCODING_ZSTD, [], [], 0))
-            for start, end in codec.chunk_ranges(new_bytes.numel(), tensor.element_size(), self.chunk_bytes):
-                tasks.append((index, new_bytes[start:end], None if base_bytes is None else base_bytes[start:end],
-                              tensor.element_size()))
-
-        def encode(task: tuple[int, torch.Tensor, torch.Tensor | None, int]) -> tuple[int, int, bytes, int, str]:
-            index, new, old, itemsize = task
-            frame, changed, layout = codec.encode_chunk(new, old, itemsize, shuffle=self.shuffle,
-                                                        level=self.zstd_level)
-            return index, new.numel(), frame, changed, layout
-
-        stored = 0
-        results = ordered_parallel(tasks, encode, lambda task: task[1].numel(), executor=self._encoder,
-                                   max_cost=max(self.chunk_bytes, 64 << 20) * 4)
-        try:
-            for index, raw_len, frame, changed, layout in results:
-                plan = plans[index]
-                plan.frames.append(frame)
-                plan.chunks.append((raw_len, len(frame), layout))
-                plan.changed += changed
-                stored += len(frame)
-                if stored > limit:
-                    log.info("version %d: delta exceeds %.0f%% of the full size; writing a keyframe",
-                             job.version, 100 * self.delta_max_ratio)
-                    return None
-        finally:
-            results.close()
-        for plan in plans:
-            if plan.encoding == ENCODING_XOR_ZSTD and plan.changed == 0:
-                plan.encoding, plan.frames, plan.chunks = ENCODING_UNCHANGED, [], []
-        return plans
-
-    def _write_delta(self, job: _Job, encoded: list[_Encoded], hashes: list[str]
-                     ) -> tuple[list[FileEntry], list[TensorEntry]]:
-        entries: list[TensorEntry | None] = [None] * len(job.tensors)
-        for i, ((name, tensor), plan) in enumerate(zip(job.tensors, encoded)):
-            if plan.encoding == ENCODING_UNCHANGED:
-                entries[i] = TensorEntry(name=name, dtype=codec.dtype_name(tensor.dtype), shape=tuple(tensor.shape),
-                                         hash=hashes[i], encoding=ENCODING_UNCHANGED, changed=0)
-        stored_indices = [i for i, plan in enumerate(encoded) if plan.encoding != ENCODING_UNCHANGED]
-        groups = shard_groups([sum(len(f) for f in encoded[i].frames) for i in stored_indices], self.shard_bytes)
-        files = []
-        for number, group in enumerate(groups):
-            name = f"delta-{self.writer_id}-{number + 1:05d}-of-{len(groups):05d}.zst"
-            file_hasher = Hasher()
-            position = 0
-            with self.storage.open_write(data_path(job.version, name)) as f:
-                for i in (stored_indices[g] for g in group):
-                    tensor_name, tensor = job.tensors[i]
-                    plan = encoded[i]
-                    stored_hasher = Hasher()
-                    for frame in plan.frames:
-                        f.write(frame)
-                        file_hasher.update(frame)
-                        stored_hasher.update(frame)
-                    length = sum(len(frame) for frame in plan.frames)
-                    entries[i] = TensorEntry(
-                        name=tensor_name, dtype=codec.dtype_name(tensor.dtype), shape=tuple(tensor.shape),
-                        hash=hashes[i], encoding=plan.encoding, file=name, offset=position, length=length,
-                        stored_hash=stored_hasher.digest(), shuffle=self.shuffle, chunks=tuple(plan.chunks),
-                        changed=plan.changed)
-                    position += length
-            files.append(FileEntry(name, position, file_hasher.digest()))
-        assert all(e is not None for e in entries)
-        return files, [e for e in entries if e is not None]
-
-    def _promote(self, job: _Job, manifest: Manifest) -> None:
-        """Make the committed version the base of the next delta; retire the old base's buffers."""
-        with self._lock:
-            old, self._base, self._base_known = self._base, _Base(manifest, dict(job.tensors)), True
-            free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-            if old is not None:
-                for tensor in old.tensors.values():
-                    free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
-            self._free = free
-        if self.base_cache_dir is not None:
-            self._save_base_cache(manifest, job.tensors)
-
-    # ------------------------------------------------------------------------------------- base lookup
-
-    def _current_base(self, version: int) -> _Base | None:
-        """The version to encode a delta against: the last one this publisher committed or, for a fresh
-        publisher, the stream's latest (from the local base cache or decoded from the stream)."""
-        with self._lock:
-            if self._base_known:
-                return self._base
-        latest = self.stream.latest()
-        base = None
-        if latest is not None and latest < version:
-            try:
-                manifest = self.stream.manifest(latest)
-                tensors = self._load_base_cache(manifest)
-                if tensors is None:
-                    tensors = dict(self.stream.iter_tensors(latest))
-                base = _Base(manifest, tensors)
-            except CkptStreamError as exc:
-                log.warning("cannot use version %d as a delta base (%s); writing a keyframe", latest, exc)
-        with self._lock:
-            self._base, self._base_known = base, True
-        return base
-
-    def _base_cache_file(self) -> Path:
-        assert self.base_cache_dir is not None
-        return self.base_cache_dir / f"{self.info.stream_id}.safetensors"
-
-    def _save_base_cache(self, manifest: Manifest, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        from safetensors.torch import save_file
-
-        path = self._base_cache_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(temp_name(path.name))
-        try:
-            save_file(dict(tensors), str(temp), metadata={"version": str(manifest.version)})
-            os.replace(temp, path)
-        except OSError as exc:
-            log.warning("cannot write the base cache %s: %s", path, exc)
-        finally:
-            temp.unlink(missing_ok=True)
-
-    def _load_base_cache(self, manifest: Manifest) -> dict[str, torch.Tensor] | None:
-        """The cached copy of ``manifest``'s version, if there is one and every tensor matches its hash."""
-        if self.base_cache_dir is None or not self._base_cache_file().exists():
-            return None
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(self._base_cache_file()), framework="pt") as f:
-                if (f.metadata() or {}).get("version") != str(manifest.version):
-                    return None
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except Exception as exc:  # noqa: BLE001 - an unreadable cache is only a missed shortcut
-            log.warning("ignoring unreadable base cache: %s", exc)
-            return None
-        expected = manifest.tensor_map()
-        if set(tensors) != set(expected) or any(
-                codec.tensor_hash(t) != expected[n].hash for n, t in tensors.items()):
-            return None
-        return tensors
-
-
-def open_or_create_stream(storage: Storage, assets: Mapping[str, bytes] | None) -> StreamInfo:
-    """The stream's ``StreamInfo``, creating the stream (assets, then ``stream.json``) if it is new.
-
-    Raises IncompatibleStreamError if a file of ``assets`` differs from the stream's file of that name
-    (files the stream lacks are ignored: the assets are fixed when the stream is created).
-    """
-    assets = dict(assets or {})
-    for name in assets:
-        if not is_safe_file_name(name):
-            raise ValueError(f"asset name {name!r} must be a plain file name")
-    try:
-        info = StreamInfo.from_bytes(storage.read(STREAM_FILE))
-    except FileNotFoundError:
-        entries = []
-        for name, data in sorted(assets.items()):
-            entry = FileEntry(name, len(data), content_hash(data))
-            try:
-                storage.put_if_absent(asset_path(name), data)
-            except FileExistsError:
-                if content_hash(storage.read(asset_path(name))) != entry.hash:
-                    raise IncompatibleStreamError("another writer is creating this stream with a different "
-                                                  "file", file=asset_path(name)) from None
-            entries.append(entry)
-        info = StreamInfo(stream_id=uuid.uuid4().hex, created=_now(), assets=tuple(entries))
-        try:
-            storage.put_if_absent(STREAM_FILE, info.to_bytes())
-            return info
-        except FileExistsError:
-            info = StreamInfo.from_bytes(storage.read(STREAM_FILE))
-    have = {a.name: a.hash for a in info.assets}
-    different = sorted(n for n, data in assets.items() if n in have and content_hash(data) != have[n])
-    if different:
-        raise IncompatibleStreamError(
-            f"the stream was created with other non-weight files ({', '.join(different)} differ)",
-            file=STREAM_FILE, hint="A stream holds one model; publish to a new stream URL")
-    return info
-
-
-def _check_tensor(name: str, tensor: torch.Tensor, seen: set[str]) -> None:
-    if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 1024:
-        raise ValueError(f"invalid tensor name {name!r}")
-    if name in seen:
-        raise ValueError(f"tensor {name!r} is given twice")
-    seen.add(name)
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-    if tensor.layout != torch.strided:
-        raise TypeError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors can be published")
-    codec.dtype_name(tensor.dtype)
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+def _checked_metadata(metadata: Mapping[str, Any] | None, step: int | None) -> dict[str, Any]:
+    """A copy of ``metadata`` that the manifest can hold (strict JSON: ValueError for NaN, Infinity or
+    nesting too deep; TypeError for what JSON cannot hold), checked now rather than in the background."""
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise TypeError(f"step must be an int or None, not {type(step).__name__}")
+    metadata = dict(metadata or {})
+    # The manifest nests metadata one level down; the format bounds the depth of the whole document.
+    dumps_json({"metadata": metadata}, what="metadata", indent=None)
+    return metadata

@@ -100,3 +100,45 @@ def test_ranks_publish_parts_of_one_version(stream_url: str, tmp_path: Path) -> 
     # The aborted versions left no data behind: every rank removed the files it had written.
     leftovers = [e.path for v in (3, 4) for e in stream.storage.list(f"versions/{v:012d}")]
     assert leftovers == []
+
+
+def _lazy_worker(rank: int, world_size: int, port: int, url: str, report: str) -> None:
+    import torch.distributed as dist
+
+    from ckptstream.writer.distributed import DistributedPublisher
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    outcomes: dict[str, object] = {}
+    publisher = DistributedPublisher(url, timeout=datetime.timedelta(seconds=60), assets={"config.json": b"{}"})
+    stream_file = Path(url, "stream.json")
+    outcomes["after_init"] = stream_file.exists()
+    bad = {"__metadata__": torch.ones(2)} if rank == 1 else _rank_tensors(rank, 0)
+    for version, tensors in ((0, bad), (1, {})):  # a reserved name on one rank; no tensor on any rank
+        try:
+            publisher.publish(tensors, version).result()
+            outcomes[str(version)] = "committed"
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcomes[str(version)] = f"{type(exc).__name__}: {exc}"
+        _acknowledge(publisher)
+        dist.barrier()
+        outcomes[f"stream_after_{version}"] = stream_file.exists()
+    outcomes["2"] = publisher.publish(_rank_tensors(rank, 0), 2).result().kind
+    publisher.close()
+    Path(report, f"rank{rank}.json").write_text(json.dumps(outcomes))
+    dist.destroy_process_group()
+
+
+def test_rank_zero_creates_the_stream_at_the_first_commit(tmp_path: Path) -> None:
+    url = str(tmp_path / "stream")
+    assert run_ranks(_lazy_worker, 2, url, str(tmp_path), timeout=240) == [0, 0]
+    outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank_outcomes in outcomes:
+        assert [rank_outcomes[k] for k in ("after_init", "stream_after_0", "stream_after_1")] == [False] * 3
+        assert "at least one tensor" in rank_outcomes["1"]
+        assert rank_outcomes["2"] == "keyframe"
+    assert "rank 1 failed (ValueError: tensor name '__metadata__' is reserved" in outcomes[0]["0"]
+    assert outcomes[1]["0"].startswith("ValueError")
+    stream = Stream(url)
+    assert stream.versions() == [2] and [a.name for a in stream.info().assets] == ["config.json"]
+    assert_same_tensors(dict(stream.iter_tensors(2)), {**_rank_tensors(0, 0), **_rank_tensors(1, 0)})

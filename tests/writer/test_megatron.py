@@ -212,7 +212,7 @@ def _dying_worker(rank: int, world_size: int, port: int, workdir: str) -> None:
     import signal
 
     from ckptstream.testing.megatron import build_gpt_model
-    from ckptstream.writer.distributed import DistributedPublisher
+    from ckptstream.writer.files import DataFileWriter
     from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
 
     _init_parallel(rank, world_size, port, {"pp": 2})
@@ -224,14 +224,14 @@ def _dying_worker(rank: int, world_size: int, port: int, workdir: str) -> None:
                                   timeout=datetime.timedelta(seconds=60))
     publisher.publish(0).result()
     if rank == 1:
-        write_data = DistributedPublisher._write_data
+        write_data = DataFileWriter.write
 
         def write_then_die(self, *args, **kwargs):
             result = write_data(self, *args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
             return result
 
-        DistributedPublisher._write_data = write_then_die  # type: ignore[method-assign]
+        DataFileWriter.write = write_then_die  # type: ignore[method-assign]
     load_hf_weights(model, v1, model_dir / "hf")
     try:
         publisher.publish(1).result()

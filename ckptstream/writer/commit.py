@@ -1,0 +1,215 @@
+"""Creating a stream and committing versions: writer-unique names, ``stream.json`` with its assets, and
+the put-if-absent commit of a manifest (FORMAT.md, "Commit protocol and writer obligations").
+
+Usable on its own to commit a version that already has its ``stream_id`` and data files (what copying
+a stream between stores does): ``open_or_create_stream(storage, assets, stream_id=...)``, then
+``commit_manifest(storage, manifest)``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import threading
+import uuid
+from typing import Mapping
+
+from ..errors import IncompatibleStreamError, PublishError, VersionConflictError
+from ..format import (DELTA, KEYFRAME, STREAM_FILE, FileEntry, Manifest, StreamInfo, asset_path, content_hash,
+                      is_reserved_asset_name, is_safe_file_name, manifest_path)
+from ..storage import Storage
+
+log = logging.getLogger("ckptstream.publish")
+
+Assets = Mapping[str, bytes] | str | os.PathLike[str] | None
+"""Asset files as a mapping of name to bytes, or a Hugging Face model directory to take them from."""
+
+
+def new_writer_id() -> str:
+    """A token unique to one writer (12 hex digits), part of every data file name it writes."""
+    return uuid.uuid4().hex[:12]
+
+
+def data_file_name(kind: str, writer_id: str, index: int, count: int) -> str:
+    """The name of data file ``index`` (from 0) of ``count`` of a version of ``kind``, unique to the writer:
+    ``model-<writer>-00001-of-00002.safetensors`` (keyframes), ``delta-<writer>-00001-of-00002.zst``."""
+    if kind == KEYFRAME:
+        return f"model-{writer_id}-{index + 1:05d}-of-{count:05d}.safetensors"
+    if kind == DELTA:
+        return f"delta-{writer_id}-{index + 1:05d}-of-{count:05d}.zst"
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def utc_now() -> str:
+    """The current time as the format writes it (ISO-8601 UTC, milliseconds)."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# ------------------------------------------------------------------------------------------ the stream
+
+def load_assets(assets: Assets) -> dict[str, bytes]:
+    """The asset files of ``assets`` (a model directory's non-weight files, or a mapping), checked."""
+    if isinstance(assets, (str, os.PathLike)):
+        from ..hf import hf_assets
+
+        assets = hf_assets(assets)
+    return check_assets(assets or {})
+
+
+def check_assets(assets: Mapping[str, bytes]) -> dict[str, bytes]:
+    """Refuse asset names that are not plain file names, and names that would replace or shadow the
+    weights of a materialized directory (weight files, indexes, the ``ckptstream.json`` marker)."""
+    for name in assets:
+        if not is_safe_file_name(name):
+            raise IncompatibleStreamError(f"asset name {name!r} is not a plain file name", file=STREAM_FILE,
+                                          hint="Assets are top-level files of a model directory")
+        if is_reserved_asset_name(name):
+            raise IncompatibleStreamError(
+                f"asset {name!r} would replace or shadow the published weights in a materialized directory",
+                file=asset_path(name), hint="Weights are published as versions: leave weight files, "
+                                            "their indexes and ckptstream.json out of the assets")
+    return dict(assets)
+
+
+def read_stream_info(storage: Storage) -> StreamInfo | None:
+    """The stream's ``stream.json``, or None if the stream has not been created."""
+    try:
+        return StreamInfo.from_bytes(storage.read(STREAM_FILE))
+    except FileNotFoundError:
+        return None
+
+
+def open_or_create_stream(storage: Storage, assets: Mapping[str, bytes] | None, *,
+                          stream_id: str | None = None) -> StreamInfo:
+    """The stream's ``StreamInfo``, creating the stream (assets, then ``stream.json``) if it is new.
+
+    Args:
+        storage: the stream's storage.
+        assets: the asset files a new stream gets; those of an existing stream must not differ (files
+            the stream lacks are ignored: the assets are fixed when the stream is created).
+        stream_id: the identity of the stream (default: a new random one); a stream copied from
+            another store keeps the original's.
+
+    Raises:
+        IncompatibleStreamError: a reserved or unsafe asset name, an asset that differs from the
+            stream's, or an existing stream with another ``stream_id``.
+    """
+    assets = check_assets(assets or {})
+    info = read_stream_info(storage)
+    if info is None:
+        info = _create_stream(storage, assets, stream_id or uuid.uuid4().hex)
+    check_stream(info, assets, stream_id)
+    return info
+
+
+def check_stream(info: StreamInfo, assets: Mapping[str, bytes], stream_id: str | None = None) -> None:
+    """Refuse an existing stream whose assets differ from ``assets`` or whose id is not ``stream_id``."""
+    if stream_id is not None and info.stream_id != stream_id:
+        raise IncompatibleStreamError(f"the stream has stream_id {info.stream_id}, not {stream_id}",
+                                      file=STREAM_FILE, hint="Copy into an empty location or into a copy "
+                                                             "of the same stream")
+    have = {a.name: a.hash for a in info.assets}
+    different = sorted(n for n, data in assets.items() if n in have and content_hash(data) != have[n])
+    if different:
+        raise IncompatibleStreamError(
+            f"the stream was created with other non-weight files ({', '.join(different)} differ)",
+            file=STREAM_FILE, hint="A stream holds one model; publish to a new stream URL")
+
+
+def _create_stream(storage: Storage, assets: Mapping[str, bytes], stream_id: str) -> StreamInfo:
+    """Assets first, each put-if-absent, then ``stream.json`` put-if-absent; a writer that loses the race
+    for ``stream.json`` takes the winner's."""
+    entries = []
+    for name, data in sorted(assets.items()):
+        entry = FileEntry(name, len(data), content_hash(data))
+        try:
+            storage.put_if_absent(asset_path(name), data)
+        except FileExistsError:
+            if content_hash(storage.read(asset_path(name))) != entry.hash:
+                raise IncompatibleStreamError("another writer is creating this stream with a different file",
+                                              file=asset_path(name)) from None
+        entries.append(entry)
+    info = StreamInfo(stream_id=stream_id, created=utc_now(), assets=tuple(entries))
+    try:
+        storage.put_if_absent(STREAM_FILE, info.to_bytes())
+        log.info("created stream %s (%s)", storage.url, stream_id)
+        return info
+    except FileExistsError:
+        return StreamInfo.from_bytes(storage.read(STREAM_FILE))
+
+
+class LazyStream:
+    """A stream that is created when first needed (at the first commit), so that a publish failing
+    before that leaves nothing behind.
+
+    The assets are checked at once, and so is an existing stream against them.
+    """
+
+    def __init__(self, storage: Storage, assets: Mapping[str, bytes]):
+        self._storage = storage
+        self._assets = check_assets(assets)
+        self._lock = threading.Lock()
+        self._info = read_stream_info(storage)
+        if self._info is not None:
+            check_stream(self._info, self._assets)
+
+    def info(self) -> StreamInfo:
+        """The stream's ``StreamInfo``, creating the stream if it does not exist yet."""
+        with self._lock:
+            if self._info is None:
+                self._info = open_or_create_stream(self._storage, self._assets)
+            return self._info
+
+
+# ------------------------------------------------------------------------------------------ the commit
+
+def commit_manifest(storage: Storage, manifest: Manifest, raw: bytes | None = None) -> None:
+    """Commit a version: create ``manifests/<version>.json`` with put-if-absent.
+
+    A commit whose answer was lost (an S3 PUT retried after a 500 or a reset connection, a retransmitted
+    NFS link) finds the manifest already there: the bytes are read back, and the writer's own bytes (the
+    same writer id, time and seal) are its commit, not a conflict.
+
+    Args:
+        storage: the stream's storage.
+        manifest: the version's manifest; its data files must be durable already.
+        raw: the exact bytes to store (default ``manifest.to_bytes()``), e.g. a copied stream's original.
+
+    Raises:
+        VersionConflictError: another writer committed this version first.
+        PublishError: the commit failed and reading the manifest back could not tell whether it was
+            stored.
+    """
+    raw = manifest.to_bytes() if raw is None else raw
+    path = manifest_path(manifest.version)
+    try:
+        storage.put_if_absent(path, raw)
+    except FileExistsError:
+        if _stored(storage, path) != raw:
+            raise VersionConflictError("another writer committed this version first", version=manifest.version,
+                                       hint="This writer's data files are left for `ckptstream gc`; "
+                                            "publish a newer version") from None
+        log.info("version %d: the manifest was there already, with this writer's bytes (the answer to its "
+                 "commit was lost): committed", manifest.version)
+    except Exception as exc:
+        # The request may have reached the storage even though it failed here: look before reporting.
+        try:
+            stored = _stored(storage, path)
+        except Exception:  # noqa: BLE001 - the storage is unreachable: the outcome is unknown
+            raise PublishError(f"the commit failed ({exc!r}) and the manifest cannot be read back, so whether "
+                               "the version was committed is unknown", version=manifest.version, file=path,
+                               hint="Check with `ckptstream ls` before publishing this version again") from exc
+        if stored != raw:
+            raise
+        log.info("version %d: the commit reported %r but the manifest was stored: committed",
+                 manifest.version, exc)
+    log.info("committed version %d (%s, %d bytes stored)", manifest.version, manifest.kind, manifest.stored_bytes)
+
+
+def _stored(storage: Storage, path: str) -> bytes | None:
+    """The bytes at ``path``, or None if there is no such file."""
+    try:
+        return storage.read(path)
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,166 @@
+"""Encoders: a version's tensors as a keyframe or as a delta against a base version, on the host.
+
+An encoder turns a snapshot into an ``EncodedVersion`` (what to store per tensor) and never touches
+storage. ``KeyframeEncoder`` and ``DeltaEncoder`` share the small ``Encoder`` interface, so another
+implementation (a device-side delta encoder running beside the trainer) can take the place of the host
+one. ``VersionEncoder`` holds the one keyframe-or-delta decision.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from .. import codec
+from ..format import (DELTA, ENCODING_RAW, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ENCODING_ZSTD, KEYFRAME,
+                      Manifest)
+from ..parallel import ordered_parallel
+
+log = logging.getLogger("ckptstream.publish")
+
+Snapshot = Sequence[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class BaseVersion:
+    """A committed version with its tensors in host memory: what a delta is encoded against."""
+
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class EncodedTensor:
+    """How one tensor of a version is stored.
+
+    ``frames`` are the zstd frames of a chunked encoding (one per chunk, described by ``chunks``); a
+    ``raw`` tensor stores the snapshot's bytes themselves and an ``unchanged`` one stores nothing.
+    ``changed`` counts elements whose bits differ from the base (deltas only).
+    """
+
+    name: str
+    tensor: torch.Tensor
+    encoding: str
+    frames: list[bytes] = field(default_factory=list)
+    chunks: list[tuple[int, int, str]] = field(default_factory=list)
+    changed: int | None = None
+
+
+@dataclass
+class EncodedVersion:
+    """A version's tensors, encoded: a keyframe (``base`` None) or a delta against ``base``."""
+
+    kind: str
+    base: Manifest | None
+    tensors: list[EncodedTensor]
+    shuffle: bool = False
+
+
+class Encoder(Protocol):
+    """Encodes a snapshot, or declines (None) where its encoding would not pay."""
+
+    def encode(self, tensors: Snapshot, base: BaseVersion | None) -> EncodedVersion | None:
+        """The encoded version of ``tensors`` (against ``base`` where the encoding uses one)."""
+        ...
+
+
+class KeyframeEncoder:
+    """Keyframes: every tensor stored raw, as a plain safetensors file holds it."""
+
+    def encode(self, tensors: Snapshot, base: BaseVersion | None = None) -> EncodedVersion:
+        return EncodedVersion(KEYFRAME, None, [EncodedTensor(name, tensor, ENCODING_RAW) for name, tensor in tensors])
+
+
+class DeltaEncoder:
+    """Deltas on the host: per tensor, the XOR against the base's tensor of the same name (or the tensor
+    itself where the base has none of that dtype and shape), byte-shuffled and zstd-compressed in
+    independent chunks, encoded in parallel on ``executor``.
+
+    Declines (None) as soon as the stored bytes outgrow ``max_ratio`` of the full bytes.
+    """
+
+    def __init__(self, executor: Executor, *, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, zstd_level: int = 3,
+                 shuffle: bool = True, max_ratio: float = 0.5):
+        self.executor = executor
+        self.chunk_bytes = chunk_bytes
+        self.zstd_level = zstd_level
+        self.shuffle = shuffle
+        self.max_ratio = max_ratio
+
+    def encode(self, tensors: Snapshot, base: BaseVersion | None) -> EncodedVersion | None:
+        if base is None:
+            return None
+        limit = self.max_ratio * sum(t.numel() * t.element_size() for _, t in tensors)
+        tasks = []  # (tensor index, new bytes, base bytes or None, itemsize)
+        plans = []
+        for index, (name, tensor) in enumerate(tensors):
+            previous = base.tensors.get(name)
+            if previous is not None and (previous.dtype, previous.shape) != (tensor.dtype, tensor.shape):
+                previous = None
+            new_bytes = codec.as_bytes(tensor)
+            base_bytes = codec.as_bytes(previous) if previous is not None else None
+            plans.append(EncodedTensor(name, tensor, ENCODING_XOR_ZSTD if previous is not None else ENCODING_ZSTD,
+                                       changed=0))
+            for start, end in codec.chunk_ranges(new_bytes.numel(), tensor.element_size(), self.chunk_bytes):
+                tasks.append((index, new_bytes[start:end], None if base_bytes is None else base_bytes[start:end],
+                              tensor.element_size()))
+
+        def encode(task: tuple[int, torch.Tensor, torch.Tensor | None, int]) -> tuple[int, int, bytes, int, str]:
+            index, new, old, itemsize = task
+            frame, changed, layout = codec.encode_chunk(new, old, itemsize, shuffle=self.shuffle,
+                                                        level=self.zstd_level)
+            return index, new.numel(), frame, changed, layout
+
+        stored = 0
+        results = ordered_parallel(tasks, encode, lambda task: task[1].numel(), executor=self.executor,
+                                   max_cost=max(self.chunk_bytes, 64 << 20) * 4)
+        try:
+            for index, raw_len, frame, changed, layout in results:
+                plan = plans[index]
+                plan.frames.append(frame)
+                plan.chunks.append((raw_len, len(frame), layout))
+                plan.changed = (plan.changed or 0) + changed
+                stored += len(frame)
+                if stored > limit:
+                    log.info("delta exceeds %.0f%% of the full size; writing a keyframe", 100 * self.max_ratio)
+                    return None
+        finally:
+            results.close()
+        for plan in plans:
+            if plan.encoding == ENCODING_XOR_ZSTD and plan.changed == 0:
+                plan.encoding, plan.frames, plan.chunks = ENCODING_UNCHANGED, [], []
+        return EncodedVersion(DELTA, base.manifest, plans, shuffle=self.shuffle)
+
+
+class VersionEncoder:
+    """The keyframe-or-delta decision: a delta where one is allowed and pays, else a keyframe.
+
+    A delta is allowed when there is a base, no keyframe is forced and the chain stays shorter than
+    ``keyframe_every``.
+    """
+
+    def __init__(self, delta: Encoder, keyframe: Encoder | None = None, *, keyframe_every: int = 10):
+        self.delta = delta
+        self.keyframe_encoder = keyframe if keyframe is not None else KeyframeEncoder()
+        self.keyframe_every = keyframe_every
+
+    def try_delta(self, tensors: Snapshot, base: BaseVersion | None, *, force_keyframe: bool = False
+                  ) -> EncodedVersion | None:
+        """The delta against ``base``, or None where this version is to be a keyframe."""
+        if force_keyframe or base is None or base.manifest.chain_length + 1 >= self.keyframe_every:
+            return None
+        return self.delta.encode(tensors, base)
+
+    def keyframe(self, tensors: Snapshot) -> EncodedVersion:
+        """The keyframe of ``tensors``."""
+        encoded = self.keyframe_encoder.encode(tensors, None)
+        assert encoded is not None, "a keyframe encoder never declines"
+        return encoded
+
+    def encode(self, tensors: Snapshot, base: BaseVersion | None, *, force_keyframe: bool = False) -> EncodedVersion:
+        """A delta where one is allowed and pays, else a keyframe."""
+        return self.try_delta(tensors, base, force_keyframe=force_keyframe) or self.keyframe(tensors)
