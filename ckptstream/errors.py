@@ -127,6 +127,11 @@ class PublishError(CkptStreamError, RuntimeError):
     """A background publish failed; raised by the next call on the publisher and by its future."""
 
 
+class CommitOutcomeUnknownError(PublishError):
+    """The manifest's put failed and could not be read back: the version may or may not be committed, so
+    its data files must be kept (``gc`` removes them if no manifest names them)."""
+
+
 class ConversionError(CkptStreamError, ValueError):
     """A Megatron model or checkpoint holds a tensor that cannot be mapped to the Hugging Face layout."""
 

@@ -15,7 +15,7 @@ import threading
 import uuid
 from typing import Mapping
 
-from ..errors import IncompatibleStreamError, PublishError, VersionConflictError
+from ..errors import CommitOutcomeUnknownError, IncompatibleStreamError, VersionConflictError
 from ..format import (DELTA, KEYFRAME, STREAM_FILE, FileEntry, Manifest, StreamInfo, asset_path, content_hash,
                       is_reserved_asset_name, is_safe_file_name, manifest_path)
 from ..storage import Storage
@@ -178,8 +178,8 @@ def commit_manifest(storage: Storage, manifest: Manifest, raw: bytes | None = No
 
     Raises:
         VersionConflictError: another writer committed this version first.
-        PublishError: the commit failed and reading the manifest back could not tell whether it was
-            stored.
+        CommitOutcomeUnknownError: the commit failed and reading the manifest back could not tell whether
+            it was stored (keep the data files).
     """
     raw = manifest.to_bytes() if raw is None else raw
     path = manifest_path(manifest.version)
@@ -197,9 +197,10 @@ def commit_manifest(storage: Storage, manifest: Manifest, raw: bytes | None = No
         try:
             stored = _stored(storage, path)
         except Exception:  # noqa: BLE001 - the storage is unreachable: the outcome is unknown
-            raise PublishError(f"the commit failed ({exc!r}) and the manifest cannot be read back, so whether "
-                               "the version was committed is unknown", version=manifest.version, file=path,
-                               hint="Check with `ckptstream ls` before publishing this version again") from exc
+            raise CommitOutcomeUnknownError(
+                f"the commit failed ({exc!r}) and the manifest cannot be read back, so whether the version was "
+                "committed is unknown", version=manifest.version, file=path,
+                hint="Check with `ckptstream ls` before publishing this version again") from exc
         if stored != raw:
             raise
         log.info("version %d: the commit reported %r but the manifest was stored: committed",

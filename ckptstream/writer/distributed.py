@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..errors import PublishError, VersionConflictError
+from ..errors import CommitOutcomeUnknownError, PublishError, VersionConflictError
 from ..format import DELTA, KEYFRAME, FileEntry, Manifest, TensorEntry
 from ..storage import Storage
 from .config import PublisherConfig
@@ -60,6 +60,8 @@ class RankCoordinator:
         status, payload = self._exchange(report, part.files, part.tensors, lambda parts: _commit_parts(parts, commit))
         if status == "committed":
             return Manifest.from_bytes(payload, version=version)
+        if status == "unknown":  # the manifest may be stored: its data files must stay
+            raise CommitOutcomeUnknownError(f"not known to be committed: {payload}", version=version)
         discard()
         error_type = VersionConflictError if status == "conflict" else PublishError
         raise error_type(f"not committed: {payload}", version=version)
@@ -200,6 +202,8 @@ def _commit_parts(parts: list[Any], commit: CommitFn) -> tuple[str, Any]:
         manifest = commit(files, tensors)
     except VersionConflictError as exc:
         return "conflict", str(exc)
+    except CommitOutcomeUnknownError as exc:
+        return "unknown", str(exc)
     except Exception as exc:  # noqa: BLE001 - every rank must hear the outcome, whatever it is
         return "failed", f"rank 0 could not commit ({type(exc).__name__}: {exc})"
     return "committed", manifest.to_bytes()

@@ -234,3 +234,21 @@ def test_step_must_be_an_int(local_url, step):
             publisher.publish(random_state(), step=step)
         assert publisher.publish(random_state(), step=3).result().step == 3
     assert Stream(local_url).manifest(0).step == 3
+
+
+def test_commit_whose_outcome_cannot_be_read_back_is_unknown(local_url):
+    """A put that fails with the storage unreachable for the read-back too (no server listens on the
+    endpoint: a real refused connection) is neither a commit nor a conflict: the writer must keep its data
+    files, since the manifest may have been stored."""
+    from ckptstream.errors import CommitOutcomeUnknownError
+    from ckptstream.storage import open_storage
+    from ckptstream.vllm_loader.serve import free_port
+    from ckptstream.writer import commit_manifest
+
+    with Publisher(local_url) as publisher:
+        manifest = publisher.publish(random_state(0)).result()
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    storage = open_storage("s3://bucket/run", {"endpoint_url": nowhere, "retries": 1, "key": "k", "secret": "s",
+                                               "config_kwargs": {"retries": {"max_attempts": 1}}})
+    with pytest.raises(CommitOutcomeUnknownError, match="unknown"):
+        commit_manifest(storage, manifest)
