@@ -16,7 +16,7 @@ _LAZY_NAMES = {
     "PublisherConfig": ".config",
     "DistributedPublisher": ".distributed",
     **dict.fromkeys(("GcReport", "collect_garbage"), ".gc"),
-    "Publisher": ".publisher",
+    **dict.fromkeys(("Publication", "Publisher"), ".publisher"),
 }
 
 if TYPE_CHECKING:
@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from .config import PublisherConfig
     from .distributed import DistributedPublisher
     from .gc import GcReport, collect_garbage
-    from .publisher import Publisher
+    from .publisher import Publication, Publisher
 
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
-__all__ = ["DistributedPublisher", "GcReport", "Publisher", "PublisherConfig", "collect_garbage", "commit_manifest",
+__all__ = ["DistributedPublisher", "GcReport", "Publication", "Publisher", "PublisherConfig", "collect_garbage", "commit_manifest",
            "open_or_create_stream"]

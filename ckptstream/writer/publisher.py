@@ -3,7 +3,8 @@
 Each version goes through the same stages, each its own part:
 
 1. snapshot (``snapshot.SnapshotBuffers``): the tensors are copied into reused host buffers; the only
-   stage the trainer waits for — ``publish`` returns when it is done;
+   stage the trainer waits for — ``publish`` returns when it is done, ``stage`` at once with a future of
+   its own (``Publication.staged``) apart from the commit's (``Publication.committed``);
 2. encode (``encode.VersionEncoder``): a delta against the base (``base.BaseLookup``) where one is
    allowed and pays, else a keyframe;
 3. write (``files.DataFileWriter``): the data files, under names unique to this writer;
@@ -109,7 +110,19 @@ class _Job:
     step: int | None
     metadata: dict[str, Any]
     keyframe: bool
+    previous_version: int | None  # the publisher's last version before this one was numbered
     future: Future[Manifest] = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A version on its way (:meth:`Publisher.stage`): its number and the two stages a trainer waits on."""
+
+    version: int
+    staged: Future[None]
+    """Resolves when the snapshot is taken: from then on the caller may change the tensors."""
+    committed: Future[Manifest]
+    """Resolves to the committed manifest, or raises why the version was not committed."""
 
 
 class Publisher:
@@ -152,6 +165,7 @@ class Publisher:
             keyframe_every=config.keyframe_every)
         self._files = DataFileWriter(self.storage, self.writer_id, config.shard_bytes)
         self._slots = threading.BoundedSemaphore(config.max_in_flight)
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="ckptstream-stage")
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptstream-commit")
         self._lock = threading.Lock()
         self._error: CkptStreamError | None = None
@@ -183,31 +197,27 @@ class Publisher:
             ValueError / TypeError: an invalid tensor name, tensor, step or metadata; nothing is published.
             PublishError (or the original CkptStreamError): an earlier background publish failed.
         """
-        self._check_open()
-        self._raise_failure()
-        self._published = True
-        try:
-            metadata = _checked_metadata(metadata, step)
-            with self._lock:
-                number = self._next_version(version)
-            self._slots.acquire()
-            try:
-                snapshot = self._snapshots.take(named_tensors)
-            except BaseException:
-                self._slots.release()
-                raise
-        except Exception as exc:
-            # Whoever else writes parts of this version must hear that this part will not come.
-            self._committer.submit(self._coordinator.abandon, version, exc)
-            raise
-        with self._lock:
-            self._last_version = number
-        job = _Job(number, snapshot, step, metadata, keyframe)
-        self._committer.submit(self._run, job)
+        job = self._start(version, step, metadata, keyframe)
+        self._snapshot(job, named_tensors)
         return job.future
+
+    def stage(self, named_tensors: NamedTensors, version: int | None = None, *, step: int | None = None,
+              metadata: Mapping[str, Any] | None = None, keyframe: bool = False) -> Publication:
+        """Like :meth:`publish`, but the snapshot too runs in the background: returns at once.
+
+        The caller must not change the tensors (nor, for a generator, what it yields) until
+        ``Publication.staged`` resolves (beyond ``max_in_flight`` versions, a snapshot waits for an earlier
+        version's commit); ``Publication.committed`` resolves when the version is committed.
+        Versions are snapshotted and committed in the order they were staged. Arguments and the errors
+        raised at once are those of :meth:`publish`; a snapshot failure is raised by both futures.
+        """
+        job = self._start(version, step, metadata, keyframe)
+        staged = self._stager.submit(self._snapshot, job, named_tensors)
+        return Publication(job.version, staged, job.future)
 
     def wait(self) -> None:
         """Block until every version published so far is committed; raise the first failure, if any."""
+        self._stager.submit(lambda: None).result()
         self._committer.submit(lambda: None).result()
         self._raise_failure()
 
@@ -226,6 +236,7 @@ class Publisher:
                 self._stream_file.info()
         finally:
             self._closed = True
+            self._stager.shutdown(wait=True)
             self._committer.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self._bases.forget()
@@ -242,6 +253,40 @@ class Publisher:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("publisher is closed")
+
+    def _start(self, version: int | None, step: int | None, metadata: Mapping[str, Any] | None,
+               keyframe: bool) -> _Job:
+        """Check the arguments and number the version."""
+        self._check_open()
+        self._raise_failure()
+        self._published = True
+        try:
+            checked = _checked_metadata(metadata, step)
+            with self._lock:
+                previous = self._last_version
+                number = self._next_version(version)
+                self._last_version = number
+        except Exception as exc:
+            # Whoever else writes parts of this version must hear that this part will not come.
+            self._committer.submit(self._coordinator.abandon, version, exc)
+            raise
+        return _Job(number, [], step, checked, keyframe, previous_version=previous)
+
+    def _snapshot(self, job: _Job, named_tensors: NamedTensors) -> None:
+        """Take an in-flight slot and the snapshot of ``job``, then queue the rest of it; a failure gives the
+        version up."""
+        self._slots.acquire()
+        try:
+            job.tensors = self._snapshots.take(named_tensors)
+        except BaseException as exc:
+            self._slots.release()
+            with self._lock:
+                if self._last_version == job.version:  # nothing newer numbered: the number is free again
+                    self._last_version = job.previous_version
+            self._committer.submit(self._coordinator.abandon, job.version, exc)
+            job.future.set_exception(exc)
+            raise
+        self._committer.submit(self._run, job)
 
     def _raise_failure(self) -> None:
         with self._lock:

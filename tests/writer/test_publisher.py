@@ -206,3 +206,36 @@ def test_assets_are_fixed_at_stream_creation(local_url, tiny_model):
                                                        "ckptstream_tiny_model.json"}
     with pytest.raises(IncompatibleStreamError, match="config.json"):
         Publisher(local_url, assets={"config.json": b"{\"other\": 1}"})
+
+
+def test_stage_returns_before_the_snapshot_and_commits_in_order(local_url):
+    """``stage`` keeps the snapshot future apart from the commit future: the trainer may go on at once and
+    waits on ``staged`` only before it changes the tensors."""
+    release = threading.Event()
+    state = random_state(0)
+
+    def slow_tensors():
+        release.wait(30)  # the snapshot cannot finish before the test lets it
+        yield from state.items()
+
+    with Publisher(local_url) as publisher:
+        first = publisher.stage(slow_tensors(), step=0)
+        second = publisher.stage(state, step=1)
+        assert (first.version, second.version) == (0, 1)
+        assert not first.staged.done() and not first.committed.done()
+        release.set()
+        first.staged.result(timeout=30)
+        assert first.committed.result(timeout=30).version == 0
+        assert second.committed.result(timeout=30).version == 1
+    assert Stream(local_url).versions() == [0, 1]
+
+
+def test_a_failed_staged_snapshot_raises_on_both_futures(local_url):
+    with Publisher(local_url) as publisher:
+        publisher.publish(random_state(0)).result()
+        bad = publisher.stage({"__metadata__": torch.zeros(2)})
+        with pytest.raises(ValueError, match="reserved"):
+            bad.staged.result(timeout=30)
+        with pytest.raises(ValueError, match="reserved"):
+            bad.committed.result(timeout=30)
+        assert publisher.publish(random_state(1)).result().version == 1  # the failed number is free again
