@@ -413,16 +413,23 @@ class Follower:
     # ------------------------------------------------------------------------------------- discovery
 
     def _discover(self) -> int | None:
-        """The version to serve: the pin, or the newest version (a probe of the next manifest per poll,
-        a listing when it exists, when nothing is served yet, and every ``list_every`` polls)."""
+        """The version to serve: the pin, or the newest version. Per poll, cheap probes of the manifests
+        after the current version (they usually come one at a time); a listing when nothing is served
+        yet, when more than ``list_every`` versions are new, and every ``list_every`` polls (versions may
+        skip numbers). A listing per update would cost O(versions in the stream) each time."""
         if self.pin is not None:
             return self.pin
         self._polls += 1
-        if self.current is not None and self._polls % self.list_every and \
-                not self.stream.has_version(self.current + 1):
-            return self.current
-        newest = [v for v in self.stream.versions() if v not in self.refused]
-        return newest[-1] if newest else None
+        if self.current is not None and self._polls % self.list_every:
+            newest, probe = self.current, self.current + 1
+            while probe - self.current <= self.list_every and self.stream.has_version(probe):
+                if probe not in self.refused:
+                    newest = probe
+                probe += 1
+            if probe - self.current <= self.list_every:
+                return newest
+        listed = [v for v in self.stream.versions() if v not in self.refused]
+        return listed[-1] if listed else None
 
     def _watch(self) -> Any:
         """Wake the loop on local manifest writes (inotify through watchdog, if installed). NFS clients do

@@ -214,7 +214,8 @@ def _held() -> tuple[int, int, int]:
 def test_a_follower_of_thousands_of_versions_holds_constant_memory(monkeypatch):
     """2 000 versions (tiny tensors, a keyframe every 8, every 13th misshapen and refused: more refusals
     than it remembers); what the follower holds after the first few hundred must not grow with the
-    versions it steps through: the same number of manifests and objects, about the same RSS."""
+    versions it steps through: the same number of manifests and objects, about the same RSS. Nor does
+    it list the stream's manifests (O(versions) each) per update: only every ``list_every`` polls."""
     monkeypatch.setattr(logging.getLogger("ckptstream.follow"), "disabled", True)  # pytest keeps every record
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     try:
@@ -223,6 +224,9 @@ def test_a_follower_of_thousands_of_versions_holds_constant_memory(monkeypatch):
         publisher.publish(_state(0)).result()
         server = FakeVllmClient(max_calls=64)
         follower = Follower(url, [server], cache_dir=root / "cache", replica_id="long", heartbeat_interval=3600)
+        listings = []
+        listing = follower.stream.versions
+        monkeypatch.setattr(follower.stream, "versions", lambda: listings.append(1) or listing())
         for version in range(1, 2000):
             if version == 300:
                 start = _held()
@@ -240,6 +244,7 @@ def test_a_follower_of_thousands_of_versions_holds_constant_memory(monkeypatch):
         assert manifests <= max(start[0], MANIFEST_CACHE_SIZE * 2), (start, manifests)
         assert objects - start[1] < 2000, (start, objects)  # one object per version would be 1 700
         assert rss - start[2] < 32 << 20, (start, rss)
+        assert len(listings) <= 1999 / follower.list_every + 2, len(listings)  # one poll per version
         follower.close()
         publisher.close()
     finally:

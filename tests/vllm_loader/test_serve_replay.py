@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from ckptstream import Publisher, Stream
 from ckptstream.hf import iter_hf_weights
