@@ -53,8 +53,8 @@ class FakeVllmClient:
     max_calls: int = 10_000
     calls: collections.deque[tuple[str, Any]] = field(init=False)
     reloaded: collections.deque[int] = field(init=False)
-    _failures: dict[str, list[Exception]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _failures: dict[str, list[Exception]] = field(default_factory=dict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.calls = collections.deque(maxlen=self.max_calls)

@@ -12,8 +12,9 @@ whatever its ``--cache-dir``: ``$CKPTSTREAM_RUNTIME_DIR`` if set, else ``/tmp/ck
   versions follow as usual.
 
 The kernel drops a dead process's locks, so a replay killed with SIGKILL gives the server back. The key
-is the URL as written (lower-cased, without a trailing slash): ``localhost`` and ``127.0.0.1`` name
-different locks, so give both processes the same spelling.
+is the server's host and port as written (lower-cased; ``localhost`` counts as ``127.0.0.1``, a missing
+port as the scheme's): other names of one host (its IP address, another alias) are different locks, so
+give both processes the same spelling.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import fcntl
 import hashlib
 import os
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Iterable
 
@@ -38,10 +40,22 @@ def runtime_dir() -> Path:
     return path
 
 
+def server_key(url: str) -> str:
+    """``host:port`` of a server URL, the way its lock is named (see the module docstring)."""
+    parts = urllib.parse.urlsplit(url.strip().lower())
+    host = parts.hostname or parts.path.split("/", 1)[0]
+    host = "127.0.0.1" if host == "localhost" else host
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # not a number: keep the text, it still names one lock
+        port = parts.netloc.rsplit(":", 1)[-1]
+    return f"{host}:{port}"
+
+
 def lock_path(url: str) -> Path:
     """The lock file of the server at ``url``."""
-    key = url.strip().rstrip("/").lower()
-    readable = "".join(c if c.isalnum() else "-" for c in key.split("://", 1)[-1])[:80]
+    key = server_key(url)
+    readable = "".join(c if c.isalnum() else "-" for c in key)[:80]
     return runtime_dir() / f"server-{readable}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.lock"
 
 

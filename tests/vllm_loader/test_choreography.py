@@ -29,6 +29,7 @@ from ckptstream.testing.fake_vllm import FakeVllmClient
 from ckptstream.vllm_loader import Follower, FollowerConfig, Takeover, VersionCache, replay
 from ckptstream.vllm_loader.follower import REFUSED_KEPT
 from ckptstream.vllm_loader.serve import default_vllm_settings, last_error_line, vllm_platform_is_cpu
+from ckptstream.vllm_loader.takeover import lock_path
 
 
 def _state(step: int = 0) -> dict[str, torch.Tensor]:
@@ -158,6 +159,13 @@ def test_a_follower_stands_aside_while_its_server_is_taken_over(stream, tmp_path
     assert list(server.reloaded)[-2:] == [2, 3]
     assert server.weight_version_label == "3"
     follower.close()
+
+
+def test_a_server_has_one_takeover_lock_whatever_the_spelling_of_its_url():
+    same = {lock_path(u) for u in ("http://127.0.0.1:8000", "http://localhost:8000/", "HTTP://LOCALHOST:8000")}
+    assert len(same) == 1
+    assert lock_path("http://127.0.0.1:8001") not in same
+    assert lock_path("http://example:80") == lock_path("http://example")
 
 
 def test_replay_takes_the_server_over_and_the_follower_brings_it_back(stream, tmp_path):
