@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Publisher, Stream  # noqa: E402
 from ckptstream.cli.options import parse_bytes  # noqa: E402
+from ckptstream.format import version_name  # noqa: E402
 from ckptstream.storage import fsync_path  # noqa: E402
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model  # noqa: E402
 from ckptstream.vllm_loader import BackgroundServe, VllmClient  # noqa: E402
@@ -92,7 +93,8 @@ def main() -> None:
             # Bare reload: a fresh copy of the version's materialized directory (files vLLM has not
             # mapped before, like the follower's), with nothing else in the pause.
             bare_dir = root / f"bare-{manifest.version}"
-            shutil.copytree(root / "cache" / stream.info().stream_id / f"{manifest.version:012d}", bare_dir)
+            shutil.copytree(root / "cache" / stream.info().stream_id / "bench" / version_name(manifest.version),
+                            bare_dir)
             bare_pause, bare_reload = timed_reload(client, bare_dir)
             shutil.rmtree(bare_dir)
             client.set_weight_version(str(manifest.version))

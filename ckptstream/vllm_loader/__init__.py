@@ -7,11 +7,14 @@ This face imports its submodules eagerly (and so torch), unlike ``ckptstream``, 
 hand out the submodule to whoever asks after that submodule was imported.
 """
 
-from .client import VllmClient, VllmError, VllmUnreachable
-from .follower import Follower, UpdateRecord, VersionCache, default_cache_dir
+from .cache import VersionCache, default_cache_dir
+from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
+from .follower import Follower, FollowerConfig, UpdateRecord
 from .replay import ReplayResult, replay, select_versions
-from .serve import CPU_VLLM_ARGS, BackgroundServe, free_port, serve, vllm_command
+from .serve import CPU_VLLM_ARGS, BackgroundServe, free_port, serve, vllm_command, vllm_platform_is_cpu
+from .takeover import Takeover
 
-__all__ = ["CPU_VLLM_ARGS", "BackgroundServe", "Follower", "ReplayResult", "UpdateRecord", "VersionCache",
-           "VllmClient", "VllmError", "VllmUnreachable", "default_cache_dir", "free_port", "replay",
-           "select_versions", "serve", "vllm_command"]
+__all__ = ["CPU_VLLM_ARGS", "BackgroundServe", "Follower", "FollowerConfig", "ReplayResult", "Takeover",
+           "UpdateRecord", "VersionCache", "VllmClient", "VllmControl", "VllmError", "VllmUnreachable",
+           "default_cache_dir", "free_port", "replay", "select_versions", "serve", "vllm_command",
+           "vllm_platform_is_cpu"]

@@ -11,13 +11,44 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import VllmError, VllmUnreachable
 
 
+class VllmControl(Protocol):
+    """What the follower needs of a vLLM server: ``VllmClient`` over HTTP, or a fake in tests
+    (``ckptstream.testing.fake_vllm.FakeVllmClient``). Every call raises ``VllmError`` when the server
+    refused it or did not do it, ``VllmUnreachable`` when the server does not answer."""
+
+    url: str
+
+    def wait_ready(self, timeout: float = 600.0, interval: float = 0.5,
+                   abort: threading.Event | None = None) -> None: ...
+
+    def model_root(self) -> str | None: ...
+
+    def weight_version(self) -> str: ...
+
+    def probe(self) -> None: ...
+
+    def pause(self, mode: str = "keep") -> None: ...
+
+    def resume(self, check: bool = True) -> None: ...
+
+    def check_resumed(self) -> None: ...
+
+    def reload_weights(self, path: str) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def set_weight_version(self, version: str, check: bool = True) -> None: ...
+
+    def check_weight_version(self, version: str) -> None: ...
+
+
 class VllmClient:
-    """Controls one vLLM server.
+    """Controls one vLLM server over HTTP (a ``VllmControl``).
 
     Args:
         url: base URL, e.g. ``http://127.0.0.1:8000``.

@@ -5,28 +5,42 @@ a local cache directory while the servers keep generating (a delta is applied to
 version), check it against the served model (names, dtypes, shapes) and against its hashes, then per
 server: pause → ``reload_weights`` → reset prefix cache → set weight version → resume → one-token probe.
 A version that fails any check is refused and recorded; the servers keep the last good version.
+
+The decoded versions live in a ``VersionCache`` directory this follower owns (``cache.py``). A server
+that another process has taken over (``takeover.py``: a ``replay``) is left alone until it is given
+back; then it is reconciled to the follower's version. Per-version state is bounded (the last
+``REFUSED_KEPT`` refusals; the reader's manifest cache is an LRU), so a follower of a stream of
+thousands of versions holds O(1) of them.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import datetime as _dt
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import CkptStreamError, IntegrityError, MissingBaseError, VersionNotFoundError
-from ..format import TEMP_PREFIX, Manifest, parse_version_name, version_name
+from ..format import MANIFESTS_DIR, MARKER_FILE, Manifest
 from ..hf import tensor_specs
-from ..reader import MARKER_FILE, ReplicaRecord, Stream, write_replica
-from .client import VllmClient, VllmError, VllmUnreachable
+from ..reader import ReplicaRecord, Stream, write_replica
+from ..storage import Watch
+from . import takeover
+from .cache import VersionCache, default_cache_dir
+from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
 
 log = logging.getLogger("ckptstream.follow")
+
+REFUSED_KEPT = 100
+"""Refused versions a follower remembers (and reports in its replica record), newest last."""
 
 
 @dataclass(frozen=True)
@@ -48,39 +62,50 @@ class UpdateRecord:
                 f"lag {self.lag_s:.2f} s after commit")
 
 
-def default_cache_dir(expected_bytes: int = 0) -> Path:
-    """/dev/shm/ckptstream when it has room for three copies of the model, else ~/.cache/ckptstream/follow."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 3 * expected_bytes + (256 << 20):
-        return shm / "ckptstream"
-    return Path.home() / ".cache" / "ckptstream" / "follow"
+@dataclass(frozen=True)
+class FollowerConfig:
+    """How a follower works; ``Follower``, ``serve`` and ``replay`` take one (or its fields as keywords).
 
+    Attributes:
+        storage_options: fsspec options of the stream's storage.
+        cache_dir: the cache root (default: ``default_cache_dir()``); this follower owns
+            ``<cache_dir>/<stream id>/<replica id>/`` (see ``cache.py``), where at most the current and
+            the incoming version are kept, and a restarted follower of the same replica id reuses them.
+        pin: serve exactly this version and do not follow.
+        replica_id: name of this follower's record in the stream (``replicas/<id>.json``) and of its
+            cache directory (default: ``<host>-<port of the first server>``).
+        poll_interval: seconds between discovery probes (inotify wakes the follower earlier on local paths).
+        pause_mode: vLLM ``/pause`` mode: ``keep`` (default: in-flight requests wait), ``wait``, ``abort``.
+        api_key: for servers started with ``--api-key`` (given as URLs).
+        heartbeat_interval: seconds between replica-record heartbeats (also during long pulls).
+        list_every: list the manifests every this many polls even if the next version is absent (versions
+            may skip numbers).
+        on_update: called with the ``UpdateRecord`` of every update (metrics, dashboards).
+        stand_aside: leave a server alone while another process has taken it over (``Takeover``); False
+            for the taker itself.
+        ephemeral_cache: remove the cache directory on ``close()`` (nobody adopts it later: a replay).
+    """
 
-class VersionCache:
-    """Materialized versions of one stream under a local directory (``<root>/<stream id>/<version>/``)."""
+    storage_options: Mapping[str, Any] | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    pin: int | None = None
+    replica_id: str | None = None
+    poll_interval: float = 1.0
+    pause_mode: str = "keep"
+    api_key: str | None = None
+    heartbeat_interval: float = 5.0
+    list_every: int = 10
+    on_update: Callable[[UpdateRecord], None] | None = None
+    stand_aside: bool = True
+    ephemeral_cache: bool = False
 
-    def __init__(self, root: str | os.PathLike[str], stream_id: str):
-        self.dir = Path(root).expanduser() / stream_id
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def path(self, version: int) -> Path:
-        return self.dir / version_name(version)
-
-    def versions(self) -> list[int]:
-        """Complete cached versions (a materialized directory has its marker; partial ones have none)."""
-        found = []
-        for child in self.dir.iterdir():
-            version = parse_version_name(child.name)
-            if version is not None and (child / MARKER_FILE).exists():
-                found.append(version)
-        return sorted(found)
-
-    def prune(self, keep: set[int]) -> None:
-        """Remove every cached version not in ``keep``, and leftovers of interrupted materializations."""
-        for child in self.dir.iterdir():
-            version = parse_version_name(child.name)
-            if (version is not None and version not in keep) or child.name.startswith(TEMP_PREFIX):
-                shutil.rmtree(child, ignore_errors=True)
+    def with_options(self, **options: Any) -> "FollowerConfig":
+        """A copy with ``options`` (field names; TypeError for any other) replaced."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = set(options) - fields
+        if unknown:
+            raise TypeError(f"unknown follower option(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **options)
 
 
 class Follower:
@@ -90,45 +115,52 @@ class Follower:
 
     Args:
         url: stream URL.
-        vllm_urls: base URLs of the servers (started with ``VLLM_SERVER_DEV_MODE=1``).
-        cache_dir: where decoded versions go (default: ``default_cache_dir()``); at most the current and
-            the incoming version are kept, and a restarted follower reuses them.
-        pin: serve exactly this version and do not follow.
-        replica_id: name of this follower's record in the stream (``replicas/<id>.json``).
-        poll_interval: seconds between discovery probes (inotify wakes the follower earlier on local paths).
-        pause_mode: vLLM ``/pause`` mode: ``keep`` (default: in-flight requests wait), ``wait``, ``abort``.
-        api_key: for servers started with ``--api-key``.
-        heartbeat_interval: seconds between replica-record heartbeats (also during long pulls).
-        list_every: list the manifests every this many polls even if the next version is absent (versions
-            may skip numbers).
-        on_update: called with the ``UpdateRecord`` of every update (metrics, dashboards).
+        vllm_urls: the servers: base URLs (started with ``VLLM_SERVER_DEV_MODE=1``) or ``VllmControl``
+            objects (a ``VllmClient``, or a fake in tests).
+        config: the follower's options (``FollowerConfig``); ``options`` (its field names as keywords)
+            override single fields, e.g. ``Follower(url, urls, cache_dir=..., poll_interval=0.1)``.
+
+    ``close()`` (or ``with``) gives the cache directory up.
     """
 
-    def __init__(self, url: str, vllm_urls: Sequence[str], *, storage_options: Mapping[str, Any] | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None, pin: int | None = None,
-                 replica_id: str | None = None, poll_interval: float = 1.0, pause_mode: str = "keep",
-                 api_key: str | None = None, heartbeat_interval: float = 5.0, list_every: int = 10,
-                 on_update: Callable[[UpdateRecord], None] | None = None):
+    def __init__(self, url: str, vllm_urls: Sequence[str | VllmControl], config: FollowerConfig | None = None,
+                 **options: Any):
         if not vllm_urls:
             raise ValueError("at least one vLLM server URL is needed")
-        self.stream = Stream(url, storage_options=storage_options)
+        config = (config or FollowerConfig()).with_options(**options)
+        self.config = config
+        self.stream = Stream(url, storage_options=config.storage_options)
         info = self.stream.info()
-        self.clients = [VllmClient(u, api_key=api_key) for u in vllm_urls]
-        self.cache = VersionCache(cache_dir or default_cache_dir(), info.stream_id)
-        self.pin = pin
-        self.poll_interval = poll_interval
-        self.pause_mode = pause_mode
-        self.heartbeat_interval = heartbeat_interval
-        self.list_every = max(1, list_every)
+        self.clients: list[VllmControl] = [VllmClient(u, api_key=config.api_key) if isinstance(u, str) else u
+                                           for u in vllm_urls]
+        replica_id = config.replica_id or _default_replica_id(self.clients[0].url)
+        self.cache = VersionCache(config.cache_dir or default_cache_dir(), info.stream_id, replica_id,
+                                  ephemeral=config.ephemeral_cache)
+        self.pin = config.pin
+        self.poll_interval = config.poll_interval
+        self.pause_mode = config.pause_mode
+        self.heartbeat_interval = config.heartbeat_interval
+        self.list_every = max(1, config.list_every)
         self.current: int | None = None
-        self.refused: dict[int, str] = {}
+        self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._reference: dict[str, tuple[str, tuple[int, ...]]] | None = None
         self._polls = 0
         self._lock = threading.Lock()
-        self.record = ReplicaRecord(replica_id=replica_id or _default_replica_id(vllm_urls[0]),
-                                    urls=list(vllm_urls), host=socket.gethostname(), pid=os.getpid())
+        self._aside: set[str] = set()  # URLs of servers another process has taken over
+        self.record = ReplicaRecord(replica_id=replica_id, urls=[c.url for c in self.clients],
+                                    host=socket.gethostname(), pid=os.getpid())
         self.wake = threading.Event()
-        self.on_update = on_update
+        self.on_update = config.on_update
+
+    def close(self) -> None:
+        """Give the cache directory up (a restarted follower of the same replica id adopts it)."""
+        self.cache.close()
+
+    def __enter__(self) -> "Follower":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------------------------- main loop
 
@@ -158,15 +190,22 @@ class Follower:
             self._report(state="stopped")
 
     def step(self) -> UpdateRecord | None:
-        """One round: bring restarted servers back to the current version, then load a newer one if any."""
-        self._reconcile()
+        """One round: bring restarted servers back to the current version, then load a newer one if any.
+        Servers another process has taken over are left alone (all of them: nothing to do)."""
+        with self._claim() as clients:
+            if not clients:
+                return None
+            return self._step(clients)
+
+    def _step(self, clients: list[VllmControl]) -> UpdateRecord | None:
+        self._reconcile(clients)
         target = self._discover()
         if target is None or target == self.current or target in self.refused:
             return None
         if self.pin is None and self.current is not None and target < self.current:
             return None
         try:
-            update = self.load(target)
+            update = self.load(target, clients)
         except MissingBaseError as exc:
             self._refuse(target, exc)
             return None
@@ -188,8 +227,8 @@ class Follower:
         self._reference = self._reference or self._specs(self.stream.manifest(version))
         self._report(version=version, state="serving")
 
-    def load(self, version: int) -> UpdateRecord:
-        """Prepare ``version`` in the cache, check it, and load it into every server.
+    def load(self, version: int, clients: Sequence[VllmControl] | None = None) -> UpdateRecord:
+        """Prepare ``version`` in the cache, check it, and load it into every server (or ``clients``).
 
         Raises:
             IntegrityError / CkptStreamError: the version is refused (servers untouched).
@@ -202,8 +241,8 @@ class Follower:
         path, base, fetched = self.prepare(version)
         prepare_s = time.perf_counter() - started
         pause_s = reload_s = 0.0
-        done: list[VllmClient] = []
-        for client in self.clients:
+        done: list[VllmControl] = []
+        for client in self.clients if clients is None else clients:
             try:
                 paused, reloaded = self._load_into(client, version, path)
             except VllmError:
@@ -237,16 +276,14 @@ class Follower:
         base = max(cached) if cached else None
         fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base)
         self.cache.prune({v for v in (self.current, base) if v is not None})
-        self.stream.materialize(version, path, base_dir=self.cache.path(base) if base is not None else None,
-                                overwrite=True)
-        return path, base, fetched
+        return self.cache.materialize(self.stream, version, base), base, fetched
 
     def _current_path(self) -> Path:
         """The cache directory of the current version, decoded again if it went missing."""
         assert self.current is not None
         return self.prepare(self.current)[0]
 
-    def _load_into(self, client: VllmClient, version: int, path: Path) -> tuple[float, float]:
+    def _load_into(self, client: VllmControl, version: int, path: Path) -> tuple[float, float]:
         if not (path / MARKER_FILE).is_file():
             # vLLM treats a missing directory as a hub repository id and its engine dies of it.
             raise CkptStreamError(f"{path} is not a complete materialized directory; not handing it to vLLM",
@@ -268,7 +305,7 @@ class Follower:
         client.probe()
         return paused, reload_s
 
-    def _revert(self, clients: list[VllmClient]) -> None:
+    def _revert(self, clients: list[VllmControl]) -> None:
         """Reload the current version into servers that took (part of) a failed update."""
         if self.current is None:
             return
@@ -278,14 +315,43 @@ class Follower:
             except (VllmError, CkptStreamError) as exc:
                 log.error("could not restore version %d on %s: %s", self.current, client.url, exc)
 
-    def _reconcile(self) -> None:
-        """A server that restarted (its weight version is not ours) gets the current version again. A
-        restarted follower adopts the version its servers report, when its cache holds that version."""
+    def _claim(self) -> contextlib.AbstractContextManager[list[VllmControl]]:
+        """The servers this round may touch, held (shared) against a takeover until the round ends."""
+        if not self.config.stand_aside:
+            return contextlib.nullcontext(self.clients)
+        return self._shared_holds()
+
+    @contextlib.contextmanager
+    def _shared_holds(self) -> Iterator[list[VllmControl]]:
+        holds: list[int] = []
+        free = []
+        try:
+            for client in self.clients:
+                hold = takeover.try_share(client.url)
+                if hold is None:
+                    if client.url not in self._aside:
+                        log.info("%s is taken over by another process (a replay?); standing aside", client.url)
+                        self._aside.add(client.url)
+                    continue
+                holds.append(hold)
+                if client.url in self._aside:
+                    log.info("%s was given back; bringing it to version %s", client.url, self.current)
+                    self._aside.discard(client.url)
+                free.append(client)
+            yield free
+        finally:
+            for hold in holds:
+                takeover.release(hold)
+
+    def _reconcile(self, clients: list[VllmControl]) -> None:
+        """A server that restarted or was given back (its weight version is not ours) gets the current
+        version again. A restarted follower adopts the version its servers report, when its cache holds
+        that version."""
         if self.current is None:
-            self._adopt_served()
+            self._adopt_served(clients)
             if self.current is None:
                 return
-        for client in self.clients:
+        for client in clients:
             try:
                 served = client.weight_version()
             except VllmUnreachable:
@@ -295,9 +361,9 @@ class Follower:
                 client.wait_ready(timeout=60)
                 self._load_into(client, self.current, self._current_path())
 
-    def _adopt_served(self) -> None:
+    def _adopt_served(self, clients: list[VllmControl]) -> None:
         try:
-            served = {client.weight_version() for client in self.clients}
+            served = {client.weight_version() for client in clients}
         except VllmUnreachable:
             return
         if len(served) != 1:
@@ -348,46 +414,38 @@ class Follower:
     # ------------------------------------------------------------------------------------- discovery
 
     def _discover(self) -> int | None:
-        """The version to serve: the pin, or the newest version (a probe of the next manifest per poll,
-        a listing when it exists, when nothing is served yet, and every ``list_every`` polls)."""
+        """The version to serve: the pin, or the newest version. Per poll, cheap probes of the manifests
+        after the current version (they usually come one at a time); a listing when nothing is served
+        yet, when more than ``list_every`` versions are new, and every ``list_every`` polls (versions may
+        skip numbers). A listing per update would cost O(versions in the stream) each time."""
         if self.pin is not None:
             return self.pin
         self._polls += 1
-        if self.current is not None and self._polls % self.list_every and \
-                not self.stream.has_version(self.current + 1):
-            return self.current
-        newest = [v for v in self.stream.versions() if v not in self.refused]
-        return newest[-1] if newest else None
+        if self.current is not None and self._polls % self.list_every:
+            newest, probe = self.current, self.current + 1
+            while probe - self.current <= self.list_every and self.stream.has_version(probe):
+                if probe not in self.refused:
+                    newest = probe
+                probe += 1
+            if probe - self.current <= self.list_every:
+                return newest
+        listed = [v for v in self.stream.versions() if v not in self.refused]
+        return listed[-1] if listed else None
 
-    def _watch(self) -> Any:
-        """Wake the loop on local manifest writes (inotify through watchdog, if installed). NFS clients do
-        not see other clients' writes this way, so polling continues regardless."""
-        if not self.stream.storage.is_posix:
-            return None
-        try:
-            from watchdog.events import FileSystemEventHandler
-            from watchdog.observers import Observer
-        except ImportError:
-            return None
-        wake = self.wake
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: Any) -> None:
-                wake.set()
-
-        manifests = Path(self.stream.storage.root) / "manifests"  # type: ignore[attr-defined]
-        manifests.mkdir(parents=True, exist_ok=True)
-        observer = Observer()
-        observer.schedule(Handler(), str(manifests))
-        observer.daemon = True
-        observer.start()
-        return observer
+    def _watch(self) -> Watch | None:
+        """Wake the loop on manifest writes where the storage notifies (inotify on local paths). NFS clients
+        do not see other clients' writes this way, so polling continues regardless."""
+        return self.stream.storage.watch(MANIFESTS_DIR, self.wake.set)
 
     # ------------------------------------------------------------------------------------- reporting
 
     def _refuse(self, version: int, exc: Exception) -> None:
-        self.refused[version] = str(exc)
-        self.record.refused[str(version)] = str(exc)
+        with self._lock:
+            self.refused[version] = str(exc)
+            self.record.refused[str(version)] = str(exc)
+            while len(self.refused) > REFUSED_KEPT:
+                oldest, _ = self.refused.popitem(last=False)
+                self.record.refused.pop(str(oldest), None)
         log.error("refused version %d: %s", version, exc)
         self._report(state="serving" if self.current is not None else "error", last_error=str(exc))
 

@@ -1,4 +1,9 @@
-"""``ckptstream replay``: load versions one after another into running servers and evaluate each."""
+"""``ckptstream replay``: load versions one after another into running servers and evaluate each.
+
+The replay takes the servers over (``takeover.Takeover``) for its whole run: a ``serve``/``follow``
+keeping them current stands aside meanwhile, and brings them back to its newest version when the replay
+ends. The replay decodes into a cache directory of its own, removed at the end (``cache.py``).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,13 @@ import os
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from ..errors import CkptStreamError
 from ..reader import Stream
-from .client import VllmError
-from .follower import Follower
+from .client import VllmControl, VllmError
+from .follower import Follower, FollowerConfig
+from .takeover import Takeover
 
 
 @dataclass(frozen=True)
@@ -42,27 +48,37 @@ def select_versions(stream: Stream, spec: str) -> list[int]:
     return chosen
 
 
-def replay(url: str, versions: str, vllm_urls: Sequence[str], command: Sequence[str], *,
-           storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None,
-           api_key: str | None = None) -> list[ReplayResult]:
+def replay(url: str, versions: str, vllm_urls: Sequence[str | VllmControl], command: Sequence[str], *,
+           config: FollowerConfig | None = None, takeover_timeout: float = 600.0,
+           **options: Any) -> list[ReplayResult]:
     """Load each selected version into the servers, then run ``command`` with ``CKPTSTREAM_VERSION``,
-    ``CKPTSTREAM_URL`` and ``CKPTSTREAM_VLLM_URL`` in its environment."""
+    ``CKPTSTREAM_URL`` and ``CKPTSTREAM_VLLM_URL`` in its environment.
+
+    Args:
+        vllm_urls: the servers (base URLs, or ``VllmControl`` objects).
+        config, options: the follower's options (``FollowerConfig`` and/or its fields as keywords:
+            ``storage_options``, ``cache_dir``, ``api_key``, ...).
+        takeover_timeout: seconds to wait for the servers' followers to finish an update in flight.
+    """
     if not command:
         raise ValueError("give the evaluation command after --")
-    follower = Follower(url, vllm_urls, storage_options=storage_options, cache_dir=cache_dir, api_key=api_key,
-                        replica_id=f"replay-{os.getpid()}")
+    config = (config or FollowerConfig()).with_options(**options)
+    config = config.with_options(replica_id=config.replica_id or f"replay-{os.getpid()}", stand_aside=False,
+                                 ephemeral_cache=True)
     results = []
-    for version in select_versions(follower.stream, versions):
-        started = time.perf_counter()
-        try:
-            follower.load(version)
-        except (CkptStreamError, VllmError) as exc:
-            results.append(ReplayResult(version, time.perf_counter() - started, None, 0.0, str(exc)))
-            continue
-        load_s = time.perf_counter() - started
-        env = {**os.environ, "CKPTSTREAM_VERSION": str(version), "CKPTSTREAM_URL": url,
-               "CKPTSTREAM_VLLM_URL": vllm_urls[0]}
-        started = time.perf_counter()
-        code = subprocess.run(list(command), env=env).returncode
-        results.append(ReplayResult(version, load_s, code, time.perf_counter() - started))
+    with Follower(url, vllm_urls, config) as follower, \
+            Takeover([c.url for c in follower.clients], timeout=takeover_timeout):
+        for version in select_versions(follower.stream, versions):
+            started = time.perf_counter()
+            try:
+                follower.load(version)
+            except (CkptStreamError, VllmError) as exc:
+                results.append(ReplayResult(version, time.perf_counter() - started, None, 0.0, str(exc)))
+                continue
+            load_s = time.perf_counter() - started
+            env = {**os.environ, "CKPTSTREAM_VERSION": str(version), "CKPTSTREAM_URL": url,
+                   "CKPTSTREAM_VLLM_URL": follower.clients[0].url}
+            started = time.perf_counter()
+            code = subprocess.run(list(command), env=env).returncode
+            results.append(ReplayResult(version, load_s, code, time.perf_counter() - started))
     return results

@@ -1,18 +1,33 @@
-"""``ckptstream serve``: materialize a version, start vLLM on it as a child process, follow the stream."""
+"""``ckptstream serve``: materialize a version, start vLLM on it as a child process, follow the stream.
+
+On a CPU machine ``serve`` needs no vLLM arguments: when vLLM's platform is CPU (decided the way vLLM
+decides it, from the installed distribution, without importing vLLM: ``vllm_platform_is_cpu``) and the
+user set neither, it passes ``VLLM_CPU_KVCACHE_SPACE`` and ``--gpu-memory-utilization`` sized for a CPU
+(vLLM's CPU backend otherwise reserves 92 % of the memory node and refuses to start when that much is
+not free), and ``--skip-tokenizer-init`` for a model without tokenizer files; it logs what it added.
+
+vLLM's output goes through this process (to the log file, or to stderr); its last lines are kept so that a
+start that fails is reported with vLLM's own error line.
+"""
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import importlib.metadata
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Callable, Sequence
 
+from ..errors import VllmUnreachable
 from .client import VllmClient
-from .follower import Follower, UpdateRecord
+from .follower import Follower, FollowerConfig, UpdateRecord
 
 log = logging.getLogger("ckptstream.serve")
 
@@ -21,6 +36,22 @@ _PR_SET_PDEATHSIG = 1
 CPU_VLLM_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
                  "--gpu-memory-utilization", "0.3", "--max-model-len", "512", "--max-num-seqs", "8"]
 """vLLM arguments for a tiny model on vllm-cpu on a small machine (DESIGN.md, "What was verified")."""
+
+CPU_KVCACHE_SPACE_GIB = "1"
+"""``VLLM_CPU_KVCACHE_SPACE`` (GiB) that ``serve`` sets on a CPU platform when the user set none."""
+CPU_MEMORY_FRACTION = "0.3"
+"""``--gpu-memory-utilization`` (on CPU: the fraction of the memory node) ``serve`` passes on a CPU platform."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+OUTPUT_LINES_KEPT = 400
+"""vLLM output lines kept to report a failed start (the root cause comes well before the last line)."""
+
+# An exception line of a Python traceback, after vLLM's "(Proc pid=N) LEVEL date time [file:line] " prefix.
+_LOG_PREFIX = re.compile(r"^(\([^)]*\)\s+)?([A-Z]+\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[[^\]]*\]\s+)?")
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)):\s*\S")
+# vLLM's wrappers that point back at the root cause instead of saying it.
+_DEFERRING = ("root cause", "see stack trace")
+_CONTINUATION_LINES = 2
+_NOT_CONTINUATION = ("Traceback", "File ", "For further information", "The above exception")
 
 
 def _die_with_parent() -> None:
@@ -49,50 +80,165 @@ def vllm_command(model_dir: str, host: str, port: int, vllm_args: Sequence[str],
     return command + list(vllm_args)
 
 
+def vllm_platform_is_cpu(environ: dict[str, str] | None = None) -> bool:
+    """Whether vLLM, started here, runs on its CPU platform: vLLM's own rule (``vllm/platforms``:
+    ``VLLM_TARGET_DEVICE=cpu``, a version string containing ``cpu``, which the ``vllm-cpu`` distribution
+    gets, or macOS), read from package metadata: importing vLLM here would cost seconds and memory in a
+    process that only talks HTTP to it."""
+    environ = os.environ if environ is None else environ
+    if environ.get("VLLM_TARGET_DEVICE") == "cpu" or sys.platform.startswith("darwin"):
+        return True
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            version = importlib.metadata.version("vllm-cpu") + "+cpu"
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    return "cpu" in version
+
+
+def _has_option(args: Sequence[str], option: str) -> bool:
+    return any(a == option or a.startswith(option + "=") for a in args)
+
+
+def default_vllm_settings(vllm_args: Sequence[str], environ: dict[str, str], model_dir: str | os.PathLike[str],
+                          *, cpu: bool) -> tuple[list[str], dict[str, str], list[str]]:
+    """The vLLM arguments and environment ``serve`` starts vLLM with: the user's, plus defaults for what
+    they left unset that vLLM cannot start without here. Returns (args, environment, what was added)."""
+    args, env, added = list(vllm_args), dict(environ), []
+    if cpu:
+        if "VLLM_CPU_KVCACHE_SPACE" not in env and not _has_option(args, "--kv-cache-memory-bytes"):
+            env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KVCACHE_SPACE_GIB
+            added.append(f"VLLM_CPU_KVCACHE_SPACE={CPU_KVCACHE_SPACE_GIB}")
+        if not _has_option(args, "--gpu-memory-utilization"):
+            args += ["--gpu-memory-utilization", CPU_MEMORY_FRACTION]
+            added.append(f"--gpu-memory-utilization {CPU_MEMORY_FRACTION}")
+    if not any(_has_option(args, o) for o in ("--skip-tokenizer-init", "--tokenizer")) and \
+            not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        args.append("--skip-tokenizer-init")
+        added.append("--skip-tokenizer-init")
+    return args, env, added
+
+
+def last_error_line(lines: Sequence[str]) -> str | None:
+    """vLLM's own last error line in its output: the last exception line that states a cause (vLLM's
+    "see root cause above" wrappers skipped), else the last exception line, else the last line. Lines
+    that continue an exception's message (pydantic's field and reason) are appended after ``; ``."""
+    texts = [_LOG_PREFIX.sub("", line.rstrip(), count=1) for line in lines]
+    found = [i for i, text in enumerate(texts) if _EXCEPTION_LINE.match(text)]
+    stating = [i for i in found if not any(d in texts[i].lower() for d in _DEFERRING)]
+    if not found:
+        rest = [text.strip() for text in texts if text.strip()]
+        return rest[-1] if rest else None
+    at = (stating or found)[-1]
+    parts = [texts[at].strip()]
+    for line in lines[at + 1:at + 1 + _CONTINUATION_LINES]:
+        if not line.strip() or _LOG_PREFIX.match(line).group(0) or line.lstrip().startswith(_NOT_CONTINUATION):
+            break
+        parts.append(line.strip())
+    return "; ".join(parts)
+
+
+class _OutputTail:
+    """Passes a child's output on (``write`` per line) and keeps its last lines."""
+
+    def __init__(self, source: IO[bytes], write: Callable[[str], object]):
+        self.lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES_KEPT)
+        self._source, self._write = source, write
+        self.thread = threading.Thread(target=self._copy, daemon=True, name="ckptstream-vllm-output")
+        self.thread.start()
+
+    def _copy(self) -> None:
+        for raw in iter(self._source.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            self.lines.append(line)
+            try:
+                self._write(line)
+            except (OSError, ValueError):  # the sink went away (closed log, broken pipe): keep the tail
+                pass
+
+
+def _writer(stream: IO[str]) -> Callable[[str], None]:
+    def write(line: str) -> None:
+        stream.write(line)
+        stream.flush()
+
+    return write
+
+
 def serve(url: str, vllm_args: Sequence[str], *, version: int | str = "latest", pin: bool = False,
-          host: str = "127.0.0.1", port: int = 8000, storage_options: Mapping[str, Any] | None = None,
-          cache_dir: str | None = None, replica_id: str | None = None, poll_interval: float = 1.0,
-          pause_mode: str = "keep", api_key: str | None = None, ready_timeout: float = 900.0,
+          host: str = "127.0.0.1", port: int = 8000, ready_timeout: float = 900.0,
           stop: threading.Event | None = None, vllm_log: str | os.PathLike[str] | None = None,
-          on_update: Callable[[UpdateRecord], None] | None = None) -> int:
+          config: FollowerConfig | None = None, **options: Any) -> int:
     """Serve ``version`` of the stream with a vLLM child process and keep it on the newest version.
 
     Args:
-        vllm_args: arguments for vLLM's OpenAI server (``--model``, ``--host`` and ``--port`` are set here).
+        vllm_args: arguments for vLLM's OpenAI server (``--model``, ``--host`` and ``--port`` are set
+            here; CPU-sized memory settings and ``--skip-tokenizer-init`` are added when needed and unset).
         pin: serve ``version`` only; do not follow.
         stop: set it to stop (Ctrl-C and SIGTERM set it too when called from the main thread).
-        vllm_log: a file for vLLM's output (default: this process's stdout/stderr).
-        on_update: called with each update's figures.
+        vllm_log: a file for vLLM's output (default: this process's stderr).
+        config, options: the follower's options (``FollowerConfig`` and/or its fields as keywords:
+            ``cache_dir``, ``replica_id``, ``poll_interval``, ``api_key``, ``on_update``, ...).
 
-    Returns the exit code: 0 after a stop request, 1 if vLLM exited on its own.
+    Returns the exit code: 0 after a stop request, 1 if vLLM exited on its own after starting.
+
+    Raises:
+        VllmUnreachable: vLLM did not start (with vLLM's own last error line).
     """
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("vLLM's dev-mode control routes are unauthenticated: binding them to %s exposes them; "
                     "use --api-key and network isolation", host)
+    config = (config or FollowerConfig()).with_options(**options)
     base_url = f"http://{'[::1]' if host == '::1' else host}:{port}"
-    follower = Follower(url, [base_url], storage_options=storage_options, cache_dir=cache_dir,
-                        replica_id=replica_id, poll_interval=poll_interval, pause_mode=pause_mode, api_key=api_key,
-                        on_update=on_update)
-    first = follower.stream.resolve(version)
-    if pin:
-        follower.pin = first
-    path, _, fetched = follower.prepare(first)
-    log.info("version %d materialized in %s (%.1f MB fetched); starting vLLM", first, path, fetched / 1e6)
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    if api_key and "--api-key" not in vllm_args:
-        vllm_args = [*vllm_args, "--api-key", api_key]
-    served_name = url.rstrip("/").rsplit("/", 1)[-1] or "ckptstream"
-    output = open(vllm_log, "ab") if vllm_log is not None else None
-    child = subprocess.Popen(vllm_command(str(path), host, port, vllm_args, served_name), env=env,
-                             preexec_fn=_die_with_parent, stdout=output, stderr=subprocess.STDOUT if output else None)
-    stop = stop or threading.Event()
+    with Follower(url, [base_url], config) as follower:
+        first = follower.stream.resolve(version)
+        if pin:
+            follower.pin = first
+        path, _, fetched = follower.prepare(first)
+        log.info("version %d materialized in %s (%.1f MB fetched); starting vLLM", first, path, fetched / 1e6)
+        api_key = config.api_key
+        if api_key and "--api-key" not in vllm_args:
+            vllm_args = [*vllm_args, "--api-key", api_key]
+        cpu = vllm_platform_is_cpu()
+        args, env, added = default_vllm_settings(vllm_args, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, path,
+                                                 cpu=cpu)
+        if added:
+            log.info("passing vLLM %s, which you did not set%s (set them to override)", ", ".join(added),
+                     " and its CPU platform needs" if cpu else "")
+        served_name = url.rstrip("/").rsplit("/", 1)[-1] or "ckptstream"
+        return _run_child(follower, first, vllm_command(str(path), host, port, args, served_name), env, base_url,
+                          api_key, ready_timeout, stop or threading.Event(), vllm_log)
+
+
+def _run_child(follower: Follower, first: int, command: list[str], env: dict[str, str], base_url: str,
+               api_key: str | None, ready_timeout: float, stop: threading.Event,
+               vllm_log: str | os.PathLike[str] | None) -> int:
+    """Start vLLM, wait until it generates, follow until ``stop``; stop vLLM."""
+    log_file = open(vllm_log, "a", encoding="utf-8") if vllm_log is not None else None
+    child = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
+    assert child.stdout is not None
+    output = _OutputTail(child.stdout, _writer(log_file or sys.stderr))
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
-    watchdog = threading.Thread(target=lambda: (child.wait(), stop.set()), daemon=True, name="ckptstream-vllm")
+    died = threading.Event()
+    watchdog = threading.Thread(target=lambda: (child.wait(), died.set(), stop.set()), daemon=True,
+                                name="ckptstream-vllm")
     watchdog.start()
     try:
         client = VllmClient(base_url, api_key=api_key)
-        client.wait_ready(timeout=ready_timeout, abort=stop)
+        try:
+            client.wait_ready(timeout=ready_timeout, abort=stop)
+        except VllmUnreachable:
+            if not died.is_set():
+                raise
+            output.thread.join(timeout=10)  # the rest of what it said
+            raise VllmUnreachable(f"vLLM exited with code {child.returncode} while starting: "
+                                  f"{last_error_line(list(output.lines)) or 'it printed nothing'}",
+                                  hint="Fix the vLLM arguments after `--`"
+                                       + (f" (its output is in {vllm_log})" if vllm_log else "")) from None
         client.set_weight_version(str(first))
         follower.adopt(first)
         log.info("vLLM serves version %d at %s", first, base_url)
@@ -109,10 +255,11 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = "latest", 
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        if output is not None:
-            output.close()
+        output.thread.join(timeout=10)
+        if log_file is not None:
+            log_file.close()
     if exited_alone:
-        log.error("vLLM exited with code %s", child.returncode)
+        log.error("vLLM exited with code %s: %s", child.returncode, last_error_line(list(output.lines)))
         return 1
     return 0
 
@@ -126,7 +273,6 @@ class BackgroundServe:
                  vllm_args: Sequence[str] | None = None):
         import torch
 
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.port = free_port()
         self.log = os.path.join(workdir, "vllm.log")
         self.updates: dict[int, UpdateRecord] = {}

@@ -30,7 +30,7 @@ MANIFEST_KEY = r"/manifests/[0-9]{12}\.json$"
 def test_lost_response_to_the_commit_put_is_not_a_conflict(s3_endpoint, mode):
     """The server stores the manifest but its answer is lost; botocore retries the PUT, the retry gets
     412 (the object exists): the publisher must recognise its own commit instead of reporting a conflict."""
-    from tests.conftest import new_bucket
+    from tests.helpers import new_bucket
 
     url = f"s3://{new_bucket(s3_endpoint)}/run"
     state = random_state(0)
@@ -53,7 +53,7 @@ def test_lost_response_to_the_commit_put_is_not_a_conflict(s3_endpoint, mode):
 def test_commit_put_failing_after_the_server_stored_it_is_a_commit(s3_endpoint):
     """Every answer to the commit PUT is lost and the retries run out: the PUT fails, but the manifest read
     back is this writer's, so the version is committed."""
-    from tests.conftest import new_bucket
+    from tests.helpers import new_bucket
 
     url = f"s3://{new_bucket(s3_endpoint)}/run"
     with LossyProxy(s3_endpoint, MANIFEST_KEY, losses=100) as proxy:
@@ -65,7 +65,7 @@ def test_commit_put_failing_after_the_server_stored_it_is_a_commit(s3_endpoint):
 
 
 def test_commit_put_that_never_reached_the_server_fails(s3_endpoint):
-    from tests.conftest import new_bucket
+    from tests.helpers import new_bucket
 
     url = f"s3://{new_bucket(s3_endpoint)}/run"
     with LossyProxy(s3_endpoint, MANIFEST_KEY, losses=100, forward=False) as proxy:

