@@ -49,6 +49,7 @@ __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 __all__ = [
     "FORMAT_VERSION", "CkptStreamError", "IncompatibleStreamError", "IntegrityError", "InvalidVersionError",
     "Manifest", "MissingBaseError", "PublishError", "Publisher", "StorageCapabilityError", "Stream", "StreamInfo",
-    "StreamNotFoundError", "TensorEntry", "TensorNotFoundError", "UnsafeManifestError", "VerifyReport", "VersionConflictError",
+    "StreamNotFoundError", "TensorEntry", "TensorNotFoundError", "UnsafeManifestError", "VerifyReport",
+    "VersionConflictError",
     "VersionNotFoundError", "VersionOrderError", "__version__",
 ]

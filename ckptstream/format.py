@@ -414,7 +414,7 @@ class Manifest:
         return raw[:start] + content_hash(raw)[len(HASH_PREFIX):].encode() + raw[start + 32:]
 
     @classmethod
-    def from_bytes(cls, raw: bytes, *, version: int, stream_id: str | None = None) -> "Manifest":
+    def from_bytes(cls, raw: bytes, *, version: int, stream_id: str | None = None) -> Manifest:
         """Parse and validate an untrusted manifest of ``version``.
 
         Raises:
@@ -619,7 +619,7 @@ class StreamInfo:
                            "assets": [a.to_json() for a in self.assets]}, what=STREAM_FILE)
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "StreamInfo":
+    def from_bytes(cls, raw: bytes) -> StreamInfo:
         """Parse and validate an untrusted ``stream.json`` (UnsafeManifestError / IntegrityError)."""
         c = _Checker(None, STREAM_FILE)
         if len(raw) > MAX_STREAM_FILE_BYTES:

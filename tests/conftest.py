@@ -102,7 +102,8 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         self.log = open(log_dir / f"vllm-{self.port}.log", "wb")
-        self.process = subprocess.Popen(vllm_command(str(model_dir), "127.0.0.1", self.port, VLLM_CPU_ARGS, served_name),
+        command = vllm_command(str(model_dir), "127.0.0.1", self.port, VLLM_CPU_ARGS, served_name)
+        self.process = subprocess.Popen(command,
                                         env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.client = VllmClient(self.url)
         import threading

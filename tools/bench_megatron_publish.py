@@ -69,7 +69,7 @@ def main() -> None:
     model = build_gpt_model(hf_dir, params_dtype=torch.bfloat16).to(device)
     torch.manual_seed(rank)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             param.fill_(1.0) if param.dim() == 1 else param.normal_(0.0, 0.02)
     params = {name: param.data for name, param in model.named_parameters()}
     local_bytes = sum(p.numel() * p.element_size() for p in params.values())
@@ -86,7 +86,7 @@ def main() -> None:
     for step in range(args.steps):
         if step:
             rl_like_step(params, fraction=0.01, generator=generator)
-        blocked = _timed(lambda: publisher.publish(step, step=step), cuda)
+        blocked = _timed(lambda step=step: publisher.publish(step, step=step), cuda)
         started = time.perf_counter()
         publisher.wait()  # the background encode, write and commit (a trainer would go on training)
         commit = time.perf_counter() - started

@@ -85,7 +85,8 @@ def main() -> None:
         dist.barrier()
     layout = f"TP={args.tp} PP={args.pp} EP={args.ep}"
     if rank == 0:
-        bad = [r["arch"] for r in results if not r["bit_exact"] or r["megatron_vs_fp32"] > 4 * r["hf_bf16_vs_fp32"] + 1e-2]
+        bad = [r["arch"] for r in results
+               if not r["bit_exact"] or r["megatron_vs_fp32"] > 4 * r["hf_bf16_vs_fp32"] + 1e-2]
         print(f"{layout} on {torch.cuda.get_device_name() if cuda else 'CPU'}: "
               + ("all match" if not bad else f"MISMATCH in {', '.join(bad)}"), flush=True)
     dist.destroy_process_group()

@@ -36,7 +36,7 @@ class ReplicaRecord:
         return dumps_json(asdict(self), what=f"replica record {self.replica_id}")
 
     @classmethod
-    def from_bytes(cls, raw: bytes, *, file: str = REPLICAS_DIR) -> "ReplicaRecord":
+    def from_bytes(cls, raw: bytes, *, file: str = REPLICAS_DIR) -> ReplicaRecord:
         """Parse an untrusted record; ValueError (IntegrityError included) for anything malformed: not
         strict JSON, nested too deep, or a known field of the wrong type (unknown fields are ignored)."""
         body: Any = loads_json(raw, version=None, file=file)

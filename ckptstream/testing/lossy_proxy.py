@@ -126,7 +126,7 @@ class LossyProxy:
                 return True
             return False
 
-    def __enter__(self) -> "LossyProxy":
+    def __enter__(self) -> LossyProxy:
         self._thread.start()
         return self
 

@@ -131,7 +131,7 @@ class VersionCache:
                 shutil.rmtree(self.dir, ignore_errors=True)  # still holding the lock: nobody else is inside
             os.close(held[0])
 
-    def __enter__(self) -> "VersionCache":
+    def __enter__(self) -> VersionCache:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -99,7 +99,7 @@ class FollowerConfig:
     stand_aside: bool = True
     ephemeral_cache: bool = False
 
-    def with_options(self, **options: Any) -> "FollowerConfig":
+    def with_options(self, **options: Any) -> FollowerConfig:
         """A copy with ``options`` (field names; TypeError for any other) replaced."""
         fields = {f.name for f in dataclasses.fields(self)}
         unknown = set(options) - fields
@@ -156,7 +156,7 @@ class Follower:
         """Give the cache directory up (a restarted follower of the same replica id adopts it)."""
         self.cache.close()
 
-    def __enter__(self) -> "Follower":
+    def __enter__(self) -> Follower:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -112,7 +112,7 @@ class Takeover:
         while self._fds:
             os.close(self._fds.pop())
 
-    def __enter__(self) -> "Takeover":
+    def __enter__(self) -> Takeover:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -28,5 +28,6 @@ if TYPE_CHECKING:
 
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
-__all__ = ["DistributedPublisher", "GcReport", "Publication", "Publisher", "PublisherConfig", "collect_garbage", "commit_manifest",
+__all__ = ["DistributedPublisher", "GcReport", "Publication", "Publisher", "PublisherConfig", "collect_garbage",
+           "commit_manifest",
            "open_or_create_stream"]

@@ -50,7 +50,7 @@ class PublisherConfig:
             raise ValueError("keyframe_every, max_in_flight, shard_bytes and chunk_bytes must be positive")
 
     @classmethod
-    def of(cls, config: "PublisherConfig | None", options: Mapping[str, Any]) -> "PublisherConfig":
+    def of(cls, config: PublisherConfig | None, options: Mapping[str, Any]) -> PublisherConfig:
         """``config`` (default: the defaults) with ``options`` (keyword arguments of the publishers)
         replacing its fields; TypeError for an unknown option."""
         base = config if config is not None else cls()

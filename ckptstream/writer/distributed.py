@@ -164,7 +164,7 @@ class DistributedPublisher:
         """Wait for pending versions, then release threads and buffers (see :meth:`Publisher.close`)."""
         self._publisher.close(create_stream=create_stream)
 
-    def __enter__(self) -> "DistributedPublisher":
+    def __enter__(self) -> DistributedPublisher:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:

@@ -24,7 +24,8 @@ class DataFileWriter:
         self.writer_id = writer_id
         self.shard_bytes = shard_bytes
 
-    def write(self, version: int, encoded: EncodedVersion, hashes: list[str]) -> tuple[list[FileEntry], list[TensorEntry]]:
+    def write(self, version: int, encoded: EncodedVersion,
+              hashes: list[str]) -> tuple[list[FileEntry], list[TensorEntry]]:
         """Write the files of ``version``; return their entries and the manifest's entry of every tensor
         (in ``encoded``'s order). ``hashes`` are the decoded tensors' hashes, in the same order."""
         if encoded.kind == KEYFRAME:

@@ -27,10 +27,12 @@ from .megatron_hf import HFArchitecture, check_complete, from_hf, to_hf
 
 _LAYER_PREFIX = re.compile(r"decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)(\d+)(\.)|(mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
-_COLUMN_PARALLEL = re.compile(r"(?:^embedding\.word_embeddings\.weight|^output_layer\.weight|linear_qkv\.(?:weight|bias)"
+_COLUMN_PARALLEL = re.compile(r"(?:^embedding\.word_embeddings\.weight|^output_layer\.weight"
+                              r"|linear_qkv\.(?:weight|bias)"
                               r"|linear_fc1\.(?:weight|bias)\d*)$")
 _ROW_PARALLEL = re.compile(r"(?:linear_proj|linear_fc2)\.weight\d*$")
-_GATED_FC1 = re.compile(r"(?:^|\.)(?:mlp\.linear_fc1|mlp\.experts\.local_experts\.\d+\.linear_fc1|mlp\.experts\.linear_fc1)"
+_GATED_FC1 = re.compile(r"(?:^|\.)(?:mlp\.linear_fc1|mlp\.experts\.local_experts\.\d+\.linear_fc1"
+                        r"|mlp\.experts\.linear_fc1)"
                         r"\.(?:weight\d*|bias\d*)$")
 
 
@@ -105,7 +107,7 @@ class MegatronPublisher:
         """Wait for pending versions and release the publisher's threads and buffers."""
         self.publisher.close()
 
-    def __enter__(self) -> "MegatronPublisher":
+    def __enter__(self) -> MegatronPublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -170,7 +172,8 @@ def global_parameters(chunks: Sequence[Any], mpu: Any) -> Iterator[tuple[str, to
             if match is not None:
                 name = f"decoder.layers.{layer_numbers[int(match.group(1))]}.{name[match.end():]}"
                 if experts_per_rank is not None:
-                    name = _LOCAL_EXPERT.sub(lambda m: _global_expert(m, ep_rank * experts_per_rank), name)
+                    offset = ep_rank * experts_per_rank
+                    name = _LOCAL_EXPERT.sub(lambda m, offset=offset: _global_expert(m, offset), name)
             yield name, param
 
 

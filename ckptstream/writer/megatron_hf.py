@@ -61,7 +61,7 @@ class HFArchitecture:
     dtype: torch.dtype | None = None  # config.json's torch_dtype: what vLLM serves the model in
 
     @classmethod
-    def from_config(cls, config: dict) -> "HFArchitecture":
+    def from_config(cls, config: dict) -> HFArchitecture:
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConversionError(f"model_type {model_type!r} is not supported",
@@ -80,7 +80,7 @@ class HFArchitecture:
                    dtype=dtype if isinstance(dtype, torch.dtype) else None)
 
     @classmethod
-    def from_dir(cls, directory: str | os.PathLike[str]) -> "HFArchitecture":
+    def from_dir(cls, directory: str | os.PathLike[str]) -> HFArchitecture:
         path = Path(directory) / "config.json"
         try:
             return cls.from_config(json.loads(path.read_text()))
@@ -103,7 +103,8 @@ def hf_tensor_names(arch: HFArchitecture) -> list[str]:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         if arch.num_experts:
             names.append(p + "mlp.gate.weight")
-            names += [f"{p}mlp.experts.{e}.{x}_proj.weight" for e in range(arch.num_experts) for x in ("gate", "up", "down")]
+            names += [f"{p}mlp.experts.{e}.{x}_proj.weight" for e in range(arch.num_experts)
+                      for x in ("gate", "up", "down")]
         else:
             names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     return names

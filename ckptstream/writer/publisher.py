@@ -242,7 +242,7 @@ class Publisher:
             self._bases.forget()
             self._snapshots.clear()
 
-    def __enter__(self) -> "Publisher":
+    def __enter__(self) -> Publisher:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:

@@ -8,14 +8,14 @@ are reused for the next snapshot, so steady-state publishing allocates nothing.
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Mapping, Union
+from typing import Iterable, Mapping
 
 import torch
 
 from .. import codec
 from ..format import tensor_name_problem
 
-NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """A state dict or (name, tensor) pairs."""
 
 _Key = tuple[tuple[int, ...], torch.dtype]

@@ -191,7 +191,8 @@ class TorchDistCheckpoint:
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001
-            raise IntegrityError(f"unreadable chunk at offset {chunk.start}: {exc}", file=str(path), tensor=key) from exc
+            raise IntegrityError(f"unreadable chunk at offset {chunk.start}: {exc}", file=str(path),
+                                 tensor=key) from exc
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != dtype:
             raise IntegrityError(f"chunk at offset {chunk.start} is not a {dtype} tensor of shape {chunk.sizes}",
                                  file=str(path), tensor=key)
@@ -203,7 +204,8 @@ def _index(storage: dict[Any, Any], key: str, offsets: Any) -> Any:
 
     index = MetadataIndex(key, torch.Size(offsets))
     if index not in storage:
-        raise IntegrityError(f"the checkpoint metadata lists a chunk at {tuple(offsets)} that no file stores", tensor=key)
+        raise IntegrityError(f"the checkpoint metadata lists a chunk at {tuple(offsets)} that no file stores",
+                             tensor=key)
     return index
 
 

@@ -96,7 +96,8 @@ def test_ranks_publish_parts_of_one_version(stream_url: str, tmp_path: Path) -> 
     stream = Stream(stream_url)
     assert stream.versions() == [0, 1, 2, 5, 7]
     for version in (0, 1, 2):
-        assert_same_tensors(dict(stream.iter_tensors(version)), {**_rank_tensors(0, version), **_rank_tensors(1, version)})
+        assert_same_tensors(dict(stream.iter_tensors(version)),
+                            {**_rank_tensors(0, version), **_rank_tensors(1, version)})
     # The aborted versions left no data behind: every rank removed the files it had written.
     leftovers = [e.path for v in (3, 4) for e in stream.storage.list(f"versions/{v:012d}")]
     assert leftovers == []

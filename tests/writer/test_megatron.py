@@ -63,7 +63,8 @@ def _publish_worker(rank: int, world_size: int, port: int, layout: dict[str, int
         v0, v1 = _load_versions(model_dir)
         params_dtype = torch.bfloat16 if layout.get("bf16") else torch.float32
         if layout.get("vpp"):
-            model = [build_gpt_model(hf_dir, params_dtype=params_dtype, vp_stage=chunk) for chunk in range(layout["vpp"])]
+            model = [build_gpt_model(hf_dir, params_dtype=params_dtype, vp_stage=chunk)
+                     for chunk in range(layout["vpp"])]
         else:
             model = build_gpt_model(hf_dir, params_dtype=params_dtype)
         if layout.get("bf16"):  # as megatron's training loop wraps a bf16 model

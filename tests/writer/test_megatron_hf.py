@@ -34,7 +34,8 @@ def test_round_trip(arch_name: str, te_names: bool) -> None:
 def test_qkv_grouping_follows_kv_channels() -> None:
     """head_dim (kv_channels) need not be hidden / heads: the split uses it, and q/k/v land per group."""
     arch = HFArchitecture("qwen3", 1, num_heads=4, num_kv_heads=2, head_dim=3, vocab_size=8, tie_embeddings=False)
-    q, k, v = torch.arange(12 * 5).reshape(12, 5), 100 + torch.arange(6 * 5).reshape(6, 5), 200 + torch.arange(6 * 5).reshape(6, 5)
+    q = torch.arange(12 * 5).reshape(12, 5)
+    k, v = 100 + torch.arange(6 * 5).reshape(6, 5), 200 + torch.arange(6 * 5).reshape(6, 5)
     fused = fuse_qkv(q, k, v, arch)
     # Group 0: q heads 0-1 (rows 0-5), k head 0, v head 0; then group 1.
     assert torch.equal(fused[:6], q[:6]) and torch.equal(fused[6:9], k[:3]) and torch.equal(fused[9:12], v[:3])
