@@ -12,7 +12,6 @@ that has no lock file: an older ckptstream's debris) and leaves alone those stil
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
@@ -24,6 +23,7 @@ import torch
 
 from .. import codec
 from ..errors import CkptStreamError, IntegrityError, NotADirectoryOutputError, UnsafeManifestError
+from ..locks import try_lock, unlock
 from ..format import (INDEX_FILE, MARKER_FILE, TEMP_PREFIX, Manifest, TensorEntry, asset_path, dumps_json,
                       is_reserved_asset_name, loads_json, safetensors_header, shard_groups)
 from .decode import BaseTensors
@@ -75,7 +75,7 @@ def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
         os.replace(build, out)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-        os.close(lock)
+        unlock(lock)
     return out
 
 
@@ -138,8 +138,8 @@ def _claim_build_dir(out: Path) -> tuple[Path, int]:
     staging = out.parent / f"{TEMP_PREFIX}{token}.new"  # not a name any build removes
     staging.mkdir()
     try:
-        lock = os.open(staging / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock = try_lock(staging / LOCK_FILE)
+        assert lock is not None  # a new file in a new directory: nobody else can hold it
         temp = out.parent / f"{TEMP_PREFIX}{token}-{out.name}"
         os.rename(staging, temp)
     except BaseException:
@@ -161,23 +161,20 @@ def remove_stale_builds(out: str | os.PathLike[str]) -> list[Path]:
     for child in children:
         if not pattern.fullmatch(child.name) or child.is_symlink() or not child.is_dir():
             continue
+        lock = None
+        if (child / LOCK_FILE).exists():  # else an older ckptstream's debris, or a finished build's leftovers
+            try:
+                lock = try_lock(child / LOCK_FILE, create=False)
+            except OSError:
+                continue
+            if lock is None:
+                continue  # a live build (or one that just finished and removed its lock)
         try:
-            lock: int | None = os.open(child / LOCK_FILE, os.O_RDWR)
-        except FileNotFoundError:
-            lock = None  # an older ckptstream's debris, or a finished build removing its directory
-        except OSError:
-            continue
-        try:
-            if lock is not None:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a live build
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
         finally:
             if lock is not None:
-                os.close(lock)
+                unlock(lock)
     return removed
 
 

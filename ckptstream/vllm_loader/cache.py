@@ -24,7 +24,6 @@ directories of its own, and, for an *ephemeral* owner (a replay), the owner's di
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
@@ -32,6 +31,7 @@ import threading
 from pathlib import Path
 
 from ..format import MARKER_FILE, parse_version_name, version_name
+from ..locks import try_lock, unlock
 from ..reader import Stream
 
 log = logging.getLogger("ckptstream.follow")
@@ -129,7 +129,7 @@ class VersionCache:
             del _held[self.dir]
             if self.ephemeral:
                 shutil.rmtree(self.dir, ignore_errors=True)  # still holding the lock: nobody else is inside
-            os.close(held[0])
+            unlock(held[0])
 
     def __enter__(self) -> VersionCache:
         return self
@@ -149,7 +149,7 @@ class VersionCache:
                 try:
                     shutil.rmtree(child, ignore_errors=True)
                 finally:
-                    os.close(fd)
+                    unlock(fd)
 
 
 def _acquire(directory: Path) -> bool:
@@ -170,13 +170,4 @@ def _try_lock(directory: Path, create: bool = True) -> int | None:
     """An exclusive, non-blocking flock on ``directory/.lock`` (the descriptor), or None if held."""
     if create:
         directory.mkdir(exist_ok=True)
-    try:
-        fd = os.open(directory / LOCK_FILE, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    return try_lock(directory / LOCK_FILE, create=create)

@@ -33,6 +33,7 @@ from ..format import MANIFESTS_DIR, MARKER_FILE, Manifest
 from ..hf import tensor_specs
 from ..reader import ReplicaRecord, Stream, write_replica
 from ..storage import Watch
+from ..locks import unlock
 from . import takeover
 from .cache import VersionCache, default_cache_dir
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
@@ -341,7 +342,7 @@ class Follower:
             yield free
         finally:
             for hold in holds:
-                takeover.release(hold)
+                unlock(hold)
 
     def _reconcile(self, clients: list[VllmControl]) -> None:
         """A server that restarted or was given back (its weight version is not ours) gets the current

@@ -19,7 +19,6 @@ give both processes the same spelling.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import VllmError
+from ..locks import try_lock, unlock
 
 RUNTIME_DIR_ENV = "CKPTSTREAM_RUNTIME_DIR"
 
@@ -60,20 +60,9 @@ def lock_path(url: str) -> Path:
 
 
 def try_share(url: str) -> int | None:
-    """A shared hold on the server's lock (a file descriptor to ``release``), or None while another
+    """A shared hold on the server's lock (a file descriptor for ``locks.unlock``), or None while another
     process has taken the server over."""
-    fd = os.open(lock_path(url), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def release(fd: int) -> None:
-    """Release a hold returned by ``try_share`` (closing the descriptor drops the lock)."""
-    os.close(fd)
+    return try_lock(lock_path(url), shared=True)
 
 
 class Takeover:
@@ -91,18 +80,13 @@ class Takeover:
         deadline = time.monotonic() + timeout
         try:
             for url in sorted(set(urls)):  # one order for every taker: no deadlock between two
-                fd = os.open(lock_path(url), os.O_RDWR | os.O_CREAT, 0o600)
+                while (fd := try_lock(lock_path(url))) is None:
+                    if time.monotonic() > deadline:
+                        raise VllmError(f"{url} is busy (another process holds it) after {timeout:.0f} s",
+                                        hint="Another replay may be driving this server; wait for it "
+                                             "or stop it")
+                    time.sleep(interval)
                 self._fds.append(fd)
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if time.monotonic() > deadline:
-                            raise VllmError(f"{url} is busy (another process holds it) after {timeout:.0f} s",
-                                            hint="Another replay may be driving this server; wait for it "
-                                                 "or stop it") from None
-                        time.sleep(interval)
         except BaseException:
             self.release()
             raise
@@ -110,7 +94,7 @@ class Takeover:
     def release(self) -> None:
         """Give the servers back: their followers reconcile them to their own versions."""
         while self._fds:
-            os.close(self._fds.pop())
+            unlock(self._fds.pop())
 
     def __enter__(self) -> Takeover:
         return self
