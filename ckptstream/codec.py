@@ -37,7 +37,7 @@ DTYPE_TO_TORCH: dict[str, torch.dtype] = {
 TORCH_TO_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPE_TO_TORCH.items()}
 
 # Integer dtype of each item size: XOR and change counting run on these views.
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 assert DEFAULT_CHUNK_BYTES <= MAX_CHUNK_BYTES
@@ -130,7 +130,7 @@ def _widest_int_view(n: int, *tensors: torch.Tensor) -> torch.dtype:
     width = 8
     while width > 1 and (n % width or any(t.data_ptr() % width for t in tensors)):
         width //= 2
-    return _INT_OF_SIZE[width]
+    return INT_OF_SIZE[width]
 
 
 def xor_into(out: torch.Tensor, other: torch.Tensor) -> None:
@@ -152,10 +152,10 @@ def _changed_positions(xor: torch.Tensor, itemsize: int) -> torch.Tensor:
     over the elements when changes are sparse.
     """
     if itemsize >= 8 or xor.numel() % 8 or xor.data_ptr() % 8:
-        return torch.nonzero(xor.view(_INT_OF_SIZE[itemsize])).view(-1)
+        return torch.nonzero(xor.view(INT_OF_SIZE[itemsize])).view(-1)
     lanes = 8 // itemsize
     words = torch.nonzero(xor.view(torch.int64)).view(-1)
-    row, lane = torch.nonzero(xor.view(_INT_OF_SIZE[itemsize]).view(-1, lanes)[words], as_tuple=True)
+    row, lane = torch.nonzero(xor.view(INT_OF_SIZE[itemsize]).view(-1, lanes)[words], as_tuple=True)
     return words[row] * lanes + lane
 
 
@@ -183,7 +183,7 @@ def encode_chunk(new: torch.Tensor, base: torch.Tensor | None, itemsize: int, *,
         payload, changed, layout = new, new.numel() // itemsize, LAYOUT_DENSE
     else:
         payload = _xor(new, base)
-        ints = payload.view(_INT_OF_SIZE[itemsize])
+        ints = payload.view(INT_OF_SIZE[itemsize])
         positions = _changed_positions(payload, itemsize)
         changed = positions.numel()
         layout = LAYOUT_SPARSE if changed <= SPARSE_MAX_DENSITY * ints.numel() else LAYOUT_DENSE
@@ -244,7 +244,7 @@ def apply_chunk(target: torch.Tensor, stored: bytes | memoryview, itemsize: int,
         if not xor:
             raise ValueError("the sparse layout is only valid for XOR chunks")
         positions, values = _decode_sparse(stored, raw_bytes, itemsize, shuffle)
-        ints = target.view(_INT_OF_SIZE[itemsize])
+        ints = target.view(INT_OF_SIZE[itemsize])
         ints.scatter_(0, positions, ints.gather(0, positions).bitwise_xor_(values))
         return
     data = _decompress(stored, raw_bytes, exact=True)
@@ -290,4 +290,4 @@ def _decode_sparse(stored: bytes | memoryview, raw_bytes: int, itemsize: int,
     value_bytes = payload[big_end:].clone()  # aligned for the integer view
     if shuffle:
         value_bytes = _unshuffle(value_bytes, itemsize)
-    return positions, value_bytes.view(_INT_OF_SIZE[itemsize])
+    return positions, value_bytes.view(INT_OF_SIZE[itemsize])

@@ -216,3 +216,16 @@ def test_parser_and_help_do_not_import_torch():
              "assert 'torch' not in sys.modules, 'torch imported'\n")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(("spec", "code"), [("abc", 2), ("0:1:x", 2), ("0:1:0", 2), (":1", 2), ("5:9", 4)])
+def test_bad_replay_versions_are_refused_before_any_server_is_touched(one_version, capsys, spec, code):
+    """Nothing listens at the vLLM URL: the selection is refused first, with its own exit code."""
+    got, out, err = run(capsys, "replay", one_version, "--versions", spec, "--vllm-url", "http://127.0.0.1:9",
+                        "--", "true")
+    assert got == code and out == "" and err.splitlines()[-1].startswith("Error: ")
+
+
+def test_replay_needs_a_command(one_version, capsys):
+    got, _, err = run(capsys, "replay", one_version, "--versions", "0", "--vllm-url", "http://127.0.0.1:9")
+    assert got == 2 and "after --" in err

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from ..errors import EXIT_ERROR, EXIT_OK
-from .options import LATEST, add_command, add_url, storage_options, version_number, version_ref
+from .options import LATEST, UsageError, add_command, add_url, storage_options, version_number, version_ref
 from .output import print_json, table
 
 
@@ -113,6 +113,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_replay(args: argparse.Namespace) -> int:
     from ..vllm_loader import replay
 
+    if not args.passthrough:
+        raise UsageError("give the evaluation command after --, e.g. `-- python eval.py`")
     _follow_logging()
     results = replay(args.url, args.versions, args.vllm_url, args.passthrough, storage_options=storage_options(args),
                      cache_dir=args.cache_dir, api_key=args.api_key)

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
+from ..format import LATEST
 from ..errors import (
     EXIT_CONFLICT,
     EXIT_ERROR,
@@ -34,7 +35,6 @@ EXIT_CODES_HELP = "exit codes:\n" + "".join(f"  {code}  {meaning}\n" for code, m
     (EXIT_INCOMPATIBLE, "incompatible: unsupported format version, other model, storage lacks a primitive"),
 ))
 
-LATEST = "latest"
 VERSION_HELP = f"version number or '{LATEST}'"
 
 Run = Callable[[argparse.Namespace], "int | None"]

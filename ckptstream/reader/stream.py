@@ -12,9 +12,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 
+from ..codec import INT_OF_SIZE
 from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, StreamNotFoundError,
                       TensorNotFoundError, VersionNotFoundError)
-from ..format import (DEFAULT_SHARD_BYTES, MANIFESTS_DIR, MAX_VERSION, STREAM_FILE, FileEntry, Manifest,
+from ..format import (DEFAULT_SHARD_BYTES, LATEST, MANIFESTS_DIR, MAX_VERSION, STREAM_FILE, FileEntry, Manifest,
                       StreamInfo, TensorEntry, asset_path, content_hash, data_path, manifest_path,
                       parse_version_name)
 from ..parallel import ordered_parallel
@@ -118,7 +119,7 @@ class Stream:
             InvalidVersionError: (a ValueError) anything else, or a number outside ``[0, MAX_VERSION]``.
             VersionNotFoundError: ``"latest"`` of a stream without versions.
         """
-        if version == "latest":
+        if version == LATEST:
             latest = self.latest()
             if latest is None:
                 self.info()  # a clearer error if the stream itself is missing
@@ -386,7 +387,7 @@ class Stream:
 
 
 def _count_bit_changes(a: torch.Tensor, b: torch.Tensor) -> int:
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    ints = INT_OF_SIZE[a.element_size()]
     return int(torch.count_nonzero(a.reshape(-1).view(ints) != b.reshape(-1).view(ints)))
 
 

@@ -17,11 +17,11 @@ from typing import Mapping
 
 import torch
 
+from ..codec import INT_OF_SIZE
 from .architectures import ARCHITECTURES, HF_NAMES
 
 __all__ = ["ARCHITECTURES", "TinyModelSpec", "rl_like_step", "tiny_config", "tiny_state_dict", "write_tiny_model"]
 
-_BITS_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -190,9 +190,9 @@ def rl_like_step(state: Mapping[str, torch.Tensor], *, fraction: float = 0.01, m
     """
     changed = 0
     for tensor in state.values():
-        if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.element_size() not in _BITS_OF:
-            continue
-        bits = tensor.view(_BITS_OF[tensor.element_size()]).view(-1)
+        if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.element_size() == 1:
+            continue  # float8 is left alone: an ulp there is no small step
+        bits = tensor.view(INT_OF_SIZE[tensor.element_size()]).view(-1)
         count = max(1, int(bits.numel() * fraction))
         # Random draws on the generator's device (CPU by default), applied where the tensor lives (also a GPU).
         positions = torch.randint(0, bits.numel(), (count,), generator=generator).unique().to(bits.device)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import CkptStreamError
+from ..errors import CkptStreamError, InvalidVersionError, VersionNotFoundError
 from ..reader import Stream
 from .client import VllmControl, VllmError
 from .follower import Follower, FollowerConfig
@@ -35,16 +35,18 @@ def select_versions(stream: Stream, spec: str) -> list[int]:
     """The committed versions selected by ``A:B[:STEP]`` (inclusive; ``latest`` allowed; STEP counts
     version numbers from A) or by a single version."""
     parts = spec.split(":")
-    if not 1 <= len(parts) <= 3 or not all(parts[:2]):
-        raise ValueError(f"--versions wants A:B[:STEP], got {spec!r}")
+    if not 1 <= len(parts) <= 3 or not all(parts[:2]) or (len(parts) == 3 and not parts[2].isdigit()):
+        raise InvalidVersionError(f"--versions wants A:B[:STEP] (versions, 'latest', a step of 1 or more), "
+                                  f"got {spec!r}")
     first = stream.resolve(parts[0])
     last = stream.resolve(parts[1]) if len(parts) > 1 else first
-    step = int(parts[2]) if len(parts) == 3 and parts[2] else 1
+    step = int(parts[2]) if len(parts) == 3 else 1
     if step < 1:
-        raise ValueError("STEP must be at least 1")
+        raise InvalidVersionError(f"--versions {spec!r}: STEP must be at least 1")
     chosen = [v for v in stream.versions() if first <= v <= last and (v - first) % step == 0]
     if not chosen:
-        raise ValueError(f"no committed version in {spec}")
+        raise VersionNotFoundError(f"no committed version in {spec}",
+                                   hint=f"`ckptstream ls {stream.url}` lists the committed versions")
     return chosen
 
 
@@ -65,20 +67,22 @@ def replay(url: str, versions: str, vllm_urls: Sequence[str | VllmControl], comm
     config = (config or FollowerConfig()).with_options(**options)
     config = config.with_options(replica_id=config.replica_id or f"replay-{os.getpid()}", stand_aside=False,
                                  ephemeral_cache=True)
-    results = []
-    with Follower(url, vllm_urls, config) as follower, \
-            Takeover([c.url for c in follower.clients], timeout=takeover_timeout):
-        for version in select_versions(follower.stream, versions):
-            started = time.perf_counter()
-            try:
-                follower.load(version)
-            except (CkptStreamError, VllmError) as exc:
-                results.append(ReplayResult(version, time.perf_counter() - started, None, 0.0, str(exc)))
-                continue
-            load_s = time.perf_counter() - started
-            env = {**os.environ, "CKPTSTREAM_VERSION": str(version), "CKPTSTREAM_URL": url,
-                   "CKPTSTREAM_VLLM_URL": follower.clients[0].url}
-            started = time.perf_counter()
-            code = subprocess.run(list(command), env=env).returncode
-            results.append(ReplayResult(version, load_s, code, time.perf_counter() - started))
-    return results
+    with Follower(url, vllm_urls, config) as follower:
+        selected = select_versions(follower.stream, versions)  # refused before the servers are touched
+        with Takeover([c.url for c in follower.clients], timeout=takeover_timeout):
+            return [_replay_one(follower, version, url, command) for version in selected]
+
+
+def _replay_one(follower: Follower, version: int, url: str, command: Sequence[str]) -> ReplayResult:
+    """Load ``version`` into the servers, then run ``command`` against it."""
+    started = time.perf_counter()
+    try:
+        follower.load(version)
+    except (CkptStreamError, VllmError) as exc:
+        return ReplayResult(version, time.perf_counter() - started, None, 0.0, str(exc))
+    load_s = time.perf_counter() - started
+    env = {**os.environ, "CKPTSTREAM_VERSION": str(version), "CKPTSTREAM_URL": url,
+           "CKPTSTREAM_VLLM_URL": follower.clients[0].url}
+    started = time.perf_counter()
+    code = subprocess.run(list(command), env=env).returncode
+    return ReplayResult(version, load_s, code, time.perf_counter() - started)

@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
+from ..format import LATEST
 from ..errors import VllmUnreachable
 from .client import VllmClient
 from .follower import Follower, FollowerConfig, UpdateRecord
@@ -167,7 +168,7 @@ def _writer(stream: IO[str]) -> Callable[[str], None]:
     return write
 
 
-def serve(url: str, vllm_args: Sequence[str], *, version: int | str = "latest", pin: bool = False,
+def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pin: bool = False,
           host: str = "127.0.0.1", port: int = 8000, ready_timeout: float = 900.0,
           stop: threading.Event | None = None, vllm_log: str | os.PathLike[str] | None = None,
           config: FollowerConfig | None = None, **options: Any) -> int:
