@@ -61,14 +61,8 @@ def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
     try:
         build = temp / _BUILD_DIR
         build.mkdir()
-        _write_weights(build, manifest, decode, shard_bytes, progress)
-        for name, data in assets:
-            if is_reserved_asset_name(name) or (build / name).exists():
-                raise UnsafeManifestError(f"asset {name!r} would replace a weight file, the index or the marker",
-                                          file=asset_path(name), hint="The stream's stream.json is unsafe")
-            (build / name).write_bytes(data)
-        with open(build / MARKER_FILE, "xb") as f:  # last: a directory with its marker is complete
-            f.write(dumps_json(dict(marker), what=MARKER_FILE))
+        write_directory(build, manifest, decode=decode, assets=assets, marker=marker, shard_bytes=shard_bytes,
+                        progress=progress)
         _check_output(out, overwrite)  # another build may have filled it meanwhile
         if out.exists() and any(out.iterdir()):
             os.rename(out, temp / "old")  # removed with the temporary directory
@@ -77,6 +71,22 @@ def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
         shutil.rmtree(temp, ignore_errors=True)
         unlock(lock)
     return out
+
+
+def write_directory(directory: Path, manifest: Manifest, *, decode: Callable[[Sink], Iterator[int]],
+                    assets: Iterable[tuple[str, bytes]], marker: Mapping[str, Any], shard_bytes: int,
+                    progress: Callable[[int], None] | None = None) -> None:
+    """Write the files of a materialized directory into ``directory``, an empty directory that the caller
+    owns (it makes the result appear atomically, as ``build_directory`` does): the weights, the assets,
+    then the marker, last, so that a directory with its marker is complete."""
+    _write_weights(directory, manifest, decode, shard_bytes, progress)
+    for name, data in assets:
+        if is_reserved_asset_name(name) or (directory / name).exists():
+            raise UnsafeManifestError(f"asset {name!r} would replace a weight file, the index or the marker",
+                                      file=asset_path(name), hint="The stream's stream.json is unsafe")
+        (directory / name).write_bytes(data)
+    with open(directory / MARKER_FILE, "xb") as f:
+        f.write(dumps_json(dict(marker), what=MARKER_FILE))
 
 
 def _check_output(out: Path, overwrite: bool) -> None:

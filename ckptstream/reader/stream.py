@@ -22,7 +22,7 @@ from ..parallel import ordered_parallel
 from ..storage import Storage, open_storage
 from .decode import decode_tensor, load_checked
 from .files import DataFiles, file_hash
-from .materialize import MaterializedBase, build_directory
+from .materialize import MaterializedBase, build_directory, write_directory
 from .replicas import ReplicaRecord, read_replicas
 
 DEFAULT_INFLIGHT_BYTES = 1 << 30
@@ -294,16 +294,27 @@ class Stream:
             NotADirectoryOutputError: ``out_dir`` is an existing file.
             FileExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
         """
-        v = self.resolve(version)
-        manifest = self.manifest(v)
-        info = self.info()
-        marker = {"stream": self.url, "stream_id": manifest.stream_id, "version": v, "kind": manifest.kind,
-                  "step": manifest.step}
-        return build_directory(
-            out_dir, manifest,
-            decode=lambda sink: self._decode(manifest, manifest.tensors, base_dir, sink, workers=workers),
-            assets=((asset.name, self.asset(asset)) for asset in info.assets), marker=marker,
-            overwrite=overwrite, shard_bytes=shard_bytes, progress=progress)
+        manifest = self.manifest(self.resolve(version))
+        return build_directory(out_dir, manifest, overwrite=overwrite, shard_bytes=shard_bytes, progress=progress,
+                               **self._directory_parts(manifest, base_dir, workers))
+
+    def write_into(self, version: int, directory: str | os.PathLike[str], *,
+                   base_dir: str | os.PathLike[str] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                   workers: int | None = None) -> None:
+        """Write ``version``'s materialized files into ``directory``, an existing empty directory the caller
+        owns and makes appear atomically itself (a cache that keeps its own temporary names); the marker is
+        written last. ``materialize`` is the atomic form of this."""
+        manifest = self.manifest(version)
+        write_directory(Path(directory), manifest, shard_bytes=shard_bytes,
+                        **self._directory_parts(manifest, base_dir, workers))
+
+    def _directory_parts(self, manifest: Manifest, base_dir: str | os.PathLike[str] | None,
+                         workers: int | None) -> dict[str, Any]:
+        """The decoder, assets and marker of a materialized directory of ``manifest``."""
+        marker = {"stream": self.url, "stream_id": manifest.stream_id, "version": manifest.version,
+                  "kind": manifest.kind, "step": manifest.step}
+        return {"decode": lambda sink: self._decode(manifest, manifest.tensors, base_dir, sink, workers=workers),
+                "assets": ((asset.name, self.asset(asset)) for asset in self.info().assets), "marker": marker}
 
     def check_materialized(self, directory: str | os.PathLike[str], version: int) -> None:
         """Check that a materialized directory holds exactly ``version``: its marker, the set of tensor

@@ -4,7 +4,8 @@ Layout::
 
     <root>/<stream id>/<owner>/            one follower's directory (owner: its replica id)
     <root>/<stream id>/<owner>/.lock       flock'ed (exclusive) for as long as that follower runs
-    <root>/<stream id>/<owner>/v000…0007/  a complete materialized version (it holds its marker file)
+    <root>/<stream id>/<owner>/000000000007/  a complete materialized version (it holds its marker file)
+    <root>/<stream id>/<owner>/.incoming-000000000008/  a version being written (renamed when complete)
 
 Every follower owns a directory of its own, so two followers of one stream on one host (``serve`` and a
 ``replay``, two ``follow`` processes) never delete each other's versions. The exclusive ``flock`` on
@@ -15,11 +16,11 @@ Within one process, caches of the same owner name are the same owner (a follower
 process adopts its predecessor's directory, as a restarted process would); the lock is held until the
 last of them closes.
 
-Versions are written by ``Stream.materialize`` into a path inside the owner's directory; the reader
-builds them under its own temporary names (``.tmp-*``) beside the target and renames them into place, and
-removes its own stale temporaries: this module never deletes those names. It deletes only version
-directories of its own, and, for an *ephemeral* owner (a replay), the owner's directory when it closes
-(and the leftovers of an ephemeral owner that died, once nobody holds their lock).
+A version is written by the reader (``Stream.write_into``) into an ``.incoming-*`` directory this module
+made, then renamed into place here: every name in the owner's directory is this module's, so the leftovers
+of a follower killed mid-write are removed by the next owner of the directory. Besides those and version
+directories of its own, it deletes, for an *ephemeral* owner (a replay), the owner's directory when it
+closes (and the leftovers of an ephemeral owner that died, once nobody holds their lock).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from ..reader import Stream
 log = logging.getLogger("ckptstream.follow")
 
 LOCK_FILE = ".lock"
+INCOMING_PREFIX = ".incoming-"
+"""A version being written; what a killed follower leaves, removed by the directory's next owner."""
 EPHEMERAL_FILE = ".ephemeral"
 """Present in the directory of an owner whose cache is removed when it closes (a replay)."""
 MAX_OWNER_SUFFIX = 64
@@ -105,15 +108,26 @@ class VersionCache:
         return sorted(found)
 
     def materialize(self, stream: Stream, version: int, base: int | None) -> Path:
-        """Decode ``version`` into the cache, applying its delta to the cached ``base`` if given."""
-        return stream.materialize(version, self.path(version), overwrite=True,
-                                  base_dir=self.path(base) if base is not None else None)
+        """Decode ``version`` into the cache, applying its delta to the cached ``base`` if given; the
+        version's directory appears complete or not at all."""
+        incoming = self.dir / f"{INCOMING_PREFIX}{version_name(version)}"
+        shutil.rmtree(incoming, ignore_errors=True)  # a failed earlier attempt of this owner
+        incoming.mkdir()
+        try:
+            stream.write_into(version, incoming, base_dir=self.path(base) if base is not None else None)
+            target = self.path(version)
+            if target.exists():  # a damaged copy being replaced
+                shutil.rmtree(target)
+            os.rename(incoming, target)
+            return target
+        finally:
+            shutil.rmtree(incoming, ignore_errors=True)
 
     def prune(self, keep: set[int]) -> None:
-        """Remove every cached version of this owner not in ``keep`` (never the reader's ``.tmp-*``)."""
+        """Remove every cached version of this owner not in ``keep``, and versions left half-written."""
         for child in self.dir.iterdir():
             version = parse_version_name(child.name)
-            if version is not None and version not in keep:
+            if (version is not None and version not in keep) or child.name.startswith(INCOMING_PREFIX):
                 shutil.rmtree(child, ignore_errors=True)
 
     def close(self) -> None:

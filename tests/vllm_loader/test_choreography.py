@@ -293,3 +293,39 @@ def test_the_last_error_line_is_vllms_root_cause():
                                          "equal to 1 [type=less_than_equal]")
     assert last_error_line(["INFO starting\n", "Killed\n"]) == "Killed"
     assert last_error_line([]) is None
+
+
+def _write_then_die(stream_url: str, root: str) -> None:
+    """In a child: start decoding version 0 into a cache, and get SIGKILLed in the middle of writing it."""
+    import signal
+
+    from ckptstream.reader import materialize
+    from ckptstream.reader.stream import Stream
+
+    def die(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)  # the kill is real; the patch only decides when it happens
+
+    materialize._write_weights = die  # type: ignore[assignment]
+    stream = Stream(stream_url)
+    VersionCache(root, stream.info().stream_id, "killed").materialize(stream, 0, None)
+
+
+def test_a_follower_killed_while_writing_leaves_nothing_its_successor_keeps(tmp_path):
+    """Every name in a follower's cache directory is the cache's own: what a follower SIGKILLed in the
+    middle of writing a version leaves is removed by the next owner of the directory."""
+    url = str(tmp_path / "stream")
+    with Publisher(url) as publisher:
+        publisher.publish({"w": torch.arange(1000, dtype=torch.float32)}).result()
+    child = multiprocessing.get_context("spawn").Process(target=_write_then_die, args=(url, str(tmp_path / "c")))
+    child.start()
+    child.join(120)
+    assert child.exitcode == -9
+    from ckptstream.reader.stream import Stream
+
+    stream = Stream(url)
+    with VersionCache(tmp_path / "c", stream.info().stream_id, "killed") as cache:
+        assert [p.name for p in cache.dir.iterdir() if p.name.startswith(".incoming-")] != []
+        cache.prune(set())
+        assert sorted(p.name for p in cache.dir.iterdir() if not p.name.startswith(".lock")) == []
+        path = cache.materialize(stream, 0, None)
+        assert (path / MARKER_FILE).is_file() and cache.versions() == [0]
