@@ -161,7 +161,7 @@ def json_depth(value: Any) -> int:
     pending = [(value, 1)]
     while pending:
         item, depth = pending.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
         if children is None:
             continue
         deepest = max(deepest, depth)

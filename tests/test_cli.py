@@ -229,3 +229,9 @@ def test_bad_replay_versions_are_refused_before_any_server_is_touched(one_versio
 def test_replay_needs_a_command(one_version, capsys):
     got, _, err = run(capsys, "replay", one_version, "--versions", "0", "--vllm-url", "http://127.0.0.1:9")
     assert got == 2 and "after --" in err
+
+
+@pytest.mark.parametrize("size", ["infGB", "-1MB", "nan"])
+def test_a_size_must_be_a_finite_byte_count(tmp_path, capsys, size):
+    code, out, err = run(capsys, "make-tiny-model", str(tmp_path / "m"), f"--size={size}")
+    assert code == 2 and out == "" and "is not a size" in err

@@ -96,7 +96,8 @@ def run_follow(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    follower.run(stop)
+    with follower:
+        follower.run(stop)
     return EXIT_OK
 
 

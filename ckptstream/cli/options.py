@@ -88,10 +88,11 @@ _BYTE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1
 def parse_bytes(text: str) -> int:
     """A byte count with an optional unit: ``64MB``, ``1GB``, ``512KiB``, ``1000``."""
     number = text.strip().upper()
-    for unit in sorted(_BYTE_UNITS, key=len, reverse=True):
-        if unit and number.endswith(unit):
-            return int(float(number[:-len(unit)]) * _BYTE_UNITS[unit])
-    return int(float(number))
+    unit = next((u for u in sorted(_BYTE_UNITS, key=len, reverse=True) if u and number.endswith(u)), "")
+    value = float(number[:len(number) - len(unit)])
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{text!r} is not a byte count of zero or more")
+    return int(value * _BYTE_UNITS[unit])
 
 
 def byte_size(text: str) -> int:

@@ -147,6 +147,7 @@ def _claim_build_dir(out: Path) -> tuple[Path, int]:
     token = uuid.uuid4().hex
     staging = out.parent / f"{TEMP_PREFIX}{token}.new"  # not a name any build removes
     staging.mkdir()
+    lock = None
     try:
         lock = try_lock(staging / LOCK_FILE)
         assert lock is not None  # a new file in a new directory: nobody else can hold it
@@ -154,6 +155,8 @@ def _claim_build_dir(out: Path) -> tuple[Path, int]:
         os.rename(staging, temp)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if lock is not None:
+            unlock(lock)
         raise
     return temp, lock
 

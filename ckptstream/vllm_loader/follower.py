@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from ..errors import CkptStreamError, IntegrityError, MissingBaseError, VersionNotFoundError
 from ..format import MANIFESTS_DIR, MARKER_FILE, Manifest
 from ..hf import tensor_specs
-from ..reader import ReplicaRecord, Stream, write_replica
+from ..reader import ReplicaRecord, Stream, replica_path, write_replica
 from ..storage import Watch
 from ..locks import unlock
 from . import takeover
@@ -135,6 +135,7 @@ class Follower:
         self.clients: list[VllmControl] = [VllmClient(u, api_key=config.api_key) if isinstance(u, str) else u
                                            for u in vllm_urls]
         replica_id = config.replica_id or _default_replica_id(self.clients[0].url)
+        replica_path(replica_id)  # a ValueError now, rather than every replica record failing later
         self.cache = VersionCache(config.cache_dir or default_cache_dir(), info.stream_id, replica_id,
                                   ephemeral=config.ephemeral_cache)
         self.pin = config.pin

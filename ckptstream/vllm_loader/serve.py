@@ -218,8 +218,13 @@ def _run_child(follower: Follower, first: int, command: list[str], env: dict[str
                vllm_log: str | os.PathLike[str] | None) -> int:
     """Start vLLM, wait until it generates, follow until ``stop``; stop vLLM."""
     log_file = open(vllm_log, "a", encoding="utf-8") if vllm_log is not None else None
-    child = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT)
+    try:
+        child = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT)
+    except BaseException:
+        if log_file is not None:
+            log_file.close()
+        raise
     assert child.stdout is not None
     output = _OutputTail(child.stdout, _writer(log_file or sys.stderr))
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)} \

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import time
 import urllib.parse
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import VllmError
+from ..errors import CkptStreamError, VllmError
 from ..locks import try_lock, unlock
 
 RUNTIME_DIR_ENV = "CKPTSTREAM_RUNTIME_DIR"
@@ -37,6 +38,11 @@ def runtime_dir() -> Path:
     configured = os.environ.get(RUNTIME_DIR_ENV)
     path = Path(configured) if configured else Path("/tmp") / f"ckptstream-{os.getuid()}"
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    status = path.lstat()
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o077:
+        # Anyone who can create or hold these lock files could make followers stand aside forever.
+        raise CkptStreamError(f"{path} must be a directory of this user's, private to it (mode 0700)",
+                              hint=f"Remove it, or set {RUNTIME_DIR_ENV} to a private directory")
     return path
 
 

@@ -185,15 +185,9 @@ def commit_manifest(storage: Storage, manifest: Manifest, raw: bytes | None = No
     path = manifest_path(manifest.version)
     try:
         storage.put_if_absent(path, raw)
-    except FileExistsError:
-        if _stored(storage, path) != raw:
-            raise VersionConflictError("another writer committed this version first", version=manifest.version,
-                                       hint="This writer's data files are left for `ckptstream gc`; "
-                                            "publish a newer version") from None
-        log.info("version %d: the manifest was there already, with this writer's bytes (the answer to its "
-                 "commit was lost): committed", manifest.version)
     except Exception as exc:
-        # The request may have reached the storage even though it failed here: look before reporting.
+        # The request may have reached the storage even though it failed here (a lost answer, retried into
+        # a 412 or an EEXIST): look before reporting.
         try:
             stored = _stored(storage, path)
         except Exception:  # noqa: BLE001 - the storage is unreachable: the outcome is unknown
@@ -201,10 +195,14 @@ def commit_manifest(storage: Storage, manifest: Manifest, raw: bytes | None = No
                 f"the commit failed ({exc!r}) and the manifest cannot be read back, so whether the version was "
                 "committed is unknown", version=manifest.version, file=path,
                 hint="Check with `ckptstream ls` before publishing this version again") from exc
-        if stored != raw:
-            raise
-        log.info("version %d: the commit reported %r but the manifest was stored: committed",
-                 manifest.version, exc)
+        if stored is not None and stored != raw:
+            raise VersionConflictError("another writer committed this version first", version=manifest.version,
+                                       hint="This writer's data files are left for `ckptstream gc`; "
+                                            "publish a newer version") from None
+        if stored is None:
+            raise  # nothing was stored: the commit failed
+        log.info("version %d: the commit reported %r but the manifest holds this writer's bytes (the answer "
+                 "to its commit was lost): committed", manifest.version, exc)
     log.info("committed version %d (%s, %d bytes stored)", manifest.version, manifest.kind, manifest.stored_bytes)
 
 

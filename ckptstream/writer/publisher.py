@@ -198,6 +198,7 @@ class Publisher:
             PublishError (or the original CkptStreamError): an earlier background publish failed.
         """
         job = self._start(version, step, metadata, keyframe)
+        self._stager.submit(lambda: None).result()  # versions staged before this one go first
         self._snapshot(job, named_tensors)
         return job.future
 
@@ -349,10 +350,10 @@ class Publisher:
         part = Part([], [], failure)
         base_manifest = None
         if kind is not None and failure is None:
-            if kind == KEYFRAME or encoded is None:  # the others may need a keyframe where this part was a delta
-                encoded = self._encoder.keyframe(job.tensors)
-            base_manifest = encoded.base
             try:
+                if kind == KEYFRAME or encoded is None:  # the others may need a keyframe where this part was a delta
+                    encoded = self._encoder.keyframe(job.tensors)
+                base_manifest = encoded.base
                 part.files, part.tensors = self._files.write(job.version, encoded, [h.result() for h in hashes])
             except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
                 part.failure = exc

@@ -329,3 +329,21 @@ def test_a_follower_killed_while_writing_leaves_nothing_its_successor_keeps(tmp_
         assert sorted(p.name for p in cache.dir.iterdir() if not p.name.startswith(".lock")) == []
         path = cache.materialize(stream, 0, None)
         assert (path / MARKER_FILE).is_file() and cache.versions() == [0]
+
+
+def test_a_replica_id_that_cannot_name_a_record_is_refused_at_once(tmp_path):
+    url = str(tmp_path / "stream")
+    Publisher(url).close()
+    with pytest.raises(ValueError, match="replica id"):
+        Follower(url, [FakeVllmClient()], cache_dir=str(tmp_path / "c"), replica_id="a b")
+
+
+def test_the_takeover_directory_must_be_private(tmp_path, monkeypatch):
+    from ckptstream.errors import CkptStreamError
+
+    shared = tmp_path / "runtime"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # as another local user could have made it
+    monkeypatch.setenv("CKPTSTREAM_RUNTIME_DIR", str(shared))
+    with pytest.raises(CkptStreamError, match="private"):
+        Takeover(["http://127.0.0.1:8000"])

@@ -239,3 +239,29 @@ def test_a_failed_staged_snapshot_raises_on_both_futures(local_url):
         with pytest.raises(ValueError, match="reserved"):
             bad.committed.result(timeout=30)
         assert publisher.publish(random_state(1)).result().version == 1  # the failed number is free again
+
+
+def test_stage_and_publish_mixed_commit_in_version_order(local_url):
+    """A ``publish`` after a ``stage`` whose snapshot is still running waits for it: versions are committed
+    in the order they were numbered, so every delta's base is older than itself."""
+    release = threading.Event()
+    state = random_state(0)
+
+    def slow_tensors():
+        release.wait(30)
+        yield from state.items()
+
+    with Publisher(local_url, max_in_flight=2) as publisher:
+        staged = publisher.stage(slow_tensors())
+        threading.Timer(0.5, release.set).start()
+        published = publisher.publish(rl_like_step_copy(state))
+        assert staged.committed.result(timeout=30).version == 0
+        assert published.result(timeout=30).base_version in (None, 0)
+    stream = Stream(local_url)
+    assert [stream.verify(v).version for v in stream.versions()] == [0, 1]
+
+
+def rl_like_step_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    changed = {name: tensor.clone() for name, tensor in state.items()}
+    rl_like_step(changed, fraction=0.05, generator=torch.Generator().manual_seed(3))
+    return changed
