@@ -241,11 +241,13 @@ class Stream:
                 sink: Callable[[TensorEntry, torch.Tensor], R], *, workers: int | None = None,
                 max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> Iterator[R]:
         """``sink(entry, tensor)`` for each decoded tensor, run on the decoding threads, results in order."""
-        self.chain(target.version)  # fail early, naming the missing base
+        # The chain is checked now (naming a missing base) and held for every tensor's walk down it, so
+        # that a chain longer than the manifest cache is not read again per tensor.
+        chain = {m.version: m for m in self.chain(target.version)}
         base = MaterializedBase(base_dir, self.info().stream_id) if base_dir is not None else None
 
         def work(entry: TensorEntry) -> R:
-            return sink(entry, decode_tensor(self._files, self._base_manifest, target, entry, base))
+            return sink(entry, decode_tensor(self._files, chain.__getitem__, target, entry, base))
 
         try:
             yield from ordered_parallel(entries, work, lambda e: e.nbytes, max_cost=max_inflight_bytes,
