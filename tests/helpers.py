@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import uuid
 
+import torch
+
+from ckptstream.codec import tensor_hash
+
 
 def new_bucket(endpoint: str) -> str:
     """Create an empty bucket with a fresh name on the S3 server at ``endpoint``; returns its name."""
@@ -12,3 +16,58 @@ def new_bucket(endpoint: str) -> str:
     name = f"ckpt-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
     return name
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Bit-exact equality of two tensor sets (names, dtypes, shapes and bytes)."""
+    assert list(got) == list(want) or set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert got[name].shape == tensor.shape, name
+        assert tensor_hash(got[name]) == tensor_hash(tensor), name
+
+
+def random_state(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
+    """A small mixed-dtype state dict."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": (torch.randn(64 * scale, 48, generator=g) * 0.02).bfloat16(),
+        "layer.0.w": (torch.randn(48, 96 * scale, generator=g)).half(),
+        "layer.0.b": torch.randn(96 * scale, generator=g),
+        "layer.0.norm": torch.ones(48, dtype=torch.bfloat16),
+        "steps": torch.arange(7, dtype=torch.int64),
+    }
+
+
+VLLM_CPU_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
+                 "--max-model-len", "512", "--max-num-seqs", "16"]
+
+
+PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [100, 200, 300, 400, 5], [42] * 10]
+
+
+def run_ranks(target, world_size: int, *args: object, timeout: float = 300) -> list[int | None]:
+    """Run ``target(rank, world_size, port, *args)`` in ``world_size`` spawned processes (a real
+    torch.distributed job on loopback); return their exit codes (None: still running at the timeout,
+    then killed)."""
+    import multiprocessing
+    import time
+
+    from ckptstream.vllm_loader.serve import free_port
+
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=target, args=(rank, world_size, port, *args))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = []
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        codes.append(process.exitcode)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return codes

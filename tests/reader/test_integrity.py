@@ -15,7 +15,7 @@ from ckptstream.format import Manifest, data_path, manifest_path
 from ckptstream.storage import open_storage
 from ckptstream.testing.models import rl_like_step
 from ckptstream.writer import collect_garbage
-from tests.conftest import random_state
+from tests.helpers import random_state
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from ckptstream import Publisher, Stream
 from ckptstream.hf import iter_hf_weights
 from ckptstream.testing.models import rl_like_step
-from tests.conftest import assert_same_tensors
+from tests.helpers import assert_same_tensors
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 
 from ckptstream import Publisher, Stream
 from ckptstream.reader.materialize import remove_stale_builds
-from tests.conftest import random_state
+from tests.helpers import random_state
 
 # Materializes version 0 and, after its first tensor, blocks (so the parent can kill it mid-way).
 _CHILD = textwrap.dedent("""

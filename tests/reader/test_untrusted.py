@@ -19,7 +19,7 @@ from ckptstream.format import STREAM_FILE, content_hash, data_path, manifest_pat
 from ckptstream.reader import ReplicaRecord, write_replica
 from ckptstream.storage import open_storage
 from ckptstream.testing.models import rl_like_step
-from tests.conftest import random_state
+from tests.helpers import random_state
 
 SEAL_KEY = b'"manifest_hash": "xxh3-128:'
 

@@ -24,7 +24,7 @@ from ckptstream.hf import iter_hf_weights
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import Follower, VllmClient, VllmUnreachable
 from ckptstream.vllm_loader import free_port
-from tests.conftest import PROMPTS, VLLM_CPU_ARGS
+from tests.helpers import PROMPTS, VLLM_CPU_ARGS
 from tests.helpers import new_bucket
 
 

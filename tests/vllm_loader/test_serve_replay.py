@@ -20,7 +20,7 @@ from ckptstream import Publisher, Stream
 from ckptstream.hf import iter_hf_weights
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import VllmClient, default_cache_dir, free_port
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 # The replay's evaluation command: what the server serves before and after a pause long enough for
 # `serve` (polling every 0.2 s) to notice a version published meanwhile, and its greedy outputs.

@@ -18,7 +18,7 @@ from ckptstream.format import MAX_JSON_DEPTH, STREAM_FILE
 from ckptstream.storage import PosixStorage, open_storage
 from ckptstream.writer import PublisherConfig, open_or_create_stream
 from ckptstream.writer.commit import commit_manifest
-from tests.conftest import assert_same_tensors, random_state
+from tests.helpers import assert_same_tensors, random_state
 from ckptstream.testing.lossy_proxy import LossyProxy
 
 MANIFEST_KEY = r"/manifests/[0-9]{12}\.json$"

@@ -15,7 +15,7 @@ from ckptstream import Publisher, Stream
 from ckptstream.format import TEMP_PREFIX
 from ckptstream.storage import open_storage
 from ckptstream.writer import collect_garbage
-from tests.conftest import assert_same_tensors, random_state
+from tests.helpers import assert_same_tensors, random_state
 
 # The child publishes version 1 of a stream holding version 0, and SIGKILLs itself at STAGE: the kill is
 # real; the patch only decides when it happens.
@@ -23,7 +23,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys
     import ckptstream.storage as storage_module
     from ckptstream import Publisher
-    from tests.conftest import random_state
+    from tests.helpers import random_state
 
     url, stage = sys.argv[1], sys.argv[2]
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)

@@ -13,7 +13,7 @@ import torch
 
 from ckptstream import Stream
 from ckptstream.testing.models import rl_like_step
-from tests.conftest import assert_same_tensors, run_ranks
+from tests.helpers import assert_same_tensors, run_ranks
 
 
 def _rank_tensors(rank: int, version: int) -> dict[str, torch.Tensor]:

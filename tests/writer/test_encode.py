@@ -10,7 +10,7 @@ import torch
 from ckptstream.format import DELTA, KEYFRAME, Manifest
 from ckptstream.testing.models import rl_like_step
 from ckptstream.writer.encode import BaseVersion, DeltaEncoder, EncodedVersion, KeyframeEncoder, VersionEncoder
-from tests.conftest import random_state
+from tests.helpers import random_state
 
 
 def _base(tensors: dict[str, torch.Tensor], chain_length: int = 0) -> BaseVersion:

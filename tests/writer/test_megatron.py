@@ -18,7 +18,7 @@ import torch
 from ckptstream import Stream
 from ckptstream.cli import main
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, tiny_state_dict, write_tiny_model
-from tests.conftest import assert_same_tensors, run_ranks
+from tests.helpers import assert_same_tensors, run_ranks
 
 pytest.importorskip("megatron.core")
 

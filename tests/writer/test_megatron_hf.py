@@ -11,7 +11,7 @@ from ckptstream.errors import ConversionError
 from ckptstream.testing.models import ARCHITECTURES, TinyModelSpec, tiny_config, tiny_state_dict
 from ckptstream.writer.megatron_hf import (HFArchitecture, check_complete, fuse_qkv, from_hf, hf_tensor_names,
                                            split_qkv, to_hf)
-from tests.conftest import assert_same_tensors
+from tests.helpers import assert_same_tensors
 
 
 @pytest.mark.parametrize("te_names", [False, True], ids=["local-spec", "te-spec"])

@@ -11,7 +11,7 @@ from ckptstream import (IncompatibleStreamError, IntegrityError, Publisher, Stre
                         VersionOrderError)
 from ckptstream.format import DELTA, KEYFRAME
 from ckptstream.testing.models import rl_like_step
-from tests.conftest import assert_same_tensors, random_state
+from tests.helpers import assert_same_tensors, random_state
 
 ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
               torch.bfloat16, torch.float32, torch.float64]
