@@ -16,6 +16,7 @@ EXIT_INTEGRITY = 3  # corrupt, truncated or unsafe data
 EXIT_NOT_FOUND = 4  # no such stream or version, or a delta's base is gone
 EXIT_CONFLICT = 5  # the version exists or is not newer than the latest
 EXIT_INCOMPATIBLE = 6  # unsupported format version, other model, storage lacks a primitive
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, the shell's convention)
 
 
 class CkptStreamError(Exception):
@@ -91,6 +92,12 @@ class NotADirectoryOutputError(CkptStreamError, NotADirectoryError):
     """An output path given for a directory (``materialize``) exists and is not a directory."""
 
     exit_code = EXIT_USAGE
+
+
+class SourceNotFoundError(CkptStreamError, FileNotFoundError):
+    """What was to be published is not there (a model directory without weights, a missing checkpoint)."""
+
+    exit_code = EXIT_NOT_FOUND
 
 
 class StreamNotFoundError(CkptStreamError, FileNotFoundError):

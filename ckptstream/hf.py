@@ -8,6 +8,7 @@ from typing import Iterator
 
 import torch
 
+from .errors import SourceNotFoundError
 from .format import is_reserved_asset_name, is_safe_file_name
 
 
@@ -32,7 +33,9 @@ def iter_hf_weights(directory: str | os.PathLike[str]) -> Iterator[tuple[str, to
 
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+        raise SourceNotFoundError(f"no *.safetensors files in {directory}",
+                                  hint="Give a Hugging Face model directory holding the weights as safetensors; "
+                                       "nothing was published")
     seen: set[str] = set()
     for path in files:
         with safe_open(str(path), framework="pt") as f:

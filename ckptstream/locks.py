@@ -10,6 +10,9 @@ from __future__ import annotations
 import fcntl
 import os
 
+LOCK_FILE = ".lock"
+"""The lock file inside a directory whose owner holds it (a follower's cache, a materialization's build)."""
+
 
 def try_lock(path: str | os.PathLike[str], *, shared: bool = False, create: bool = True) -> int | None:
     """Hold a lock on the file ``path`` without waiting: its descriptor (for :func:`unlock`), or None when

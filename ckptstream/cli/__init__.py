@@ -16,14 +16,12 @@ import textwrap
 from typing import Sequence
 
 from .. import __version__
-from ..errors import EXIT_CONFLICT, EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, CkptStreamError
+from ..errors import (EXIT_CONFLICT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE,
+                      CkptStreamError)
 from . import follow, gc, inspect, materialize, publish, tools
 from .options import EXIT_CODES_HELP, Parser
 
 __all__ = ["main"]
-
-# The shell's convention for a process ended by SIGINT.
-EXIT_INTERRUPTED = 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:

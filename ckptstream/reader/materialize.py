@@ -23,13 +23,11 @@ import torch
 
 from .. import codec
 from ..errors import CkptStreamError, IntegrityError, NotADirectoryOutputError, UnsafeManifestError
-from ..locks import try_lock, unlock
+from ..locks import LOCK_FILE, try_lock, unlock
 from ..format import (INDEX_FILE, MARKER_FILE, TEMP_PREFIX, Manifest, TensorEntry, asset_path, dumps_json,
                       is_reserved_asset_name, loads_json, safetensors_header, shard_groups)
 from .decode import BaseTensors
 
-LOCK_FILE = "lock"
-"""Inside a temporary build directory: held with ``flock`` by the live build that owns the directory."""
 _BUILD_DIR = "out"
 
 Sink = Callable[[TensorEntry, torch.Tensor], int]

