@@ -15,7 +15,8 @@ import threading
 import uuid
 from typing import Mapping
 
-from ..errors import CommitOutcomeUnknownError, IncompatibleStreamError, VersionConflictError
+from ..errors import (CkptStreamError, CommitOutcomeUnknownError, IncompatibleStreamError, PublishError,
+                      VersionConflictError)
 from ..format import (DELTA, KEYFRAME, STREAM_FILE, FileEntry, Manifest, StreamInfo, asset_path, content_hash,
                       is_reserved_asset_name, is_safe_file_name, manifest_path)
 from ..storage import Storage
@@ -183,6 +184,11 @@ def commit_manifest(storage: Storage, manifest: Manifest, raw: bytes | None = No
     """
     raw = manifest.to_bytes() if raw is None else raw
     path = manifest_path(manifest.version)
+    try:  # a writer MUST NOT commit what readers refuse (FORMAT.md): check it the way a reader will
+        Manifest.from_bytes(raw, version=manifest.version, stream_id=manifest.stream_id)
+    except CkptStreamError as exc:
+        raise PublishError(f"the manifest would be refused by readers ({exc}); nothing was committed",
+                           version=manifest.version, file=path) from exc
     try:
         storage.put_if_absent(path, raw)
     except Exception as exc:

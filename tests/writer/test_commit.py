@@ -254,3 +254,18 @@ def test_commit_whose_outcome_cannot_be_read_back_is_unknown(local_url):
                                                "config_kwargs": {"retries": {"max_attempts": 1}}})
     with pytest.raises(CommitOutcomeUnknownError, match="unknown"):
         commit_manifest(storage, manifest)
+
+
+def test_a_manifest_readers_would_refuse_is_never_committed(local_url):
+    """A writer MUST NOT commit what every reader refuses: here a delta whose base is newer than itself."""
+    import dataclasses
+
+    from ckptstream.format import DELTA, manifest_path
+    from ckptstream.writer import commit_manifest
+
+    with Publisher(local_url) as publisher:
+        keyframe = publisher.publish(random_state(0)).result()
+    broken = dataclasses.replace(keyframe, version=1, kind=DELTA, base_version=2, chain_length=1)
+    with pytest.raises(PublishError, match="refused by readers"):
+        commit_manifest(publisher.storage, broken)
+    assert not publisher.storage.exists(manifest_path(1))
