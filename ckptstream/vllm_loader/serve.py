@@ -226,7 +226,13 @@ def _run_child(follower: Follower, first: int, command: list[str], env: dict[str
         raise
     assert child.stdout is not None
     output = _OutputTail(child.stdout, _writer(log_file or sys.stderr))
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)} \
+    signalled = threading.Event()  # Ctrl-C or SIGTERM: a stop request, even if it also reached vLLM
+
+    def on_signal(*_: object) -> None:
+        signalled.set()
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
     died = threading.Event()
     watchdog = threading.Thread(target=lambda: (child.wait(), died.set(), stop.set()), daemon=True,
@@ -237,6 +243,9 @@ def _run_child(follower: Follower, first: int, command: list[str], env: dict[str
         try:
             client.wait_ready(timeout=ready_timeout, abort=stop)
         except VllmUnreachable:
+            if signalled.is_set() or (stop.is_set() and not died.is_set()):
+                log.info("stopped while vLLM was starting")
+                return 0
             if not died.is_set():
                 raise
             output.thread.join(timeout=10)  # the rest of what it said

@@ -129,3 +129,32 @@ def test_serve_reports_vllms_own_error_when_vllm_cannot_start(tmp_path):
     assert "vLLM exited with code 1 while starting" in errors[-1]
     assert "gpu_memory_utilization; Input should be less than or equal to 1" in errors[-1]
     assert "Fix the vLLM arguments after `--`" in errors[-1]
+
+
+def test_ctrl_c_while_vllm_starts_is_a_clean_stop(tmp_path):
+    """Ctrl-C reaches the whole foreground process group (vLLM too): that is a stop request, exit 0 with
+    no error, not "vLLM went away while starting"."""
+    from ckptstream.vllm_loader import free_port
+
+    model = write_tiny_model(tmp_path / "model", TinyModelSpec())
+    url = str(tmp_path / "stream")
+    with Publisher(url, assets=model) as publisher:
+        publisher.publish(dict(iter_hf_weights(model))).result()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        serve = subprocess.Popen(["ckptstream", "serve", url, "--port", str(free_port()), "--cache-dir",
+                                  str(tmp_path / "cache")], stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # its own process group, as a terminal's job is
+        try:
+            deadline = time.monotonic() + 120
+            while b"starting vLLM" not in log.read_bytes() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(2)  # vLLM is importing, not ready
+            os.killpg(serve.pid, signal.SIGINT)
+            code = serve.wait(timeout=120)
+        finally:
+            if serve.poll() is None:
+                os.killpg(serve.pid, signal.SIGKILL)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    assert "Error:" not in text and "stopped while vLLM was starting" in text
