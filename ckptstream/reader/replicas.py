@@ -10,12 +10,19 @@ from ..format import MAX_REPLICA_RECORD_BYTES, REPLICAS_DIR, dumps_json, is_safe
 from ..storage import Storage
 
 
+STATE_ASIDE = "aside"
+"""The follower stands aside: another process (a replay) has taken its servers over."""
+NOT_SERVING_STATES = frozenset({"stopped", STATE_ASIDE})
+"""States in which a record's ``version`` is not what its servers serve for the stream now."""
+
+
 @dataclass
 class ReplicaRecord:
     """The state a follower reports for itself (one per follower, overwritten in place).
 
-    ``state`` is one of ``starting``, ``serving``, ``updating``, ``error``, ``stopped``; ``heartbeat``
-    is seconds since the epoch, written at least every heartbeat interval, also during long pulls.
+    ``state`` is one of ``starting``, ``serving``, ``updating``, ``error``, ``aside``, ``stopped``;
+    ``heartbeat`` is seconds since the epoch, written at least every heartbeat interval, also during long
+    pulls.
     """
 
     replica_id: str

@@ -23,7 +23,7 @@ from ..storage import Storage, open_storage
 from .decode import decode_tensor, load_checked
 from .files import DataFiles, file_hash
 from .materialize import MaterializedBase, build_directory, write_directory
-from .replicas import ReplicaRecord, read_replicas
+from .replicas import NOT_SERVING_STATES, ReplicaRecord, read_replicas
 
 DEFAULT_INFLIGHT_BYTES = 1 << 30
 MANIFEST_CACHE_SIZE = 64
@@ -193,7 +193,8 @@ class Stream:
         """Block until at least ``min_replicas`` live replicas serve ``version`` or newer.
 
         A trainer calls this to bound rollout staleness. Replicas whose heartbeat is older than
-        ``max_heartbeat_age`` seconds count as dead.
+        ``max_heartbeat_age`` seconds count as dead, and so do stopped ones and those standing aside
+        while another process (a replay) drives their servers.
 
         Returns:
             The live replicas at ``version`` or newer.
@@ -205,7 +206,7 @@ class Stream:
         while True:
             now = time.time()
             ready = [r for r in self.replicas() if r.version is not None and r.version >= version
-                     and r.age(now) <= max_heartbeat_age]
+                     and r.age(now) <= max_heartbeat_age and r.state not in NOT_SERVING_STATES]
             if len(ready) >= min_replicas:
                 return ready
             if deadline is not None and time.monotonic() >= deadline:

@@ -32,6 +32,7 @@ from ..errors import CkptStreamError, IntegrityError, MissingBaseError, VersionN
 from ..format import MANIFESTS_DIR, MARKER_FILE, Manifest
 from ..hf import tensor_specs
 from ..reader import ReplicaRecord, Stream, replica_path, write_replica
+from ..reader.replicas import STATE_ASIDE
 from ..storage import Watch
 from ..locks import unlock
 from . import takeover
@@ -327,6 +328,7 @@ class Follower:
     def _shared_holds(self) -> Iterator[list[VllmControl]]:
         holds: list[int] = []
         free = []
+        was_aside = bool(self._aside)
         try:
             for client in self.clients:
                 hold = takeover.try_share(client.url)
@@ -340,7 +342,11 @@ class Follower:
                     log.info("%s was given back; bringing it to version %s", client.url, self.current)
                     self._aside.discard(client.url)
                 free.append(client)
+            if self._aside and not was_aside:  # what wait_for_version must not count as serving the stream
+                self._report(state=STATE_ASIDE)
             yield free
+            if was_aside and not self._aside and self.record.state == STATE_ASIDE:
+                self._report(state="serving" if self.current is not None else "starting")
         finally:
             for hold in holds:
                 unlock(hold)

@@ -347,3 +347,23 @@ def test_the_takeover_directory_must_be_private(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTSTREAM_RUNTIME_DIR", str(shared))
     with pytest.raises(CkptStreamError, match="private"):
         Takeover(["http://127.0.0.1:8000"])
+
+
+def test_a_follower_standing_aside_does_not_count_as_serving_the_stream(stream, tmp_path):
+    """While a replay drives its server, the follower's record says ``aside``: a trainer bounding staleness
+    with ``wait_for_version`` must not count a server that serves old versions for someone else."""
+    from ckptstream.reader.stream import Stream
+
+    url, _ = stream
+    server = FakeVllmClient()
+    with Follower(url, [server], cache_dir=tmp_path / "cache", replica_id="serve") as follower:
+        assert follower.step().version == 2
+        assert [r.replica_id for r in Stream(url).wait_for_version(2, timeout=5)] == ["serve"]
+        with Takeover([server.url]):
+            assert follower.step() is None
+            assert [r.state for r in Stream(url).replicas()] == ["aside"]
+            with pytest.raises(TimeoutError):
+                Stream(url).wait_for_version(2, timeout=0.3, poll_interval=0.1)
+        follower.step()
+        assert [(r.state, r.version) for r in Stream(url).replicas()] == [("serving", 2)]
+        assert [r.replica_id for r in Stream(url).wait_for_version(2, timeout=5)] == ["serve"]
