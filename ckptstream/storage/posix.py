@@ -81,31 +81,36 @@ class PosixStorage(Storage):
     # ------------------------------------------------------------------------------------------ writing
 
     @contextlib.contextmanager
-    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+    def _durable_temp(self, path: str) -> Iterator[tuple[IO[bytes], str, str]]:
+        """A new file under a writer-unique temporary name beside ``path``: (file, temp path, target path).
+        The file is fsync'd when the block exits without error; the temporary name is always removed."""
         target = self._abs(path)
-        directory = os.path.dirname(target)
-        os.makedirs(directory, exist_ok=True)
-        temp = os.path.join(directory, temp_name(os.path.basename(target)))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        temp = os.path.join(os.path.dirname(target), temp_name(os.path.basename(target)))
         try:
             with open(temp, "xb") as f:
-                yield f
+                yield f, temp, target
                 f.flush()
                 os.fsync(f.fileno())
+        except BaseException:
+            _remove_quietly(temp)
+            raise
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        with self._durable_temp(path) as (f, temp, target):
+            yield f
+        try:
             os.replace(temp, target)
-            fsync_path(directory)
+            fsync_path(os.path.dirname(target))
         finally:
             _remove_quietly(temp)
 
     def put_if_absent(self, path: str, data: bytes) -> None:
-        target = self._abs(path)
+        with self._durable_temp(path) as (f, temp, target):
+            f.write(data)
         directory = os.path.dirname(target)
-        os.makedirs(directory, exist_ok=True)
-        temp = os.path.join(directory, temp_name(os.path.basename(target)))
         try:
-            with open(temp, "xb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             try:
                 os.link(temp, target)  # atomic and exclusive, also on NFS
             except FileExistsError:
