@@ -22,29 +22,41 @@ class VllmControl(Protocol):
     refused it or did not do it, ``VllmUnreachable`` when the server does not answer."""
 
     url: str
+    """The server's base URL (also the key of its takeover lock)."""
 
     def wait_ready(self, timeout: float = 600.0, interval: float = 0.5,
-                   abort: threading.Event | None = None) -> None: ...
+                   abort: threading.Event | None = None) -> None:
+        """Return once the server generates a token; ``VllmUnreachable`` after ``timeout`` or on ``abort``."""
 
-    def model_root(self) -> str | None: ...
+    def model_root(self) -> str | None:
+        """The directory the server loaded its model from, if it reports one."""
 
-    def weight_version(self) -> str: ...
+    def weight_version(self) -> str:
+        """The label of the weights it serves (``/weight_info``)."""
 
-    def probe(self) -> None: ...
+    def probe(self) -> None:
+        """A real one-token generation: the engine can serve."""
 
-    def pause(self, mode: str = "keep") -> None: ...
+    def pause(self, mode: str = "keep") -> None:
+        """Pause generation (``keep``: in-flight requests wait) and check that it is paused."""
 
-    def resume(self, check: bool = True) -> None: ...
+    def resume(self, check: bool = True) -> None:
+        """Resume generation; ``check=False`` leaves ``check_resumed`` to the caller, outside the pause."""
 
-    def check_resumed(self) -> None: ...
+    def check_resumed(self) -> None:
+        """Raise unless the server generates again."""
 
-    def reload_weights(self, path: str) -> None: ...
+    def reload_weights(self, path: str) -> None:
+        """Reload every weight from the complete materialized directory ``path`` on every worker."""
 
-    def reset_prefix_cache(self) -> None: ...
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes computed with the previous weights."""
 
-    def set_weight_version(self, version: str, check: bool = True) -> None: ...
+    def set_weight_version(self, version: str, check: bool = True) -> None:
+        """Label the served weights; ``check=False`` leaves ``check_weight_version`` to the caller."""
 
-    def check_weight_version(self, version: str) -> None: ...
+    def check_weight_version(self, version: str) -> None:
+        """Raise unless ``weight_version()`` is ``version``."""
 
 
 class VllmClient:
