@@ -3,7 +3,7 @@ base of later deltas.
 
 A directory is built under a temporary name beside its final path and renamed into place, so nobody
 (vLLM, a follower's cache) ever sees it incomplete. The temporary directory ``.tmp-<32 hex>-<name>``
-holds ``lock``, a file its builder keeps ``flock``-ed for as long as it runs, and ``out``, the directory
+holds ``.lock``, a file its builder keeps ``flock``-ed for as long as it runs, and ``out``, the directory
 being built. It appears under that name only once its lock is held (it is created as
 ``.tmp-<32 hex>.new`` and renamed). A killed build leaves its temporary directory behind, unlocked: the
 next build of the same name removes every ``.tmp-<32 hex>-<name>`` sibling whose lock it can take (or
