@@ -53,6 +53,8 @@ at least 4 bytes): bounds what a dense chunk may claim, so a reader never alloca
 its stored bytes can fill."""
 MAX_SHAPE_DIMS = 16
 """Most dimensions a tensor may have."""
+SAFETENSORS_LENGTH = struct.Struct("<Q")
+"""The little-endian u64 that begins a safetensors file: the length of its JSON header."""
 MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 """Upper bound on the JSON header of a keyframe data file (the safetensors library's own limit)."""
 MAX_TENSOR_NAME_BYTES = 1024
@@ -260,8 +262,8 @@ def safetensors_header(tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
         relative.append(position)
         position += nbytes
     text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
-    header = struct.pack("<Q", len(text)) + text
+    text += b" " * (-(SAFETENSORS_LENGTH.size + len(text)) % 8)  # tensor data starts 8-byte aligned
+    header = SAFETENSORS_LENGTH.pack(len(text)) + text
     return header, [len(header) + r for r in relative]
 
 

@@ -11,7 +11,6 @@ manifest's tensors of that file (names, dtypes, shapes, offsets). Each file is c
 from __future__ import annotations
 
 import collections
-import struct
 import threading
 from typing import Any
 
@@ -19,14 +18,13 @@ import torch
 
 from .. import codec
 from ..errors import IntegrityError
-from ..format import (KEYFRAME, MAX_SAFETENSORS_HEADER_BYTES, FileEntry, Hasher, Manifest, TensorEntry,
-                      content_hash, data_path, loads_json)
+from ..format import (KEYFRAME, MAX_SAFETENSORS_HEADER_BYTES, SAFETENSORS_LENGTH, FileEntry, Hasher, Manifest,
+                      TensorEntry, content_hash, data_path, loads_json)
 from ..storage import Storage
 
 CHECKED_FILES_CACHE_SIZE = 4096
 """Data files whose size (and header) a ``DataFiles`` remembers having checked."""
 
-_SAFETENSORS_PREFIX = 8  # u64 little-endian length of the JSON header
 _DAMAGED = "The version is damaged; publish a new keyframe or restore the file"
 
 
@@ -71,6 +69,24 @@ class DataFiles:
             while len(self._checked) > CHECKED_FILES_CACHE_SIZE:
                 self._checked.popitem(last=False)
 
+    def verify_file(self, manifest: Manifest, file: FileEntry) -> None:
+        """Read all of data file ``file`` of ``manifest``: its size and hash must be the manifest's; then
+        :meth:`check` it (a keyframe's header too, also for a file no tensor is read from).
+
+        Raises:
+            IntegrityError: naming the version and the file.
+        """
+        path = data_path(manifest.version, file.name)
+        try:
+            size, digest = file_hash(self.storage, path)
+        except FileNotFoundError:
+            raise IntegrityError("data file is missing", version=manifest.version, file=path) from None
+        if size != file.size:
+            raise IntegrityError(f"data file has {size} bytes, manifest says {file.size} (truncated?)",
+                                 version=manifest.version, file=path)
+        _check_file_hash(manifest, file, digest)
+        self.check(manifest, file.name)
+
     def read(self, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
         """The stored bytes of ``entry`` as a uint8 tensor, its file checked first, the bytes checked
         against ``stored_hash``."""
@@ -96,19 +112,19 @@ class DataFiles:
     def _header_problem(self, manifest: Manifest, file: FileEntry) -> tuple[str, str | None] | None:
         """What in a keyframe file's safetensors header disagrees with the manifest (and which tensor)."""
         path = data_path(manifest.version, file.name)
-        if file.size < _SAFETENSORS_PREFIX:
+        if file.size < SAFETENSORS_LENGTH.size:
             return "the file is too short for a safetensors header", None
-        (length,) = struct.unpack("<Q", self.storage.read(path, 0, _SAFETENSORS_PREFIX))
-        if length > min(MAX_SAFETENSORS_HEADER_BYTES, file.size - _SAFETENSORS_PREFIX):
+        (length,) = SAFETENSORS_LENGTH.unpack(self.storage.read(path, 0, SAFETENSORS_LENGTH.size))
+        if length > min(MAX_SAFETENSORS_HEADER_BYTES, file.size - SAFETENSORS_LENGTH.size):
             return f"the safetensors header claims {length} bytes", None
-        raw = self.storage.read(path, _SAFETENSORS_PREFIX, _SAFETENSORS_PREFIX + length)
+        raw = self.storage.read(path, SAFETENSORS_LENGTH.size, SAFETENSORS_LENGTH.size + length)
         try:
             header: Any = loads_json(raw, version=manifest.version, file=path)
         except IntegrityError as exc:
             return f"the safetensors header is not valid ({exc})", None
         if not isinstance(header, dict):
             return "the safetensors header is not a JSON object", None
-        data_start = _SAFETENSORS_PREFIX + length
+        data_start = SAFETENSORS_LENGTH.size + length
         expected = {t.name: t for t in manifest.tensors if t.file == file.name}
         for name, spec in header.items():
             if name == "__metadata__":
@@ -130,15 +146,18 @@ class DataFiles:
         """Raise for a header that disagrees with the manifest: as a corrupt file if the file's hash says
         so, otherwise as a manifest that misdescribes its file."""
         path = data_path(manifest.version, file.name)
-        _, digest = file_hash(self.storage, path)
-        if digest != file.hash:  # the whole file is damaged, not the tensor being read
-            raise IntegrityError(f"data file hash mismatch (expected {file.hash}, got {digest})",
-                                 version=manifest.version, file=path,
-                                 hint="The stored data is corrupt; this version cannot be used")
+        _check_file_hash(manifest, file, file_hash(self.storage, path)[1])  # the whole file damaged?
         message, named = problem
         raise IntegrityError(f"the keyframe's safetensors header disagrees with the manifest: {message}",
                              version=manifest.version, file=path, tensor=named or tensor,
                              hint="The manifest does not describe its data file; refusing this version")
+
+
+def _check_file_hash(manifest: Manifest, file: FileEntry, digest: str) -> None:
+    if digest != file.hash:
+        raise IntegrityError(f"data file hash mismatch (expected {file.hash}, got {digest})",
+                             version=manifest.version, file=data_path(manifest.version, file.name),
+                             hint="The stored data is corrupt; this version cannot be used")
 
 
 def file_hash(storage: Storage, path: str, block: int = 8 << 20) -> tuple[int, str]:

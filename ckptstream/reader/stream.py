@@ -16,12 +16,12 @@ from ..codec import INT_OF_SIZE
 from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, StreamNotFoundError,
                       TensorNotFoundError, VersionNotFoundError)
 from ..format import (DEFAULT_SHARD_BYTES, LATEST, MANIFESTS_DIR, MAX_VERSION, STREAM_FILE, FileEntry, Manifest,
-                      StreamInfo, TensorEntry, asset_path, content_hash, data_path, manifest_path,
+                      StreamInfo, TensorEntry, asset_path, content_hash, manifest_path,
                       parse_version_name)
 from ..parallel import ordered_parallel
 from ..storage import Storage, open_storage
 from .decode import decode_tensor, load_checked
-from .files import DataFiles, file_hash
+from .files import DataFiles
 from .materialize import MaterializedBase, build_directory, write_directory
 from .replicas import NOT_SERVING_STATES, ReplicaRecord, read_replicas
 
@@ -359,18 +359,7 @@ class Stream:
             if progress:
                 progress(tensor.numel() * tensor.element_size())
         for entry in manifest.files:
-            path = data_path(v, entry.name)
-            try:
-                size, digest = file_hash(self.storage, path)
-            except FileNotFoundError:
-                raise IntegrityError("data file is missing", version=v, file=path) from None
-            if size != entry.size:
-                raise IntegrityError(f"data file has {size} bytes, manifest says {entry.size} (truncated?)",
-                                     version=v, file=path)
-            if digest != entry.hash:
-                raise IntegrityError(f"data file hash mismatch (expected {entry.hash}, got {digest})",
-                                     version=v, file=path)
-            self._files.check(manifest, entry.name)  # a keyframe's header, also for files no tensor uses
+            self._files.verify_file(manifest, entry)
         for asset in self.info().assets:
             self.asset(asset)
         return VerifyReport(v, len(manifest.files), len(manifest.tensors), manifest.stored_bytes, decoded)
