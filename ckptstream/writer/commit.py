@@ -50,12 +50,13 @@ def utc_now() -> str:
 # ------------------------------------------------------------------------------------------ the stream
 
 def load_assets(assets: Assets) -> dict[str, bytes]:
-    """The asset files of ``assets`` (a model directory's non-weight files, or a mapping), checked."""
+    """The asset files of ``assets`` (a model directory's non-weight files, or a mapping); whoever
+    creates or checks the stream with them checks their names (``check_assets``)."""
     if isinstance(assets, (str, os.PathLike)):
         from ..hf import hf_assets
 
         assets = hf_assets(assets)
-    return check_assets(assets or {})
+    return dict(assets or {})
 
 
 def check_assets(assets: Mapping[str, bytes]) -> dict[str, bytes]:

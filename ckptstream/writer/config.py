@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from .. import codec
 from ..format import DEFAULT_SHARD_BYTES
+from .commit import Assets
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class PublisherConfig:
     """
 
     storage_options: Mapping[str, Any] | None = None
-    assets: Mapping[str, bytes] | str | os.PathLike[str] | None = None
+    assets: Assets = None
     keyframe_every: int = 10
     delta_max_ratio: float = 0.5
     shard_bytes: int = DEFAULT_SHARD_BYTES
