@@ -112,6 +112,12 @@ class VersionConflictError(CkptStreamError, FileExistsError):
     exit_code = EXIT_CONFLICT
 
 
+class ForeignStreamError(CkptStreamError, ValueError):
+    """A destination holds another stream (another ``stream_id``) than the one being copied into it."""
+
+    exit_code = EXIT_CONFLICT
+
+
 class VersionOrderError(CkptStreamError, ValueError):
     """A version number is not greater than the latest version of the stream."""
 

@@ -13,6 +13,7 @@ _LAZY_NAMES = {
     **dict.fromkeys(("ReplicaRecord", "read_replicas", "replica_path", "write_replica"), ".replicas"),
     **dict.fromkeys(("Stream", "TensorDiff", "VerifyReport"), ".stream"),
     "MaterializedBase": ".materialize",
+    "select_versions": ".selection",
     "MARKER_FILE": "..format",
 }
 
@@ -20,9 +21,10 @@ if TYPE_CHECKING:
     from ..format import MARKER_FILE
     from .materialize import MaterializedBase
     from .replicas import ReplicaRecord, read_replicas, replica_path, write_replica
+    from .selection import select_versions
     from .stream import Stream, TensorDiff, VerifyReport
 
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
 __all__ = ["MARKER_FILE", "MaterializedBase", "ReplicaRecord", "Stream", "TensorDiff", "VerifyReport",
-           "read_replicas", "replica_path", "write_replica"]
+           "read_replicas", "replica_path", "select_versions", "write_replica"]

@@ -7,10 +7,11 @@ This face imports its submodules eagerly (and so torch), unlike ``ckptstream``, 
 hand out the submodule to whoever asks after that submodule was imported.
 """
 
+from ..reader.selection import select_versions
 from .cache import VersionCache, default_cache_dir
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from .follower import Follower, FollowerConfig, UpdateRecord
-from .replay import ReplayResult, replay, select_versions
+from .replay import ReplayResult, replay
 from .serve import CPU_VLLM_ARGS, BackgroundServe, free_port, serve, vllm_command, vllm_platform_is_cpu
 from .takeover import Takeover
 

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import CkptStreamError, InvalidVersionError, VersionNotFoundError
-from ..reader import Stream
+from ..errors import CkptStreamError
+from ..reader.selection import select_versions
 from .client import VllmControl, VllmError
 from .follower import Follower, FollowerConfig
 from .takeover import Takeover
@@ -29,25 +29,6 @@ class ReplayResult:
     exit_code: int | None  # None: the version could not be loaded, the command did not run
     run_s: float
     error: str | None = None
-
-
-def select_versions(stream: Stream, spec: str) -> list[int]:
-    """The committed versions selected by ``A:B[:STEP]`` (inclusive; ``latest`` allowed; STEP counts
-    version numbers from A) or by a single version."""
-    parts = spec.split(":")
-    if not 1 <= len(parts) <= 3 or not all(parts[:2]) or (len(parts) == 3 and not parts[2].isdigit()):
-        raise InvalidVersionError(f"--versions wants A:B[:STEP] (versions, 'latest', a step of 1 or more), "
-                                  f"got {spec!r}")
-    first = stream.resolve(parts[0])
-    last = stream.resolve(parts[1]) if len(parts) > 1 else first
-    step = int(parts[2]) if len(parts) == 3 else 1
-    if step < 1:
-        raise InvalidVersionError(f"--versions {spec!r}: STEP must be at least 1")
-    chosen = [v for v in stream.versions() if first <= v <= last and (v - first) % step == 0]
-    if not chosen:
-        raise VersionNotFoundError(f"no committed version in {spec}",
-                                   hint=f"`ckptstream ls {stream.url}` lists the committed versions")
-    return chosen
 
 
 def replay(url: str, versions: str, vllm_urls: Sequence[str | VllmControl], command: Sequence[str], *,

@@ -15,8 +15,8 @@ import threading
 import uuid
 from typing import Mapping
 
-from ..errors import (CkptStreamError, CommitOutcomeUnknownError, IncompatibleStreamError, PublishError,
-                      VersionConflictError)
+from ..errors import (CkptStreamError, CommitOutcomeUnknownError, ForeignStreamError, IncompatibleStreamError,
+                      IntegrityError, PublishError, VersionConflictError)
 from ..format import (DELTA, KEYFRAME, STREAM_FILE, FileEntry, Manifest, StreamInfo, asset_path, content_hash,
                       is_reserved_asset_name, is_safe_file_name, manifest_path)
 from ..storage import Storage
@@ -139,6 +139,50 @@ def _create_stream(storage: Storage, assets: Mapping[str, bytes], stream_id: str
         return info
     except FileExistsError:
         return StreamInfo.from_bytes(storage.read(STREAM_FILE))
+
+
+def adopt_stream(storage: Storage, raw_info: bytes, assets: Mapping[str, bytes]) -> StreamInfo:
+    """Make ``storage`` a copy of another store's stream: its assets and the exact bytes of its
+    ``stream.json`` (so the copy has the same ``stream_id`` and metadata), each put-if-absent.
+
+    ``assets`` are the source's asset files, each checked against ``raw_info`` before anything is written.
+    A destination that already holds this stream is left as it is (its missing assets are added).
+
+    Raises:
+        IntegrityError: ``raw_info`` is not a valid ``stream.json``, or an asset is not the one it lists.
+        ForeignStreamError: the destination holds another stream.
+    """
+    info = StreamInfo.from_bytes(raw_info)
+    for entry in info.assets:
+        data = assets.get(entry.name)
+        if data is None or len(data) != entry.size or content_hash(data) != entry.hash:
+            raise IntegrityError("the source's asset file does not match its stream.json", file=asset_path(entry.name),
+                                 hint="The source stream is damaged; nothing was written")
+    existing = read_stream_info(storage)
+    if existing is not None and existing.stream_id != info.stream_id:
+        raise _foreign(storage, existing, info)
+    for entry in info.assets:
+        try:
+            storage.put_if_absent(asset_path(entry.name), assets[entry.name])
+        except FileExistsError:
+            if content_hash(storage.read(asset_path(entry.name))) != entry.hash:
+                raise ForeignStreamError("the destination holds a different file of this name",
+                                         file=asset_path(entry.name),
+                                         hint="Copy into an empty location or into a copy of the same stream") from None
+    try:
+        storage.put_if_absent(STREAM_FILE, raw_info)
+    except FileExistsError:
+        existing = StreamInfo.from_bytes(storage.read(STREAM_FILE))
+        if existing.stream_id != info.stream_id:
+            raise _foreign(storage, existing, info) from None
+        return existing
+    log.info("created %s as a copy of stream %s", storage.url, info.stream_id)
+    return info
+
+
+def _foreign(storage: Storage, existing: StreamInfo, info: StreamInfo) -> ForeignStreamError:
+    return ForeignStreamError(f"{storage.url} holds stream {existing.stream_id}, not {info.stream_id}",
+                              file=STREAM_FILE, hint="Copy into an empty location or into a copy of the same stream")
 
 
 class LazyStream:

@@ -1,0 +1,209 @@
+"""Carrying committed versions between stores byte for byte, shared by ``mirror`` and bundles.
+
+A copied version is the source's, unchanged: the same manifest bytes, the same ``stream_id``, the same data
+files (no re-encoding, so a delta moves only its stored bytes). Per version the data files come first, each
+checked against the source manifest's size and hash while it is written, and appear under their final names
+only once checked; the manifest comes last, through the destination's put-if-absent
+(:func:`ckptstream.writer.commit.commit_manifest`, shared with the publisher). So a copy interrupted at any
+moment leaves no visible partial version, and a copy run again moves only what is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .errors import IntegrityError, VersionConflictError
+from .format import STREAM_FILE, FileEntry, Hasher, Manifest, data_path, manifest_path
+from .reader import Stream
+from .reader.files import file_hash
+from .storage import MAX_CONCURRENT_READS, Storage
+from .writer.commit import adopt_stream, commit_manifest
+
+log = logging.getLogger("ckptstream.transfer")
+
+COPY_CHUNK_BYTES = 8 << 20
+"""One ranged read of a copied file: large enough to amortize a request's latency, small enough that the
+reads in flight (``MAX_CONCURRENT_READS`` of them) stay within a bounded buffer."""
+
+Progress = Callable[[int], None]
+
+
+def versions_to_carry(src: Stream, wanted: Iterable[int], present: Callable[[int], bool]) -> list[int]:
+    """``wanted`` and every base their delta chains need, less the versions ``present`` at the destination,
+    oldest first (bases before the deltas on them, the order of committing).
+
+    Raises:
+        MissingBaseError / IntegrityError: a chain at the source is broken, naming the version.
+    """
+    needed: set[int] = set()
+    for version in sorted(set(wanted), reverse=True):
+        if version in needed or present(version):
+            continue
+        for manifest in reversed(src.chain(version)):  # from the version down to its keyframe
+            if manifest.version in needed or present(manifest.version):
+                break
+            needed.add(manifest.version)
+    return sorted(needed)
+
+
+def verified_chunks(src: Storage, path: str, size: int) -> Iterator[bytes]:
+    """The bytes of a file of ``size`` bytes, in order, fetched by concurrent ranged reads (at most
+    ``MAX_CONCURRENT_READS`` chunks of ``COPY_CHUNK_BYTES`` in flight: bounded memory)."""
+    spans = [(start, min(start + COPY_CHUNK_BYTES, size)) for start in range(0, size, COPY_CHUNK_BYTES)]
+    if len(spans) <= 1:
+        yield src.read(path, 0, size) if size else b""
+        return
+    with ThreadPoolExecutor(min(MAX_CONCURRENT_READS, len(spans)), thread_name_prefix="ckptstream-copy") as pool:
+        pending = []
+        for span in spans:
+            pending.append(pool.submit(src.read, path, *span))
+            if len(pending) >= MAX_CONCURRENT_READS:
+                yield pending.pop(0).result()
+        for future in pending:
+            yield future.result()
+
+
+def write_verified(dst: Storage, path: str, chunks: Iterable[bytes], entry: FileEntry, *, version: int | None,
+                   source: str, progress: Progress | None = None) -> int:
+    """Write ``chunks`` to ``path`` at ``dst``; the file appears only if its bytes have ``entry``'s size and
+    hash (checked as they pass, before the write completes). Returns the bytes written.
+
+    Raises:
+        IntegrityError: the bytes differ from ``entry`` (naming ``source``, where they came from); nothing
+            appears at ``path``.
+    """
+    hasher, written = Hasher(), 0
+    with dst.open_write(path) as out:
+        for chunk in chunks:
+            written += len(chunk)
+            if written > entry.size:
+                break
+            hasher.update(chunk)
+            out.write(chunk)
+            if progress:
+                progress(len(chunk))
+        if written != entry.size or hasher.digest() != entry.hash:
+            what = (f"has {'more than ' if written > entry.size else ''}{written} bytes, the manifest says "
+                    f"{entry.size}" if written != entry.size else "does not match the manifest's hash")
+            raise IntegrityError(f"{what} (corrupt or truncated at the source); not copied", version=version,
+                                 file=source, hint="Repair or re-publish it at the source")
+    return written
+
+
+def holds_file(dst: Storage, path: str, entry: FileEntry) -> bool:
+    """Whether ``dst`` already holds ``entry`` at ``path``, checked by size and content hash (never by an
+    object store's ETag, which is no content hash for multipart uploads)."""
+    try:
+        if dst.size(path) != entry.size:
+            return False
+        return file_hash(dst, path) == (entry.size, entry.hash)
+    except FileNotFoundError:
+        return False
+
+
+@dataclass(frozen=True)
+class CopiedVersion:
+    """What carrying one version did."""
+
+    version: int
+    kind: str
+    files: int
+    copied_bytes: int  # bytes moved for this version (files the destination lacked)
+    present_bytes: int  # bytes of files the destination already held, checked by size and hash
+    stored_bytes: int  # the version's stored bytes (its data files' total)
+
+
+class Destination:
+    """The store a stream is copied into: the copy of ``stream.json`` and its assets, and per-version
+    commits of the source's exact manifest bytes."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self._adopted = False
+
+    def adopt(self, src: Stream) -> None:
+        """Create the destination as a copy of ``src``'s stream, or check that it is one (once).
+
+        Raises:
+            ForeignStreamError: the destination holds another stream.
+        """
+        if self._adopted:
+            return
+        assets = {entry.name: src.asset(entry) for entry in src.info().assets}
+        adopt_stream(self.storage, src.storage.read(STREAM_FILE), assets)
+        self._adopted = True
+
+    def committed(self, version: int) -> bytes | None:
+        """The manifest bytes the destination holds for ``version``, or None."""
+        try:
+            return self.storage.read(manifest_path(version))
+        except FileNotFoundError:
+            return None
+
+    def check_same(self, version: int, raw: bytes) -> bool:
+        """Whether the destination holds ``version`` with exactly these manifest bytes (False if it holds
+        none).
+
+        Raises:
+            VersionConflictError: it holds another version of that number.
+        """
+        held = self.committed(version)
+        if held is None:
+            return False
+        if held != raw:
+            raise VersionConflictError("the destination holds a different version of this number",
+                                       version=version, file=manifest_path(version),
+                                       hint="The two stores hold diverged streams; copy into an empty location")
+        return True
+
+    def copy_file(self, manifest: Manifest, entry: FileEntry, chunks: Callable[[], Iterable[bytes]], *,
+                  source: str, progress: Progress | None = None) -> int:
+        """Put data file ``entry`` of ``manifest`` at the destination unless it holds it already; ``chunks()``
+        gives its bytes. Returns the bytes moved (0 if it was there)."""
+        path = data_path(manifest.version, entry.name)
+        if holds_file(self.storage, path, entry):
+            if progress:
+                progress(entry.size)
+            return 0
+        return write_verified(self.storage, path, chunks(), entry, version=manifest.version, source=source,
+                              progress=progress)
+
+    def commit(self, manifest: Manifest, raw: bytes) -> None:
+        """Commit the source's manifest bytes (put-if-absent); its data files must be in place."""
+        commit_manifest(self.storage, manifest, raw)
+
+
+def copy_version(src: Stream, dst: Destination, version: int, *, progress: Progress | None = None) -> CopiedVersion:
+    """Carry one version from ``src`` to ``dst``: data files first, each verified, then the manifest.
+    Its delta base must be at the destination already (``versions_to_carry`` orders them so).
+
+    Raises:
+        IntegrityError: a source file is missing, truncated or corrupt (the destination is unchanged: no
+            file of it appears, nothing is committed).
+        VersionConflictError: the destination holds a different version of this number.
+    """
+    raw = src.storage.read(manifest_path(version))
+    manifest = Manifest.from_bytes(raw, version=version, stream_id=src.info().stream_id)
+    if dst.check_same(version, raw):
+        return CopiedVersion(version, manifest.kind, len(manifest.files), 0, manifest.stored_bytes,
+                             manifest.stored_bytes)
+    moved = 0
+    for entry in manifest.files:
+        path = data_path(version, entry.name)
+        try:
+            moved += dst.copy_file(manifest, entry, lambda p=path, e=entry: verified_chunks(src.storage, p, e.size),
+                                   source=f"{src.url}/{path}", progress=progress)
+        except FileNotFoundError:
+            raise IntegrityError("data file is missing at the source; not copied", version=version,
+                                 file=f"{src.url}/{path}", hint="Repair or re-publish it at the source") from None
+        except EOFError:
+            raise IntegrityError("data file is truncated at the source; not copied", version=version,
+                                 file=f"{src.url}/{path}", hint="Repair or re-publish it at the source") from None
+    dst.commit(manifest, raw)
+    log.info("copied version %d (%s): %d bytes moved of %d stored", version, manifest.kind, moved,
+             manifest.stored_bytes)
+    return CopiedVersion(version, manifest.kind, len(manifest.files), moved, manifest.stored_bytes - moved,
+                         manifest.stored_bytes)
