@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .errors import IntegrityError, VersionConflictError
+from .errors import IntegrityError, MissingBaseError, VersionConflictError
 from .format import STREAM_FILE, FileEntry, Hasher, Manifest, data_path, manifest_path
 from .reader import Stream
 from .reader.files import file_hash
@@ -171,8 +171,22 @@ class Destination:
         return write_verified(self.storage, path, chunks(), entry, version=manifest.version, source=source,
                               progress=progress)
 
+    def require_base(self, manifest: Manifest) -> None:
+        """Refuse a delta whose base version the destination lacks: committed, it would be a version no
+        reader there can decode.
+
+        Raises:
+            MissingBaseError: naming the delta and its base.
+        """
+        if manifest.base_version is not None and self.committed(manifest.base_version) is None:
+            raise MissingBaseError(f"its base version {manifest.base_version} is not at the destination "
+                                   "(refused or gone at the source)", version=manifest.version,
+                                   hint="Copy the base first, or copy from a newer keyframe")
+
     def commit(self, manifest: Manifest, raw: bytes) -> None:
-        """Commit the source's manifest bytes (put-if-absent); its data files must be in place."""
+        """Commit the source's manifest bytes (put-if-absent); its data files must be in place and its
+        base committed (MissingBaseError otherwise)."""
+        self.require_base(manifest)
         commit_manifest(self.storage, manifest, raw)
 
 
@@ -183,6 +197,7 @@ def copy_version(src: Stream, dst: Destination, version: int, *, progress: Progr
     Raises:
         IntegrityError: a source file is missing, truncated or corrupt (the destination is unchanged: no
             file of it appears, nothing is committed).
+        MissingBaseError: the destination lacks the delta's base version.
         VersionConflictError: the destination holds a different version of this number.
     """
     raw = src.storage.read(manifest_path(version))
@@ -190,6 +205,7 @@ def copy_version(src: Stream, dst: Destination, version: int, *, progress: Progr
     if dst.check_same(version, raw):
         return CopiedVersion(version, manifest.kind, len(manifest.files), 0, manifest.stored_bytes,
                              manifest.stored_bytes)
+    dst.require_base(manifest)
     moved = 0
     for entry in manifest.files:
         path = data_path(version, entry.name)

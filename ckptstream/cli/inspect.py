@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("b", metavar="B", type=version_ref, help=VERSION_HELP)
     p.add_argument("--all", action="store_true", help="also list unchanged tensors")
 
-    p = add_command(sub, "replicas", run_replicas, "list the followers of a stream and what they serve", """
+    p = add_command(sub, "replicas", run_replicas,
+                    "list the followers and mirrors of a stream: what each serves or has copied", """
         ckptstream replicas /mnt/nfs/run1
         ckptstream replicas s3://bucket/run1 --json
         """)
@@ -138,7 +139,8 @@ def run_replicas(args: argparse.Namespace) -> int:
         print_json([{**asdict(r), "age_s": r.age()} for r in records])
         return EXIT_OK
     now = time.time()
-    print(table([[r.replica_id, "-" if r.version is None else str(r.version), r.state, f"{r.age(now):.0f}s",
-                  ",".join(r.urls), (r.last_error or "")[:60]] for r in records],
-                ["REPLICA", "VERSION", "STATE", "HEARTBEAT", "URLS", "LAST ERROR"]))
+    print(table([[r.replica_id, r.kind, "-" if r.version is None else str(r.version), r.state, f"{r.age(now):.0f}s",
+                  ",".join(r.urls) or r.source or "", "-" if r.lag is None else str(r.lag), (r.last_error or "")[:60]]
+                 for r in records],
+                ["REPLICA", "KIND", "VERSION", "STATE", "HEARTBEAT", "URLS/SOURCE", "LAG", "LAST ERROR"]))
     return EXIT_OK

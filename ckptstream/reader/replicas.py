@@ -14,15 +14,22 @@ STATE_ASIDE = "aside"
 """The follower stands aside: another process (a replay) has taken its servers over."""
 NOT_SERVING_STATES = frozenset({"stopped", STATE_ASIDE})
 """States in which a record's ``version`` is not what its servers serve for the stream now."""
+KIND_FOLLOWER = "follower"
+"""A record of a follower: ``version`` is what its vLLM servers serve."""
+KIND_MIRROR = "mirror"
+"""A record of a mirror keeping this stream a copy of ``source``: ``version`` is the last version it copied.
+Mirrors serve nothing, so they never count as replicas a trainer waits for."""
 
 
 @dataclass
 class ReplicaRecord:
     """The state a follower reports for itself (one per follower, overwritten in place).
 
-    ``state`` is one of ``starting``, ``serving``, ``updating``, ``error``, ``aside``, ``stopped``;
-    ``heartbeat`` is seconds since the epoch, written at least every heartbeat interval, also during long
-    pulls.
+    ``kind`` is ``follower`` or ``mirror``. A follower's ``state`` is one of ``starting``, ``serving``,
+    ``updating``, ``error``, ``aside``, ``stopped``; a mirror's one of ``starting``, ``copying``, ``current``,
+    ``error``, ``stopped``, with ``source`` the stream it copies and ``lag`` the versions selected there that it
+    has not copied yet. ``heartbeat`` is seconds since the epoch, written at least every heartbeat interval,
+    also during long pulls.
     """
 
     replica_id: str
@@ -34,6 +41,9 @@ class ReplicaRecord:
     urls: list[str] = field(default_factory=list)
     host: str = ""
     pid: int = 0
+    kind: str = KIND_FOLLOWER
+    source: str | None = None
+    lag: int | None = None
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the last heartbeat."""
@@ -69,6 +79,9 @@ _FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
     "urls": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "host": lambda v: isinstance(v, str),
     "pid": _is_int,
+    "kind": lambda v: isinstance(v, str),
+    "source": lambda v: v is None or isinstance(v, str),
+    "lag": lambda v: v is None or _is_int(v),
 }
 """What a readable record's known fields hold: a wrong type would break its readers' comparisons."""
 

@@ -23,7 +23,7 @@ from ..storage import Storage, open_storage
 from .decode import decode_tensor, load_checked
 from .files import DataFiles
 from .materialize import MaterializedBase, build_directory, write_directory
-from .replicas import NOT_SERVING_STATES, ReplicaRecord, read_replicas
+from .replicas import KIND_FOLLOWER, NOT_SERVING_STATES, ReplicaRecord, read_replicas
 
 DEFAULT_INFLIGHT_BYTES = 1 << 30
 MANIFEST_CACHE_SIZE = 64
@@ -194,7 +194,7 @@ class Stream:
 
         A trainer calls this to bound rollout staleness. Replicas whose heartbeat is older than
         ``max_heartbeat_age`` seconds count as dead, and so do stopped ones and those standing aside
-        while another process (a replay) drives their servers.
+        while another process (a replay) drives their servers. Mirrors' records are not replicas.
 
         Returns:
             The live replicas at ``version`` or newer.
@@ -205,7 +205,8 @@ class Stream:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             now = time.time()
-            ready = [r for r in self.replicas() if r.version is not None and r.version >= version
+            ready = [r for r in self.replicas() if r.kind == KIND_FOLLOWER and r.version is not None
+                     and r.version >= version
                      and r.age(now) <= max_heartbeat_age and r.state not in NOT_SERVING_STATES]
             if len(ready) >= min_replicas:
                 return ready

@@ -1,0 +1,186 @@
+"""``mirror``: byte-for-byte copies between stores (local ↔ S3 on moto), resumable, refusing what is wrong."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from ckptstream.errors import ForeignStreamError, VersionConflictError
+from ckptstream.format import data_path, manifest_path
+from ckptstream.mirror import Mirror, MirrorConfig
+from ckptstream.reader import Stream
+from ckptstream.storage import open_storage
+from ckptstream.writer import Publisher
+from tests.helpers import assert_same_tensors, new_bucket, random_state
+
+CLI = [sys.executable, "-m", "ckptstream.cli"]
+
+
+def publish_versions(url: str, count: int, *, keyframe_every: int = 4, start: int = 0, seed: int = 0,
+                     **options) -> dict[int, dict[str, torch.Tensor]]:
+    """Publish ``count`` versions of a drifting state; returns each version's tensors."""
+    state = random_state(seed, scale=8)
+    published = {}
+    with Publisher(url, keyframe_every=keyframe_every, **options) as publisher:
+        for version in range(start, start + count):
+            state["layer.0.b"][version % 50] += 1.0
+            state["embed.weight"][version % 64, :8] += 0.5
+            publisher.publish(state, version=version).result()
+            published[version] = {k: v.clone() for k, v in state.items()}
+    return published
+
+
+def stored_files(url: str, options: dict | None = None) -> dict[str, bytes]:
+    """Every committed file of a stream (stream.json, assets, manifests, data), by path."""
+    stream = Stream(url, storage_options=options)
+    files = {"stream.json": stream.storage.read("stream.json")}
+    for asset in stream.info().assets:
+        files[f"assets/{asset.name}"] = stream.asset(asset)
+    for version in stream.versions():
+        files[manifest_path(version)] = stream.storage.read(manifest_path(version))
+        for entry in stream.manifest(version).files:
+            files[data_path(version, entry.name)] = stream.storage.read(data_path(version, entry.name))
+    return files
+
+
+def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, **kwargs)
+
+
+@pytest.mark.parametrize("direction", ["local-to-s3", "s3-to-local"])
+def test_mirror_copies_byte_for_byte_and_moves_only_stored_bytes(direction, s3_endpoint, tmp_path):
+    s3_url = f"s3://{new_bucket(s3_endpoint)}/run"
+    src, dst = (str(tmp_path / "src"), s3_url) if direction == "local-to-s3" else (s3_url, str(tmp_path / "dst"))
+    published = publish_versions(src, 6)
+    done = run_cli("mirror", src, dst, "--json")
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["version"] for line in lines] == list(range(6))
+    source = Stream(src)
+    for line in lines:  # a delta moves exactly its stored bytes, no re-encoding
+        assert line["status"] == "copied"
+        assert line["copied_bytes"] == line["stored_bytes"] == source.manifest(line["version"]).stored_bytes
+        assert line["seconds"] >= 0 and line["throughput_bytes_per_s"] > 0
+    assert stored_files(dst) == stored_files(src)
+    copy = Stream(dst)
+    assert copy.info().stream_id == source.info().stream_id
+    for version, tensors in published.items():
+        assert_same_tensors(dict(copy.iter_tensors(version)), tensors)
+    again = run_cli("mirror", src, dst, "--json")  # idempotent: nothing left to move
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == ""
+
+
+def test_a_version_range_brings_the_chain_it_needs(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    publish_versions(src, 8, keyframe_every=4)  # keyframes 0 and 4
+    results = Mirror(Stream(src), open_storage(dst), MirrorConfig(versions="6:7")).run_once()
+    assert [r.version for r in results] == [4, 5, 6, 7]
+    assert Stream(dst).versions() == [4, 5, 6, 7]
+    Stream(dst).verify(7)
+    more = Mirror(Stream(src), open_storage(dst), MirrorConfig(versions="2:latest")).run_once()
+    assert [r.version for r in more] == [0, 1, 2, 3]
+    assert stored_files(dst) == stored_files(src)
+
+
+def test_an_interrupted_copy_resumes_checking_what_is_there(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    publish_versions(src, 3, keyframe_every=10)
+    Mirror(Stream(src), open_storage(dst)).run_once()
+    # As if killed between the data files and the commit: the data is there, the manifest not; and one
+    # file of another version is damaged (a full disk, a bad copy).
+    dst_storage = open_storage(dst)
+    dst_storage.delete(manifest_path(2))
+    dst_storage.delete(manifest_path(1))
+    damaged = data_path(1, Stream(src).manifest(1).files[0].name)
+    dst_storage.put(damaged, b"not the data")
+    results = {r.version: r for r in Mirror(Stream(src), open_storage(dst)).run_once()}
+    assert results[2].status == "present" and results[2].copied_bytes == 0
+    assert results[2].present_bytes == Stream(src).manifest(2).stored_bytes
+    assert results[1].status == "copied" and results[1].copied_bytes == Stream(src).manifest(1).stored_bytes
+    assert stored_files(dst) == stored_files(src)
+
+
+def test_a_destination_holding_another_stream_or_version_is_refused(tmp_path):
+    src, other, diverged = str(tmp_path / "src"), str(tmp_path / "other"), str(tmp_path / "diverged")
+    publish_versions(src, 2)
+    publish_versions(other, 1, seed=1)
+    before = stored_files(other)
+    with pytest.raises(ForeignStreamError, match="holds stream"):
+        Mirror(Stream(src), open_storage(other)).run_once()
+    done = run_cli("mirror", src, other)
+    assert done.returncode == 5 and "holds stream" in done.stderr
+    assert stored_files(other) == before
+    # The same stream, but its version 1 is not the source's (a second trainer wrote to the copy).
+    Mirror(Stream(src), open_storage(diverged), MirrorConfig(versions="0:0")).run_once()
+    with Publisher(diverged) as publisher:
+        publisher.publish(random_state(7, scale=8), version=1).result()
+    done = run_cli("mirror", src, diverged)
+    assert done.returncode == 5 and "version 1" in done.stderr, done.stderr
+    with pytest.raises(VersionConflictError):
+        Mirror(Stream(src), open_storage(diverged)).run_once()
+
+
+def test_a_corrupt_source_version_is_refused_and_later_versions_go_on(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    published = publish_versions(src, 6, keyframe_every=3)  # keyframes 0 and 3
+    path = tmp_path / "src" / data_path(1, Stream(src).manifest(1).files[0].name)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    done = run_cli("mirror", src, dst, "--json")
+    assert done.returncode == 3, done.stderr
+    results = {line["version"]: line for line in map(json.loads, done.stdout.splitlines())}
+    assert results[1]["status"] == "refused" and "version 1" in results[1]["error"]
+    assert "hash" in results[1]["error"]
+    assert results[2]["status"] == "refused" and "base version 1" in results[2]["error"]  # its base is gone
+    assert Stream(dst).versions() == [0, 3, 4, 5]
+    assert not (tmp_path / "dst" / data_path(1, Stream(src).manifest(1).files[0].name)).exists()
+    for version in (0, 3, 4, 5):
+        assert_same_tensors(dict(Stream(dst).iter_tensors(version)), published[version])
+
+
+def test_follow_keeps_the_copy_current_and_reports_as_a_mirror(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    published = publish_versions(src, 2, keyframe_every=3)
+    seen = []
+    mirror = Mirror(Stream(src), open_storage(dst),
+                    MirrorConfig(replica_id="site-mirror", poll_interval=0.1, heartbeat_interval=0.2,
+                                 on_version=seen.append))
+    stop = threading.Event()
+    thread = threading.Thread(target=mirror.follow, args=(stop,))
+    thread.start()
+    try:
+        published.update(publish_versions(src, 4, keyframe_every=3, start=2))
+        deadline = time.monotonic() + 30
+        while Stream(dst).latest() != 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Stream(dst).versions() == list(range(6))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            records = Stream(dst).replicas()
+            if records and records[0].version == 5 and records[0].state == "current":
+                break
+            time.sleep(0.05)
+        (record,) = Stream(dst).replicas()
+        assert (record.replica_id, record.kind, record.source, record.version, record.lag) == \
+            ("site-mirror", "mirror", src, 5, 0)
+        with pytest.raises(TimeoutError):  # a mirror serves nothing: a trainer never waits on it
+            Stream(dst).wait_for_version(5, timeout=0.3, poll_interval=0.1)
+        listed = run_cli("replicas", dst)
+        assert "site-mirror" in listed.stdout and "mirror" in listed.stdout
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert Stream(dst).replicas()[0].state == "stopped"
+    assert sorted(r.version for r in seen) == list(range(6))
+    assert stored_files(dst) == stored_files(src)
+    for version, tensors in published.items():
+        assert_same_tensors(dict(Stream(dst).iter_tensors(version)), tensors)
