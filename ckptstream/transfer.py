@@ -19,14 +19,10 @@ from .errors import IntegrityError, MissingBaseError, VersionConflictError
 from .format import STREAM_FILE, FileEntry, Hasher, Manifest, data_path, manifest_path
 from .reader import Stream
 from .reader.files import file_hash
-from .storage import MAX_CONCURRENT_READS, Storage
+from .storage import MAX_CONCURRENT_READS, Storage, chunk_spans
 from .writer.commit import adopt_stream, commit_manifest
 
 log = logging.getLogger("ckptstream.transfer")
-
-COPY_CHUNK_BYTES = 8 << 20
-"""One ranged read of a copied file: large enough to amortize a request's latency, small enough that the
-reads in flight (``MAX_CONCURRENT_READS`` of them) stay within a bounded buffer."""
 
 Progress = Callable[[int], None]
 
@@ -51,8 +47,8 @@ def versions_to_carry(src: Stream, wanted: Iterable[int], present: Callable[[int
 
 def verified_chunks(src: Storage, path: str, size: int) -> Iterator[bytes]:
     """The bytes of a file of ``size`` bytes, in order, fetched by concurrent ranged reads (at most
-    ``MAX_CONCURRENT_READS`` chunks of ``COPY_CHUNK_BYTES`` in flight: bounded memory)."""
-    spans = [(start, min(start + COPY_CHUNK_BYTES, size)) for start in range(0, size, COPY_CHUNK_BYTES)]
+    ``MAX_CONCURRENT_READS`` chunks of ``RANGE_CHUNK_BYTES`` in flight: bounded memory)."""
+    spans = chunk_spans(0, size)
     if len(spans) <= 1:
         yield src.read(path, 0, size) if size else b""
         return

@@ -18,8 +18,9 @@ from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, Str
 from ..format import (DEFAULT_SHARD_BYTES, LATEST, MANIFESTS_DIR, MAX_VERSION, STREAM_FILE, FileEntry, Manifest,
                       StreamInfo, TensorEntry, asset_path, content_hash, manifest_path,
                       parse_version_name)
-from ..parallel import ordered_parallel
-from ..storage import Storage, open_storage
+from ..parallel import default_workers, ordered_parallel
+from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
+from ..storage.readahead import ChunkedReads
 from .decode import decode_tensor, load_checked
 from .files import DataFiles
 from .materialize import MaterializedBase, build_directory, write_directory
@@ -75,7 +76,10 @@ class Stream:
         self._info: StreamInfo | None = None
         self._manifests: collections.OrderedDict[int, Manifest] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._files = DataFiles(self.storage)
+        # Object stores serve a tensor's range per request: aligned chunks fetched concurrently instead.
+        self._chunked = (ChunkedReads(self.storage)
+                         if self.storage.capabilities.ranged_reads and not self.storage.is_posix else None)
+        self._files = DataFiles(self._chunked or self.storage)
 
     # ---------------------------------------------------------------------------------------- discovery
 
@@ -251,12 +255,18 @@ class Stream:
         def work(entry: TensorEntry) -> R:
             return sink(entry, decode_tensor(self._files, chain.__getitem__, target, entry, base))
 
+        if workers is None and not self.storage.is_posix:
+            # Each thread mostly waits for its ranged reads: enough of them to keep an object store's link
+            # full (memory stays bounded by max_inflight_bytes).
+            workers = max(default_workers(), MAX_CONCURRENT_READS)
         try:
             yield from ordered_parallel(entries, work, lambda e: e.nbytes, max_cost=max_inflight_bytes,
                                         workers=workers)
         finally:
             if base is not None:
                 base.close()
+            if self._chunked is not None:
+                self._chunked.clear()
 
     def read_tensor(self, version: int, name: str) -> torch.Tensor:
         """One tensor of a version, decoded and checked (TensorNotFoundError, a KeyError, if it lacks it)."""

@@ -23,6 +23,9 @@ from ..format import TEMP_PREFIX
 # Ranges one ``read_ranges`` call fetches at once: enough to fill a link to an object store (each request
 # is latency-bound), few enough not to exhaust its connection pool or the file descriptors of a POSIX host.
 MAX_CONCURRENT_READS = 16
+RANGE_CHUNK_BYTES = 8 << 20
+"""Large reads are split into ranges of this size, read concurrently: large enough to amortize a request's
+latency, small enough that ``MAX_CONCURRENT_READS`` of them in flight stay a bounded buffer."""
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -86,6 +89,11 @@ def check_ranges(ranges: Sequence[tuple[int, int]]) -> None:
     for start, end in ranges:
         if not 0 <= start <= end:
             raise ValueError(f"invalid byte range [{start}, {end})")
+
+
+def chunk_spans(start: int, end: int) -> list[tuple[int, int]]:
+    """``[start, end)`` as consecutive ranges of at most ``RANGE_CHUNK_BYTES`` (none for an empty range)."""
+    return [(a, min(a + RANGE_CHUNK_BYTES, end)) for a in range(start, end, RANGE_CHUNK_BYTES)]
 
 
 def short_read(path: str, offset: int, wanted: int, got: int) -> EOFError:
