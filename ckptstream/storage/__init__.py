@@ -10,10 +10,11 @@ from .base import MAX_CONCURRENT_READS, Capabilities, Entry, Storage, Watch, tem
 from .fsspec import FsspecStorage
 from .posix import PosixStorage, fsync_path
 from .registry import BackendFactory, open_storage, register_backend, registered_schemes
+from .throttle import ThrottledStorage
 from .wrapper import ReadOnlyStorage
 
 __all__ = [
     "MAX_CONCURRENT_READS", "BackendFactory", "Capabilities", "Entry", "FsspecStorage", "PosixStorage",
-    "ReadOnlyStorage", "Storage", "Watch", "fsync_path", "open_storage", "register_backend", "registered_schemes",
-    "temp_name",
+    "ReadOnlyStorage", "Storage", "ThrottledStorage", "Watch", "fsync_path", "open_storage", "register_backend",
+    "registered_schemes", "temp_name",
 ]
