@@ -28,6 +28,8 @@ ASSETS_DIR = "assets"
 MANIFESTS_DIR = "manifests"
 VERSIONS_DIR = "versions"
 REPLICAS_DIR = "replicas"
+LEASES_DIR = "leases"
+"""Where readers pulling a version keep their leases on it (FORMAT.md, "Leases")."""
 TEMP_PREFIX = ".tmp-"
 """Prefix of every temporary name; anything carrying it older than the gc grace period is debris."""
 LATEST = "latest"
@@ -43,6 +45,11 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_STREAM_FILE_BYTES = 16 << 20
 MAX_REPLICA_RECORD_BYTES = 1 << 20
 """Replica records larger than this are skipped unread (they are reports, not data)."""
+MAX_LEASE_RECORD_BYTES = 64 << 10
+"""Lease records larger than this are malformed: ignored by gc, skipped unread."""
+LEASE_CLOCK_SKEW_SECONDS = 5.0
+"""A lease counts as live until this long after its ``expires``: the holder's and the collector's clocks
+may differ by that much."""
 MAX_FILE_BYTES = 1 << 50
 """Upper bound on every size, offset, length, count and dimension a manifest declares."""
 MAX_CHUNK_BYTES = 1 << 30
@@ -204,6 +211,15 @@ def data_path(version: int, file_name: str) -> str:
 
 def asset_path(name: str) -> str:
     return f"{ASSETS_DIR}/{name}"
+
+
+def lease_path(version: int, token: str) -> str:
+    """The record of one lease on ``version``: ``leases/<version>-<token>.json``, ``token`` unique to the
+    lease (ValueError if the name would not be a plain file name)."""
+    name = f"{version_name(version)}-{token}.json"
+    if not is_safe_file_name(name):
+        raise ValueError(f"lease token {token!r} must be a plain name (letters, digits, '.', '_', '-')")
+    return f"{LEASES_DIR}/{name}"
 
 
 def tensor_name_problem(name: object) -> str | None:

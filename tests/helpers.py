@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import uuid
+from typing import Callable
 
 import torch
 
 from ckptstream.codec import tensor_hash
+from ckptstream.storage import Storage
 
 
 def new_bucket(endpoint: str) -> str:
@@ -71,3 +73,62 @@ def run_ranks(target, world_size: int, *args: object, timeout: float = 300) -> l
             process.kill()
             process.join()
     return codes
+
+
+
+class HookedStorage(Storage):
+    """A storage that passes everything through to ``inner`` but first calls ``hook(operation, path)`` for
+    each read, list and delete: a test interleaves another process's step at an exact point of the code
+    under test (a real interleaving of real operations), or injects a fault that cannot be caused for real
+    here (a permission error, when tests run as root)."""
+
+    def __init__(self, inner: Storage, hook: Callable[[str, str], None]):
+        self.inner, self.hook = inner, hook
+        self.url, self.capabilities = inner.url, inner.capabilities
+
+    def read(self, path, start=None, end=None):
+        self.hook("read", path)
+        return self.inner.read(path, start, end)
+
+    def read_into(self, path, offset, buffer):
+        self.hook("read", path)
+        self.inner.read_into(path, offset, buffer)
+
+    def read_ranges(self, path, ranges):
+        self.hook("read", path)
+        return self.inner.read_ranges(path, ranges)
+
+    def read_ranges_into(self, path, targets):
+        self.hook("read", path)
+        self.inner.read_ranges_into(path, targets)
+
+    def open_read(self, path):
+        self.hook("read", path)
+        return self.inner.open_read(path)
+
+    def open_write(self, path):
+        return self.inner.open_write(path)
+
+    def put_if_absent(self, path, data):
+        self.inner.put_if_absent(path, data)
+
+    def put(self, path, data):
+        self.inner.put(path, data)
+
+    def list(self, path):
+        self.hook("list", path)
+        return self.inner.list(path)
+
+    def size(self, path):
+        return self.inner.size(path)
+
+    def exists(self, path):
+        return self.inner.exists(path)
+
+    def delete(self, path):
+        self.hook("delete", path)
+        self.inner.delete(path)
+
+    def delete_tree(self, path):
+        self.hook("delete", path)
+        self.inner.delete_tree(path)

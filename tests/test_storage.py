@@ -17,7 +17,7 @@ import pytest
 from ckptstream.cli import main
 from ckptstream.errors import EXIT_INCOMPATIBLE, StorageCapabilityError
 from ckptstream.storage import (MAX_CONCURRENT_READS, Capabilities, FsspecStorage, PosixStorage, ReadOnlyStorage,
-                                Storage, open_storage, register_backend, registered_schemes)
+                                Storage, ThrottledStorage, open_storage, register_backend, registered_schemes, throttle)
 from ckptstream.storage.base import concurrently
 from ckptstream.testing.storage import ReadOnlyStorageSuite, WritableStorageSuite
 from tests.helpers import new_bucket
@@ -89,6 +89,20 @@ class TestReadOnlyStorage(ReadOnlyStorageSuite):
 
     def populate(self, storage: Storage, files: Mapping[str, bytes]) -> None:
         _write_files(self.root, files)
+
+
+class TestThrottledStorage(WritableStorageSuite):
+    """A throttled view of a POSIX directory behaves as a storage (at a rate high enough not to slow the suite,
+    and with pieces small enough that the suite's reads are cut into several)."""
+
+    @pytest.fixture
+    def storage(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Storage:
+        monkeypatch.setattr(throttle, "THROTTLE_PIECE_BYTES", 100)
+        return ThrottledStorage(open_storage(str(tmp_path / "stream")), 1 << 30)
+
+    def populate(self, storage: Storage, files: Mapping[str, bytes]) -> None:
+        assert isinstance(storage, ThrottledStorage) and isinstance(storage.inner, PosixStorage)
+        _write_files(Path(storage.inner.root), files)
 
 
 # ------------------------------------------------------------------------------------ the same, per stream URL
@@ -269,3 +283,64 @@ def test_concurrent_reads_are_bounded_and_raise_the_first_error():
     assert peak == MAX_CONCURRENT_READS
     assert running == 0  # every item finished before the error was raised
     assert concurrently(lambda i: i * 2, list(range(40))) == [i * 2 for i in range(40)]
+
+
+# ------------------------------------------------------------------------------------------------ --bwlimit
+
+
+@pytest.mark.parametrize("reader", ["read", "read_into", "read_ranges", "read_ranges_into", "open_read"])
+def test_throttled_reads_keep_to_the_rate(storage, reader):
+    """Every kind of read, from concurrent threads, stays within the rate: (bytes - burst) / rate seconds at
+    least (a lower bound only: a slow machine may take longer)."""
+    data = os.urandom(3 << 19)  # 1.5 MiB: two pieces and a half
+    storage.put("versions/x/data.bin", data)
+    rate = 4 << 20
+    throttled = ThrottledStorage(storage, rate)
+    quarter = len(data) // 4
+    spans = [(i * quarter, (i + 1) * quarter) for i in range(4)]
+    started = time.perf_counter()
+    if reader == "read":
+        got = b"".join(throttled.read("versions/x/data.bin", a, b) for a, b in spans)
+    elif reader == "read_into":
+        buffer = bytearray(len(data))
+        throttled.read_into("versions/x/data.bin", 0, memoryview(buffer))
+        got = bytes(buffer)
+    elif reader == "read_ranges":
+        got = b"".join(throttled.read_ranges("versions/x/data.bin", spans))
+    elif reader == "read_ranges_into":
+        buffers = [bytearray(b - a) for a, b in spans]
+        throttled.read_ranges_into("versions/x/data.bin", [(a, memoryview(buf)) for (a, _), buf in zip(spans, buffers)])
+        got = b"".join(buffers)
+    else:
+        with throttled.open_read("versions/x/data.bin") as f:
+            got = f.read()
+    elapsed = time.perf_counter() - started
+    assert got == data
+    assert elapsed >= (len(data) - throttled.bucket.burst) / rate * 0.95
+
+
+def test_token_bucket_is_shared_by_threads():
+    bucket = throttle.TokenBucket(1 << 20)
+    started = time.perf_counter()
+    threads = [threading.Thread(target=lambda: [bucket.take(64 << 10) for _ in range(4)]) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.perf_counter() - started >= ((8 * 4 * (64 << 10)) - bucket.burst) / (1 << 20) * 0.95  # 2 MiB: ~1.9 s
+
+
+@pytest.mark.parametrize(("text", "rate"), [("10M", 10 << 20), ("512K", 512 << 10), ("512k", 512 << 10),
+                                            ("1000", 1000), ("1.5G", 1.5 * (1 << 30)), ("2M", 2 << 20),
+                                            ("100B", 100), ("1M/s", 1 << 20)])
+def test_bwlimit_rates_in_rclone_units(text, rate):
+    from ckptstream.cli.options import parse_rate
+
+    assert parse_rate(text) == rate
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1M", "fast", "10X", "inf", "nan"])
+def test_bwlimit_refuses_what_is_not_a_rate(text, capsys):
+    assert main(["materialize", "/nowhere", "0", "/tmp/out", "--bwlimit", text]) == 2
+    err = capsys.readouterr().err
+    assert "Error: argument --bwlimit" in err

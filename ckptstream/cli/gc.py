@@ -11,7 +11,8 @@ from .output import human, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(sub, "gc", run_gc, "delete old versions (never a needed base) and crashed writers' debris", """
+    p = add_command(sub, "gc", run_gc, "delete old versions (never a needed base nor a leased one) and crashed "
+                    "writers' debris", """
         ckptstream gc /mnt/nfs/run1 --keep-last 20 --keep-every 100 --dry-run
         ckptstream gc s3://bucket/run1 --keep-last 5
         """)
@@ -37,6 +38,9 @@ def run_gc(args: argparse.Namespace) -> int:
           + (f" ({', '.join(map(str, report.deleted_versions))})" if report.deleted_versions else "")
           + f" and {len(report.debris)} debris item(s), {human(report.bytes_freed)}; "
           f"kept {len(report.kept)} version(s)")
+    if report.kept_for_leases:
+        print(f"  kept for leases (a reader is pulling them or their chain): "
+              f"{', '.join(map(str, report.kept_for_leases))}")
     for path in report.debris:
         print(f"  debris: {path}")
     return EXIT_OK

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import EXIT_OK, CkptStreamError
-from .options import VERSION_HELP, UsageError, add_command, add_url, open_stream, version_ref
+from .options import VERSION_HELP, UsageError, add_command, add_pull_options, add_url, open_stream, version_ref
 from .output import human, print_json, progress
 
 
@@ -17,18 +17,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                     """
         ckptstream materialize /mnt/nfs/run1 latest /dev/shm/model
         ckptstream materialize s3://bucket/run1 12 ./v12 --base-dir ./v11   # apply deltas to v11
+        ckptstream materialize s3://bucket/run1 latest ./model --bwlimit 50M  # at most 50 MiB/s
         """)
     add_url(p)
     p.add_argument("ref", metavar="VERSION", type=version_ref, help=VERSION_HELP)
     p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (must be absent or empty)")
     p.add_argument("--base-dir", help="a directory materialized earlier from this stream to decode from")
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    add_pull_options(p)
 
     p = add_command(sub, "verify", run_verify, "check versions bit for bit: manifests, chains, hashes, files", """
         ckptstream verify /mnt/nfs/run1             # every version
         ckptstream verify s3://bucket/run1 11 12 latest
         """)
     add_url(p)
+    add_pull_options(p)
     p.add_argument("refs", nargs="*", metavar="VERSION", type=version_ref, help="versions to check (default: all)")
 
 
@@ -39,7 +42,7 @@ def run_materialize(args: argparse.Namespace) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         # --force replaces directories only: a file in the way is more likely a typo than a target.
         raise UsageError(f"OUT_DIR {args.out_dir} is a file, not a directory", hint="Pick a directory path")
-    stream = open_stream(args)
+    stream = open_stream(args, bwlimit=args.bwlimit, lease_ttl=args.lease_ttl)
     version = stream.resolve(args.ref)
     manifest = stream.manifest(version)
     start = time.perf_counter()
@@ -54,7 +57,7 @@ def run_materialize(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    stream = open_stream(args)
+    stream = open_stream(args, bwlimit=args.bwlimit, lease_ttl=args.lease_ttl)
     versions = [stream.resolve(r) for r in args.refs] if args.refs else stream.versions()
     results = []
     worst = EXIT_OK

@@ -103,6 +103,47 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 64MB, 1GB, 512KiB)") from None
 
 
+_RATE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+BWLIMIT_HELP = ("limit the bytes read from the stream to RATE per second, all threads together: a number of "
+                "bytes, or with a binary suffix K, M, G, T (rclone's units: 512K = 512 KiB/s, 10M = 10 MiB/s)")
+
+
+def parse_rate(text: str) -> float:
+    """A rate in bytes per second in rclone's manner: ``10M`` is 10 MiB/s, ``512K`` 512 KiB/s, ``1.5G``,
+    a plain number is bytes per second (suffixes B, K, M, G, T, case-insensitive, powers of 1024)."""
+    number = text.strip().upper()
+    if number.endswith("/S"):
+        number = number[:-2]
+    unit = number[-1:] if number[-1:] in _RATE_UNITS else ""
+    try:
+        value = float(number[:len(number) - len(unit)])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a rate (e.g. 10M, 512K, 1000000)") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{text!r} is not a positive rate")
+    return value * _RATE_UNITS[unit]
+
+
+def rate(text: str) -> float:
+    """:func:`parse_rate` as an option type (``--bwlimit``)."""
+    try:
+        return parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_seconds(text: str) -> float:
+    """A duration in seconds greater than zero (``--lease-ttl``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
 def storage_option(text: str) -> tuple[str, Any]:
     """One ``--storage-option KEY=VALUE``; the value is parsed as JSON when it is JSON."""
     key, sep, value = text.partition("=")
@@ -150,10 +191,25 @@ def add_url(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", help="stream URL")
 
 
-def open_stream(args: argparse.Namespace) -> Stream:
-    """The command's stream; a clear error now if there is none."""
-    from ..reader import Stream
+def add_pull_options(parser: argparse.ArgumentParser) -> None:
+    """``--bwlimit`` and ``--lease-ttl``: the options of a command that pulls versions' data."""
+    parser.add_argument("--bwlimit", type=rate, metavar="RATE", help=BWLIMIT_HELP)
+    parser.add_argument("--lease-ttl", type=positive_seconds, metavar="SECONDS",
+                        help="time to live of the lease held on each version pulled, renewed every third of it "
+                             "(default 120; gc keeps a leased version)")
 
-    stream = Stream(args.url, storage_options=storage_options(args))
+
+def open_stream(args: argparse.Namespace, *, bwlimit: float | None = None,
+                lease_ttl: float | None = None) -> Stream:
+    """The command's stream, its reads limited to ``bwlimit`` bytes/s if given; a clear error now if there
+    is none."""
+    from ..reader import Stream
+    from ..reader.leases import DEFAULT_LEASE_TTL
+    from ..storage import ThrottledStorage, open_storage
+
+    storage = open_storage(args.url, storage_options(args))
+    if bwlimit is not None:
+        storage = ThrottledStorage(storage, bwlimit)
+    stream = Stream(args.url, storage=storage, lease_ttl=lease_ttl or DEFAULT_LEASE_TTL)
     stream.info()
     return stream

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
 from ..storage.readahead import ChunkedReads
 from .decode import decode_tensor, load_checked
 from .files import DataFiles
+from .leases import DEFAULT_LEASE_TTL, LeaseListing, hold_lease, read_leases
 from .materialize import MaterializedBase, build_directory, write_directory
 from .replicas import KIND_FOLLOWER, NOT_SERVING_STATES, ReplicaRecord, read_replicas
 
@@ -67,12 +69,19 @@ class Stream:
         for name, tensor in stream.iter_tensors(v):
             ...
         stream.materialize(v, "/dev/shm/model")   # a directory vLLM can serve
+
+    Pulling a version (``materialize``, ``write_into``, ``verify``, or a caller's own pull inside
+    ``with stream.lease(v, holder=...)``) holds a lease on it, so that gc keeps it meanwhile; ``lease_ttl``
+    is its time to live, renewed every third of it (FORMAT.md, "Leases").
     """
 
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
-                 storage: Storage | None = None):
+                 storage: Storage | None = None, lease_ttl: float = DEFAULT_LEASE_TTL):
+        if not lease_ttl > 0:
+            raise ValueError(f"lease_ttl must be positive, got {lease_ttl!r}")
         self.url = url
         self.storage = storage or open_storage(url, storage_options)
+        self.lease_ttl = lease_ttl
         self._info: StreamInfo | None = None
         self._manifests: collections.OrderedDict[int, Manifest] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -186,6 +195,47 @@ class Stream:
             chain.append(base)
         return list(reversed(chain))
 
+    # ------------------------------------------------------------------------------------------ leases
+
+    @contextlib.contextmanager
+    def lease(self, version: int, *, holder: str) -> Iterator[list[Manifest]]:
+        """Hold a lease on ``version`` while the block pulls it; yields its checked chain (keyframe first).
+
+        The reader's side of FORMAT.md's "Leases": the lease is written first, then the manifest of the
+        version and of every base of its chain is checked to exist, asked of the storage after the write;
+        a missing one means gc retired it (the lease is released and the error raised). The lease is
+        renewed every ``lease_ttl / 3`` while the block runs, and deleted when it exits, also on error. On
+        read-only storage (an HTTP stream) no lease is taken: the chain is still checked.
+
+        Raises:
+            VersionNotFoundError: ``version`` is not (or no longer) committed.
+            MissingBaseError: a base of its chain is gone.
+        """
+        with hold_lease(self.storage, version, holder=holder, ttl=self.lease_ttl) as held:
+            if held is not None:
+                self._check_still_committed(version)
+            yield self.chain(version)
+
+    def _check_still_committed(self, version: int) -> None:
+        """Probe the manifest of ``version`` and of each base of its chain now, newest first: they may
+        have been cached before a gc retired them."""
+        v: int | None = version
+        while v is not None:
+            if not self.storage.exists(manifest_path(v)):
+                with self._lock:
+                    self._manifests.pop(v, None)
+                if v == version:
+                    raise VersionNotFoundError("no such version in the stream (or it was garbage-collected)",
+                                               version=v, hint=f"`ckptstream ls {self.url}` lists the committed "
+                                                               "versions")
+                raise MissingBaseError("this base of a delta is gone from storage (garbage-collected)", version=v,
+                                       hint="Decode a newer version instead")
+            v = self.manifest(v).base_version
+
+    def leases(self) -> LeaseListing:
+        """The lease records in the stream (who pulls which version; expired ones included)."""
+        return read_leases(self.storage)
+
     # ---------------------------------------------------------------------------------------- replicas
 
     def replicas(self) -> list[ReplicaRecord]:
@@ -291,7 +341,7 @@ class Stream:
     def materialize(self, version: int | str, out_dir: str | os.PathLike[str], *,
                     base_dir: str | os.PathLike[str] | None = None, overwrite: bool = False,
                     shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None,
-                    workers: int | None = None) -> Path:
+                    workers: int | None = None, holder: str = "materialize") -> Path:
         """Write ``version`` as a plain Hugging Face directory that ``vllm serve``/``reload_weights`` load.
 
         The directory holds safetensors shards (with ``model.safetensors.index.json`` when sharded), the
@@ -299,7 +349,8 @@ class Stream:
         under a temporary name beside ``out_dir`` and renamed into place, so it is never seen incomplete;
         temporary directories that killed runs left beside ``out_dir`` are removed first (see
         ``ckptstream.reader.materialize``). With ``base_dir``, deltas are applied to that earlier
-        materialized copy; a damaged copy is refused (IntegrityError naming its file), never used.
+        materialized copy; a damaged copy is refused (IntegrityError naming its file), never used. A lease
+        (named ``holder``) keeps the version from gc while it is written.
 
         Returns:
             The path of the directory.
@@ -308,19 +359,23 @@ class Stream:
             NotADirectoryOutputError: ``out_dir`` is an existing file.
             FileExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
         """
-        manifest = self.manifest(self.resolve(version))
-        return build_directory(out_dir, manifest, overwrite=overwrite, shard_bytes=shard_bytes, progress=progress,
-                               **self._directory_parts(manifest, base_dir, workers))
+        v = self.resolve(version)
+        with self.lease(v, holder=holder) as chain:
+            manifest = chain[-1]
+            return build_directory(out_dir, manifest, overwrite=overwrite, shard_bytes=shard_bytes,
+                                   progress=progress, **self._directory_parts(manifest, base_dir, workers))
 
     def write_into(self, version: int, directory: str | os.PathLike[str], *,
                    base_dir: str | os.PathLike[str] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                   workers: int | None = None) -> None:
+                   workers: int | None = None, holder: str = "write_into") -> None:
         """Write ``version``'s materialized files into ``directory``, an existing empty directory the caller
         owns and makes appear atomically itself (a cache that keeps its own temporary names); the marker is
-        written last. ``materialize`` is the atomic form of this."""
-        manifest = self.manifest(version)
-        write_directory(Path(directory), manifest, shard_bytes=shard_bytes,
-                        **self._directory_parts(manifest, base_dir, workers))
+        written last. ``materialize`` is the atomic form of this. A lease (named ``holder``, e.g.
+        ``follower <replica id>``) keeps the version from gc while it is written."""
+        with self.lease(version, holder=holder) as chain:
+            manifest = chain[-1]
+            write_directory(Path(directory), manifest, shard_bytes=shard_bytes,
+                            **self._directory_parts(manifest, base_dir, workers))
 
     def _directory_parts(self, manifest: Manifest, base_dir: str | os.PathLike[str] | None,
                          workers: int | None) -> dict[str, Any]:
@@ -354,16 +409,22 @@ class Stream:
 
     # ---------------------------------------------------------------------------------------- verify
 
-    def verify(self, version: int | str, *, progress: Progress | None = None) -> VerifyReport:
+    def verify(self, version: int | str, *, progress: Progress | None = None,
+               holder: str = "verify") -> VerifyReport:
         """Check everything about a version: manifest seal and schema, its delta chain, every tensor
         decoded bit-exactly against its hash, the size and hash of each of its data files, and that each
-        keyframe file's safetensors header carries the manifest's names, dtypes, shapes and offsets.
+        keyframe file's safetensors header carries the manifest's names, dtypes, shapes and offsets. A
+        lease (named ``holder``) keeps the version from gc meanwhile.
 
         Raises:
             IntegrityError / MissingBaseError / VersionNotFoundError: naming the version, file, tensor.
         """
         v = self.resolve(version)
-        manifest = self.manifest(v)
+        with self.lease(v, holder=holder) as chain:
+            return self._verify(chain[-1], progress)
+
+    def _verify(self, manifest: Manifest, progress: Progress | None) -> VerifyReport:
+        v = manifest.version
         decoded = 0
         for _, tensor in self.iter_tensors(v):
             decoded += tensor.numel() * tensor.element_size()

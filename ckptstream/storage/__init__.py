@@ -6,14 +6,16 @@ backend registered for a URL scheme.
 ``ckptstream.testing.storage``. Importing this package imports neither fsspec nor torch.
 """
 
-from .base import MAX_CONCURRENT_READS, RANGE_CHUNK_BYTES, Capabilities, Entry, Storage, Watch, chunk_spans, temp_name
+from .base import (MAX_CONCURRENT_READS, RANGE_CHUNK_BYTES, Capabilities, Entry, Storage, Watch, chunk_spans,
+                   temp_name)
 from .fsspec import FsspecStorage
 from .posix import PosixStorage, fsync_path
 from .registry import BackendFactory, open_storage, register_backend, registered_schemes
+from .throttle import ThrottledStorage
 from .wrapper import ReadOnlyStorage
 
 __all__ = [
     "MAX_CONCURRENT_READS", "RANGE_CHUNK_BYTES", "BackendFactory", "Capabilities", "Entry", "FsspecStorage",
-    "PosixStorage", "ReadOnlyStorage", "Storage", "Watch", "chunk_spans", "fsync_path", "open_storage",
-    "register_backend", "registered_schemes", "temp_name",
+    "PosixStorage", "ReadOnlyStorage", "Storage", "ThrottledStorage", "Watch", "chunk_spans", "fsync_path",
+    "open_storage", "register_backend", "registered_schemes", "temp_name",
 ]

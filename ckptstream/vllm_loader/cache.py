@@ -106,14 +106,15 @@ class VersionCache:
                 found.append(version)
         return sorted(found)
 
-    def materialize(self, stream: Stream, version: int, base: int | None) -> Path:
+    def materialize(self, stream: Stream, version: int, base: int | None, *, holder: str = "follower") -> Path:
         """Decode ``version`` into the cache, applying its delta to the cached ``base`` if given; the
-        version's directory appears complete or not at all."""
+        version's directory appears complete or not at all. ``holder`` names the lease held meanwhile."""
         incoming = self.dir / f"{INCOMING_PREFIX}{version_name(version)}"
         shutil.rmtree(incoming, ignore_errors=True)  # a failed earlier attempt of this owner
         incoming.mkdir()
         try:
-            stream.write_into(version, incoming, base_dir=self.path(base) if base is not None else None)
+            stream.write_into(version, incoming, base_dir=self.path(base) if base is not None else None,
+                              holder=holder)
             target = self.path(version)
             if target.exists():  # a damaged copy being replaced
                 shutil.rmtree(target)

@@ -279,7 +279,8 @@ class Follower:
         base = max(cached) if cached else None
         fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base)
         self.cache.prune({v for v in (self.current, base) if v is not None})
-        return self.cache.materialize(self.stream, version, base), base, fetched
+        path = self.cache.materialize(self.stream, version, base, holder=f"follower {self.record.replica_id}")
+        return path, base, fetched
 
     def _current_path(self) -> Path:
         """The cache directory of the current version, decoded again if it went missing."""

@@ -1,0 +1,211 @@
+"""Leases (``leases/<version>-<token>.json``): a reader pulling a version holds it, so that gc keeps the
+version and its chain until the pull ends (FORMAT.md, "Leases").
+
+``hold_lease`` is the holder's side (write, renew on a daemon thread, delete); ``read_leases`` is what a
+collector reads. The order of operations that makes a lease honoured (write the lease, then check the
+chain's manifests) is ``Stream.lease``'s; gc's side is in ``writer/gc.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator
+
+from ..format import (LEASE_CLOCK_SKEW_SECONDS, LEASES_DIR, MAX_LEASE_RECORD_BYTES, MAX_VERSION, dumps_json,
+                      lease_path, loads_json)
+from ..storage import Storage
+
+log = logging.getLogger("ckptstream.leases")
+
+DEFAULT_LEASE_TTL = 120.0
+"""Seconds a lease lives unless renewed; holders renew every third of it, so a holder that dies stops
+protecting its version this long (plus the clock-skew margin) after its last renewal."""
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """One lease as stored: who holds which version until when.
+
+    Attributes:
+        holder: free-form name of who pulls (``follower <replica id>``, ``mirror``, ``materialize``, ...).
+        version: the leased version (its delta chain is leased with it).
+        heartbeat: seconds since the epoch of the record's last write.
+        expires: seconds since the epoch after which the lease lapses unless renewed.
+        host, pid: where the holder runs (informative).
+        path: where the record is stored (not part of the record's bytes).
+    """
+
+    holder: str
+    version: int
+    heartbeat: float
+    expires: float
+    host: str = ""
+    pid: int = 0
+    path: str = ""
+
+    def is_live(self, now: float | None = None) -> bool:
+        """True until ``LEASE_CLOCK_SKEW_SECONDS`` after ``expires`` (``now``: the reader's clock)."""
+        return (time.time() if now is None else now) <= self.expires + LEASE_CLOCK_SKEW_SECONDS
+
+    def to_bytes(self) -> bytes:
+        body = {k: v for k, v in asdict(self).items() if k != "path"}
+        return dumps_json(body, what=f"lease record of version {self.version}", indent=None)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, *, path: str) -> LeaseRecord:
+        """Parse an untrusted record; ValueError (IntegrityError included) for a malformed one: oversized,
+        not strict JSON, not an object, a known field missing or of the wrong type (unknown fields are
+        ignored)."""
+        if len(raw) > MAX_LEASE_RECORD_BYTES:
+            raise ValueError(f"lease record of {len(raw)} bytes exceeds {MAX_LEASE_RECORD_BYTES}")
+        body: Any = loads_json(raw, version=None, file=path)
+        if not isinstance(body, dict):
+            raise ValueError("a lease record is a JSON object")
+        known = {k: body[k] for k in _FIELD_CHECKS if k in body}
+        for key in ("holder", "version", "heartbeat", "expires"):
+            if key not in known:
+                raise ValueError(f"lease record lacks {key!r}")
+        for key, value in known.items():
+            if not _FIELD_CHECKS[key](value):
+                raise ValueError(f"lease record field {key!r} has the wrong type or range")
+        return cls(**known, path=path)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "holder": lambda v: isinstance(v, str),
+    "version": lambda v: _is_int(v) and 0 <= v <= MAX_VERSION,
+    "heartbeat": _is_number,
+    "expires": _is_number,
+    "host": lambda v: isinstance(v, str),
+    "pid": _is_int,
+}
+
+
+@dataclass(frozen=True)
+class LeaseListing:
+    """What a collector read in ``leases/``: the well-formed records, and the paths of malformed ones
+    (with their modification times, so that old ones can be removed as debris)."""
+
+    records: list[LeaseRecord]
+    malformed: list[tuple[str, float | None]]
+
+    def live_versions(self, now: float | None = None) -> set[int]:
+        """The versions that a live lease names."""
+        now = time.time() if now is None else now
+        return {r.version for r in self.records if r.is_live(now)}
+
+
+def read_leases(storage: Storage) -> LeaseListing:
+    """Every lease record in the stream, expired ones included (``LeaseRecord.is_live`` tells them apart).
+
+    Malformed records are listed apart and protect nothing. A record removed between the listing and its
+    read was released. Any other failure (``leases/`` cannot be listed, a record cannot be read) raises:
+    a collector must never mistake "cannot tell" for "no leases".
+    """
+    records: list[LeaseRecord] = []
+    malformed: list[tuple[str, float | None]] = []
+    for entry in storage.list(LEASES_DIR):
+        if entry.is_dir or entry.name.startswith("."):
+            continue  # a holder's temporary file (or a directory nobody should have made): not a lease
+        path = f"{LEASES_DIR}/{entry.name}"
+        if entry.size > MAX_LEASE_RECORD_BYTES or not entry.name.endswith(".json"):
+            malformed.append((path, entry.mtime))
+            continue
+        try:
+            raw = storage.read(path)
+        except FileNotFoundError:
+            continue  # released meanwhile
+        try:
+            records.append(LeaseRecord.from_bytes(raw, path=path))
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring malformed lease record %s: %s", path, exc)
+            malformed.append((path, entry.mtime))
+    return LeaseListing(sorted(records, key=lambda r: (r.version, r.path)), malformed)
+
+
+class Lease:
+    """A lease this process holds on one version: written when made, renewed by ``renew``.
+
+    Attributes:
+        record: the record as last written.
+    """
+
+    def __init__(self, storage: Storage, version: int, *, holder: str, ttl: float):
+        if not ttl > 0:
+            raise ValueError(f"a lease's ttl must be positive, got {ttl!r}")
+        self.storage = storage
+        self.ttl = ttl
+        path = lease_path(version, uuid.uuid4().hex)
+        now = time.time()
+        self.record = LeaseRecord(holder, version, now, now + ttl, socket.gethostname(), os.getpid(), path)
+        self.storage.put(path, self.record.to_bytes())
+
+    def renew(self) -> None:
+        """Write the record again with ``expires`` one ttl from now."""
+        now = time.time()
+        record = LeaseRecord(self.record.holder, self.record.version, now, now + self.ttl, self.record.host,
+                             self.record.pid, self.record.path)
+        self.storage.put(record.path, record.to_bytes())
+        self.record = record
+
+    def release(self) -> None:
+        """Delete the record (a missing one is fine: gc may have removed it as expired)."""
+        self.storage.delete(self.record.path)
+
+
+@contextlib.contextmanager
+def hold_lease(storage: Storage, version: int, *, holder: str,
+               ttl: float = DEFAULT_LEASE_TTL) -> Iterator[Lease | None]:
+    """Hold a lease on ``version`` for the block: written now, renewed every ``ttl / 3`` on a daemon thread
+    (a renewal that fails is retried at the next tick, and logged), deleted when the block exits, also on
+    error. On storage this process cannot write (``not storage.capabilities.writable``: a stream over HTTP;
+    or credentials that may only read, a PermissionError, logged) no lease is taken and the block gets
+    None.
+
+    This is only the record's life; ``Stream.lease`` adds the check that makes it honoured.
+    """
+    if not storage.capabilities.writable:
+        yield None
+        return
+    try:
+        lease = Lease(storage, version, holder=holder, ttl=ttl)
+    except PermissionError as exc:
+        log.warning("cannot write a lease on version %d in %s (%s): pulling it without one, so gc may retire it "
+                    "meanwhile", version, storage.url, exc)
+        yield None
+        return
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(ttl / 3):
+            try:
+                lease.renew()
+            except Exception as exc:  # noqa: BLE001 - a storage hiccup: the next tick tries again
+                log.warning("could not renew the lease on version %d (%s): %s", version, lease.record.path, exc)
+
+    renewer = threading.Thread(target=renew, name=f"ckptstream-lease-{version}", daemon=True)
+    renewer.start()
+    try:
+        yield lease
+    finally:
+        stop.set()
+        renewer.join()
+        try:
+            lease.release()
+        except Exception as exc:  # noqa: BLE001 - the lease expires by itself; do not hide the block's error
+            log.warning("could not release the lease %s (%s); it expires by itself", lease.record.path, exc)

@@ -1,0 +1,150 @@
+"""Leases, the reader's side (FORMAT.md "Leases"): a pull holds a lease for its whole length, renewed past
+its TTL, released on success and on error; a retired version is refused after the lease is written; on
+read-only storage no lease is taken. Local and S3 (moto)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ckptstream import Publisher, Stream
+from ckptstream.errors import MissingBaseError, VersionNotFoundError
+from ckptstream.format import LEASES_DIR, MAX_LEASE_RECORD_BYTES, manifest_path
+from ckptstream.reader.leases import LeaseRecord, hold_lease, read_leases
+from ckptstream.storage import ReadOnlyStorage, open_storage
+from ckptstream.testing.models import rl_like_step
+from tests.helpers import HookedStorage, assert_same_tensors, random_state
+
+
+@pytest.fixture
+def two_versions(stream_url):
+    """Version 0, a keyframe, and version 1, a delta on it."""
+    states = [random_state(0), {k: v.clone() for k, v in random_state(0).items()}]
+    rl_like_step(states[1], fraction=0.02)
+    with Publisher(stream_url) as publisher:
+        for state in states:
+            publisher.publish(state).result()
+    assert Stream(stream_url).manifest(1).kind == "delta"
+    return stream_url, states
+
+
+def _lease_files(storage) -> list[str]:
+    return sorted(e.name for e in storage.list(LEASES_DIR))
+
+
+def test_a_lease_is_written_checked_and_released(two_versions):
+    url, states = two_versions
+    stream = Stream(url)
+    with stream.lease(1, holder="mirror") as chain:
+        assert [m.version for m in chain] == [0, 1]
+        (record,) = read_leases(stream.storage).records
+        assert (record.holder, record.version) == ("mirror", 1) and record.is_live()
+        assert record.expires == pytest.approx(record.heartbeat + stream.lease_ttl)
+        assert record.path == f"{LEASES_DIR}/{_lease_files(stream.storage)[0]}"
+        raw = json.loads(stream.storage.read(record.path))
+        assert set(raw) == {"holder", "version", "heartbeat", "expires", "host", "pid"}
+        assert_same_tensors(dict(stream.iter_tensors(1)), states[1])
+    assert _lease_files(stream.storage) == []
+
+
+def test_each_pull_holds_a_lease_while_it_runs(two_versions, tmp_path):
+    url, _ = two_versions
+    stream = Stream(url)
+    seen: list[tuple[str, int]] = []
+
+    def look(_: int) -> None:
+        seen.extend((r.holder, r.version) for r in read_leases(stream.storage).records)
+
+    stream.materialize(1, tmp_path / "out", progress=look)
+    stream.verify(0, progress=look)
+    stream.materialize("latest", tmp_path / "named", progress=look, holder="replay node3")
+    assert set(seen) == {("materialize", 1), ("verify", 0), ("replay node3", 1)}
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    storage = HookedStorage(open_storage(url), lambda op, path: look(0) if path.startswith("versions/") else None)
+    seen.clear()
+    Stream(url, storage=storage).write_into(1, incoming, holder="follower node7-8000")
+    assert set(seen) == {("follower node7-8000", 1)}
+    assert _lease_files(stream.storage) == []
+
+
+def test_the_lease_is_released_when_the_pull_fails(two_versions):
+    url, _ = two_versions
+    stream = Stream(url)
+    with pytest.raises(RuntimeError, match="pull failed"), stream.lease(1, holder="materialize"):
+        assert len(_lease_files(stream.storage)) == 1
+        raise RuntimeError("pull failed")
+    assert _lease_files(stream.storage) == []
+
+
+def test_renewal_keeps_a_long_pull_leased_past_its_ttl(two_versions):
+    url, _ = two_versions
+    stream = Stream(url, lease_ttl=0.6)
+    with stream.lease(0, holder="slow") as _:
+        (first,) = read_leases(stream.storage).records
+        time.sleep(2.0)  # more than three TTLs: only renewals keep it from expiring
+        (later,) = read_leases(stream.storage).records
+        assert later.path == first.path and later.heartbeat > first.heartbeat + 1.0
+        assert later.expires > time.time()  # not even within the clock-skew margin: truly renewed
+    assert _lease_files(stream.storage) == []
+
+
+def test_a_retired_version_is_refused_after_the_lease_is_written(two_versions):
+    url, _ = two_versions
+    stream = Stream(url)
+    stream.chain(1)  # cached: the check must ask the storage again, after the lease is written
+    storage = open_storage(url)
+    storage.delete(manifest_path(0))
+    with pytest.raises(MissingBaseError) as info, stream.lease(1, holder="follower a"):
+        pass
+    assert info.value.version == 0
+    storage.delete(manifest_path(1))
+    with pytest.raises(VersionNotFoundError) as info, stream.lease(1, holder="follower a"):
+        pass
+    assert info.value.version == 1 and not isinstance(info.value, MissingBaseError)
+    assert _lease_files(storage) == []
+
+
+def test_read_only_storage_takes_no_lease(two_versions, tmp_path):
+    url, states = two_versions
+    inner = open_storage(url)
+    stream = Stream(url, storage=ReadOnlyStorage(inner))
+    seen: list[list[str]] = []
+    out = stream.materialize(1, tmp_path / "out", progress=lambda _: seen.append(_lease_files(inner)))
+    assert seen and all(s == [] for s in seen)
+    assert_same_tensors(dict(Stream(url).iter_tensors(1)), states[1])
+    assert (out / "ckptstream.json").is_file()
+    with stream.lease(1, holder="x") as chain, hold_lease(stream.storage, 1, holder="x") as held:
+        assert held is None and [m.version for m in chain] == [0, 1]
+
+
+def test_read_leases_skips_malformed_and_keeps_expired_apart(two_versions):
+    url, _ = two_versions
+    storage = open_storage(url)
+    now = time.time()
+    expired = LeaseRecord("dead", 0, now - 100, now - 60, "h", 1)
+    storage.put(f"{LEASES_DIR}/000000000000-dead.json", expired.to_bytes())
+    bad = {"not-json.json": b"{", "list.json": b"[]", "wrong-type.json": b'{"holder": "x", "version": "1", '
+           b'"heartbeat": 1, "expires": 2}', "nan.json": b'{"holder": "x", "version": 1, "heartbeat": NaN, '
+           b'"expires": 2}', "big.json": b" " * (MAX_LEASE_RECORD_BYTES + 1), "no-suffix": b"{}"}
+    for name, raw in bad.items():
+        storage.put(f"{LEASES_DIR}/{name}", raw)
+    listing = read_leases(storage)
+    assert [r.holder for r in listing.records] == ["dead"] and listing.live_versions() == set()
+    assert sorted(p.rsplit("/", 1)[1] for p, _ in listing.malformed) == sorted(bad)
+
+
+def test_an_unreadable_lease_is_an_error_not_no_lease(two_versions):
+    url, _ = two_versions
+    inner = open_storage(url)
+    with hold_lease(inner, 1, holder="x"):
+
+        def deny(operation: str, path: str) -> None:
+            # Tests run as root here, so a real permission error cannot be caused: injected.
+            if path.startswith(LEASES_DIR):
+                raise PermissionError(13, "Permission denied", path)
+
+        with pytest.raises(PermissionError):
+            read_leases(HookedStorage(inner, deny))
