@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import CkptStreamError, IntegrityError, MissingBaseError, VersionNotFoundError
+from .errors import CkptStreamError, IntegrityError, VersionNotFoundError
 from .format import LATEST, MANIFESTS_DIR, manifest_path
 from .reader import ReplicaRecord, Stream, select_versions, write_replica
 from .reader.replicas import KIND_MIRROR, replica_path
@@ -163,8 +163,10 @@ class Mirror:
         started = time.monotonic()
         try:
             self._report(state="copying")
-            copied = self._copy(version, self.src.manifest(version).stored_bytes)
-        except (IntegrityError, MissingBaseError) as exc:
+            # A lease at the source keeps its gc from retiring the version while it is copied.
+            with self.src.lease(version, holder=f"mirror {self.record.replica_id}"):
+                copied = self._copy(version, self.src.manifest(version).stored_bytes)
+        except (IntegrityError, VersionNotFoundError) as exc:  # damaged, or retired meanwhile, at the source
             self.refused[version] = str(exc)
             while len(self.refused) > REFUSED_KEPT:
                 self.refused.pop(min(self.refused))

@@ -23,11 +23,11 @@ CLI = [sys.executable, "-m", "ckptstream.cli"]
 
 
 def publish_versions(url: str, count: int, *, keyframe_every: int = 4, start: int = 0, seed: int = 0,
-                     **options) -> dict[int, dict[str, torch.Tensor]]:
+                     scale: int = 8) -> dict[int, dict[str, torch.Tensor]]:
     """Publish ``count`` versions of a drifting state; returns each version's tensors."""
-    state = random_state(seed, scale=8)
+    state = random_state(seed, scale=scale)
     published = {}
-    with Publisher(url, keyframe_every=keyframe_every, **options) as publisher:
+    with Publisher(url, keyframe_every=keyframe_every) as publisher:
         for version in range(start, start + count):
             state["layer.0.b"][version % 50] += 1.0
             state["embed.weight"][version % 64, :8] += 0.5
@@ -184,3 +184,94 @@ def test_follow_keeps_the_copy_current_and_reports_as_a_mirror(tmp_path):
     assert stored_files(dst) == stored_files(src)
     for version, tensors in published.items():
         assert_same_tensors(dict(Stream(dst).iter_tensors(version)), tensors)
+
+
+def committed_versions_are_whole(url: str) -> list[int]:
+    """The versions visible at ``url``; each one's data files are all there, with their size and hash (a
+    partial version would fail here)."""
+    from ckptstream.transfer import holds_file
+
+    stream = Stream(url)
+    visible = stream.versions()
+    for version in visible:
+        for entry in stream.manifest(version).files:
+            assert holds_file(stream.storage, data_path(version, entry.name), entry), (version, entry.name)
+    return visible
+
+
+def test_a_mirror_killed_at_random_moments_never_shows_a_partial_version(tmp_path):
+    import random
+
+    src, dst = str(tmp_path / "src"), tmp_path / "dst"
+    publish_versions(src, 8, keyframe_every=2, scale=40)  # ~0.6 MB keyframes, small deltas
+    rate = 1 << 20  # a copy of all of it takes a few seconds: a kill lands in the middle
+    randomness = random.Random(1234)
+    problems: list[BaseException] = []
+    watching = threading.Event()
+
+    def watch() -> None:  # look at DST all the while, as a follower of the copy would
+        while not watching.is_set():
+            if (dst / "stream.json").exists():
+                try:
+                    committed_versions_are_whole(str(dst))
+                except (AssertionError, FileNotFoundError) as exc:  # a version without its files
+                    problems.append(exc)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    kills = 0
+    try:
+        for _ in range(10):
+            process = subprocess.Popen([*CLI, "mirror", src, str(dst), "--bwlimit", str(rate)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            while not (dst / "versions").exists() and process.poll() is None:  # its copying has begun
+                time.sleep(0.01)
+            time.sleep(randomness.uniform(0.0, 1.5))
+            if process.poll() is None:
+                process.kill()
+                kills += 1
+            process.wait()
+    finally:
+        watching.set()
+        watcher.join()
+    assert kills >= 5, "the mirror finished before most kills: make the copy slower"
+    assert not problems, problems[0]
+    done = run_cli("mirror", src, str(dst), "--json")
+    assert done.returncode == 0, done.stderr
+    assert stored_files(str(dst)) == stored_files(src)
+    Stream(str(dst)).verify("latest")
+
+
+def test_gc_at_the_source_keeps_the_version_a_slow_mirror_copies(tmp_path):
+    from ckptstream.format import LEASE_CLOCK_SKEW_SECONDS
+    from ckptstream.writer import collect_garbage
+
+    src, dst, dst2 = str(tmp_path / "src"), str(tmp_path / "dst"), tmp_path / "dst2"
+    published = publish_versions(src, 4, keyframe_every=1, scale=100)  # keyframes of ~1.6 MB
+    rate, ttl = str(256 << 10), "1"  # a version takes ~6 s, longer than the lease's TTL
+    slow = subprocess.Popen([*CLI, "mirror", src, dst, "--versions", "1:1", "--bwlimit", rate, "--lease-ttl", ttl,
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not Stream(src).leases().records and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(2 * float(ttl))  # past the first TTL: the lease lives on by renewal
+    report = collect_garbage(Stream(src), keep_last=1)
+    assert 1 in report.kept and 1 not in report.deleted_versions
+    assert report.deleted_versions == [0, 2]
+    out, err = slow.communicate(timeout=60)
+    assert slow.returncode == 0, err
+    assert json.loads(out.splitlines()[-1])["status"] == "copied"
+    assert_same_tensors(dict(Stream(dst).iter_tensors(1)), published[1])
+    # A mirror killed mid-copy leaves its lease: it protects the version only until it expires.
+    killed = subprocess.Popen([*CLI, "mirror", src, str(dst2), "--versions", "1:1", "--bwlimit", rate,
+                               "--lease-ttl", ttl], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not Stream(src).leases().records and time.monotonic() < deadline:
+        time.sleep(0.02)
+    killed.kill()
+    killed.wait()
+    assert 1 in collect_garbage(Stream(src), keep_last=1).kept
+    time.sleep(float(ttl) + LEASE_CLOCK_SKEW_SECONDS + 0.5)
+    assert collect_garbage(Stream(src), keep_last=1).deleted_versions == [1]
+    assert Stream(src).versions() == [3]
+    assert not Stream(str(dst2)).exists() or Stream(str(dst2)).versions() == []

@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..errors import EXIT_INTEGRITY, EXIT_OK
-from .options import add_command, storage_option
+from .options import add_command, add_pull_options, pulled_stream, storage_option
 from .output import human, progress
 
 
@@ -31,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--poll-interval", type=float, default=5.0, metavar="S",
                    help="with --follow: seconds between looks at SRC (default 5)")
     p.add_argument("--replica-id", help="with --follow: name of the mirror's record in DST (default mirror-HOST)")
+    add_pull_options(p)
 
 
 def run_mirror(args: argparse.Namespace) -> int:
@@ -39,7 +40,6 @@ def run_mirror(args: argparse.Namespace) -> int:
     import threading
 
     from ..mirror import Mirror, MirrorConfig, MirrorResult
-    from ..reader import Stream
     from ..storage import open_storage
 
     logging.basicConfig(level=logging.INFO if args.follow else logging.WARNING, stream=sys.stderr,
@@ -54,7 +54,7 @@ def run_mirror(args: argparse.Namespace) -> int:
             print(f"version {result.version}: {result.status}, {human(result.copied_bytes)} moved "
                   f"({human(result.throughput)}/s), {human(result.present_bytes)} already there", flush=True)
 
-    src = Stream(args.src, storage_options=dict(args.storage_option))
+    src = pulled_stream(args.src, dict(args.storage_option), bwlimit=args.bwlimit, lease_ttl=args.lease_ttl)
     config = MirrorConfig(versions=args.versions, replica_id=args.replica_id, poll_interval=args.poll_interval,
                           on_version=report, progress=progress)
     mirror = Mirror(src, open_storage(args.dst, dict(args.dst_option)), config)

@@ -203,13 +203,20 @@ def open_stream(args: argparse.Namespace, *, bwlimit: float | None = None,
                 lease_ttl: float | None = None) -> Stream:
     """The command's stream, its reads limited to ``bwlimit`` bytes/s if given; a clear error now if there
     is none."""
+    stream = pulled_stream(args.url, storage_options(args), bwlimit=bwlimit, lease_ttl=lease_ttl)
+    stream.info()
+    return stream
+
+
+def pulled_stream(url: str, options: dict[str, Any], *, bwlimit: float | None = None,
+                  lease_ttl: float | None = None) -> Stream:
+    """A stream whose reads are limited to ``bwlimit`` bytes/s if given (``--bwlimit``) and whose pulls
+    hold leases of ``lease_ttl`` seconds (``--lease-ttl``, default the library's)."""
     from ..reader import Stream
     from ..reader.leases import DEFAULT_LEASE_TTL
     from ..storage import ThrottledStorage, open_storage
 
-    storage = open_storage(args.url, storage_options(args))
+    storage = open_storage(url, options)
     if bwlimit is not None:
         storage = ThrottledStorage(storage, bwlimit)
-    stream = Stream(args.url, storage=storage, lease_ttl=lease_ttl or DEFAULT_LEASE_TTL)
-    stream.info()
-    return stream
+    return Stream(url, storage=storage, lease_ttl=lease_ttl or DEFAULT_LEASE_TTL)
