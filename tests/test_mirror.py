@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -12,10 +14,10 @@ import pytest
 import torch
 
 from ckptstream.errors import ForeignStreamError, VersionConflictError
-from ckptstream.format import data_path, manifest_path
+from ckptstream.format import data_path, manifest_path, version_dir
 from ckptstream.mirror import Mirror, MirrorConfig
 from ckptstream.reader import Stream
-from ckptstream.storage import open_storage
+from ckptstream.storage import PosixStorage, open_storage, register_backend
 from ckptstream.writer import Publisher
 from tests.helpers import assert_same_tensors, new_bucket, random_state
 
@@ -146,7 +148,29 @@ def test_a_corrupt_source_version_is_refused_and_later_versions_go_on(tmp_path):
         assert_same_tensors(dict(Stream(dst).iter_tensors(version)), published[version])
 
 
-def test_follow_keeps_the_copy_current_and_reports_as_a_mirror(tmp_path):
+class DamagingStorage(PosixStorage):
+    """A local directory whose disk flips one byte of the data files of ``damaged`` versions as they are
+    written (what a bad disk or a broken NFS link does), so that the version is committed corrupt."""
+
+    damaged: set[int] = set()
+
+    @contextlib.contextmanager
+    def open_write(self, path: str):
+        with super().open_write(path) as f:
+            if not any(path.startswith(version_dir(v) + "/") for v in self.damaged):
+                yield f
+                return
+            buffer = io.BytesIO()
+            yield buffer
+            data = bytearray(buffer.getvalue())
+            data[len(data) // 2] ^= 0x01
+            f.write(bytes(data))
+
+
+register_backend("damaging", lambda url, options: DamagingStorage(url.partition("://")[2]))
+
+
+def test_follow_keeps_the_copy_current_while_the_trainer_publishes(tmp_path):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     published = publish_versions(src, 2, keyframe_every=3)
     seen = []
@@ -156,34 +180,40 @@ def test_follow_keeps_the_copy_current_and_reports_as_a_mirror(tmp_path):
     stop = threading.Event()
     thread = threading.Thread(target=mirror.follow, args=(stop,))
     thread.start()
+    DamagingStorage.damaged = {4}
     try:
-        published.update(publish_versions(src, 4, keyframe_every=3, start=2))
+        published.update(publish_versions(f"damaging://{src}", 5, keyframe_every=3, start=2))  # keyframes 3, 6
         deadline = time.monotonic() + 30
-        while Stream(dst).latest() != 5 and time.monotonic() < deadline:
+        while Stream(dst).latest() != 6 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert Stream(dst).versions() == list(range(6))
+        # Version 4 is corrupt at the source and 5 is a delta on it: refused; the rest is copied.
+        assert Stream(dst).versions() == [0, 1, 2, 3, 6]
+        refused_dir = tmp_path / "dst" / version_dir(4)
+        assert not refused_dir.exists() or not any(refused_dir.iterdir())  # not even its data files
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             records = Stream(dst).replicas()
-            if records and records[0].version == 5 and records[0].state == "current":
+            if records and records[0].version == 6 and records[0].state == "current":
                 break
             time.sleep(0.05)
         (record,) = Stream(dst).replicas()
         assert (record.replica_id, record.kind, record.source, record.version, record.lag) == \
-            ("site-mirror", "mirror", src, 5, 0)
+            ("site-mirror", "mirror", src, 6, 2)
+        assert set(record.refused) == {"4", "5"} and "hash" in record.refused["4"]
         with pytest.raises(TimeoutError):  # a mirror serves nothing: a trainer never waits on it
-            Stream(dst).wait_for_version(5, timeout=0.3, poll_interval=0.1)
+            Stream(dst).wait_for_version(6, timeout=0.3, poll_interval=0.1)
         listed = run_cli("replicas", dst)
         assert "site-mirror" in listed.stdout and "mirror" in listed.stdout
     finally:
+        DamagingStorage.damaged = set()
         stop.set()
         thread.join(30)
     assert not thread.is_alive()
     assert Stream(dst).replicas()[0].state == "stopped"
-    assert sorted(r.version for r in seen) == list(range(6))
-    assert stored_files(dst) == stored_files(src)
-    for version, tensors in published.items():
-        assert_same_tensors(dict(Stream(dst).iter_tensors(version)), tensors)
+    assert {r.version: r.status for r in seen} == {0: "copied", 1: "copied", 2: "copied", 3: "copied",
+                                                   4: "refused", 5: "refused", 6: "copied"}
+    for version in (0, 1, 2, 3, 6):
+        assert_same_tensors(dict(Stream(dst).iter_tensors(version)), published[version])
 
 
 def committed_versions_are_whole(url: str) -> list[int]:
