@@ -136,6 +136,10 @@ class StorageCapabilityError(CkptStreamError, OSError):
     exit_code = EXIT_INCOMPATIBLE
 
 
+class StorageAccessError(CkptStreamError, OSError):
+    """The storage cannot be reached, keeps failing after retries, or refuses access (HTTP 401/403)."""
+
+
 class PublishError(CkptStreamError, RuntimeError):
     """A background publish failed; raised by the next call on the publisher and by its future."""
 

@@ -32,6 +32,13 @@ LEASES_DIR = "leases"
 """Where readers pulling a version keep their leases on it (FORMAT.md, "Leases")."""
 TEMP_PREFIX = ".tmp-"
 """Prefix of every temporary name; anything carrying it older than the gc grace period is debris."""
+LATEST_HINT_FILE = "latest.json"
+"""Advisory file at the stream root naming the newest committed version, for readers that cannot list
+(FORMAT.md, "Latest-version hint"); never trusted as more than a place to start probing."""
+VERSION_PROBE_GAP = 16
+"""Readers without listing probe this many consecutive missing version numbers before concluding that no
+newer (or, going back, older) version exists."""
+MAX_LATEST_HINT_BYTES = 4096
 LATEST = "latest"
 """The version reference that stands for a stream's newest committed version (API and command line)."""
 MARKER_FILE = "ckptstream.json"
@@ -195,6 +202,27 @@ def parse_version_name(name: str) -> int | None:
     if len(stem) == VERSION_DIGITS and stem.isascii() and stem.isdigit():
         return int(stem)
     return None
+
+
+def latest_hint_bytes(version: int) -> bytes:
+    """The content of the latest-version hint file for ``version``: ``{"version": N}``."""
+    version_name(version)  # the range check
+    return dumps_json({"version": version}, what="latest-version hint", indent=None)
+
+
+def parse_latest_hint(raw: bytes) -> int | None:
+    """The version a latest-version hint names, or None if it is not a valid hint (readers then probe from
+    version 0: a damaged hint costs probes, never correctness)."""
+    if len(raw) > MAX_LATEST_HINT_BYTES:
+        return None
+    try:
+        body = loads_json(raw, version=None, file=LATEST_HINT_FILE)
+    except IntegrityError:
+        return None
+    version = body.get("version") if isinstance(body, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:
+        return None
+    return version
 
 
 def manifest_path(version: int) -> str:

@@ -26,6 +26,7 @@ from .decode import decode_tensor, load_checked
 from .files import DataFiles
 from .leases import DEFAULT_LEASE_TTL, LeaseListing, hold_lease, read_leases
 from .materialize import MaterializedBase, build_directory, write_directory
+from .probe import probe_versions
 from .replicas import KIND_FOLLOWER, NOT_SERVING_STATES, ReplicaRecord, read_replicas
 
 DEFAULT_INFLIGHT_BYTES = 1 << 30
@@ -108,7 +109,11 @@ class Stream:
         return self._info
 
     def versions(self) -> list[int]:
-        """Committed versions, oldest first (one listing of the manifests directory)."""
+        """Committed versions, oldest first: one listing of the manifests directory, or, on storage that
+        cannot list (HTTP), probes of manifest names around the latest-version hint (``probe.py``: the
+        versions near the newest, not ones far apart from them)."""
+        if not self.storage.capabilities.listing:
+            return probe_versions(self.storage)
         found = []
         for entry in self.storage.list(MANIFESTS_DIR):
             version = parse_version_name(entry.name)
@@ -118,7 +123,8 @@ class Stream:
 
     def latest(self) -> int | None:
         """The newest committed version, or None if there is none."""
-        versions = self.versions()
+        versions = self.versions() if self.storage.capabilities.listing else probe_versions(self.storage,
+                                                                                             newest_only=True)
         return versions[-1] if versions else None
 
     def has_version(self, version: int) -> bool:

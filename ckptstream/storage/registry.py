@@ -95,5 +95,14 @@ def _supported_schemes() -> list[str]:
     return sorted({*registered_schemes(), *known_implementations, *registry})
 
 
+def _open_http(url: str, storage_options: Mapping[str, Any]) -> Storage:
+    from .http import open_http_storage  # urllib3 only when an HTTP stream is opened
+
+    return open_http_storage(url, storage_options)
+
+
 register_backend("file", _open_posix)
 register_backend("local", _open_posix)
+# Before fsspec's own http file system, which lists by scraping HTML and reads without retries.
+register_backend("http", _open_http)
+register_backend("https", _open_http)

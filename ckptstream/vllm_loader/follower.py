@@ -154,6 +154,12 @@ class Follower:
                                     host=socket.gethostname(), pid=os.getpid())
         self.wake = threading.Event()
         self.on_update = config.on_update
+        # A read-only view of the stream (HTTP, a relay) cannot hold this follower's record: say so once
+        # rather than failing to write it at every heartbeat.
+        self._reports = self.stream.storage.capabilities.writable
+        if not self._reports:
+            log.info("%s is read-only: this follower writes no replica record (`ckptstream replicas` and "
+                     "wait_for_version do not see it)", self.stream.storage.url)
 
     def close(self) -> None:
         """Give the cache directory up (a restarted follower of the same replica id adopts it)."""
@@ -465,6 +471,8 @@ class Follower:
             self.record.heartbeat = time.time()
             record = ReplicaRecord(**{**self.record.__dict__, "refused": dict(self.record.refused),
                                       "urls": list(self.record.urls)})
+        if not self._reports:
+            return
         try:
             write_replica(self.stream.storage, record)
         except Exception as exc:  # noqa: BLE001 - a report that cannot be written must not stop serving

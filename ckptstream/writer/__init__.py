@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_face
 
 _LAZY_NAMES = {
-    **dict.fromkeys(("commit_manifest", "open_or_create_stream"), ".commit"),
+    **dict.fromkeys(("commit_manifest", "open_or_create_stream", "write_latest_hint"), ".commit"),
     "PublisherConfig": ".config",
     "DistributedPublisher": ".distributed",
     **dict.fromkeys(("GcReport", "collect_garbage"), ".gc"),
@@ -20,7 +20,7 @@ _LAZY_NAMES = {
 }
 
 if TYPE_CHECKING:
-    from .commit import commit_manifest, open_or_create_stream
+    from .commit import commit_manifest, open_or_create_stream, write_latest_hint
     from .config import PublisherConfig
     from .distributed import DistributedPublisher
     from .gc import GcReport, collect_garbage
@@ -29,5 +29,4 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
 __all__ = ["DistributedPublisher", "GcReport", "Publication", "Publisher", "PublisherConfig", "collect_garbage",
-           "commit_manifest",
-           "open_or_create_stream"]
+           "commit_manifest", "open_or_create_stream", "write_latest_hint"]

@@ -17,8 +17,9 @@ from typing import Mapping
 
 from ..errors import (CkptStreamError, CommitOutcomeUnknownError, ForeignStreamError, IncompatibleStreamError,
                       IntegrityError, PublishError, VersionConflictError)
-from ..format import (DELTA, KEYFRAME, STREAM_FILE, FileEntry, Manifest, StreamInfo, asset_path, content_hash,
-                      is_reserved_asset_name, is_safe_file_name, manifest_path)
+from ..format import (DELTA, KEYFRAME, LATEST_HINT_FILE, STREAM_FILE, FileEntry, Manifest, StreamInfo, asset_path,
+                      content_hash, is_reserved_asset_name, is_safe_file_name, latest_hint_bytes, manifest_path,
+                      parse_latest_hint)
 from ..storage import Storage
 
 log = logging.getLogger("ckptstream.publish")
@@ -255,6 +256,21 @@ def commit_manifest(storage: Storage, manifest: Manifest, raw: bytes | None = No
         log.info("version %d: the commit reported %r but the manifest holds this writer's bytes (the answer "
                  "to its commit was lost): committed", manifest.version, exc)
     log.info("committed version %d (%s, %d bytes stored)", manifest.version, manifest.kind, manifest.stored_bytes)
+
+
+def write_latest_hint(storage: Storage, version: int) -> None:
+    """Point the stream's latest-version hint (FORMAT.md, "Latest-version hint") at ``version``, a version
+    just committed, unless it already names a newer one. Call it after each successful commit.
+
+    The hint is advisory (readers that cannot list start probing there), so a hint that cannot be written
+    is logged, never raised: the version is committed either way.
+    """
+    try:
+        current = parse_latest_hint(_stored(storage, LATEST_HINT_FILE) or b"")
+        if current is None or current < version:
+            storage.put(LATEST_HINT_FILE, latest_hint_bytes(version))
+    except Exception as exc:  # noqa: BLE001 - advisory: readers probe from an older hint or from 0
+        log.warning("version %d is committed, but the latest-version hint was not updated: %s", version, exc)
 
 
 def _stored(storage: Storage, path: str) -> bytes | None:

@@ -35,7 +35,7 @@ from ..format import DELTA, KEYFRAME, FileEntry, Manifest, TensorEntry, dumps_js
 from ..parallel import default_workers
 from ..reader import Stream
 from .base import BaseLookup
-from .commit import LazyStream, commit_manifest, load_assets, new_writer_id, utc_now
+from .commit import LazyStream, commit_manifest, load_assets, new_writer_id, utc_now, write_latest_hint
 from .config import PublisherConfig
 from .encode import DeltaEncoder, EncodedVersion, VersionEncoder
 from .files import DataFileWriter
@@ -378,6 +378,7 @@ class Publisher:
             writer={"id": self.writer_id, "host": socket.gethostname(), "pid": os.getpid(),
                     "library": f"ckptstream {__version__}"})
         commit_manifest(self.storage, manifest)
+        write_latest_hint(self.storage, manifest.version)
         return manifest
 
 

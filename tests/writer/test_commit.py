@@ -269,3 +269,27 @@ def test_a_manifest_readers_would_refuse_is_never_committed(local_url):
     with pytest.raises(PublishError, match="refused by readers"):
         commit_manifest(publisher.storage, broken)
     assert not publisher.storage.exists(manifest_path(1))
+
+
+# ------------------------------------------------------------------------------- the latest-version hint
+
+def test_latest_version_hint_only_moves_forward_and_never_fails_a_commit(stream_url, caplog):
+    from ckptstream.format import LATEST_HINT_FILE, parse_latest_hint
+    from ckptstream.storage import ReadOnlyStorage
+    from ckptstream.writer import write_latest_hint
+
+    storage = open_storage(stream_url)
+    with Publisher(stream_url) as publisher:
+        publisher.publish(random_state(0)).result()
+        publisher.publish(random_state(1)).result()
+    assert parse_latest_hint(storage.read(LATEST_HINT_FILE)) == 1
+    write_latest_hint(storage, 0)  # an older version copied late (a resumed mirror) leaves it alone
+    assert parse_latest_hint(storage.read(LATEST_HINT_FILE)) == 1
+    write_latest_hint(storage, 7)
+    assert parse_latest_hint(storage.read(LATEST_HINT_FILE)) == 7
+    storage.put(LATEST_HINT_FILE, b"garbage")  # a damaged hint is replaced
+    write_latest_hint(storage, 2)
+    assert parse_latest_hint(storage.read(LATEST_HINT_FILE)) == 2
+    write_latest_hint(ReadOnlyStorage(storage), 9)  # cannot be written: logged, not raised
+    assert "latest-version hint was not updated" in caplog.text
+    assert parse_latest_hint(storage.read(LATEST_HINT_FILE)) == 2

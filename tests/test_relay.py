@@ -1,0 +1,282 @@
+"""The relay (``ckptstream relay``) and streams read through it: what it serves and refuses, its metrics,
+discovery without listing (the latest-version hint, gc'd streams), the CLI over HTTP, and a follower."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from ckptstream import Publisher, Stream
+from ckptstream.cli import main
+from ckptstream.errors import EXIT_INTERRUPTED, StorageAccessError
+from ckptstream.format import LATEST_HINT_FILE, REPLICAS_DIR, manifest_path
+from ckptstream.hf import iter_hf_weights
+from ckptstream.relay import Relay
+from ckptstream.storage import open_storage
+from ckptstream.testing.fake_vllm import FakeVllmClient
+from ckptstream.testing.models import rl_like_step
+from ckptstream.vllm_loader import Follower
+from ckptstream.writer import collect_garbage
+from tests.helpers import assert_same_tensors, random_state
+
+TOKEN = "relay-token"
+
+
+def _get(relay: Relay, path: str, *, method: str = "GET", token: str | None = TOKEN,
+         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """One raw request (http.client sends the path as given: no client-side normalization of `..`)."""
+    connection = http.client.HTTPConnection("127.0.0.1", relay.port, timeout=10)
+    try:
+        sent = dict(headers or {})
+        if token is not None:
+            sent["Authorization"] = f"Bearer {token}"
+        connection.request(method, path, headers=sent)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def _sample(relay: Relay, name: str, **labels: str) -> float:
+    status, body = _get(relay, "/metrics")
+    assert status == 200
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """A directory with a few files (one hidden, one temporary) relayed with a token."""
+    root = tmp_path / "root"
+    (root / "manifests").mkdir(parents=True)
+    (root / "manifests" / "a.json").write_bytes(b'{"a": 1}')
+    (root / "data.bin").write_bytes(bytes(range(256)) * 64)
+    (root / ".hidden").write_bytes(b"secret")
+    (root / "manifests" / ".tmp-123-a.json").write_bytes(b"partial")
+    (tmp_path / "outside.txt").write_bytes(b"outside")
+    (root / "link").symlink_to(tmp_path / "outside.txt")
+    with Relay(root, token=TOKEN) as relay:
+        yield relay
+
+
+# ------------------------------------------------------------------------------------- what it serves
+
+
+def test_token_is_required(served):
+    assert _get(served, "/data.bin", token=None)[0] == 401
+    assert _get(served, "/data.bin", token="wrong")[0] == 401
+    assert _get(served, "/metrics", token=None)[0] == 401
+    status, body = _get(served, "/data.bin")
+    assert status == 200 and body == bytes(range(256)) * 64
+    with pytest.raises(StorageAccessError, match="401.*token"):
+        open_storage(served.url, {"token": "wrong"}).read("data.bin")
+
+
+def test_token_from_the_environment(served, monkeypatch):
+    monkeypatch.setenv("CKPTSTREAM_HTTP_TOKEN", TOKEN)
+    assert open_storage(served.url).read("manifests/a.json") == b'{"a": 1}'
+
+
+def test_only_the_streams_files_are_served(served):
+    for path in ("/.hidden", "/manifests/.tmp-123-a.json", "/../outside.txt", "/manifests/../../outside.txt",
+                 "/%2e%2e/outside.txt", "/link", "/manifests", "/manifests/", "/", "/nothing", "//data.bin"):
+        assert _get(served, path)[0] == 404, path
+    for method in ("PUT", "POST", "DELETE"):
+        assert _get(served, "/data.bin", method=method)[0] == 405
+    assert _get(served, "/manifests/a.json")[0] == 200
+
+
+def test_ranges_and_sent_bytes_in_metrics(served):
+    data = bytes(range(256)) * 64
+    status, body = _get(served, "/data.bin", headers={"Range": "bytes=100-199"})
+    assert status == 206 and body == data[100:200]
+    assert _get(served, "/data.bin", headers={"Range": "bytes=99999-"})[0] == 416
+    assert _get(served, "/data.bin", method="HEAD")[0] == 200
+    storage = open_storage(served.url, {"token": TOKEN})
+    received = len(storage.read("data.bin")) + sum(map(len, storage.read_ranges("data.bin", [(0, 10), (50, 5000)])))
+    received += len(storage.read("manifests/a.json"))
+    assert _get(served, "/nothing")[0] == 404
+    assert _get(served, "/data.bin", token=None)[0] == 401
+    expected = 100 + received
+    assert served.sent_bytes == expected
+    assert _sample(served, "ckptstream_relay_sent_bytes_total") == expected
+    assert _sample(served, "ckptstream_relay_requests_total", status="206") == 3
+    assert _sample(served, "ckptstream_relay_requests_total", status="404") == 1
+    assert _sample(served, "ckptstream_relay_requests_total", status="401") == 1
+    assert _sample(served, "ckptstream_relay_requests_total", status="416") == 1
+
+
+# ------------------------------------------------------------------------------ streams over the relay
+
+
+@pytest.fixture
+def published(tmp_path: Path, tiny_model: Path):
+    """A local stream of a tiny model (a keyframe and two deltas) and a relay serving it."""
+    url = str(tmp_path / "stream")
+    state = dict(iter_hf_weights(tiny_model))
+    generator = torch.Generator().manual_seed(0)
+    with Publisher(url, assets=tiny_model, keyframe_every=1000) as publisher:
+        for step in range(3):
+            if step:
+                rl_like_step(state, fraction=0.1, generator=generator)
+            publisher.publish(state).result()
+    with Relay(url, token=TOKEN) as relay:
+        yield url, relay
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return code, out
+
+
+def test_ls_verify_materialize_over_http_match_the_local_stream(published, tmp_path, capsys, monkeypatch):
+    url, relay = published
+    monkeypatch.setenv("CKPTSTREAM_HTTP_TOKEN", TOKEN)
+    _, local_ls = _cli(capsys, "ls", url, "--json")
+    _, http_ls = _cli(capsys, "ls", relay.url, "--json")
+    assert json.loads(http_ls) == json.loads(local_ls) and len(json.loads(local_ls)) == 3
+    _, verified = _cli(capsys, "verify", relay.url, "--json")
+    assert [(r["version"], r["ok"]) for r in json.loads(verified)] == [(0, True), (1, True), (2, True)]
+    _cli(capsys, "materialize", relay.url, "latest", str(tmp_path / "over-http"), "--json")
+    _cli(capsys, "materialize", url, "latest", str(tmp_path / "local"), "--json")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "over-http" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+    assert_same_tensors(dict(Stream(relay.url, storage_options={"token": TOKEN}).iter_tensors(2)),
+                        dict(Stream(url).iter_tensors(2)))
+
+
+def test_the_publisher_writes_the_latest_version_hint(published):
+    url, relay = published
+    assert json.loads(Path(url, LATEST_HINT_FILE).read_bytes()) == {"version": 2}
+    stream = Stream(relay.url, storage_options={"token": TOKEN})
+    assert stream.latest() == 2 and stream.versions() == [0, 1, 2]
+
+
+def _small_stream(url: str, versions: int) -> None:
+    with Publisher(url, keyframe_every=1) as publisher:  # keyframes only: gc may retire any old version
+        for step in range(versions):
+            publisher.publish(random_state(step)).result()
+
+
+def test_discovery_of_a_gcd_stream_with_and_without_the_hint(tmp_path):
+    url = str(tmp_path / "stream")
+    _small_stream(url, 30)
+    collect_garbage(Stream(url), keep_last=3, keep_every=10, grace_seconds=0)
+    kept = [0, 10, 20, 27, 28, 29]
+    assert Stream(url).versions() == kept
+    hint = Path(url, LATEST_HINT_FILE)
+    with Relay(url) as relay:
+        stream = Stream(relay.url)
+        assert stream.versions() == kept and stream.latest() == 29
+        hint.write_bytes(b'{"version": 24}')  # stale and gone: probing goes forward from it
+        assert stream.versions() == kept and stream.latest() == 29
+        hint.write_bytes(b'{"version": 31}')  # ahead of the stream (a broken writer): backward from it
+        assert stream.versions() == kept and stream.latest() == 29
+        hint.write_bytes(b"not json")  # worthless: probing starts at 0
+        assert stream.versions() == kept and stream.latest() == 29
+        hint.unlink()
+        assert stream.versions() == kept  # from 0: the gaps are shorter than the probe window
+        collect_garbage(Stream(url), keep_last=3, grace_seconds=0)
+        # Without the hint, versions more than VERSION_PROBE_GAP past 0 are out of reach.
+        assert stream.versions() == [] and stream.latest() is None
+        hint.write_bytes(b'{"version": 29}')
+        assert stream.versions() == [27, 28, 29] and stream.resolve("latest") == 29
+
+
+def test_discovery_tolerates_skipped_numbers(tmp_path):
+    url = str(tmp_path / "stream")
+    with Publisher(url, keyframe_every=1) as publisher:
+        for version in (0, 1, 5, 20, 21):  # gaps below VERSION_PROBE_GAP
+            publisher.publish(random_state(version), version).result()
+    with Relay(url) as relay:
+        assert Stream(relay.url).versions() == [0, 1, 5, 20, 21]
+        Path(url, LATEST_HINT_FILE).unlink()
+        assert Stream(relay.url).latest() == 21
+
+
+def test_follower_over_the_relay_follows_while_the_publisher_writes(tmp_path, caplog):
+    url = str(tmp_path / "stream")
+    publisher = Publisher(url, keyframe_every=4)
+    publisher.publish(random_state(0)).result()
+    server = FakeVllmClient()
+    with Relay(url, token=TOKEN) as relay, caplog.at_level(logging.INFO, "ckptstream.follow"):
+        follower = Follower(relay.url, [server], storage_options={"token": TOKEN}, cache_dir=tmp_path / "cache",
+                            poll_interval=0.05, heartbeat_interval=0.05, list_every=3)
+        stop = threading.Event()
+        thread = threading.Thread(target=follower.run, args=(stop,))
+        thread.start()
+        try:
+            for version in range(1, 6):
+                assert publisher.publish(random_state(version)).result().version == version
+                _wait(lambda: server.loaded_version == version)  # noqa: B023 - waited on at once
+                Stream(url).check_materialized(server.loaded, version)  # every tensor's hash
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+            follower.close()
+            publisher.close()
+    assert list(server.reloaded)[-5:] == [1, 2, 3, 4, 5]
+    assert not Path(url, REPLICAS_DIR).exists()  # read-only: no records, and said once
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("writes no replica record" in m for m in messages) == 1
+    assert not any("cannot write replica record" in m for m in messages)
+    assert relay.sent_bytes > 0
+
+
+def _wait(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------------------------- the command
+
+
+def test_relay_command_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path):
+    url = str(tmp_path / "stream")
+    _small_stream(url, 2)
+    env = {**os.environ, "CKPTSTREAM_RELAY_TOKEN": TOKEN}
+    process = subprocess.Popen([sys.executable, "-m", "ckptstream.cli", "relay", url, "--port", "0"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        relay_url = process.stdout.readline().decode().strip()
+        assert relay_url.startswith("http://127.0.0.1:")
+        assert Stream(relay_url, storage_options={"token": TOKEN}).versions() == [0, 1]
+        with pytest.raises(StorageAccessError):
+            Stream(relay_url, storage_options={"retries": 0}).versions()
+    finally:
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=30)
+    assert code == EXIT_INTERRUPTED, process.stderr.read().decode()
+
+
+def test_relay_of_a_missing_directory_is_not_found(tmp_path, capsys):
+    assert main(["relay", str(tmp_path / "nothing"), "--port", "0"]) == 4
+    assert capsys.readouterr().err.startswith("Error:")
+
+
+def test_manifest_path_is_probed_not_listed(published):
+    """Discovery over HTTP asks only for names it knows (HEAD of manifests), never a directory."""
+    url, relay = published
+    before = _sample(relay, "ckptstream_relay_requests_total", status="404")
+    assert Stream(relay.url, storage_options={"token": TOKEN}).latest() == 2
+    misses = _sample(relay, "ckptstream_relay_requests_total", status="404") - before
+    assert 0 < misses <= 16 and Path(url, manifest_path(2)).exists()

@@ -1,0 +1,158 @@
+"""The HTTP backend: the read-only storage suite against a real static server (``python -m http.server``)
+and the relay (with a token), and what is particular to HTTP: auth, retries, directories."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+from ckptstream.relay import Relay
+from ckptstream.errors import StorageAccessError, StorageCapabilityError
+from ckptstream.storage import Storage, open_storage
+from ckptstream.storage.http import HttpStorage
+from ckptstream.testing.http import ResettingProxy, StaticHttpServer
+from ckptstream.testing.storage import DATA, ReadOnlyStorageSuite
+
+TOKEN = "s3cret-token"
+
+
+def _write_files(root: Path, files: Mapping[str, bytes]) -> None:
+    for path, data in files.items():
+        target = root.joinpath(*path.split("/"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+@pytest.fixture(scope="module")
+def static_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StaticHttpServer]:
+    with StaticHttpServer(tmp_path_factory.mktemp("static")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relay]:
+    relay = Relay(tmp_path_factory.mktemp("relayed"), token=TOKEN).start()
+    yield relay
+    relay.stop()
+
+
+class TestStaticHttpStorage(ReadOnlyStorageSuite):
+    """HttpStorage against python's http.server: no Range support (200 with the whole body), directories
+    redirected to a name ending in / and listed as HTML."""
+
+    @pytest.fixture
+    def storage(self, static_server: StaticHttpServer, tmp_path: Path) -> Storage:
+        self.root = static_server.directory / tmp_path.name
+        self.root.mkdir()
+        return open_storage(f"{static_server.url}/{tmp_path.name}")
+
+    def populate(self, storage: Storage, files: Mapping[str, bytes]) -> None:
+        _write_files(self.root, files)
+
+
+class TestRelayHttpStorage(ReadOnlyStorageSuite):
+    """HttpStorage against the relay (starlette's ranged FileResponse), with a bearer token."""
+
+    @pytest.fixture
+    def storage(self, relay: Relay, tmp_path: Path) -> Storage:
+        self.root = relay.directory / tmp_path.name
+        self.root.mkdir()
+        return open_storage(f"{relay.url}/{tmp_path.name}", {"token": TOKEN})
+
+    def populate(self, storage: Storage, files: Mapping[str, bytes]) -> None:
+        _write_files(self.root, files)
+
+
+# ------------------------------------------------------------------------------------ particular to HTTP
+
+
+def test_http_urls_open_the_http_backend(static_server):
+    for url in (static_server.url, static_server.url.replace("http://", "https://")):
+        assert isinstance(open_storage(url), HttpStorage)
+    with pytest.raises(StorageCapabilityError, match="unknown storage option.*endpoint_url"):
+        open_storage(static_server.url, {"endpoint_url": "x"})
+
+
+def test_resets_are_retried(static_server, tmp_path):
+    root = static_server.directory / tmp_path.name
+    _write_files(root, {"f.bin": DATA})
+    with ResettingProxy(static_server.address, resets=2) as proxy:
+        storage = open_storage(f"{proxy.url}/{tmp_path.name}")
+        assert storage.read("f.bin", 10, 20) == DATA[10:20]
+        assert proxy.reset == 2 and proxy.connections == 3
+
+
+def test_a_body_cut_short_is_fetched_again(relay, tmp_path):
+    """Connections reset in the middle of the answer: ranged reads retry, a streamed read resumes."""
+    root = relay.directory / tmp_path.name
+    data = bytes(range(256)) * 4096  # 1 MiB
+    _write_files(root, {"big.bin": data})
+    host, port = relay.url.removeprefix("http://").split(":")
+    with ResettingProxy((host, int(port)), resets=2, after_bytes=100_000) as proxy:
+        storage = open_storage(f"{proxy.url}/{tmp_path.name}", {"token": TOKEN})
+        assert storage.read("big.bin", 1000, 900_000) == data[1000:900_000]
+        assert proxy.reset == 2
+    with ResettingProxy((host, int(port)), resets=2, after_bytes=300_000) as proxy:
+        storage = open_storage(f"{proxy.url}/{tmp_path.name}", {"token": TOKEN})
+        with storage.open_read("big.bin") as f:
+            assert f.read() == data
+        assert proxy.reset == 2
+
+
+def test_a_server_that_keeps_failing_is_a_clear_error_in_bounded_time(static_server):
+    with ResettingProxy(static_server.address, resets=10**9) as proxy:
+        storage = open_storage(f"{proxy.url}/x", {"retries": 3})
+        started = time.monotonic()
+        with pytest.raises(StorageAccessError, match=f"GET {proxy.url}/x/f.bin failed after 4 attempts"):
+            storage.read("f.bin")
+        assert time.monotonic() - started < 10
+        assert proxy.connections == 4
+
+
+def test_server_errors_are_retried_then_reported(tmp_path):
+    """A server answering 503 (then 200, or 503 for ever): retried with backoff, then named."""
+    answers: list[int] = []
+    plan = [503, 503]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            status = plan.pop(0) if plan else 200
+            answers.append(status)
+            body = b"ok" if status == 200 else b"busy"
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert open_storage(url).read("f") == b"ok" and answers == [503, 503, 200]
+        plan.extend([503] * 10)
+        with pytest.raises(StorageAccessError, match=r"failed after 3 attempts \(HTTP 503\)"):
+            open_storage(url, {"retries": 2}).read("f")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_unauthorized_names_the_token(relay):
+    with pytest.raises(StorageAccessError, match="401.*CKPTSTREAM_HTTP_TOKEN"):
+        open_storage(relay.url).read("anything")
+
+
+def test_a_directory_is_not_a_file(static_server, tmp_path):
+    _write_files(static_server.directory / tmp_path.name, {"d/f": b"x"})
+    storage = open_storage(f"{static_server.url}/{tmp_path.name}")
+    assert not storage.exists("d")
+    with pytest.raises(FileNotFoundError):
+        storage.read("d")

