@@ -20,7 +20,7 @@ from .format import STREAM_FILE, FileEntry, Hasher, Manifest, data_path, manifes
 from .reader import Stream
 from .reader.files import file_hash
 from .storage import MAX_CONCURRENT_READS, Storage, chunk_spans
-from .writer.commit import adopt_stream, commit_manifest
+from .writer.commit import adopt_stream, commit_manifest, write_latest_hint
 
 log = logging.getLogger("ckptstream.transfer")
 
@@ -184,6 +184,7 @@ class Destination:
         base committed (MissingBaseError otherwise)."""
         self.require_base(manifest)
         commit_manifest(self.storage, manifest, raw)
+        write_latest_hint(self.storage, manifest.version)  # readers that cannot list start there
 
 
 def copy_version(src: Stream, dst: Destination, version: int, *, progress: Progress | None = None) -> CopiedVersion:
