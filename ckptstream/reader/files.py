@@ -34,6 +34,7 @@ class DataFiles:
     def __init__(self, storage: Storage):
         self.storage = storage
         self._checked: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
+        self._checking: dict[tuple[int, str], threading.Lock] = {}
         self._lock = threading.Lock()
 
     def check(self, manifest: Manifest, name: str, tensor: str | None = None) -> None:
@@ -49,6 +50,22 @@ class DataFiles:
             if key in self._checked:
                 self._checked.move_to_end(key)
                 return
+            checking = self._checking.setdefault(key, threading.Lock())
+        with checking:  # the decoding threads that start on one file at once check it once
+            with self._lock:
+                if key in self._checked:
+                    return
+            try:
+                self._check(manifest, name, tensor)
+                with self._lock:
+                    self._checked[key] = None
+                    while len(self._checked) > CHECKED_FILES_CACHE_SIZE:
+                        self._checked.popitem(last=False)
+            finally:
+                with self._lock:
+                    self._checking.pop(key, None)
+
+    def _check(self, manifest: Manifest, name: str, tensor: str | None) -> None:
         file = next(f for f in manifest.files if f.name == name)  # parsing ensures tensors' files are listed
         path = data_path(manifest.version, file.name)
         try:
@@ -64,10 +81,6 @@ class DataFiles:
             problem = self._header_problem(manifest, file)
             if problem is not None:
                 self._refuse_header(manifest, file, problem, tensor)
-        with self._lock:
-            self._checked[key] = None
-            while len(self._checked) > CHECKED_FILES_CACHE_SIZE:
-                self._checked.popitem(last=False)
 
     def verify_file(self, manifest: Manifest, file: FileEntry) -> None:
         """Read all of data file ``file`` of ``manifest``: its size and hash must be the manifest's; then
