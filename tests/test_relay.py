@@ -280,3 +280,23 @@ def test_manifest_path_is_probed_not_listed(published):
     assert Stream(relay.url, storage_options={"token": TOKEN}).latest() == 2
     misses = _sample(relay, "ckptstream_relay_requests_total", status="404") - before
     assert 0 < misses <= 16 and Path(url, manifest_path(2)).exists()
+
+
+def test_a_stream_on_a_plain_static_server(published, capsys):
+    """python's http.server ignores Range (200 with the whole file): every read still gets its bytes."""
+    from ckptstream.testing.http import StaticHttpServer
+
+    url, _ = published
+    with StaticHttpServer(url) as server:
+        stream = Stream(server.url)
+        assert stream.versions() == [0, 1, 2] and stream.verify("latest").tensors > 0
+        assert_same_tensors(dict(stream.iter_tensors(1)), dict(Stream(url).iter_tensors(1)))
+        assert main(["ls", f"{server.url}/nothing-here"]) == 4
+        assert "no stream at" in capsys.readouterr().err
+
+
+def test_cli_without_the_token_says_to_set_it(published, capsys):
+    _, relay = published
+    assert main(["ls", relay.url, "-o", "retries=0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Error:") and "401" in err and "CKPTSTREAM_HTTP_TOKEN" in err
