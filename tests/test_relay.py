@@ -300,3 +300,20 @@ def test_cli_without_the_token_says_to_set_it(published, capsys):
     assert main(["ls", relay.url, "-o", "retries=0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("Error:") and "401" in err and "CKPTSTREAM_HTTP_TOKEN" in err
+
+
+def test_backward_probing_is_bounded(tmp_path):
+    """A long stream over HTTP lists the newest MAX_BACKWARD_PROBES + 1 versions (probing only looks at
+    names, so empty manifest files stand in for real ones here)."""
+    from ckptstream.reader.probe import MAX_BACKWARD_PROBES
+
+    root = tmp_path / "long"
+    (root / "manifests").mkdir(parents=True)
+    newest = MAX_BACKWARD_PROBES + 100
+    for version in range(newest + 1):
+        (root / manifest_path(version)).touch()
+    (root / LATEST_HINT_FILE).write_bytes(json.dumps({"version": newest}).encode())
+    with Relay(root) as relay:
+        stream = Stream(relay.url)
+        assert stream.latest() == newest
+        assert stream.versions() == list(range(newest - MAX_BACKWARD_PROBES, newest + 1))
