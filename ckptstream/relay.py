@@ -18,6 +18,7 @@ import functools
 import hmac
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -108,21 +109,28 @@ class Relay:
         """Start serving in a background thread; returns once the socket listens."""
         import uvicorn
 
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, interface="asgi3", lifespan="off",
-                                log_level="warning", access_log=False, proxy_headers=False)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:  # bound here, not by uvicorn: a port in use is this error, not a dead server thread
+            listener.bind((self.host, self.port))
+        except OSError as exc:
+            listener.close()
+            raise CkptStreamError(f"the relay cannot listen on {self.host}:{self.port} ({exc.strerror})",
+                                  hint="Choose another --port (or --host), or stop what uses it") from None
+        self.port = listener.getsockname()[1]
+        config = uvicorn.Config(self.app, interface="asgi3", lifespan="off", log_level="warning", access_log=False,
+                                proxy_headers=False)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="ckptstream-relay", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [listener]},
+                                        name="ckptstream-relay", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT
         while not self._server.started:
             self._thread.join(0.02)
-            if not self._thread.is_alive():
-                raise CkptStreamError(f"the relay cannot listen on {self.host}:{self.port}",
-                                      hint="Choose another --port (or --host), or stop what uses it")
-            if time.monotonic() > deadline:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop()
-                raise CkptStreamError(f"the relay did not start listening within {START_TIMEOUT:.0f} s")
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+                raise CkptStreamError(f"the relay did not start serving on {self.url}")
         log.info("relaying %s at %s%s", self.directory, self.url, " (token required)" if self._expected else "")
         return self
 

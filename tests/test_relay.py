@@ -317,3 +317,10 @@ def test_backward_probing_is_bounded(tmp_path):
         stream = Stream(relay.url)
         assert stream.latest() == newest
         assert stream.versions() == list(range(newest - MAX_BACKWARD_PROBES, newest + 1))
+
+
+def test_a_port_in_use_is_a_clear_error(served):
+    from ckptstream.errors import CkptStreamError
+
+    with pytest.raises(CkptStreamError, match=f"cannot listen on 127.0.0.1:{served.port}"):
+        Relay(served.directory, port=served.port).start()
