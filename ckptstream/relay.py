@@ -183,8 +183,8 @@ class Relay:
 
             return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
         target = self._file(path)
-        if target is None:
-            return PlainTextResponse("not found\n", status_code=404)
+        if target is None:  # not to be cached: the manifest a follower probes for appears later
+            return PlainTextResponse("not found\n", status_code=404, headers={"Cache-Control": "no-store"})
         immutable = path.lstrip("/").split("/", 1)[0] in _IMMUTABLE_DIRS
         cache = "public, max-age=31536000, immutable" if immutable else "no-cache"
         return _file_response()(target, media_type="application/octet-stream", headers={"Cache-Control": cache})

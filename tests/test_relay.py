@@ -99,6 +99,10 @@ def test_only_the_streams_files_are_served(served):
     for method in ("PUT", "POST", "DELETE"):
         assert _get(served, "/data.bin", method=method)[0] == 405
     assert _get(served, "/manifests/a.json")[0] == 200
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+    connection.request("GET", "/manifests/b.json", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert connection.getresponse().getheader("Cache-Control") == "no-store"  # a CDN must not keep the miss
+    connection.close()
 
 
 def test_ranges_and_sent_bytes_in_metrics(served):
