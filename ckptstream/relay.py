@@ -14,9 +14,11 @@ status, so that operators and tests can measure what reaches the origin.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -35,6 +37,9 @@ RELAY_TOKEN_ENV = "CKPTSTREAM_RELAY_TOKEN"
 METRICS_PATH = "/metrics"
 DEFAULT_HOST = "127.0.0.1"
 START_TIMEOUT = 30.0
+SEND_CHUNK_BYTES = 1 << 20
+"""Bytes per write of a file's body (starlette's default is 64 KiB): data files are read whole or in large
+ranges, and fewer, larger writes mean fewer event-loop and thread hand-offs per byte."""
 # Committed files never change (a manifest is created once, data files and assets are written before it):
 # caches in front of the relay may keep them. Everything else (the latest-version hint, replica records)
 # changes in place.
@@ -104,21 +109,28 @@ class Relay:
         """Start serving in a background thread; returns once the socket listens."""
         import uvicorn
 
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, interface="asgi3", lifespan="off",
-                                log_level="warning", access_log=False, proxy_headers=False)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:  # bound here, not by uvicorn: a port in use is this error, not a dead server thread
+            listener.bind((self.host, self.port))
+        except OSError as exc:
+            listener.close()
+            raise CkptStreamError(f"the relay cannot listen on {self.host}:{self.port} ({exc.strerror})",
+                                  hint="Choose another --port (or --host), or stop what uses it") from None
+        self.port = listener.getsockname()[1]
+        config = uvicorn.Config(self.app, interface="asgi3", lifespan="off", log_level="warning", access_log=False,
+                                proxy_headers=False)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="ckptstream-relay", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [listener]},
+                                        name="ckptstream-relay", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT
         while not self._server.started:
             self._thread.join(0.02)
-            if not self._thread.is_alive():
-                raise CkptStreamError(f"the relay cannot listen on {self.host}:{self.port}",
-                                      hint="Choose another --port (or --host), or stop what uses it")
-            if time.monotonic() > deadline:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop()
-                raise CkptStreamError(f"the relay did not start listening within {START_TIMEOUT:.0f} s")
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+                raise CkptStreamError(f"the relay did not start serving on {self.url}")
         log.info("relaying %s at %s%s", self.directory, self.url, " (token required)" if self._expected else "")
         return self
 
@@ -157,7 +169,7 @@ class Relay:
             self._requests.labels(str(status[0]) if status else "none").inc()
 
     def _answer(self, scope: Scope) -> Any:
-        from starlette.responses import FileResponse, PlainTextResponse, Response
+        from starlette.responses import PlainTextResponse, Response
 
         if not self._authorized(scope):
             return PlainTextResponse("a bearer token is required\n", status_code=401,
@@ -171,11 +183,11 @@ class Relay:
 
             return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
         target = self._file(path)
-        if target is None:
-            return PlainTextResponse("not found\n", status_code=404)
+        if target is None:  # not to be cached: the manifest a follower probes for appears later
+            return PlainTextResponse("not found\n", status_code=404, headers={"Cache-Control": "no-store"})
         immutable = path.lstrip("/").split("/", 1)[0] in _IMMUTABLE_DIRS
         cache = "public, max-age=31536000, immutable" if immutable else "no-cache"
-        return FileResponse(target, media_type="application/octet-stream", headers={"Cache-Control": cache})
+        return _file_response()(target, media_type="application/octet-stream", headers={"Cache-Control": cache})
 
     def _authorized(self, scope: Scope) -> bool:
         if self._expected is None:
@@ -196,3 +208,14 @@ class Relay:
         if not target.is_relative_to(self._root) or not target.is_file():
             return None
         return target
+
+
+@functools.cache
+def _file_response() -> type:
+    """starlette's ranged ``FileResponse``, writing ``SEND_CHUNK_BYTES`` at a time."""
+    from starlette.responses import FileResponse
+
+    class StreamFileResponse(FileResponse):
+        chunk_size = SEND_CHUNK_BYTES
+
+    return StreamFileResponse

@@ -99,6 +99,10 @@ def test_only_the_streams_files_are_served(served):
     for method in ("PUT", "POST", "DELETE"):
         assert _get(served, "/data.bin", method=method)[0] == 405
     assert _get(served, "/manifests/a.json")[0] == 200
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+    connection.request("GET", "/manifests/b.json", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert connection.getresponse().getheader("Cache-Control") == "no-store"  # a CDN must not keep the miss
+    connection.close()
 
 
 def test_ranges_and_sent_bytes_in_metrics(served):
@@ -280,3 +284,47 @@ def test_manifest_path_is_probed_not_listed(published):
     assert Stream(relay.url, storage_options={"token": TOKEN}).latest() == 2
     misses = _sample(relay, "ckptstream_relay_requests_total", status="404") - before
     assert 0 < misses <= 16 and Path(url, manifest_path(2)).exists()
+
+
+def test_a_stream_on_a_plain_static_server(published, capsys):
+    """python's http.server ignores Range (200 with the whole file): every read still gets its bytes."""
+    from ckptstream.testing.http import StaticHttpServer
+
+    url, _ = published
+    with StaticHttpServer(url) as server:
+        stream = Stream(server.url)
+        assert stream.versions() == [0, 1, 2] and stream.verify("latest").tensors > 0
+        assert_same_tensors(dict(stream.iter_tensors(1)), dict(Stream(url).iter_tensors(1)))
+        assert main(["ls", f"{server.url}/nothing-here"]) == 4
+        assert "no stream at" in capsys.readouterr().err
+
+
+def test_cli_without_the_token_says_to_set_it(published, capsys):
+    _, relay = published
+    assert main(["ls", relay.url, "-o", "retries=0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Error:") and "401" in err and "CKPTSTREAM_HTTP_TOKEN" in err
+
+
+def test_backward_probing_is_bounded(tmp_path):
+    """A long stream over HTTP lists the newest MAX_BACKWARD_PROBES + 1 versions (probing only looks at
+    names, so empty manifest files stand in for real ones here)."""
+    from ckptstream.reader.probe import MAX_BACKWARD_PROBES
+
+    root = tmp_path / "long"
+    (root / "manifests").mkdir(parents=True)
+    newest = MAX_BACKWARD_PROBES + 100
+    for version in range(newest + 1):
+        (root / manifest_path(version)).touch()
+    (root / LATEST_HINT_FILE).write_bytes(json.dumps({"version": newest}).encode())
+    with Relay(root) as relay:
+        stream = Stream(relay.url)
+        assert stream.latest() == newest
+        assert stream.versions() == list(range(newest - MAX_BACKWARD_PROBES, newest + 1))
+
+
+def test_a_port_in_use_is_a_clear_error(served):
+    from ckptstream.errors import CkptStreamError
+
+    with pytest.raises(CkptStreamError, match=f"cannot listen on 127.0.0.1:{served.port}"):
+        Relay(served.directory, port=served.port).start()

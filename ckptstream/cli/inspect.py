@@ -17,6 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "ls", run_ls, "list the versions of a stream", """
         ckptstream ls /mnt/nfs/run1
         ckptstream ls s3://bucket/run1 --json | jq '.[-1]'
+        ckptstream ls http://relay-host:8700 -o token=T   # HTTP: versions near the newest, found by probing
         """)
     add_url(p)
 

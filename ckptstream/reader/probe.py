@@ -13,6 +13,11 @@ from ..storage import Storage
 from ..storage.base import concurrently
 
 
+MAX_BACKWARD_PROBES = 1024
+"""Version numbers probed backward at most, so that listing a long stream over HTTP (``ls``, and the
+follower's periodic listing) stays a bounded number of requests: older versions are not shown."""
+
+
 def read_latest_hint(storage: Storage) -> int | None:
     """The version the stream's latest-version hint names, or None (no hint, or not a valid one)."""
     try:
@@ -25,9 +30,10 @@ def probe_versions(storage: Storage, *, newest_only: bool = False) -> list[int]:
     """Committed versions found by probing, oldest first (only the newest with ``newest_only``).
 
     Forward from the hint (or 0) until a gap of ``VERSION_PROBE_GAP`` missing numbers; then, unless
-    ``newest_only``, backward from the oldest found likewise. A version separated from the others by a
-    longer gap (old versions kept by gc's ``keep_every`` far apart) is not found: ``ls`` over HTTP shows
-    the versions near the newest.
+    ``newest_only``, backward from the oldest found likewise, over at most ``MAX_BACKWARD_PROBES``
+    numbers. A version separated from the others by a longer gap (old versions kept by gc's
+    ``keep_every`` far apart), or further back, is not found: ``ls`` over HTTP shows the versions near
+    the newest.
     """
     hint = read_latest_hint(storage)
     start = 0 if hint is None else hint
@@ -43,8 +49,9 @@ def probe_versions(storage: Storage, *, newest_only: bool = False) -> list[int]:
     if newest_only and found:
         return found[-1:]
     oldest = found[0] if found else start
-    while oldest > 0:  # backward (also for the newest, when the hint is ahead of every version)
-        window = list(range(max(0, oldest - VERSION_PROBE_GAP), oldest))
+    floor = max(0, oldest - MAX_BACKWARD_PROBES)
+    while oldest > floor:  # backward (also for the newest, when the hint is ahead of every version)
+        window = list(range(max(floor, oldest - VERSION_PROBE_GAP), oldest))
         hits = [v for v, there in zip(window, _probe(storage, window)) if there]
         if not hits:
             break

@@ -48,6 +48,8 @@ _T = TypeVar("_T")
 class HttpStorage(Storage):
     """A stream at an ``http://`` or ``https://`` URL, read-only.
 
+    ``read_into`` is the base class's: urllib3 copies out of its own buffer in any case.
+
     Args:
         url: the stream root (``https://host/path/run1``).
         token: bearer token (default ``$CKPTSTREAM_HTTP_TOKEN``; none if neither is set).
