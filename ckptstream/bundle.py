@@ -6,7 +6,7 @@ after an index listing every member's size and hash. ``import_bundle`` reads a b
 will do), checks every member against the index as it passes, writes data files at the destination only
 under verified names (invisible without their manifests), and commits the manifests, in order and through
 put-if-absent, only once the whole archive has verified. Both stream with bounded memory: a file moves in
-chunks of ``COPY_CHUNK_BYTES``, never whole.
+pieces (``COPY_CHUNK_BYTES`` read from the source, ``_TAR_READ_BUFFER`` from the archive), never whole.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ Progress = Callable[[int], None]
 BundleFile = Union[str, "os.PathLike[str]", IO[bytes]]
 """Where a bundle is: a path, ``-`` for stdout (export) or stdin (import), or an open binary file object."""
 
-_TAR_READ_BUFFER = 1 << 20  # bytes tarfile reads from the input at once (its default, 10 KiB, is slow)
+_TAR_READ_BUFFER = 1 << 20
+"""Bytes an import reads from the archive at once (tarfile's default, 10 KiB, is slow), and the piece of a
+member it checks and writes at once: the input is sequential, so larger pieces would buy nothing but memory."""
 
 
 @dataclass(frozen=True)
@@ -302,6 +304,31 @@ def _input(bundle: BundleFile) -> Iterator[IO[bytes]]:
         yield bundle
 
 
+class _Arriving(io.RawIOBase):
+    """The bundle's input as tarfile reads it: a read returns what has arrived (a block at least, until the
+    end), not a full buffer, so that a bundle coming through a slow pipe is checked and written as it comes."""
+
+    def __init__(self, raw: IO[bytes]):
+        super().__init__()
+        self._raw = raw
+        self._read1 = getattr(raw, "read1", raw.read)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0:
+            return self._raw.read()
+        parts, got = [], 0
+        while got < min(size, tarfile.BLOCKSIZE):
+            part = self._read1(size - got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+
+
 class _Importer:
     """One import: the members read so far and what they hold until the commit."""
 
@@ -315,7 +342,7 @@ class _Importer:
     def run(self, raw: IO[bytes]) -> tuple[list[int], list[int]]:
         """Read and check the whole bundle, then commit; returns (committed, skipped) versions."""
         try:
-            tar = tarfile.open(fileobj=raw, mode="r|*", bufsize=_TAR_READ_BUFFER)
+            tar = tarfile.open(fileobj=_Arriving(raw), mode="r|*", bufsize=_TAR_READ_BUFFER)
         except (tarfile.TarError, EOFError, OSError) as exc:
             raise self.refuse(f"not a tar archive ({exc})", BUNDLE_INDEX_FILE) from None
         with tar:
@@ -388,13 +415,13 @@ class _Importer:
         return member
 
     def chunks(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> Iterator[bytes]:
-        """The member's bytes in chunks of at most ``COPY_CHUNK_BYTES`` (a truncated archive: IntegrityError)."""
+        """The member's bytes in pieces of at most ``_TAR_READ_BUFFER`` (a truncated archive: IntegrityError)."""
         source = tar.extractfile(member)
         assert source is not None  # a regular file, checked by next_member
         left = member.size
         while left:
             try:
-                chunk = source.read(min(left, COPY_CHUNK_BYTES))
+                chunk = source.read(min(left, _TAR_READ_BUFFER))
             except (tarfile.TarError, EOFError, OSError) as exc:
                 raise self.refuse(f"the archive is truncated or damaged inside this member ({exc})",
                                   member.name) from None
@@ -460,7 +487,7 @@ class _Importer:
         stream.seek(tar.offset)  # the end of the last member's data, padded
         marker = stream.read(2 * tarfile.BLOCKSIZE)
         if marker != tarfile.NUL * 2 * tarfile.BLOCKSIZE:
-            raise self.refuse(self._after_last(marker), BUNDLE_INDEX_FILE if not marker else None)
+            raise self.refuse(self._after_last(marker), None)
         while chunk := stream.read(_TAR_READ_BUFFER):
             if chunk.count(tarfile.NUL) != len(chunk):
                 raise self.refuse("data follows the end-of-archive marker", None)
