@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import IO, Union
 
 from .errors import ForeignStreamError, IntegrityError, MissingBaseError, VersionConflictError, VersionNotFoundError
-from .format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_BUNDLE_INDEX_BYTES, MAX_MANIFEST_BYTES,
-                     MAX_STREAM_FILE_BYTES, STREAM_FILE, BundleIndex, FileEntry, Hasher, Manifest, StreamInfo,
-                     asset_path, content_hash, data_path, manifest_path, parse_version_name)
+from .format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_BUNDLE_INDEX_BYTES, MAX_FILE_BYTES, MAX_MANIFEST_BYTES,
+                     MAX_STREAM_FILE_BYTES, STREAM_FILE, VERSIONS_DIR, BundleIndex, FileEntry, Hasher, Manifest,
+                     StreamInfo, asset_path, content_hash, data_path, manifest_path, parse_version_name)
 from .reader import Stream
 from .storage import Storage, temp_name
 from .transfer import COPY_CHUNK_BYTES, Destination, holds_file, versions_to_carry, write_verified
@@ -102,8 +102,9 @@ def export_bundle(stream: Stream, out: BundleFile, *, versions: list[int] | None
         members.append(FileEntry(manifest_path(version), len(raw), content_hash(raw)))
     index = BundleIndex(stream_id=info.stream_id, versions=tuple(carried), members=tuple(members), since=since,
                         requires=requires)
-    # Leases (issue 9, item 4): once Stream.lease exists, hold one on each carried version from the plan
-    # above until its files are written below, so that gc cannot retire it mid-export.
+    # Leases (issue 9, item 4): once Stream.lease exists, hold `stream.lease(v, holder=...)` on each version
+    # asked for (gc keeps a leased version's chain) around the plan above and the writing below, so that gc
+    # cannot retire a carried version mid-export (without it such an export fails, as a missing source file).
     with _output(out) as sink:
         counted = _CountingWriter(sink)
         with tarfile.open(fileobj=counted, mode="w", format=tarfile.PAX_FORMAT,
@@ -156,7 +157,7 @@ def _source_file(stream: Stream, info: StreamInfo, entry: FileEntry, progress: P
     if directory == MANIFESTS_DIR:
         version = parse_version_name(rest)
         return _Checked(io.BytesIO(stream.storage.read(entry.name)), entry, version, progress)
-    if directory != "versions":  # an asset: small, read whole and checked by Stream.asset
+    if directory != VERSIONS_DIR:  # an asset: small, read whole and checked by Stream.asset
         asset = next(a for a in info.assets if asset_path(a.name) == entry.name)
         return _Checked(io.BytesIO(stream.asset(asset)), entry, None, progress)
     version = parse_version_name(rest.partition("/")[0])
@@ -348,10 +349,12 @@ class _Importer:
         with tar:
             index = self.read_index(tar)
             self.check_destination(index)
-            raw_info, assets, manifests = b"", {}, []
+            raw_info = b""
+            assets: dict[str, bytes] = {}
+            manifests: list[tuple[Manifest, bytes]] = []
             data_entries: dict[int, list[FileEntry]] = {v: [] for v in index.versions}
             for entry in index.members:
-                member = self.next_member(tar, entry)
+                member = self.next_member(tar, entry.name, entry.size)
                 directory, _, rest = entry.name.partition("/")
                 if entry.name == STREAM_FILE:
                     raw_info = self.read_small(tar, member, entry, MAX_STREAM_FILE_BYTES)
@@ -361,12 +364,12 @@ class _Importer:
                     version = parse_version_name(rest)
                     manifests.append(self.read_manifest(tar, member, entry, version, index,
                                                         data_entries[version]))
-                elif directory == "versions":
+                elif directory == VERSIONS_DIR:
                     version = parse_version_name(rest.partition("/")[0])
                     self.read_data(tar, member, entry, version)
                     data_entries[version].append(FileEntry(rest.partition("/")[2], entry.size, entry.hash))
-                else:
-                    assets[rest] = self.read_small(tar, member, entry, MAX_STREAM_FILE_BYTES)
+                else:  # an asset: small by nature (config, tokenizer), no limit of its own in the format
+                    assets[rest] = self.read_small(tar, member, entry, MAX_FILE_BYTES)
             self.check_end(tar)
         # Everything verified: now, and only now, the stream and its versions appear at the destination.
         adopt_stream(self.dst.storage, raw_info, assets)
@@ -388,30 +391,25 @@ class _Importer:
     # ------------------------------------------------------------------------------------------ members
 
     def read_index(self, tar: tarfile.TarFile) -> BundleIndex:
-        index_entry = FileEntry(BUNDLE_INDEX_FILE, 0, "")
-        member = self.next_member(tar, index_entry, check_size=False)
-        if member.size > MAX_BUNDLE_INDEX_BYTES:
-            raise self.refuse(f"the index is {member.size} bytes, over the {MAX_BUNDLE_INDEX_BYTES} limit",
-                              member.name)
-        return BundleIndex.from_bytes(self.read_member(tar, member, member.size))
+        member = self.next_member(tar, BUNDLE_INDEX_FILE)
+        return BundleIndex.from_bytes(self.read_member(tar, member, MAX_BUNDLE_INDEX_BYTES))
 
-    def next_member(self, tar: tarfile.TarFile, entry: FileEntry, *, check_size: bool = True) -> tarfile.TarInfo:
-        """The next member, which must be ``entry``: a regular file of its name (and size)."""
+    def next_member(self, tar: tarfile.TarFile, name: str, size: int | None = None) -> tarfile.TarInfo:
+        """The next member, which must be a regular file called ``name`` (of ``size`` bytes, if given)."""
         try:
             member = tar.next()
         except (tarfile.TarError, EOFError, OSError) as exc:
-            raise self.refuse(f"the archive is damaged or truncated before member {entry.name} ({exc})",
-                              entry.name) from None
+            raise self.refuse(f"the archive is damaged or truncated before member {name} ({exc})", name) from None
         if member is None:
-            raise self.refuse(f"the archive ends before member {entry.name} (truncated)", entry.name)
+            raise self.refuse(f"the archive ends before member {name} (truncated)", name)
         if not member.isreg():
             raise self.refuse(f"member {member.name!r} is not a regular file (a link, directory or device)",
                               member.name)
-        if member.name != entry.name:
-            raise self.refuse(f"member {member.name!r} is not the next member of the index ({entry.name}): out of "
+        if member.name != name:
+            raise self.refuse(f"member {member.name!r} is not the next member of the index ({name}): out of "
                               f"order or not in the bundle", member.name)
-        if check_size and member.size != entry.size:
-            raise self.refuse(f"member has {member.size} bytes, the index says {entry.size}", member.name)
+        if size is not None and member.size != size:
+            raise self.refuse(f"member has {member.size} bytes, the index says {size}", member.name)
         return member
 
     def chunks(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> Iterator[bytes]:

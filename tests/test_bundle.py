@@ -4,6 +4,7 @@ an import SIGKILLed part-way and run again, and bounded memory."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -23,8 +24,8 @@ import torch
 from ckptstream import Publisher, Stream
 from ckptstream.bundle import export_bundle, import_bundle
 from ckptstream.cli import main
-from ckptstream.errors import (EXIT_CONFLICT, EXIT_INTEGRITY, EXIT_NOT_FOUND, ForeignStreamError, IntegrityError,
-                               MissingBaseError, VersionConflictError)
+from ckptstream.errors import (EXIT_CONFLICT, EXIT_INCOMPATIBLE, EXIT_INTEGRITY, EXIT_NOT_FOUND, ForeignStreamError,
+                               IncompatibleStreamError, IntegrityError, MissingBaseError, VersionConflictError)
 from ckptstream.format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, STREAM_FILE, BundleIndex, data_path,
                                manifest_path)
 from ckptstream.storage import open_storage
@@ -157,6 +158,26 @@ def test_incremental_bundle_carries_only_the_new_versions(source, tmp_path):
     imported = import_bundle(tmp_path / "week2.tar", open_storage(dst))
     assert imported.versions == (2, 3)
     assert_same_stream(src, dst)
+
+
+def test_cli_export_and_import_with_json(source, tmp_path, capsys):
+    src, _ = source
+    dst = str(tmp_path / "dst")
+    assert main(["export", src.url, str(tmp_path / "a.tar"), "--versions", "1:2", "--json"]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["versions"] == [0, 1, 2] and exported["bytes"] == (tmp_path / "a.tar").stat().st_size
+    assert exported["seconds"] >= 0
+    assert main(["import", str(tmp_path / "a.tar"), dst, "--json"]) == 0
+    imported = json.loads(capsys.readouterr().out)
+    assert imported["versions"] == [0, 1, 2] and imported["skipped"] == [] and imported["bytes"] > 0
+    assert main(["export", src.url, str(tmp_path / "b.tar"), "--since", "2"]) == 0
+    assert "exported 1 version(s) (3, since 2)" in capsys.readouterr().out
+    assert main(["import", str(tmp_path / "b.tar"), dst]) == 0
+    assert "imported 1 version(s)" in capsys.readouterr().out
+    assert_same_stream(src, dst)
+    assert main(["export", src.url, str(tmp_path / "c.tar"), "--since", "3"]) == EXIT_NOT_FOUND
+    assert "no version to export after version 3" in capsys.readouterr().err
+    assert not (tmp_path / "c.tar").exists()
 
 
 def test_incremental_bundle_is_refused_where_the_chain_is_missing(source, tmp_path, capsys):
@@ -301,6 +322,29 @@ def test_reordered_extra_and_malicious_members_are_refused(bundle, tmp_path):
 
     (tmp_path / "not.tar").write_bytes(b"this is not a tar file" * 100)
     refused(tmp_path / "not.tar", dst, member=BUNDLE_INDEX_FILE)
+
+
+def test_foreign_and_newer_indexes_are_refused(bundle, tmp_path, capsys):
+    good = members_of(bundle)
+    dst = str(tmp_path / "dst")
+    foreign = [regular(BUNDLE_INDEX_FILE, b'{"format": "something-else", "members": []}')] + good[1:]
+    refused(write_tar(tmp_path / "foreign.tar", foreign), dst, member=BUNDLE_INDEX_FILE)
+    body = json.loads(good[0][1])
+    body["bundle_format_version"] = 2
+    newer = [regular(BUNDLE_INDEX_FILE, json.dumps(body).encode())] + good[1:]
+    with pytest.raises(IncompatibleStreamError, match="bundle format version 2"):
+        import_bundle(write_tar(tmp_path / "newer.tar", newer), open_storage(dst))
+    assert main(["import", str(tmp_path / "newer.tar"), dst]) == EXIT_INCOMPATIBLE
+    assert "Upgrade ckptstream" in capsys.readouterr().err
+    assert untouched(dst)
+
+
+def test_a_compressed_bundle_imports(source, bundle, tmp_path):
+    """`gzip run1.tar` on the way: tarfile's stream reader decompresses as it reads."""
+    src, _ = source
+    (tmp_path / "b.tar.gz").write_bytes(gzip.compress(bundle.read_bytes()))
+    import_bundle(tmp_path / "b.tar.gz", open_storage(str(tmp_path / "dst")))
+    assert_same_stream(src, str(tmp_path / "dst"))
 
 
 def test_import_cli_reports_a_tampered_bundle_with_exit_3(bundle, tmp_path, capsys):
