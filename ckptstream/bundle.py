@@ -164,10 +164,10 @@ def _source_file(stream: Stream, info: StreamInfo, entry: FileEntry, progress: P
     try:
         size = stream.storage.size(entry.name)
     except FileNotFoundError:
-        raise IntegrityError("data file is missing at the source; no bundle written", version=version,
+        raise IntegrityError("data file is missing at the source; the export is aborted", version=version,
                              file=f"{stream.url}/{entry.name}", hint="Repair or re-publish it at the source") from None
     if size != entry.size:
-        raise IntegrityError(f"data file has {size} bytes, the manifest says {entry.size}; no bundle written",
+        raise IntegrityError(f"data file has {size} bytes, the manifest says {entry.size}; the export is aborted",
                              version=version, file=f"{stream.url}/{entry.name}",
                              hint="Repair or re-publish it at the source")
     return _Checked(_RangedReader(stream.storage, entry.name), entry, version, progress,
@@ -213,10 +213,10 @@ class _Checked(io.RawIOBase):
         short = len(data) < size and self._count < self._entry.size
         if short or self._count > self._entry.size:
             raise IntegrityError(f"file ended after {self._count} bytes, the manifest says {self._entry.size} "
-                                 f"(truncated at the source); no bundle written", version=self._version,
+                                 f"(truncated at the source); the export is aborted", version=self._version,
                                  file=self._where, hint="Repair or re-publish it at the source")
         if self._count == self._entry.size and self._hasher.digest() != self._entry.hash:
-            raise IntegrityError("file does not match its hash (corrupt at the source); no bundle written",
+            raise IntegrityError("file does not match its hash (corrupt at the source); the export is aborted",
                                  version=self._version, file=self._where, hint="Repair or re-publish it at the source")
         return data
 
@@ -454,11 +454,12 @@ class _Importer:
             if hasher.digest() != entry.hash:
                 raise self.refuse("member does not match the index's hash", member.name, version)
             return
+        source = f"{self.name}:{member.name}"
         try:
             self.bytes_written += write_verified(self.dst.storage, path, self.chunks(tar, member), entry,
-                                                 version=version, source=member.name)
+                                                 version=version, source=source)
         except IntegrityError as exc:
-            if exc.file != member.name:  # not write_verified's own check: already worded for the bundle
+            if exc.file != source:  # a refusal of the archive itself (truncated), worded for the bundle already
                 raise
             raise self.refuse("member does not match the index's size and hash", member.name, version) from None
 

@@ -30,7 +30,7 @@ from ckptstream.format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, STREAM_FILE, Bu
                                manifest_path)
 from ckptstream.storage import open_storage
 from ckptstream.transfer import COPY_CHUNK_BYTES
-from tests.helpers import assert_same_tensors, random_state
+from tests.helpers import assert_same_tensors, new_bucket, random_state
 
 ASSETS = {"config.json": b'{"model_type": "tiny"}', "tokenizer.json": b'{"vocab": {}}'}
 
@@ -107,6 +107,14 @@ def test_round_trip_is_bit_exact(source, stream_url, tmp_path):
     assert_same_tensors(dict(Stream(stream_url).iter_tensors(3)), states[3])
     again = import_bundle(tmp_path / "full.tar", open_storage(stream_url))  # idempotent
     assert again.versions == () and again.skipped == (0, 1, 2, 3) and again.bytes_written == 0
+
+
+def test_export_from_an_s3_stream(s3_endpoint, tmp_path):
+    url = f"s3://{new_bucket(s3_endpoint)}/run"
+    publish_versions(url, 2)
+    export_bundle(Stream(url), tmp_path / "s3.tar")
+    import_bundle(tmp_path / "s3.tar", open_storage(str(tmp_path / "dst")))
+    assert_same_stream(Stream(url), str(tmp_path / "dst"))
 
 
 def test_bundle_layout_and_metadata_are_fixed(source, tmp_path):
@@ -262,7 +270,7 @@ def test_truncated_bundles_are_refused_naming_the_member(bundle, tmp_path):
         cut = tmp_path / "cut.tar"
         cut.write_bytes(raw[:offset])
         error = refused(cut, str(tmp_path / "dst"), member=member)
-        assert "truncated" in str(error), what
+        assert "truncated" in str(error).partition("nothing was committed")[0], what
 
 
 def test_a_flipped_byte_is_refused_naming_the_member(bundle, tmp_path):
@@ -276,7 +284,8 @@ def test_a_flipped_byte_is_refused_naming_the_member(bundle, tmp_path):
         tampered = bytearray(raw)
         tampered[member.offset_data + member.size // 2] ^= 0x01
         (tmp_path / "bad.tar").write_bytes(tampered)
-        refused(tmp_path / "bad.tar", str(dst), member=member.name)
+        error = refused(tmp_path / "bad.tar", str(dst), member=member.name)
+        assert "does not match the index" in str(error)
         if member is data:  # the corrupt file never appeared under its name
             assert not (dst / data.name).exists()
     index = members[0]
