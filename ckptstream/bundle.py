@@ -474,6 +474,11 @@ class _Importer:
         if sorted(manifest.files, key=lambda f: f.name) != data:
             raise self.refuse("the manifest lists other data files than the bundle carries", member.name, version)
         self.dst.check_same(version, raw)  # a different version of this number there: refuse now, exit 5
+        base = manifest.base_version
+        if base is not None and base not in index.versions and self.dst.committed(base) is None:
+            raise MissingBaseError(f"the bundle carries delta version {version} without this base, and the "
+                                   f"destination lacks it", version=base, file=manifest_path(base),
+                                   hint="Export the versions with their bases (ckptstream export brings them)")
         return manifest, raw
 
     def check_end(self, tar: tarfile.TarFile) -> None:

@@ -206,6 +206,21 @@ def test_incremental_bundle_is_refused_where_the_chain_is_missing(source, tmp_pa
     assert Stream(partial).versions() == [0, 1]
 
 
+def test_a_delta_without_its_base_is_refused(bundle, tmp_path):
+    """A bundle made by hand that carries delta 3 alone: committing it would leave an undecodable version."""
+    good = members_of(bundle)
+    index = BundleIndex.from_bytes(good[0][1])
+    kept = [(m, d) for m, d in good[1:] if not m.name.startswith(("versions/", "manifests/"))
+            or "000000000003" in m.name]
+    alone = BundleIndex(stream_id=index.stream_id, versions=(3,),
+                        members=tuple(e for e in index.members if e.name in {m.name for m, _ in kept}))
+    write_tar(tmp_path / "alone.tar", [regular(BUNDLE_INDEX_FILE, alone.to_bytes()), *kept])
+    with pytest.raises(MissingBaseError, match="without this base") as caught:
+        import_bundle(tmp_path / "alone.tar", open_storage(str(tmp_path / "dst")))
+    assert caught.value.version == 2
+    assert untouched(str(tmp_path / "dst"))
+
+
 def test_destination_of_another_stream_is_refused(source, tmp_path, capsys):
     src, _ = source
     export_bundle(src, tmp_path / "full.tar")
