@@ -474,3 +474,15 @@ def test_memory_stays_bounded_for_a_file_much_larger_than_a_chunk(tmp_path):
     print(f"tracemalloc peaks for a {size} B file: export {export_peak} B, import {import_peak} B")
     assert export_peak < size / 3 and import_peak < size / 3, (export_peak, import_peak)
     Stream(str(tmp_path / "dst")).verify(0)
+
+
+def test_help_has_examples_and_imports_no_torch():
+    check = ("import contextlib, io, sys\n"
+             "from ckptstream.cli import main\n"
+             "for command in ('export', 'import'):\n"
+             "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+             "        assert main([command, '--help']) == 0\n"
+             "    assert 'examples:' in out.getvalue() and 'exit codes:' in out.getvalue(), command\n"
+             "assert 'torch' not in sys.modules, 'torch imported'\n")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
