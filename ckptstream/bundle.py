@@ -339,6 +339,7 @@ class _Importer:
         self.progress = progress
         self.bytes_read = 0
         self.bytes_written = 0
+        self._committed: dict[int, Manifest | None] = {}
 
     def run(self, raw: IO[bytes]) -> tuple[list[int], list[int]]:
         """Read and check the whole bundle, then commit; returns (committed, skipped) versions."""
@@ -366,7 +367,7 @@ class _Importer:
                                                         data_entries[version]))
                 elif directory == VERSIONS_DIR:
                     version = parse_version_name(rest.partition("/")[0])
-                    self.read_data(tar, member, entry, version)
+                    self.read_data(tar, member, entry, version, index.stream_id)
                     data_entries[version].append(FileEntry(rest.partition("/")[2], entry.size, entry.hash))
                 else:  # an asset: small by nature (config, tokenizer), no limit of its own in the format
                     assets[rest] = self.read_small(tar, member, entry, MAX_FILE_BYTES)
@@ -444,11 +445,20 @@ class _Importer:
             raise self.refuse("member does not match the index's hash", member.name, version)
         return data
 
-    def read_data(self, tar: tarfile.TarFile, member: tarfile.TarInfo, entry: FileEntry, version: int) -> None:
-        """A data file: written at the destination (under its name only once verified) unless it is there."""
-        path = data_path(version, entry.name.rpartition("/")[2])
-        if holds_file(self.dst.storage, path, entry):
-            hasher = Hasher()  # the destination's copy is good; the bundle's must still be the index's
+    def read_data(self, tar: tarfile.TarFile, member: tarfile.TarInfo, entry: FileEntry, version: int,
+                  stream_id: str) -> None:
+        """A data file: written at the destination (under its name only once verified) unless it is there.
+        Never one of a version the destination has committed: the bundle's manifest, which would say whether
+        the index is right about it, comes later."""
+        name = entry.name.rpartition("/")[2]
+        path = data_path(version, name)
+        committed = self.committed_manifest(version, stream_id)
+        if committed is not None and FileEntry(name, entry.size, entry.hash) not in committed.files:
+            raise VersionConflictError("the destination holds a different version of this number (its files "
+                                       "differ from the bundle's)", version=version, file=path,
+                                       hint="The two stores hold diverged streams; import into an empty location")
+        if committed is not None or holds_file(self.dst.storage, path, entry):
+            hasher = Hasher()  # the destination's copy stays; the bundle's must still be the index's
             for chunk in self.chunks(tar, member):
                 hasher.update(chunk)
             if hasher.digest() != entry.hash:
@@ -462,6 +472,14 @@ class _Importer:
             if exc.file != source:  # a refusal of the archive itself (truncated), worded for the bundle already
                 raise
             raise self.refuse("member does not match the index's size and hash", member.name, version) from None
+
+    def committed_manifest(self, version: int, stream_id: str) -> Manifest | None:
+        """The destination's manifest of ``version``, if it has committed one (read once per version)."""
+        if version not in self._committed:
+            raw = self.dst.committed(version)
+            self._committed[version] = (None if raw is None else
+                                        Manifest.from_bytes(raw, version=version, stream_id=stream_id))
+        return self._committed[version]
 
     def read_manifest(self, tar: tarfile.TarFile, member: tarfile.TarInfo, entry: FileEntry, version: int,
                       index: BundleIndex, data: list[FileEntry]) -> tuple[Manifest, bytes]:

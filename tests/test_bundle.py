@@ -26,8 +26,8 @@ from ckptstream.bundle import export_bundle, import_bundle
 from ckptstream.cli import main
 from ckptstream.errors import (EXIT_CONFLICT, EXIT_INCOMPATIBLE, EXIT_INTEGRITY, EXIT_NOT_FOUND, ForeignStreamError,
                                IncompatibleStreamError, IntegrityError, MissingBaseError, VersionConflictError)
-from ckptstream.format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, STREAM_FILE, BundleIndex, data_path,
-                               manifest_path)
+from ckptstream.format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, STREAM_FILE, BundleIndex, FileEntry, content_hash,
+                               data_path, manifest_path)
 from ckptstream.storage import open_storage
 from ckptstream.transfer import COPY_CHUNK_BYTES
 from tests.helpers import assert_same_tensors, new_bucket, random_state
@@ -309,6 +309,31 @@ def test_a_flipped_byte_is_refused_naming_the_member(bundle, tmp_path):
         tampered[position] ^= 0x01
         (tmp_path / "bad.tar").write_bytes(tampered)
         refused(tmp_path / "bad.tar", str(tmp_path / "dst"))
+
+
+def test_a_reindexed_forgery_is_refused_and_never_overwrites_a_committed_file(source, bundle, tmp_path):
+    """Data changed and the index rehashed to match: the (sealed) manifest disagrees, so nothing is committed,
+    and a destination that holds the version keeps its file untouched."""
+    src, _ = source
+    good = members_of(bundle)
+    index = BundleIndex.from_bytes(good[0][1])
+    position = next(i for i, (m, _) in enumerate(good) if m.name.startswith("versions/"))
+    info, data = good[position]
+    forged = bytes([data[0] ^ 0x01]) + data[1:]
+    entries = tuple(FileEntry(e.name, e.size, content_hash(forged)) if e.name == info.name else e
+                    for e in index.members)
+    reindexed = BundleIndex(index.stream_id, index.versions, entries)
+    members = [regular(BUNDLE_INDEX_FILE, reindexed.to_bytes()), *good[1:position], regular(info.name, forged),
+               *good[position + 1:]]
+    write_tar(tmp_path / "forged.tar", members)
+    refused(tmp_path / "forged.tar", str(tmp_path / "empty"), member=manifest_path(0))
+    dst = str(tmp_path / "dst")
+    import_bundle(bundle, open_storage(dst))
+    before = (Path(dst) / info.name).stat()
+    with pytest.raises(VersionConflictError, match="version 0"):
+        import_bundle(tmp_path / "forged.tar", open_storage(dst))
+    assert (Path(dst) / info.name).stat().st_ino == before.st_ino
+    assert_same_stream(src, dst)
 
 
 def test_reordered_extra_and_malicious_members_are_refused(bundle, tmp_path):
