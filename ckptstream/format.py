@@ -45,11 +45,17 @@ MARKER_FILE = "ckptstream.json"
 """Written last into a materialized directory: which stream and version it holds."""
 INDEX_FILE = "model.safetensors.index.json"
 """The safetensors index of a sharded materialized directory."""
+BUNDLE_INDEX_FILE = "ckptstream-bundle.json"
+"""The first member of a bundle (FORMAT.md, "Bundles"): what the bundle carries, every member's size and hash."""
+BUNDLE_FORMAT_NAME = "ckptstream-bundle"
+BUNDLE_FORMAT_VERSION = 1
+"""Bundle format version written by this library; importers refuse bundles with a larger one."""
 
 VERSION_DIGITS = 12
 MAX_VERSION = 10**VERSION_DIGITS - 1
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_STREAM_FILE_BYTES = 16 << 20
+MAX_BUNDLE_INDEX_BYTES = 64 << 20
 MAX_REPLICA_RECORD_BYTES = 1 << 20
 """Replica records larger than this are skipped unread (they are reports, not data)."""
 MAX_LEASE_RECORD_BYTES = 64 << 10
@@ -681,3 +687,100 @@ class StreamInfo:
                              f"materialization marker: it would replace the published weights")
         return cls(stream_id=c.get(body, "stream_id", str), created=c.get(body, "created", str),
                    assets=assets, format_version=body["format_version"])
+
+
+# --------------------------------------------------------------------------------------------- bundles
+
+@dataclass(frozen=True)
+class BundleIndex:
+    """The index of a bundle (``ckptstream-bundle.json``, FORMAT.md "Bundle index"): the stream, the
+    versions carried, the chain an incremental bundle's destination must hold, and every following member
+    (name, size, hash) in archive order."""
+
+    stream_id: str
+    versions: tuple[int, ...]
+    members: tuple[FileEntry, ...]
+    since: int | None = None
+    requires: tuple[tuple[int, str], ...] = ()  # (version, hash of its manifest's bytes), oldest first
+    format_version: int = BUNDLE_FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        """Strict JSON of the index (ValueError for a layout an importer would refuse)."""
+        raw = dumps_json({"format": BUNDLE_FORMAT_NAME, "bundle_format_version": self.format_version,
+                          "stream_id": self.stream_id, "versions": list(self.versions), "since": self.since,
+                          "requires": [{"version": v, "manifest_hash": h} for v, h in self.requires],
+                          "members": [m.to_json() for m in self.members]}, what=BUNDLE_INDEX_FILE)
+        try:
+            BundleIndex.from_bytes(raw)
+        except IntegrityError as exc:
+            raise ValueError(f"not a valid bundle index: {exc}") from None
+        return raw
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> BundleIndex:
+        """Parse and validate an untrusted index: strict JSON within its limit, a known format, and members
+        in exactly the bundle layout (FORMAT.md, "Bundles").
+
+        Raises:
+            UnsafeManifestError / IntegrityError: anything else, naming the index.
+            IncompatibleStreamError: a newer bundle format version.
+        """
+        c = _Checker(None, BUNDLE_INDEX_FILE)
+        if len(raw) > MAX_BUNDLE_INDEX_BYTES:
+            raise c.fail(f"the index is {len(raw)} bytes, over the {MAX_BUNDLE_INDEX_BYTES} limit")
+        body = loads_json(raw, version=None, file=BUNDLE_INDEX_FILE)
+        if c.get(body, "format", str) != BUNDLE_FORMAT_NAME:
+            raise c.fail(f"not a {BUNDLE_FORMAT_NAME} index")
+        fv = c.get(body, "bundle_format_version", int)
+        if not 1 <= fv <= BUNDLE_FORMAT_VERSION:
+            raise IncompatibleStreamError(
+                f"bundle format version {fv} is not supported (this ckptstream reads up to {BUNDLE_FORMAT_VERSION})",
+                file=BUNDLE_INDEX_FILE, hint="Upgrade ckptstream to import this bundle")
+        versions = c.get(body, "versions", list)
+        if not versions or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_VERSION
+                                   for v in versions) or versions != sorted(set(versions)):
+            raise c.fail("'versions' must be strictly ascending version numbers, at least one")
+        since = c.count(body, "since", MAX_VERSION, optional=True)
+        requires = []
+        for item in c.get(body, "requires", list):
+            requires.append((c.count(item, "version", MAX_VERSION), c.hash(item, "manifest_hash")))
+        chain = [v for v, _ in requires]
+        if chain != sorted(set(chain)) or (since is None) != (not chain) or (chain and chain[-1] != since):
+            raise c.fail("'requires' must be the chain of 'since', oldest first, ending with it (empty without)")
+        members = c.get(body, "members", list)
+        entries = tuple(FileEntry(c.get(m, "name", str), c.count(m, "size"), c.hash(m, "hash")) for m in members)
+        _check_bundle_layout(c, [e.name for e in entries], versions)
+        return cls(stream_id=c.get(body, "stream_id", str), versions=tuple(versions), members=entries,
+                   since=since, requires=tuple(requires), format_version=fv)
+
+
+def bundle_layout(assets: Iterable[str], versions: Mapping[int, Iterable[str]]) -> list[str]:
+    """The member names of a bundle after its index, in archive order: ``stream.json``, the assets sorted,
+    then per version (ascending) its data files sorted and its manifest last."""
+    names = [STREAM_FILE, *(asset_path(a) for a in sorted(assets))]
+    for version in sorted(versions):
+        names.extend(data_path(version, f) for f in sorted(versions[version]))
+        names.append(manifest_path(version))
+    return names
+
+
+def _check_bundle_layout(c: _Checker, names: list[str], versions: list[int]) -> None:
+    """Refuse member names that are not exactly ``bundle_layout`` of some assets and of ``versions``."""
+    assets: list[str] = []
+    files: dict[int, list[str]] = {v: [] for v in versions}
+    for name in names:
+        directory, _, leaf = name.partition("/")
+        if directory == ASSETS_DIR and is_safe_file_name(leaf):
+            assets.append(leaf)
+        elif directory == VERSIONS_DIR and leaf.count("/") == 1:
+            version, file = leaf.split("/")
+            number = parse_version_name(version)
+            if number not in files or not is_safe_file_name(file) or version != version_name(number):
+                raise c.fail(f"member {name[:300]!r} is not a data file of a carried version")
+            files[number].append(file)
+        elif name != STREAM_FILE and not (directory == MANIFESTS_DIR and parse_version_name(leaf) in files
+                                          and leaf == f"{version_name(parse_version_name(leaf))}.json"):
+            raise c.fail(f"member {name[:300]!r} is not a file of the stream's layout")
+    if len(set(names)) != len(names) or names != bundle_layout(assets, files):
+        raise c.fail("the members are not in the bundle layout (stream.json, assets sorted, then per version its "
+                     "data files sorted and its manifest last), or some are missing or repeated")
