@@ -78,7 +78,7 @@ def run_ranks(target, world_size: int, *args: object, timeout: float = 300) -> l
 
 class HookedStorage(Storage):
     """A storage that passes everything through to ``inner`` but first calls ``hook(operation, path)`` for
-    each read, list and delete: a test interleaves another process's step at an exact point of the code
+    each read, write ("put"), list and delete: a test interleaves another process's step at an exact point of the code
     under test (a real interleaving of real operations), or injects a fault that cannot be caused for real
     here (a permission error, when tests run as root)."""
 
@@ -107,12 +107,15 @@ class HookedStorage(Storage):
         return self.inner.open_read(path)
 
     def open_write(self, path):
+        self.hook("put", path)
         return self.inner.open_write(path)
 
     def put_if_absent(self, path, data):
+        self.hook("put", path)
         self.inner.put_if_absent(path, data)
 
     def put(self, path, data):
+        self.hook("put", path)
         self.inner.put(path, data)
 
     def list(self, path):
