@@ -204,9 +204,11 @@ class Stream:
         read-only storage (an HTTP stream) no lease is taken: the chain is still checked.
 
         Raises:
+            StreamNotFoundError: there is no stream at the URL (nothing is written).
             VersionNotFoundError: ``version`` is not (or no longer) committed.
             MissingBaseError: a base of its chain is gone.
         """
+        self.info()  # no lease (nor a leases/ directory) in a stream that does not exist
         with hold_lease(self.storage, version, holder=holder, ttl=self.lease_ttl) as held:
             if held is not None:
                 self._check_still_committed(version)

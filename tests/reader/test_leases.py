@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from ckptstream import Publisher, Stream
-from ckptstream.errors import MissingBaseError, VersionNotFoundError
+from ckptstream.errors import MissingBaseError, StreamNotFoundError, VersionNotFoundError
 from ckptstream.format import LEASES_DIR, MAX_LEASE_RECORD_BYTES, manifest_path
 from ckptstream.reader.leases import LeaseRecord, hold_lease, read_leases
 from ckptstream.storage import ReadOnlyStorage, open_storage
@@ -106,6 +106,12 @@ def test_a_retired_version_is_refused_after_the_lease_is_written(two_versions):
         pass
     assert info.value.version == 1 and not isinstance(info.value, MissingBaseError)
     assert _lease_files(storage) == []
+
+
+def test_no_lease_is_written_where_there_is_no_stream(tmp_path):
+    with pytest.raises(StreamNotFoundError):
+        Stream(str(tmp_path / "typo")).materialize(0, tmp_path / "out")
+    assert not (tmp_path / "typo").exists()
 
 
 def test_read_only_storage_takes_no_lease(two_versions, tmp_path):
