@@ -23,7 +23,7 @@ from ..parallel import ordered_parallel
 from ..storage import Storage, open_storage
 from .decode import decode_tensor, load_checked
 from .files import DataFiles
-from .leases import DEFAULT_LEASE_TTL, LeaseListing, hold_lease, read_leases
+from .leases import DEFAULT_LEASE_TTL, hold_lease
 from .materialize import MaterializedBase, build_directory, write_directory
 from .replicas import NOT_SERVING_STATES, ReplicaRecord, read_replicas
 
@@ -229,10 +229,6 @@ class Stream:
                 raise MissingBaseError("this base of a delta is gone from storage (garbage-collected)", version=v,
                                        hint="Decode a newer version instead")
             v = self.manifest(v).base_version
-
-    def leases(self) -> LeaseListing:
-        """The lease records in the stream (who pulls which version; expired ones included)."""
-        return read_leases(self.storage)
 
     # ---------------------------------------------------------------------------------------- replicas
 
