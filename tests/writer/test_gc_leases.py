@@ -159,3 +159,22 @@ def test_gc_command_reports_the_versions_kept_for_leases(five_versions, capsys):
         assert "kept for leases (a reader is pulling them or their chain): 0, 1, 2" in out
     assert Stream(url).versions() == [0, 1, 2, 3, 4]
 
+
+
+def test_a_delete_that_fails_half_way_puts_the_deleted_manifests_back(five_versions):
+    url, states = five_versions
+    deletes = []
+
+    def fail_second(operation: str, path: str) -> None:
+        # A storage error in the middle of G2 (a lost connection) cannot be timed for real: injected.
+        if operation == "delete" and path.startswith(MANIFESTS_DIR):
+            deletes.append(path)
+            if len(deletes) == 2:
+                raise ConnectionError("connection reset")
+
+    with pytest.raises(ConnectionError):
+        collect_garbage(Stream(url, storage=HookedStorage(open_storage(url), fail_second)), keep_last=1,
+                        grace_seconds=0)
+    after = Stream(url)
+    assert after.versions() == [0, 1, 2, 3, 4]
+    assert_same_tensors(dict(after.iter_tensors(2)), states[2])
