@@ -79,14 +79,12 @@ def collect_garbage(stream: Stream, *, keep_last: int, keep_every: int | None = 
     candidates = [v for v in versions if v not in keep and v not in leased]
     originals = {v: raw for v in candidates if (raw := _manifest_bytes(stream, v, known)) is not None}
     if not dry_run:
-        deleted: list[int] = []
         try:
             for v in originals:
                 storage.delete(manifest_path(v))  # G2: the version stops existing here
-                deleted.append(v)
             leases = _read_leases(storage)  # G3: a lease written before a delete above is listed now
         except BaseException:
-            _put_back(storage, deleted, known, originals)  # whoever leased them meanwhile finds them again
+            _put_back(storage, known, originals)  # whoever leased them meanwhile finds them again
             raise
         late = _chains(stream, leases.live_versions(), known) & set(originals)
         for v in sorted(late):
@@ -114,11 +112,13 @@ def _read_leases(storage: Storage) -> LeaseListing:
                                    f"{LEASES_DIR}/ and run it again") from exc
 
 
-def _put_back(storage: Storage, versions: list[int], known: dict[int, Manifest], originals: dict[int, bytes]) -> None:
-    """Commit again the manifests gc deleted before it failed (their data is untouched)."""
-    for v in versions:
+def _put_back(storage: Storage, known: dict[int, Manifest], originals: dict[int, bytes]) -> None:
+    """Commit again each manifest of ``originals`` that gc deleted before it failed (their data is untouched;
+    a delete whose answer was lost may have happened, so every one is looked at)."""
+    for v, raw in originals.items():
         try:
-            commit_manifest(storage, known[v], originals[v])
+            if not storage.exists(manifest_path(v)):
+                commit_manifest(storage, known[v], raw)
         except Exception:  # noqa: BLE001 - the first error is the one to raise; this one is logged
             log.exception("version %d: could not put its manifest back after gc failed; its data is left for "
                           "the next gc to remove as debris", v)
