@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from typing import Callable
+from typing import IO, Callable, Sequence
 
 import torch
 
 from ckptstream.codec import tensor_hash
-from ckptstream.storage import Storage
+from ckptstream.storage import Entry, Storage
 
 
 def new_bucket(endpoint: str) -> str:
@@ -78,7 +79,7 @@ def run_ranks(target, world_size: int, *args: object, timeout: float = 300) -> l
 
 class HookedStorage(Storage):
     """A storage that passes everything through to ``inner`` but first calls ``hook(operation, path)`` for
-    each read, list and delete: a test interleaves another process's step at an exact point of the code
+    each read, write ("put"), list and delete: a test interleaves another process's step at an exact point of the code
     under test (a real interleaving of real operations), or injects a fault that cannot be caused for real
     here (a permission error, when tests run as root)."""
 
@@ -86,49 +87,52 @@ class HookedStorage(Storage):
         self.inner, self.hook = inner, hook
         self.url, self.capabilities = inner.url, inner.capabilities
 
-    def read(self, path, start=None, end=None):
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         self.hook("read", path)
         return self.inner.read(path, start, end)
 
-    def read_into(self, path, offset, buffer):
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         self.hook("read", path)
         self.inner.read_into(path, offset, buffer)
 
-    def read_ranges(self, path, ranges):
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         self.hook("read", path)
         return self.inner.read_ranges(path, ranges)
 
-    def read_ranges_into(self, path, targets):
+    def read_ranges_into(self, path: str, targets: Sequence[tuple[int, memoryview]]) -> None:
         self.hook("read", path)
         self.inner.read_ranges_into(path, targets)
 
-    def open_read(self, path):
+    def open_read(self, path: str) -> IO[bytes]:
         self.hook("read", path)
         return self.inner.open_read(path)
 
-    def open_write(self, path):
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        self.hook("put", path)
         return self.inner.open_write(path)
 
-    def put_if_absent(self, path, data):
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        self.hook("put", path)
         self.inner.put_if_absent(path, data)
 
-    def put(self, path, data):
+    def put(self, path: str, data: bytes) -> None:
+        self.hook("put", path)
         self.inner.put(path, data)
 
-    def list(self, path):
+    def list(self, path: str) -> list[Entry]:
         self.hook("list", path)
         return self.inner.list(path)
 
-    def size(self, path):
+    def size(self, path: str) -> int:
         return self.inner.size(path)
 
-    def exists(self, path):
+    def exists(self, path: str) -> bool:
         return self.inner.exists(path)
 
-    def delete(self, path):
+    def delete(self, path: str) -> None:
         self.hook("delete", path)
         self.inner.delete(path)
 
-    def delete_tree(self, path):
+    def delete_tree(self, path: str) -> None:
         self.hook("delete", path)
         self.inner.delete_tree(path)

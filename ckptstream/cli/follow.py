@@ -11,7 +11,8 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from ..errors import EXIT_ERROR, EXIT_OK
-from .options import LATEST, UsageError, add_command, add_url, storage_options, version_number, version_ref
+from .options import (DEFAULT_LEASE_TTL, LATEST, UsageError, add_command, add_url, positive_seconds, storage_options,
+                      version_number, version_ref)
 from .output import print_json, table
 
 
@@ -27,6 +28,9 @@ def _follower_options() -> argparse.ArgumentParser:
                          help="what /pause does with in-flight requests (default keep)")
     options.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                          help="vLLM API key (default $VLLM_API_KEY)")
+    options.add_argument("--lease-ttl", type=positive_seconds, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
+                         help="time to live of the lease held on a version while it is fetched, renewed every third "
+                              f"of it (default {DEFAULT_LEASE_TTL:g}; gc keeps a leased version)")
     return options
 
 
@@ -92,7 +96,8 @@ def run_follow(args: argparse.Namespace) -> int:
     _follow_logging()
     follower = Follower(args.url, args.vllm_url, storage_options=storage_options(args), cache_dir=args.cache_dir,
                         pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
-                        pause_mode=args.pause_mode, api_key=args.api_key, on_update=_update_printer(args))
+                        pause_mode=args.pause_mode, api_key=args.api_key, on_update=_update_printer(args),
+                        lease_ttl=args.lease_ttl)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -108,7 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(args.url, args.passthrough, version=args.ref, pin=args.pin, host=args.host, port=args.port,
                  storage_options=storage_options(args), cache_dir=args.cache_dir, replica_id=args.replica_id,
                  poll_interval=args.poll_interval, pause_mode=args.pause_mode, api_key=args.api_key,
-                 on_update=_update_printer(args))
+                 on_update=_update_printer(args), lease_ttl=args.lease_ttl)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -118,7 +123,7 @@ def run_replay(args: argparse.Namespace) -> int:
         raise UsageError("give the evaluation command after --, e.g. `-- python eval.py`")
     _follow_logging()
     results = replay(args.url, args.versions, args.vllm_url, args.passthrough, storage_options=storage_options(args),
-                     cache_dir=args.cache_dir, api_key=args.api_key)
+                     cache_dir=args.cache_dir, api_key=args.api_key, lease_ttl=args.lease_ttl)
     if args.json:
         print_json([asdict(r) for r in results])
     else:

@@ -11,6 +11,7 @@ import textwrap
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from ..format import LATEST
+from ..reader.leases import DEFAULT_LEASE_TTL
 from ..errors import (
     EXIT_CONFLICT,
     EXIT_ERROR,
@@ -194,29 +195,28 @@ def add_url(parser: argparse.ArgumentParser) -> None:
 def add_pull_options(parser: argparse.ArgumentParser) -> None:
     """``--bwlimit`` and ``--lease-ttl``: the options of a command that pulls versions' data."""
     parser.add_argument("--bwlimit", type=rate, metavar="RATE", help=BWLIMIT_HELP)
-    parser.add_argument("--lease-ttl", type=positive_seconds, metavar="SECONDS",
+    parser.add_argument("--lease-ttl", type=positive_seconds, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
                         help="time to live of the lease held on each version pulled, renewed every third of it "
-                             "(default 120; gc keeps a leased version)")
+                             f"(default {DEFAULT_LEASE_TTL:g}; gc keeps a leased version)")
 
 
 def open_stream(args: argparse.Namespace, *, bwlimit: float | None = None,
-                lease_ttl: float | None = None) -> Stream:
-    """The command's stream, its reads limited to ``bwlimit`` bytes/s if given; a clear error now if there
-    is none."""
+                lease_ttl: float = DEFAULT_LEASE_TTL) -> Stream:
+    """The command's stream, its reads limited to ``bwlimit`` bytes/s if given (``--bwlimit``), its pulls'
+    leases living ``lease_ttl`` seconds (``--lease-ttl``); a clear error now if there is none."""
     stream = pulled_stream(args.url, storage_options(args), bwlimit=bwlimit, lease_ttl=lease_ttl)
     stream.info()
     return stream
 
 
 def pulled_stream(url: str, options: dict[str, Any], *, bwlimit: float | None = None,
-                  lease_ttl: float | None = None) -> Stream:
+                  lease_ttl: float = DEFAULT_LEASE_TTL) -> Stream:
     """A stream whose reads are limited to ``bwlimit`` bytes/s if given (``--bwlimit``) and whose pulls
-    hold leases of ``lease_ttl`` seconds (``--lease-ttl``, default the library's)."""
+    hold leases of ``lease_ttl`` seconds (``--lease-ttl``)."""
     from ..reader import Stream
-    from ..reader.leases import DEFAULT_LEASE_TTL
     from ..storage import ThrottledStorage, open_storage
 
     storage = open_storage(url, options)
     if bwlimit is not None:
         storage = ThrottledStorage(storage, bwlimit)
-    return Stream(url, storage=storage, lease_ttl=lease_ttl or DEFAULT_LEASE_TTL)
+    return Stream(url, storage=storage, lease_ttl=lease_ttl)

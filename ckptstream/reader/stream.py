@@ -24,7 +24,7 @@ from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
 from ..storage.readahead import ChunkedReads
 from .decode import decode_tensor, load_checked
 from .files import DataFiles
-from .leases import DEFAULT_LEASE_TTL, LeaseListing, hold_lease, read_leases
+from .leases import DEFAULT_LEASE_TTL, hold_lease
 from .materialize import MaterializedBase, build_directory, write_directory
 from .probe import probe_versions
 from .replicas import KIND_FOLLOWER, NOT_SERVING_STATES, ReplicaRecord, read_replicas
@@ -214,33 +214,37 @@ class Stream:
         read-only storage (an HTTP stream) no lease is taken: the chain is still checked.
 
         Raises:
+            StreamNotFoundError: there is no stream at the URL (nothing is written).
             VersionNotFoundError: ``version`` is not (or no longer) committed.
             MissingBaseError: a base of its chain is gone.
         """
+        self.info()  # no lease (nor a leases/ directory) in a stream that does not exist
+        with self._lock:
+            cached = set(self._manifests)  # read before the lease exists: to be asked of the storage again
         with hold_lease(self.storage, version, holder=holder, ttl=self.lease_ttl) as held:
             if held is not None:
-                self._check_still_committed(version)
+                self._check_still_committed(version, cached)
             yield self.chain(version)
 
-    def _check_still_committed(self, version: int) -> None:
-        """Probe the manifest of ``version`` and of each base of its chain now, newest first: they may
-        have been cached before a gc retired them."""
+    def _check_still_committed(self, version: int, cached: set[int]) -> None:
+        """Check that the manifest of ``version`` and of each base of its chain exists now, newest first:
+        those in ``cached`` (read before the lease was written, maybe before a gc retired them) are probed,
+        the others are read now."""
         v: int | None = version
         while v is not None:
-            if not self.storage.exists(manifest_path(v)):
-                with self._lock:
-                    self._manifests.pop(v, None)
+            try:
+                if v in cached and not self.storage.exists(manifest_path(v)):
+                    with self._lock:
+                        self._manifests.pop(v, None)
+                    raise VersionNotFoundError("the version was garbage-collected", version=v)
+                v = self.manifest(v).base_version
+            except VersionNotFoundError:
                 if v == version:
                     raise VersionNotFoundError("no such version in the stream (or it was garbage-collected)",
                                                version=v, hint=f"`ckptstream ls {self.url}` lists the committed "
-                                                               "versions")
+                                                               "versions") from None
                 raise MissingBaseError("this base of a delta is gone from storage (garbage-collected)", version=v,
-                                       hint="Decode a newer version instead")
-            v = self.manifest(v).base_version
-
-    def leases(self) -> LeaseListing:
-        """The lease records in the stream (who pulls which version; expired ones included)."""
-        return read_leases(self.storage)
+                                       hint="Decode a newer version instead") from None
 
     # ---------------------------------------------------------------------------------------- replicas
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from ..errors import CkptStreamError, IntegrityError, MissingBaseError, VersionNotFoundError
 from ..format import MANIFESTS_DIR, MARKER_FILE, Manifest
 from ..hf import tensor_specs
-from ..reader import ReplicaRecord, Stream, replica_path, write_replica
+from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path, write_replica
 from ..reader.replicas import STATE_ASIDE
 from ..storage import Watch
 from ..locks import unlock
@@ -86,6 +86,8 @@ class FollowerConfig:
         stand_aside: leave a server alone while another process has taken it over (``Takeover``); False
             for the taker itself.
         ephemeral_cache: remove the cache directory on ``close()`` (nobody adopts it later: a replay).
+        lease_ttl: time to live of the lease (``follower <replica id>``) held on each version while it is
+            fetched, renewed every third of it, so that gc keeps the version meanwhile.
     """
 
     storage_options: Mapping[str, Any] | None = None
@@ -100,6 +102,7 @@ class FollowerConfig:
     on_update: Callable[[UpdateRecord], None] | None = None
     stand_aside: bool = True
     ephemeral_cache: bool = False
+    lease_ttl: float = DEFAULT_LEASE_TTL
 
     def with_options(self, **options: Any) -> FollowerConfig:
         """A copy with ``options`` (field names; TypeError for any other) replaced."""
@@ -131,7 +134,7 @@ class Follower:
             raise ValueError("at least one vLLM server URL is needed")
         config = (config or FollowerConfig()).with_options(**options)
         self.config = config
-        self.stream = Stream(url, storage_options=config.storage_options)
+        self.stream = Stream(url, storage_options=config.storage_options, lease_ttl=config.lease_ttl)
         info = self.stream.info()
         self.clients: list[VllmControl] = [VllmClient(u, api_key=config.api_key) if isinstance(u, str) else u
                                            for u in vllm_urls]

@@ -53,8 +53,9 @@ def collect_garbage(stream: Stream, *, keep_last: int, keep_every: int | None = 
     than ``grace_seconds``.
 
     Raises:
-        CkptStreamError: the chain of a kept version cannot be resolved (nothing is deleted); ``leases/``
-            or a lease record cannot be read (nothing is deleted: unknown leases are not "no leases").
+        CkptStreamError: the chain of a kept version cannot be resolved, or ``leases/`` or a lease record
+            cannot be read (unknown leases are not "no leases"): no version is retired (manifests deleted
+            already are put back).
     """
     if keep_last < 1:
         raise ValueError("keep_last must be at least 1: the newest version is never deleted")
@@ -73,14 +74,18 @@ def collect_garbage(stream: Stream, *, keep_last: int, keep_every: int | None = 
                                   version=v, hint="Run `ckptstream verify` and repair or remove the version") from exc
         known.update((m.version, m) for m in chain)
         keep.update(m.version for m in chain)
-    leases = read_leases(storage)  # G1
+    leases = _read_leases(storage)  # G1
     leased = _chains(stream, leases.live_versions(), known) - keep
     candidates = [v for v in versions if v not in keep and v not in leased]
     originals = {v: raw for v in candidates if (raw := _manifest_bytes(stream, v, known)) is not None}
     if not dry_run:
-        for v in originals:
-            storage.delete(manifest_path(v))  # G2: the version stops existing here
-        leases = read_leases(storage)  # G3: a lease written before a delete above is listed now
+        try:
+            for v in originals:
+                storage.delete(manifest_path(v))  # G2: the version stops existing here
+            leases = _read_leases(storage)  # G3: a lease written before a delete above is listed now
+        except BaseException:
+            _put_back(storage, known, originals)  # whoever leased them meanwhile finds them again
+            raise
         late = _chains(stream, leases.live_versions(), known) & set(originals)
         for v in sorted(late):
             commit_manifest(storage, known[v], originals[v])  # the exact bytes: it never changed
@@ -96,6 +101,27 @@ def collect_garbage(stream: Stream, *, keep_last: int, keep_every: int | None = 
     report.kept = sorted(keep | leased)
     _collect_debris(stream, versions, grace_seconds, leases, report)
     return report
+
+
+def _read_leases(storage: Storage) -> LeaseListing:
+    try:
+        return read_leases(storage)
+    except OSError as exc:
+        raise CkptStreamError(f"cannot read the stream's leases ({exc!r}); no version retired", file=LEASES_DIR,
+                              hint="gc must see every lease to keep what readers are pulling: fix access to "
+                                   f"{LEASES_DIR}/ and run it again") from exc
+
+
+def _put_back(storage: Storage, known: dict[int, Manifest], originals: dict[int, bytes]) -> None:
+    """Commit again each manifest of ``originals`` that gc deleted before it failed (their data is untouched;
+    a delete whose answer was lost may have happened, so every one is looked at)."""
+    for v, raw in originals.items():
+        try:
+            if not storage.exists(manifest_path(v)):
+                commit_manifest(storage, known[v], raw)
+        except Exception:  # noqa: BLE001 - the first error is the one to raise; this one is logged
+            log.exception("version %d: could not put its manifest back after gc failed; its data is left for "
+                          "the next gc to remove as debris", v)
 
 
 def _manifest_bytes(stream: Stream, version: int, known: dict[int, Manifest]) -> bytes | None:
@@ -134,6 +160,7 @@ def _collect_debris(stream: Stream, versions: list[int], grace_seconds: float, l
     now = time.time()
     cutoff = now - grace_seconds
     committed = set(versions) - set(report.deleted_versions)
+    live = leases.live_versions(now)
     for entry in storage.list(VERSIONS_DIR):
         v = parse_version_name(entry.name)
         directory = f"{VERSIONS_DIR}/{entry.name}"
@@ -145,9 +172,10 @@ def _collect_debris(stream: Stream, versions: list[int], grace_seconds: float, l
         elif not entry.is_dir:
             if _older(entry.mtime, cutoff):
                 _remove(storage, directory, entry.size, report, dry_run)
-        elif v not in report.deleted_versions:
+        elif v not in report.deleted_versions and v not in live:
             # Uncommitted: a crashed or losing writer's, unless a writer is still at work (grace period)
-            # or commits right now (the manifest probe just before deleting narrows that window).
+            # or commits right now (the manifest probe just before deleting narrows that window), or the
+            # data of a version whose retirement failed half-way that a reader still holds a lease on.
             items = storage.list(directory)
             if all(_older(i.mtime, cutoff) for i in items) and (v is None or not stream.has_version(v)):
                 _remove_tree(storage, directory, sum(i.size for i in items), report, dry_run)

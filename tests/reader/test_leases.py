@@ -8,9 +8,10 @@ import json
 import time
 
 import pytest
+from safetensors.torch import load_file
 
 from ckptstream import Publisher, Stream
-from ckptstream.errors import MissingBaseError, VersionNotFoundError
+from ckptstream.errors import MissingBaseError, StreamNotFoundError, VersionNotFoundError
 from ckptstream.format import LEASES_DIR, MAX_LEASE_RECORD_BYTES, manifest_path
 from ckptstream.reader.leases import LeaseRecord, hold_lease, read_leases
 from ckptstream.storage import ReadOnlyStorage, open_storage
@@ -107,6 +108,12 @@ def test_a_retired_version_is_refused_after_the_lease_is_written(two_versions):
     assert _lease_files(storage) == []
 
 
+def test_no_lease_is_written_where_there_is_no_stream(tmp_path):
+    with pytest.raises(StreamNotFoundError):
+        Stream(str(tmp_path / "typo")).materialize(0, tmp_path / "out")
+    assert not (tmp_path / "typo").exists()
+
+
 def test_read_only_storage_takes_no_lease(two_versions, tmp_path):
     url, states = two_versions
     inner = open_storage(url)
@@ -114,10 +121,25 @@ def test_read_only_storage_takes_no_lease(two_versions, tmp_path):
     seen: list[list[str]] = []
     out = stream.materialize(1, tmp_path / "out", progress=lambda _: seen.append(_lease_files(inner)))
     assert seen and all(s == [] for s in seen)
-    assert_same_tensors(dict(Stream(url).iter_tensors(1)), states[1])
-    assert (out / "ckptstream.json").is_file()
+    assert_same_tensors(load_file(out / "model.safetensors"), states[1])
     with stream.lease(1, holder="x") as chain, hold_lease(stream.storage, 1, holder="x") as held:
         assert held is None and [m.version for m in chain] == [0, 1]
+
+
+def test_credentials_that_may_only_read_pull_without_a_lease(two_versions, tmp_path, caplog):
+    url, states = two_versions
+
+    def deny(operation: str, path: str) -> None:
+        # Read-only credentials cannot be made on this S3 server (moto does not enforce IAM), nor a read-only
+        # directory for root: the refusal is injected.
+        if operation == "put" and path.startswith(LEASES_DIR):
+            raise PermissionError(13, "Access Denied", path)
+
+    stream = Stream(url, storage=HookedStorage(open_storage(url), deny))
+    out = stream.materialize(1, tmp_path / "out")
+    assert_same_tensors(load_file(out / "model.safetensors"), states[1])
+    assert "pulling it without one, so gc may retire it" in caplog.text
+    assert _lease_files(open_storage(url)) == []
 
 
 def test_read_leases_skips_malformed_and_keeps_expired_apart(two_versions):

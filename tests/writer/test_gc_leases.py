@@ -11,7 +11,7 @@ import pytest
 
 from ckptstream import Publisher, Stream
 from ckptstream.cli import main
-from ckptstream.errors import VersionNotFoundError
+from ckptstream.errors import CkptStreamError, VersionNotFoundError
 from ckptstream.format import LEASES_DIR, MANIFESTS_DIR, manifest_path
 from ckptstream.reader.leases import LeaseRecord, hold_lease
 from ckptstream.storage import open_storage
@@ -125,17 +125,26 @@ def test_a_lease_taken_after_gc_deleted_a_manifest_finds_the_version_gone(five_v
     assert Stream(url).versions() == [3, 4] and [e.name for e in open_storage(url).list(LEASES_DIR)] == []
 
 
-def test_an_unreadable_lease_directory_stops_gc(five_versions):
-    url, _ = five_versions
+@pytest.mark.parametrize("failing_listing", [1, 2])
+def test_leases_gc_cannot_read_stop_it_and_retire_nothing(five_versions, failing_listing):
+    """Unknown leases are not "no leases": when gc cannot list them before (G1) or after (G3) it deleted
+    manifests, it retires nothing (the manifests it deleted are back) and says why."""
+    url, states = five_versions
+    listings = []
 
     def deny(operation: str, path: str) -> None:
         # Tests run as root here, so a real permission error cannot be caused: injected.
         if operation == "list" and path == LEASES_DIR:
-            raise PermissionError(13, "Permission denied", path)
+            listings.append(path)
+            if len(listings) == failing_listing:
+                raise PermissionError(13, "Permission denied", path)
 
-    with pytest.raises(PermissionError):
+    with pytest.raises(CkptStreamError, match="cannot read the stream's leases") as info:
         collect_garbage(Stream(url, storage=HookedStorage(open_storage(url), deny)), keep_last=1, grace_seconds=0)
-    assert Stream(url).versions() == [0, 1, 2, 3, 4]
+    assert info.value.file == LEASES_DIR and isinstance(info.value.__cause__, PermissionError)
+    after = Stream(url)
+    assert after.versions() == [0, 1, 2, 3, 4]
+    assert_same_tensors(dict(after.iter_tensors(2)), states[2])
 
 
 def test_gc_command_reports_the_versions_kept_for_leases(five_versions, capsys):
@@ -150,3 +159,22 @@ def test_gc_command_reports_the_versions_kept_for_leases(five_versions, capsys):
         assert "kept for leases (a reader is pulling them or their chain): 0, 1, 2" in out
     assert Stream(url).versions() == [0, 1, 2, 3, 4]
 
+
+
+def test_a_delete_that_fails_half_way_puts_the_deleted_manifests_back(five_versions):
+    url, states = five_versions
+    deletes = []
+
+    def fail_second(operation: str, path: str) -> None:
+        # A storage error in the middle of G2 (a lost connection) cannot be timed for real: injected.
+        if operation == "delete" and path.startswith(MANIFESTS_DIR):
+            deletes.append(path)
+            if len(deletes) == 2:
+                raise ConnectionError("connection reset")
+
+    with pytest.raises(ConnectionError):
+        collect_garbage(Stream(url, storage=HookedStorage(open_storage(url), fail_second)), keep_last=1,
+                        grace_seconds=0)
+    after = Stream(url)
+    assert after.versions() == [0, 1, 2, 3, 4]
+    assert_same_tensors(dict(after.iter_tensors(2)), states[2])

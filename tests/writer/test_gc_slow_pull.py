@@ -1,6 +1,7 @@
 """gc beside a real, slow puller: a ``ckptstream materialize --bwlimit`` subprocess holds a lease on an old
 version, renewed past its TTL, so gc leaves the version intact and the materialize ends bit-exact; a second
-one SIGKILLed leaves its lease behind, which protects the version only until it expires."""
+one SIGKILLed leaves its lease behind, which protects the version only until it expires. Local and S3
+(the child reaches moto through AWS_ENDPOINT_URL)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,13 @@ RATE = 160 << 10  # bytes/s: version 0 (1.6 MB) takes ~10 s, longer than TTL + t
 
 
 @pytest.fixture
-def two_keyframes(local_url):
+def two_keyframes(stream_url):
     states = [random_state(0, scale=100), random_state(1, scale=100)]
-    with Publisher(local_url, keyframe_every=1) as publisher:
+    with Publisher(stream_url, keyframe_every=1) as publisher:
         for state in states:
             publisher.publish(state).result()
-    assert Stream(local_url).manifest(0).stored_bytes / RATE > TTL + LEASE_CLOCK_SKEW_SECONDS + 2
-    return local_url, states
+    assert Stream(stream_url).manifest(0).stored_bytes / RATE > TTL + LEASE_CLOCK_SKEW_SECONDS + 2
+    return stream_url, states
 
 
 def _materialize(url: str, out: Path) -> subprocess.Popen:
