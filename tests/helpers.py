@@ -10,6 +10,7 @@ import torch
 
 from ckptstream.codec import tensor_hash
 from ckptstream.storage import Entry, Storage
+from ckptstream.storage.wrapper import WrapperStorage
 
 
 def new_bucket(endpoint: str) -> str:
@@ -77,15 +78,15 @@ def run_ranks(target, world_size: int, *args: object, timeout: float = 300) -> l
 
 
 
-class HookedStorage(Storage):
+class HookedStorage(WrapperStorage):
     """A storage that passes everything through to ``inner`` but first calls ``hook(operation, path)`` for
     each read, write ("put"), list and delete: a test interleaves another process's step at an exact point of the code
     under test (a real interleaving of real operations), or injects a fault that cannot be caused for real
     here (a permission error, when tests run as root)."""
 
     def __init__(self, inner: Storage, hook: Callable[[str, str], None]):
-        self.inner, self.hook = inner, hook
-        self.url, self.capabilities = inner.url, inner.capabilities
+        super().__init__(inner)
+        self.hook = hook
 
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         self.hook("read", path)
@@ -122,12 +123,6 @@ class HookedStorage(Storage):
     def list(self, path: str) -> list[Entry]:
         self.hook("list", path)
         return self.inner.list(path)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
 
     def delete(self, path: str) -> None:
         self.hook("delete", path)

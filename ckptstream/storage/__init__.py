@@ -12,10 +12,10 @@ from .fsspec import FsspecStorage
 from .posix import PosixStorage, fsync_path
 from .registry import BackendFactory, open_storage, register_backend, registered_schemes
 from .throttle import ThrottledStorage
-from .wrapper import ReadOnlyStorage
+from .wrapper import ReadOnlyStorage, WrapperStorage
 
 __all__ = [
     "MAX_CONCURRENT_READS", "RANGE_CHUNK_BYTES", "BackendFactory", "Capabilities", "Entry", "FsspecStorage",
-    "PosixStorage", "ReadOnlyStorage", "Storage", "ThrottledStorage", "Watch", "chunk_spans", "fsync_path",
-    "open_storage", "register_backend", "registered_schemes", "temp_name",
+    "PosixStorage", "ReadOnlyStorage", "Storage", "ThrottledStorage", "Watch", "WrapperStorage", "chunk_spans",
+    "fsync_path", "open_storage", "register_backend", "registered_schemes", "temp_name",
 ]

@@ -12,14 +12,12 @@ names are unique to their writer), so a chunk never goes stale.
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO
 
-from .base import (MAX_CONCURRENT_READS, RANGE_CHUNK_BYTES, Entry, Storage, Watch, check_ranges, concurrently,
-                   short_read)
+from .base import MAX_CONCURRENT_READS, RANGE_CHUNK_BYTES, Storage, check_ranges, concurrently, short_read
+from .wrapper import WrapperStorage
 
 
 class _Chunk:
@@ -30,7 +28,7 @@ class _Chunk:
         self.handed_out = 0
 
 
-class ChunkedReads(Storage):
+class ChunkedReads(WrapperStorage):
     """Ranged reads of ``inner`` through a bounded cache of aligned chunks; everything else passes through.
 
     Args:
@@ -40,9 +38,7 @@ class ChunkedReads(Storage):
     """
 
     def __init__(self, inner: Storage, *, max_chunks: int = 2 * MAX_CONCURRENT_READS):
-        self.inner = inner
-        self.url = inner.url
-        self.capabilities = inner.capabilities
+        super().__init__(inner)
         self._max_chunks = max_chunks
         self._chunks: collections.OrderedDict[tuple[str, int], _Chunk] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -100,6 +96,10 @@ class ChunkedReads(Storage):
         check_ranges(ranges)
         return concurrently(lambda span: self._exact(path, *span), ranges)
 
+    # Through ``read`` (the chunks), not the inner storage's own: Storage's implementations do that.
+    read_into = Storage.read_into
+    read_ranges_into = Storage.read_ranges_into
+
     def _exact(self, path: str, start: int, end: int) -> bytes:
         data = self.read(path, start, end)
         if len(data) != end - start:
@@ -126,35 +126,3 @@ class ChunkedReads(Storage):
             chunk.handed_out += count
             if chunk.handed_out >= size and self._chunks.get((path, index)) is chunk:
                 del self._chunks[(path, index)]
-
-    # -------------------------------------------------------------------------------------- pass-through
-
-    def open_read(self, path: str) -> IO[bytes]:
-        return self.inner.open_read(path)
-
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        return self.inner.open_write(path)
-
-    def put_if_absent(self, path: str, data: bytes) -> None:
-        self.inner.put_if_absent(path, data)
-
-    def put(self, path: str, data: bytes) -> None:
-        self.inner.put(path, data)
-
-    def list(self, path: str) -> list[Entry]:
-        return self.inner.list(path)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def delete_tree(self, path: str) -> None:
-        self.inner.delete_tree(path)
-
-    def watch(self, path: str, callback: Callable[[], None]) -> Watch | None:
-        return self.inner.watch(path, callback)

@@ -7,14 +7,14 @@ the wrapper, so the limit holds for the sum of concurrent ranged reads. Writes p
 
 from __future__ import annotations
 
-import contextlib
 import io
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import IO
 
-from .base import Entry, Storage, Watch, check_ranges, concurrently
+from .base import Storage, check_ranges, concurrently
+from .wrapper import WrapperStorage
 
 THROTTLE_PIECE_BYTES = 1 << 20
 """Largest read sent at once under a limit: a big range is fetched in pieces as tokens allow, so that the
@@ -48,14 +48,12 @@ class TokenBucket:
             time.sleep(wait)
 
 
-class ThrottledStorage(Storage):
+class ThrottledStorage(WrapperStorage):
     """A view of another storage whose reads (of every kind, from every thread) together stay within
     ``bytes_per_second``. Listings, metadata, watches and writes pass through unchanged."""
 
     def __init__(self, inner: Storage, bytes_per_second: float):
-        self.inner = inner
-        self.url = inner.url
-        self.capabilities = inner.capabilities
+        super().__init__(inner)
         self.bucket = TokenBucket(bytes_per_second)
 
     # ------------------------------------------------------------------------------------------ reading
@@ -98,37 +96,6 @@ class ThrottledStorage(Storage):
     def open_read(self, path: str) -> IO[bytes]:
         return io.BufferedReader(_ThrottledFile(self.inner.open_read(path), self.bucket),
                                  buffer_size=THROTTLE_PIECE_BYTES)
-
-    # ------------------------------------------------------------------------------------------ writing
-
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        return self.inner.open_write(path)
-
-    def put_if_absent(self, path: str, data: bytes) -> None:
-        self.inner.put_if_absent(path, data)
-
-    def put(self, path: str, data: bytes) -> None:
-        self.inner.put(path, data)
-
-    # ------------------------------------------------------------------------------------------ metadata
-
-    def list(self, path: str) -> list[Entry]:
-        return self.inner.list(path)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def delete_tree(self, path: str) -> None:
-        self.inner.delete_tree(path)
-
-    def watch(self, path: str, callback: Callable[[], None]) -> Watch | None:
-        return self.inner.watch(path, callback)
 
 
 def _pieces(start: int, end: int) -> list[tuple[int, int]]:

@@ -10,14 +10,14 @@ from typing import IO
 from .base import Entry, Storage, Watch, capability_error
 
 
-class ReadOnlyStorage(Storage):
-    """A read-only view of another storage: reads, listings and watches pass through, every write raises
-    StorageCapabilityError (a reader that must never change the stream it reads, such as a verifier)."""
+class WrapperStorage(Storage):
+    """Another storage, every operation passed through unchanged: the base of wrappers, which override only
+    what they change (zarr's ``WrapperStore``)."""
 
     def __init__(self, inner: Storage):
         self.inner = inner
         self.url = inner.url
-        self.capabilities = dataclasses.replace(inner.capabilities, writable=False, put_if_absent=False)
+        self.capabilities = inner.capabilities
 
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         return self.inner.read(path, start, end)
@@ -35,13 +35,13 @@ class ReadOnlyStorage(Storage):
         return self.inner.open_read(path)
 
     def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        raise capability_error(self, "write a file", path)
+        return self.inner.open_write(path)
 
     def put_if_absent(self, path: str, data: bytes) -> None:
-        raise capability_error(self, "create a file", path)
+        self.inner.put_if_absent(path, data)
 
     def put(self, path: str, data: bytes) -> None:
-        raise capability_error(self, "write a file", path)
+        self.inner.put(path, data)
 
     def list(self, path: str) -> list[Entry]:
         return self.inner.list(path)
@@ -53,10 +53,34 @@ class ReadOnlyStorage(Storage):
         return self.inner.exists(path)
 
     def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(path)
+
+    def watch(self, path: str, callback: Callable[[], None]) -> Watch | None:
+        return self.inner.watch(path, callback)
+
+
+class ReadOnlyStorage(WrapperStorage):
+    """A read-only view of another storage: reads, listings and watches pass through, every write raises
+    StorageCapabilityError (a reader that must never change the stream it reads, such as a verifier)."""
+
+    def __init__(self, inner: Storage):
+        super().__init__(inner)
+        self.capabilities = dataclasses.replace(inner.capabilities, writable=False, put_if_absent=False)
+
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        raise capability_error(self, "write a file", path)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        raise capability_error(self, "create a file", path)
+
+    def put(self, path: str, data: bytes) -> None:
+        raise capability_error(self, "write a file", path)
+
+    def delete(self, path: str) -> None:
         raise capability_error(self, "delete a file", path)
 
     def delete_tree(self, path: str) -> None:
         raise capability_error(self, "delete a directory", path)
-
-    def watch(self, path: str, callback: Callable[[], None]) -> Watch | None:
-        return self.inner.watch(path, callback)
