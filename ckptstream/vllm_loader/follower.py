@@ -236,7 +236,9 @@ class Follower:
     # --------------------------------------------------------------------------------------- updating
 
     def adopt(self, version: int) -> None:
-        """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it)."""
+        """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it);
+        the follower holds it in the cache from now on."""
+        self.cache.hold(version)
         self.current = version
         self._reference = self._reference or self._specs(self.stream.manifest(version))
         self._report(version=version, state="serving")
@@ -287,10 +289,15 @@ class Follower:
         base = next((v for v in reversed(self.cache.versions())
                      if v in chain_versions and v != version and self._hold_base(v)), None)
         self.cache.prune({v for v in (self.current, base, version) if v is not None})
-        path, decoded = self.cache.materialize(self.stream, version, base,
-                                               holder=f"follower {self.record.replica_id}")
-        if base is not None and base != self.current:
-            self.cache.release(base)
+        try:
+            path, decoded = self.cache.materialize(self.stream, version, base,
+                                                   holder=f"follower {self.record.replica_id}")
+        except BaseException:
+            self.cache.release(version)  # refused: a pruner may delete what is left of it
+            raise
+        finally:
+            if base is not None and base != self.current:
+                self.cache.release(base)
         if not decoded:  # another follower decoded it while this one waited
             base = version
         fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base) if decoded else 0
