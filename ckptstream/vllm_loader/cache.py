@@ -134,11 +134,12 @@ class VersionCache:
         for v in newly_held:
             self.hold(v)
         try:
-            prepare = lock_file(self._lock_path(version, PREPARE_SUFFIX))
+            prepare = lock_file(self._lock_path(version, PREPARE_SUFFIX))  # waits for another preparer
+            assert prepare is not None  # a waiting lock is always granted
             try:
                 return Prepared(self.path(version), self._write(stream, version, base, holder))
             finally:
-                unlock(prepare)  # type: ignore[arg-type] - a waiting lock is always granted
+                unlock(prepare)
         except BaseException:
             for v in newly_held:
                 self.release(v)
