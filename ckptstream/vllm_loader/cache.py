@@ -1,51 +1,58 @@
-"""The follower's local cache of decoded versions: the only module that creates or deletes names in it.
+"""The local cache of decoded versions that the followers of a stream on one host share: the only module
+that creates or deletes names in it.
 
 Layout::
 
-    <root>/<stream id>/<owner>/            one follower's directory (owner: its replica id)
-    <root>/<stream id>/<owner>/.lock       flock'ed (exclusive) for as long as that follower runs
-    <root>/<stream id>/<owner>/000000000007/  a complete materialized version (it holds its marker file)
-    <root>/<stream id>/<owner>/.incoming-000000000008/  a version being written (renamed when complete)
+    <root>/<stream id>/000000000007/               a complete version (it holds its marker file)
+    <root>/<stream id>/.incoming-000000000008/     a version being written (renamed into place when complete)
+    <root>/<stream id>/.locks/000000000007         its use lock: shared by every follower using the version
+    <root>/<stream id>/.locks/000000000007.prepare its prepare lock: exclusive while it is being written
 
-Every follower owns a directory of its own, so two followers of one stream on one host (``serve`` and a
-``replay``, two ``follow`` processes) never delete each other's versions. The exclusive ``flock`` on
-``.lock`` makes ownership exclusive between processes: a second process asking for an owned directory
-gets ``<owner>.2`` (then ``.3``, ...) instead. The kernel drops the lock when its process dies, even of
-SIGKILL, so a restarted follower with the same replica id finds and adopts its previous directory.
-Within one process, caches of the same owner name are the same owner (a follower re-created in the
-process adopts its predecessor's directory, as a restarted process would); the lock is held until the
-last of them closes.
+A version's path depends only on the root, the stream and the version, so every follower of the stream
+on the host (and every node of a multi-node engine, for the same root) finds it at the same place, and it
+is decoded once: the preparer holds the version's prepare lock exclusively while it writes; the others
+wait on that lock, then find the version complete and reuse it.
 
-A version is written by the reader (``Stream.write_into``) into an ``.incoming-*`` directory this module
-made, then renamed into place here: every name in the owner's directory is this module's, so the leftovers
-of a follower killed mid-write are removed by the next owner of the directory. Besides those and version
-directories of its own, it deletes, for an *ephemeral* owner (a replay), the owner's directory when it
-closes (and the leftovers of an ephemeral owner that died, once nobody holds their lock).
+A follower holds the use lock (shared) of every version it uses: the one it serves, the one it prepares
+and the base it applies a delta to; it takes it *before* looking at the directory, so what it found
+complete stays so. A pruner deletes a version only after taking that lock exclusively without waiting:
+never one that another live follower uses. Every lock is a ``flock``, dropped by the kernel when its
+process dies (SIGKILL included): a killed follower blocks nobody, and the ``.incoming-*`` directory a
+killed preparer left is removed by the next preparer of that version (or by a pruner).
+
+A version is written by the reader (``Stream.write_into``) into the ``.incoming-*`` directory this module
+made, then renamed into place here. A complete directory is reused without checking its hashes again: its
+preparer checked every one while decoding it, and a damaged base is refused by the decoder anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-import threading
 from pathlib import Path
+from typing import NamedTuple
 
 from ..format import MARKER_FILE, parse_version_name, version_name
-from ..locks import LOCK_FILE, try_lock, unlock
+from ..locks import LOCK_FILE, lock_file, try_lock, unlock
 from ..reader import Stream
 
 log = logging.getLogger("ckptstream.follow")
 
 INCOMING_PREFIX = ".incoming-"
-"""A version being written; what a killed follower leaves, removed by the directory's next owner."""
-EPHEMERAL_FILE = ".ephemeral"
-"""Present in the directory of an owner whose cache is removed when it closes (a replay)."""
-MAX_OWNER_SUFFIX = 64
+"""A version being written; what a killed preparer leaves, removed by the next one (or a pruner)."""
+LOCKS_DIR = ".locks"
+"""The versions' lock files (kept apart so that a version's directory appears and goes in one rename)."""
+PREPARE_SUFFIX = ".prepare"
+"""A version's prepare lock file: its use lock file's name with this suffix."""
 
-# Owner directories this process holds: path -> [lock file descriptor, number of open caches].
-_held: dict[Path, list[int]] = {}
-_held_lock = threading.Lock()
+
+class Prepared(NamedTuple):
+    """A version ready in the cache: its directory, and whether this call decoded it (False: reused)."""
+
+    path: Path
+    decoded: bool
 
 
 def default_cache_dir(expected_bytes: int = 0) -> Path:
@@ -63,87 +70,109 @@ def safe_owner(name: str) -> str:
 
 
 class VersionCache:
-    """Decoded versions of one stream, in a directory owned by one follower until ``close()``.
+    """One follower's view of the decoded versions of one stream on this host, shared with the other
+    followers of that stream; the versions it holds are its own until it releases them or ``close()``.
 
     Args:
         root: the cache root shared by followers (``--cache-dir``).
         stream_id: the stream's identity (versions of different streams never mix).
-        owner: the follower's stable name (its replica id): a restarted follower of the same name adopts
-            the directory; a second live process of the same name gets a directory of its own.
-        ephemeral: remove the directory on ``close()`` (replays: nobody adopts it later).
+        owner: the follower's name (its replica id), for logs.
+        ephemeral: on ``close()``, delete the versions it held that no other follower holds (replays:
+            nobody reuses them later).
     """
 
-    def __init__(self, root: str | os.PathLike[str], stream_id: str, owner: str, *, ephemeral: bool = False):
+    def __init__(self, root: str | os.PathLike[str], stream_id: str, owner: str = "follower", *,
+                 ephemeral: bool = False):
         self.stream_dir = Path(root).expanduser().absolute() / stream_id
-        self.stream_dir.mkdir(parents=True, exist_ok=True)
+        self._locks = self.stream_dir / LOCKS_DIR
+        self._locks.mkdir(parents=True, exist_ok=True)
+        self.owner = safe_owner(owner)
         self.ephemeral = ephemeral
-        self._reclaim_dead_ephemeral()
-        base = safe_owner(owner)
-        for attempt in range(1, MAX_OWNER_SUFFIX + 1):
-            name = base if attempt == 1 else f"{base}.{attempt}"
-            if _acquire(self.stream_dir / name):
-                break
-        else:
-            raise OSError(f"{MAX_OWNER_SUFFIX} followers named {base!r} already own caches in {self.stream_dir}")
-        if attempt > 1:
-            log.warning("another process owns the cache %s; using %s", self.stream_dir / base, name)
-        self.owner = name
-        self.dir = self.stream_dir / name
+        self._holds: dict[int, int] = {}  # version -> descriptor of its use lock, held shared
         self._open = True
-        if ephemeral:
-            (self.dir / EPHEMERAL_FILE).touch()
+        self._remove_old_layout()
 
     def path(self, version: int) -> Path:
-        """Where ``version`` is (or would be) materialized."""
-        return self.dir / version_name(version)
+        """Where ``version`` is (or would be) materialized: the same for every follower of the root."""
+        return self.stream_dir / version_name(version)
 
     def versions(self) -> list[int]:
-        """Complete cached versions (a materialized directory has its marker; partial ones have none)."""
-        found = []
-        for child in self.dir.iterdir():
-            version = parse_version_name(child.name)
-            if version is not None and (child / MARKER_FILE).exists():
-                found.append(version)
-        return sorted(found)
+        """Complete cached versions (a materialized directory has its marker; partial ones have none).
+        One that is not held may be deleted at any moment: ``hold`` it before using it."""
+        return sorted(v for v in (parse_version_name(c.name) for c in self.stream_dir.iterdir())
+                      if v is not None and self._complete(v))
 
-    def materialize(self, stream: Stream, version: int, base: int | None, *, holder: str = "follower") -> Path:
-        """Decode ``version`` into the cache, applying its delta to the cached ``base`` if given; the
-        version's directory appears complete or not at all. ``holder`` names the lease held meanwhile."""
-        incoming = self.dir / f"{INCOMING_PREFIX}{version_name(version)}"
-        shutil.rmtree(incoming, ignore_errors=True)  # a failed earlier attempt of this owner
-        incoming.mkdir()
+    def held(self) -> set[int]:
+        """The versions this follower holds."""
+        return set(self._holds)
+
+    def hold(self, version: int) -> bool:
+        """Hold ``version`` (shared: no pruner deletes it until it is released), whether or not it is
+        complete yet; returns whether it is complete. Waits only while a pruner is deleting it."""
+        if version not in self._holds:
+            fd = lock_file(self._lock_path(version), shared=True)
+            assert fd is not None  # a waiting lock is always granted
+            self._holds[version] = fd
+        return self._complete(version)
+
+    def release(self, version: int) -> None:
+        """Stop holding ``version`` (a pruner may delete it once nobody holds it)."""
+        fd = self._holds.pop(version, None)
+        if fd is not None:
+            unlock(fd)
+
+    def materialize(self, stream: Stream, version: int, base: int | None, *, holder: str = "follower") -> Prepared:
+        """``version`` complete in the cache, held: decoded here (applying its delta to the cached ``base``
+        if given, which is held meanwhile) unless it is complete already or another follower completes
+        it meanwhile (waited for). The version's directory appears complete or not at all. ``holder``
+        names the stream lease held while decoding.
+
+        Raises:
+            CkptStreamError: the version cannot be decoded (its hold is released; nothing is left).
+        """
+        newly_held = [v for v in (version, base) if v is not None and v not in self._holds]
+        for v in newly_held:
+            self.hold(v)
         try:
-            stream.write_into(version, incoming, base_dir=self.path(base) if base is not None else None,
-                              holder=holder)
-            target = self.path(version)
-            if target.exists():  # a damaged copy being replaced
-                shutil.rmtree(target)
-            os.rename(incoming, target)
-            return target
+            prepare = lock_file(self._lock_path(version, PREPARE_SUFFIX))  # waits for another preparer
+            assert prepare is not None  # a waiting lock is always granted
+            try:
+                return Prepared(self.path(version), self._write(stream, version, base, holder))
+            finally:
+                unlock(prepare)
+        except BaseException:
+            for v in newly_held:
+                self.release(v)
+            raise
         finally:
-            shutil.rmtree(incoming, ignore_errors=True)
+            if base is not None and base in newly_held:
+                self.release(base)
 
     def prune(self, keep: set[int]) -> None:
-        """Remove every cached version of this owner not in ``keep``, and versions left half-written."""
-        for child in self.dir.iterdir():
-            version = parse_version_name(child.name)
-            if (version is not None and version not in keep) or child.name.startswith(INCOMING_PREFIX):
-                shutil.rmtree(child, ignore_errors=True)
+        """Release the versions held but not in ``keep``, then delete every version (complete or left
+        half-written) not in ``keep`` that no follower holds."""
+        for version in self.held() - keep:
+            self.release(version)
+        found = set()
+        for child in self.stream_dir.iterdir():
+            name = child.name.removeprefix(INCOMING_PREFIX)
+            found.add(parse_version_name(name))
+        for child in self._locks.iterdir():
+            found.add(parse_version_name(child.name.removesuffix(PREPARE_SUFFIX)))
+        for version in sorted(v for v in found if v is not None and v not in keep):
+            self._delete(version)
 
     def close(self) -> None:
-        """Give the directory up (and remove it if ephemeral); a later owner of the same name adopts it."""
+        """Release every version held (an ephemeral cache also deletes those nobody else holds)."""
         if not self._open:
             return
         self._open = False
-        with _held_lock:
-            held = _held[self.dir]
-            held[1] -= 1
-            if held[1]:
-                return
-            del _held[self.dir]
-            if self.ephemeral:
-                shutil.rmtree(self.dir, ignore_errors=True)  # still holding the lock: nobody else is inside
-            unlock(held[0])
+        mine = self.held()
+        for version in mine:
+            self.release(version)
+        if self.ephemeral:
+            for version in mine:
+                self._delete(version)
 
     def __enter__(self) -> VersionCache:
         return self
@@ -151,37 +180,69 @@ class VersionCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _reclaim_dead_ephemeral(self) -> None:
-        """Remove directories of ephemeral owners that died without closing (their lock is free)."""
-        for child in self.stream_dir.iterdir():
-            if not (child / EPHEMERAL_FILE).exists():
-                continue
-            with _held_lock:
-                fd = None if child in _held else _try_lock(child, create=False)
-                if fd is None:
-                    continue  # its owner is alive (maybe this process)
-                try:
-                    shutil.rmtree(child, ignore_errors=True)
-                finally:
-                    unlock(fd)
+    # --------------------------------------------------------------------------------------- private
 
+    def _lock_path(self, version: int, suffix: str = "") -> Path:
+        return self._locks / f"{version_name(version)}{suffix}"
 
-def _acquire(directory: Path) -> bool:
-    """Own ``directory`` (this process already does, or its lock was free)."""
-    with _held_lock:
-        held = _held.get(directory)
-        if held is not None:
-            held[1] += 1
-            return True
-        fd = _try_lock(directory)
-        if fd is None:
+    def _incoming(self, version: int) -> Path:
+        return self.stream_dir / f"{INCOMING_PREFIX}{version_name(version)}"
+
+    def _complete(self, version: int) -> bool:
+        return (self.path(version) / MARKER_FILE).is_file()
+
+    def _write(self, stream: Stream, version: int, base: int | None, holder: str) -> bool:
+        """Under the version's prepare lock: write it unless complete; whether it was written."""
+        if self._complete(version):
             return False
-        _held[directory] = [fd, 1]
+        incoming, target = self._incoming(version), self.path(version)
+        shutil.rmtree(incoming, ignore_errors=True)  # a killed or failed earlier preparer's leftovers
+        if target.exists():  # no marker: not one of ours (renamed complete), e.g. a copy interrupted by hand
+            shutil.rmtree(target)
+        incoming.mkdir()
+        try:
+            stream.write_into(version, incoming, base_dir=self.path(base) if base is not None else None,
+                              holder=holder)
+            os.rename(incoming, target)
+        finally:
+            shutil.rmtree(incoming, ignore_errors=True)
+        log.info("decoded version %d into %s", version, target)
         return True
 
+    def _delete(self, version: int) -> None:
+        """Delete ``version`` (its directory, leftovers and lock files) if nobody holds or prepares it."""
+        use = lock_file(self._lock_path(version), wait=False)
+        if use is None:
+            return
+        try:
+            prepare = lock_file(self._lock_path(version, PREPARE_SUFFIX), wait=False)
+            if prepare is None:
+                return
+            try:
+                target = self.path(version)
+                with contextlib.suppress(FileNotFoundError):
+                    (target / MARKER_FILE).unlink()  # first: a half-deleted directory never looks complete
+                shutil.rmtree(target, ignore_errors=True)
+                shutil.rmtree(self._incoming(version), ignore_errors=True)
+                self._lock_path(version, PREPARE_SUFFIX).unlink(missing_ok=True)
+            finally:
+                unlock(prepare)
+            self._lock_path(version).unlink(missing_ok=True)  # while locked: see locks.lock_file
+        finally:
+            unlock(use)
 
-def _try_lock(directory: Path, create: bool = True) -> int | None:
-    """An exclusive, non-blocking flock on ``directory/.lock`` (the descriptor), or None if held."""
-    if create:
-        directory.mkdir(exist_ok=True)
-    return try_lock(directory / LOCK_FILE, create=create)
+    def _remove_old_layout(self) -> None:
+        """Migration from the previous layout (one directory per follower, ``<stream id>/<replica id>/``,
+        flock'ed through its ``.lock`` while its follower ran), for one release: delete those directories
+        once nobody holds their lock."""
+        for child in self.stream_dir.iterdir():
+            if child.name.startswith(".") or parse_version_name(child.name) is not None or not child.is_dir():
+                continue
+            fd = try_lock(child / LOCK_FILE, create=False)
+            if fd is None:
+                continue  # not an old follower's directory, or its follower still runs
+            try:
+                log.info("removing %s, a follower cache of the previous layout", child)
+                shutil.rmtree(child, ignore_errors=True)
+            finally:
+                unlock(fd)

@@ -6,7 +6,8 @@ version), check it against the served model (names, dtypes, shapes) and against 
 server: pause → ``reload_weights`` → reset prefix cache → set weight version → resume → one-token probe.
 A version that fails any check is refused and recorded; the servers keep the last good version.
 
-The decoded versions live in a ``VersionCache`` directory this follower owns (``cache.py``). A server
+The decoded versions live in a ``VersionCache`` (``cache.py``) that the followers of the stream on the
+host share: each version is decoded once, by whichever follower comes first. A server
 that another process has taken over (``takeover.py``: a ``replay``) is left alone until it is given
 back; then it is reconciled to the follower's version. Per-version state is bounded (the last
 ``REFUSED_KEPT`` refusals; the reader's manifest cache is an LRU), so a follower of a stream of
@@ -56,10 +57,12 @@ class UpdateRecord:
     pause_s: float  # servers paused (all of them, one after the other)
     reload_s: float  # inside reload_weights
     lag_s: float  # from the version's commit to serving it
+    decoded: bool = True  # decoded by this follower (False: reused from the cache, e.g. another follower's)
 
     def log_line(self) -> str:
-        return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB"
-                f"{'' if self.base_version is None else f' (delta on cached {self.base_version})'}, "
+        how = ("" if self.base_version is None else f" (delta on cached {self.base_version})" if self.decoded
+               else " (reused from the cache)")
+        return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB{how}, "
                 f"fetch+decode {self.prepare_s:.2f} s, pause {self.pause_s:.2f} s, reload {self.reload_s:.2f} s, "
                 f"lag {self.lag_s:.2f} s after commit")
 
@@ -70,12 +73,13 @@ class FollowerConfig:
 
     Attributes:
         storage_options: fsspec options of the stream's storage.
-        cache_dir: the cache root (default: ``default_cache_dir()``); this follower owns
-            ``<cache_dir>/<stream id>/<replica id>/`` (see ``cache.py``), where at most the current and
-            the incoming version are kept, and a restarted follower of the same replica id reuses them.
+        cache_dir: the cache root (default: ``default_cache_dir()``); versions are decoded into
+            ``<cache_dir>/<stream id>/<version>/``, shared by the stream's followers on the host (see
+            ``cache.py``); this follower holds at most the current and the incoming version (and the
+            base of a delta), and a restarted follower adopts the version its servers report.
         pin: serve exactly this version and do not follow.
-        replica_id: name of this follower's record in the stream (``replicas/<id>.json``) and of its
-            cache directory (default: ``<host>-<port of the first server>``).
+        replica_id: name of this follower's record in the stream (``replicas/<id>.json``)
+            (default: ``<host>-<port of the first server>``).
         poll_interval: seconds between discovery probes (inotify wakes the follower earlier on local paths).
         pause_mode: vLLM ``/pause`` mode: ``keep`` (default: in-flight requests wait), ``wait``, ``abort``.
         api_key: for servers started with ``--api-key`` (given as URLs).
@@ -85,7 +89,8 @@ class FollowerConfig:
         on_update: called with the ``UpdateRecord`` of every update (metrics, dashboards).
         stand_aside: leave a server alone while another process has taken it over (``Takeover``); False
             for the taker itself.
-        ephemeral_cache: remove the cache directory on ``close()`` (nobody adopts it later: a replay).
+        ephemeral_cache: on ``close()``, delete the versions it held that no other follower holds
+            (nobody adopts them later: a replay).
         lease_ttl: time to live of the lease (``follower <replica id>``) held on each version while it is
             fetched, renewed every third of it, so that gc keeps the version meanwhile.
     """
@@ -125,7 +130,7 @@ class Follower:
         config: the follower's options (``FollowerConfig``); ``options`` (its field names as keywords)
             override single fields, e.g. ``Follower(url, urls, cache_dir=..., poll_interval=0.1)``.
 
-    ``close()`` (or ``with``) gives the cache directory up.
+    ``close()`` (or ``with``) releases the versions it holds in the cache.
     """
 
     def __init__(self, url: str, vllm_urls: Sequence[str | VllmControl], config: FollowerConfig | None = None,
@@ -165,7 +170,7 @@ class Follower:
                      "wait_for_version do not see it)", self.stream.storage.url)
 
     def close(self) -> None:
-        """Give the cache directory up (a restarted follower of the same replica id adopts it)."""
+        """Release the cached versions it holds (a restarted follower adopts the one its servers serve)."""
         self.cache.close()
 
     def __enter__(self) -> Follower:
@@ -234,7 +239,9 @@ class Follower:
     # --------------------------------------------------------------------------------------- updating
 
     def adopt(self, version: int) -> None:
-        """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it)."""
+        """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it);
+        the follower holds it in the cache from now on."""
+        self.cache.hold(version)
         self.current = version
         self._reference = self._reference or self._specs(self.stream.manifest(version))
         self._report(version=version, state="serving")
@@ -250,7 +257,7 @@ class Follower:
         self._check_against_served(manifest)  # before fetching anything
         self._report(state="updating")
         started = time.perf_counter()
-        path, base, fetched = self.prepare(version)
+        path, base, fetched, decoded = self.prepare(version)
         prepare_s = time.perf_counter() - started
         pause_s = reload_s = 0.0
         done: list[VllmControl] = []
@@ -265,31 +272,46 @@ class Follower:
             done.append(client)
         self.current = version
         self.cache.prune({version})
-        update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, _age(manifest.created))
+        update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, _age(manifest.created),
+                              decoded)
         log.info("%s", update.log_line())
         if self.on_update is not None:
             self.on_update(update)
         self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
         return update
 
-    def prepare(self, version: int) -> tuple[Path, int | None, int]:
-        """Decode ``version`` into the cache (reusing a cached copy, or applying its delta to the current
-        version's copy); returns (path, base version used, bytes fetched)."""
-        path = self.cache.path(version)
-        if version in self.cache.versions():
-            try:
-                self.stream.check_materialized(path, version)
-                return path, version, 0
-            except CkptStreamError as exc:
-                log.warning("cached copy of version %d is unusable (%s); fetching it again", version, exc)
+    def prepare(self, version: int) -> tuple[Path, int | None, int, bool]:
+        """Have ``version`` in the cache, held: reused when complete (another follower's decode, or an
+        earlier one), else decoded here by applying its delta to the newest cached version of its chain
+        (waiting instead if another follower is decoding it). Returns (path, base version used: the version
+        itself when reused, bytes fetched, whether this follower decoded it)."""
+        if self.cache.hold(version):
+            return self.cache.path(version), version, 0, False
         chain = self.stream.chain(version)
-        chain_versions = [m.version for m in chain]
-        cached = [v for v in self.cache.versions() if v in chain_versions and v != version]
-        base = max(cached) if cached else None
-        fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base)
-        self.cache.prune({v for v in (self.current, base) if v is not None})
-        path = self.cache.materialize(self.stream, version, base, holder=f"follower {self.record.replica_id}")
-        return path, base, fetched
+        chain_versions = {m.version for m in chain}
+        base = next((v for v in reversed(self.cache.versions())
+                     if v in chain_versions and v != version and self._hold_base(v)), None)
+        self.cache.prune({v for v in (self.current, base, version) if v is not None})
+        try:
+            path, decoded = self.cache.materialize(self.stream, version, base,
+                                                   holder=f"follower {self.record.replica_id}")
+        except BaseException:
+            self.cache.release(version)  # refused: a pruner may delete what is left of it
+            raise
+        finally:
+            if base is not None and base != self.current:
+                self.cache.release(base)
+        if not decoded:  # another follower decoded it while this one waited
+            base = version
+        fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base) if decoded else 0
+        return path, base, fetched, decoded
+
+    def _hold_base(self, version: int) -> bool:
+        """Hold ``version`` as the base of a delta if it is still complete (a pruner may have deleted it)."""
+        if version in self.cache.held() or self.cache.hold(version):
+            return True
+        self.cache.release(version)
+        return False
 
     def _current_path(self) -> Path:
         """The cache directory of the current version, decoded again if it went missing."""
@@ -388,12 +410,15 @@ class Follower:
             return
         reported = served.pop()
         version = int(reported) if reported.isdigit() else None
-        if version is None or version not in self.cache.versions():
+        if version is None or not self.cache.hold(version):
+            if version is not None:
+                self.cache.release(version)
             return
         try:
             self.stream.check_materialized(self.cache.path(version), version)
         except CkptStreamError as exc:
             log.warning("servers report version %d but its cached copy is unusable: %s", version, exc)
+            self.cache.release(version)
             return
         log.info("servers already serve version %d (cached); resuming from it", version)
         self.adopt(version)

@@ -2,7 +2,8 @@
 
 The replay takes the servers over (``takeover.Takeover``) for its whole run: a ``serve``/``follow``
 keeping them current stands aside meanwhile, and brings them back to its newest version when the replay
-ends. The replay decodes into a cache directory of its own, removed at the end (``cache.py``).
+ends. The replay uses the followers' shared cache (``cache.py``): what they hold is reused, and what only
+the replay held is deleted at the end.
 """
 
 from __future__ import annotations

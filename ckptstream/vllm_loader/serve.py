@@ -196,7 +196,7 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
         first = follower.stream.resolve(version)
         if pin:
             follower.pin = first
-        path, _, fetched = follower.prepare(first)
+        path, _, fetched, _ = follower.prepare(first)
         log.info("version %d materialized in %s (%.1f MB fetched); starting vLLM", first, path, fetched / 1e6)
         api_key = config.api_key
         if api_key and "--api-key" not in vllm_args:

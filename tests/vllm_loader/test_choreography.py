@@ -85,56 +85,138 @@ def test_failed_reload_on_one_server_reverts_both_and_refuses_the_version(stream
 # ------------------------------------------------------------------------------------ cache ownership
 
 
-def test_two_followers_of_one_stream_keep_their_own_caches(stream, tmp_path):
-    """The defect: followers sharing <root>/<stream id>/ pruned each other's versions and the reader's
-    temporary names (a replay beside serve failed with 'No such file or directory: .../.tmp-...')."""
+def test_a_follower_and_a_replay_of_one_stream_share_the_cache_without_deleting_each_others(stream, tmp_path):
+    """The defect of a shared <root>/<stream id>/ before: followers pruned each other's versions and the
+    reader's temporary names (a replay beside serve failed with 'No such file or directory: .../.tmp-...').
+    Now the versions are shared, and each follower's holds keep them (adapted from the per-owner layout)."""
     url, publisher = stream
     root = tmp_path / "shared-root"
     serving = Follower(url, [FakeVllmClient()], cache_dir=root, replica_id="serving")
     assert serving.step().version == 2
     kept = serving.cache.path(2)
-    foreign_temp = serving.cache.dir / ".tmp-0123456789abcdef-v-reader"  # the reader's: never ours to delete
+    foreign_temp = serving.cache.stream_dir / ".tmp-0123456789abcdef-v-reader"  # the reader's: never ours to delete
     foreign_temp.mkdir()
     replaying = Follower(url, [FakeVllmClient()], cache_dir=root, replica_id="replay-1", ephemeral_cache=True)
+    decoded = {}
     for version in (0, 1, 2, 0):
-        replaying.load(version)
+        decoded[version] = replaying.load(version).decoded
         assert (kept / MARKER_FILE).is_file(), f"loading {version} elsewhere removed the serving follower's copy"
-    assert serving.cache.dir != replaying.cache.dir
+    assert decoded == {0: True, 1: True, 2: False}  # 2: the serving follower's copy, reused
+    assert serving.cache.path(2) == replaying.cache.path(2)
     publisher.publish(_state(3)).result()
     assert serving.step().version == 3
-    assert replaying.cache.versions() == [0] and serving.cache.versions() == [3]
+    assert replaying.cache.held() == {0} and serving.cache.held() == {3}
+    assert serving.cache.versions() == [0, 3]
     assert foreign_temp.is_dir()
     replaying.close()
-    assert not replaying.cache.dir.exists()  # ephemeral: removed when it closes
-    assert serving.cache.dir.is_dir()
+    assert serving.cache.versions() == [3]  # ephemeral: what only the replay held is deleted when it closes
     serving.close()
+    assert serving.cache.versions() == [3]  # kept for a restarted follower to adopt
 
 
-def _hold_caches(root: str, ready) -> None:
-    owned = VersionCache(root, "sid", "same-name")
-    replaying = VersionCache(root, "sid", "replay-x", ephemeral=True)
-    ready.put((owned.owner, replaying.owner))
+def _step_together(follower: Follower, barrier: threading.Barrier, updates: list) -> None:
+    barrier.wait()  # all of them prepare the new version at once
+    updates.append(follower.step())
+
+
+def test_four_followers_of_one_stream_decode_each_version_once(stream, tmp_path):
+    url, publisher = stream
+    servers = [FakeVllmClient() for _ in range(4)]
+    followers = [Follower(url, [server], cache_dir=tmp_path / "cache", replica_id=f"f{i}")
+                 for i, server in enumerate(servers)]
+    decodes: dict[int, int] = {}
+    for round_ in range(4):
+        if round_:
+            publisher.publish(_state(2 + round_)).result()
+        barrier = threading.Barrier(len(followers))
+        updates: list = []
+        threads = [threading.Thread(target=_step_together, args=(f, barrier, updates)) for f in followers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert len(updates) == 4 and {u.version for u in updates} == {2 + round_}
+        decodes[2 + round_] = sum(u.decoded for u in updates)
+        assert {s.loaded_version for s in servers} == {2 + round_}
+        assert len({s.calls_of("reload_weights")[-1] for s in servers}) == 1  # one path for all
+    assert decodes == {2: 1, 3: 1, 4: 1, 5: 1}
+    assert followers[0].cache.versions() == [5]  # the old ones were deleted once nobody held them
+    for follower in followers:
+        follower.close()
+
+
+def _hold_version(root: str, version: int, ready) -> None:
+    """In a child: hold ``version`` of a cache (as a follower serving it does), until SIGKILLed."""
+    cache = VersionCache(root, "sid", "holder")
+    cache.hold(version)
+    ready.put(sorted(cache.held()))
     time.sleep(120)  # killed before
 
 
-def test_cache_directories_have_one_owning_process_and_a_restart_adopts_its_own(tmp_path):
+def _fake_version(cache: VersionCache, version: int) -> None:
+    cache.path(version).mkdir()
+    (cache.path(version) / MARKER_FILE).write_text("{}")
+
+
+def test_a_pruner_never_deletes_a_version_another_process_holds_and_a_killed_holder_blocks_nobody(tmp_path):
+    pruner = VersionCache(tmp_path, "sid", "pruner")
+    for version in (1, 2, 3):
+        _fake_version(pruner, version)
     context = multiprocessing.get_context("spawn")
     ready = context.Queue()
-    holder = context.Process(target=_hold_caches, args=(str(tmp_path), ready))
+    holder = context.Process(target=_hold_version, args=(str(tmp_path), 2, ready))
     holder.start()
     try:
-        assert ready.get(timeout=60) == ("same-name", "replay-x")
-        with VersionCache(tmp_path, "sid", "same-name") as second:
-            assert second.owner == "same-name.2"
-            with VersionCache(tmp_path, "sid", "same-name") as same_process:
-                assert same_process.dir == second.dir  # one owner per process
-        assert (tmp_path / "sid" / "replay-x").is_dir()  # alive: not reclaimed
+        assert ready.get(timeout=60) == [2]
+        assert pruner.hold(3)
+        pruner.prune({3})
+        assert pruner.versions() == [2, 3]  # 1 was nobody's; 2 is the other process's
+        pruner.prune(set())
+        assert pruner.versions() == [2] and pruner.held() == set()
     finally:
         holder.kill()  # SIGKILL: no cleanup, the kernel drops its locks
         holder.join()
-    with VersionCache(tmp_path, "sid", "same-name") as restarted:
-        assert restarted.owner == "same-name"
-        assert not (tmp_path / "sid" / "replay-x").exists()  # a dead replay's cache is reclaimed
+    pruner.prune(set())
+    assert pruner.versions() == []
+    assert sorted(p.name for p in pruner.stream_dir.iterdir()) == [".locks"]
+    assert list((pruner.stream_dir / ".locks").iterdir()) == []  # no lock file left per version
+    pruner.close()
+
+
+def test_followers_of_different_streams_in_one_root_do_not_interfere(tmp_path):
+    root = tmp_path / "cache"
+    urls, publishers = [str(tmp_path / "a"), str(tmp_path / "b")], []
+    for url in urls:
+        publishers.append(Publisher(url, keyframe_every=1000))
+        publishers[-1].publish(_state(0)).result()
+    servers = [FakeVllmClient(), FakeVllmClient()]
+    a, b = (Follower(url, [server], cache_dir=root, replica_id=f"r{i}")
+            for i, (url, server) in enumerate(zip(urls, servers)))
+    assert a.step().decoded and b.step().decoded  # the same version number, each its own stream's
+    assert a.cache.path(0) != b.cache.path(0)
+    for step in (1, 2):
+        publishers[0].publish(_state(step)).result()
+        assert a.step().version == step
+    assert b.cache.versions() == [0] and a.cache.versions() == [2]
+    assert b.step() is None and servers[1].loaded_version == 0
+    for follower, publisher in zip((a, b), publishers):
+        follower.close()
+        publisher.close()
+
+
+def test_old_per_follower_directories_are_removed_once_their_follower_is_gone(tmp_path):
+    stream_dir = tmp_path / "sid"
+    for name in ("old-follower", "live-follower"):
+        (stream_dir / name / "000000000003").mkdir(parents=True)
+        (stream_dir / name / ".lock").touch()
+    from ckptstream.locks import try_lock, unlock
+
+    live = try_lock(stream_dir / "live-follower" / ".lock")  # as a follower of the previous release holds it
+    try:
+        VersionCache(tmp_path, "sid").close()
+        assert not (stream_dir / "old-follower").exists() and (stream_dir / "live-follower").is_dir()
+    finally:
+        unlock(live)
 
 
 # ------------------------------------------------------------------------------------------ takeover
@@ -191,8 +273,9 @@ def test_replay_takes_the_server_over_and_the_follower_brings_it_back(stream, tm
         paths = server.calls_of("reload_weights")
         assert list(server.reloaded)[before:] == [0, 1, 2, 3]
         # The replay's three, then (only after it ended) the follower's: nobody else reloaded meanwhile.
-        assert ["/replay-" in p for p in paths] == [True, True, True, False]
-        assert not [p for p in (tmp_path / "cache").glob("*/replay-*")]  # the replay's cache is gone
+        # (The cache is shared now: a version has one path whoever loads it; adapted from the replay's own.)
+        assert paths == [str(follower.cache.path(v)) for v in (0, 1, 2, 3)]
+        _wait(lambda: follower.cache.versions() == [3])  # the replay's versions are gone
     finally:
         stop.set()
         follower.wake.set()
@@ -310,9 +393,9 @@ def _write_then_die(stream_url: str, root: str) -> None:
     VersionCache(root, stream.info().stream_id, "killed").materialize(stream, 0, None)
 
 
-def test_a_follower_killed_while_writing_leaves_nothing_its_successor_keeps(tmp_path):
-    """Every name in a follower's cache directory is the cache's own: what a follower SIGKILLed in the
-    middle of writing a version leaves is removed by the next owner of the directory."""
+def test_a_preparer_killed_while_writing_leaves_nothing_that_blocks_or_misleads_the_next(tmp_path):
+    """What a preparer SIGKILLed in the middle of writing a version leaves is not a version, blocks no
+    lock, and is removed by the next preparer of that version (or by a pruner)."""
     url = str(tmp_path / "stream")
     with Publisher(url) as publisher:
         publisher.publish({"w": torch.arange(1000, dtype=torch.float32)}).result()
@@ -323,12 +406,18 @@ def test_a_follower_killed_while_writing_leaves_nothing_its_successor_keeps(tmp_
     from ckptstream.reader.stream import Stream
 
     stream = Stream(url)
-    with VersionCache(tmp_path / "c", stream.info().stream_id, "killed") as cache:
-        assert [p.name for p in cache.dir.iterdir() if p.name.startswith(".incoming-")] != []
+    with VersionCache(tmp_path / "c", stream.info().stream_id, "next") as cache:
+        assert [p.name for p in cache.stream_dir.iterdir() if p.name.startswith(".incoming-")] != []
+        assert cache.versions() == []  # the leftover is not mistaken for a version
+        path, decoded = cache.materialize(stream, 0, None)  # its locks were dropped: no waiting
+        assert decoded and (path / MARKER_FILE).is_file() and cache.versions() == [0]
+        assert sorted(p.name for p in cache.stream_dir.iterdir()) == [".locks", "000000000000"]
+        with VersionCache(tmp_path / "c", stream.info().stream_id, "other") as other:
+            other.prune(set())
+        assert cache.versions() == [0]  # held by the first cache: not pruned
+    with VersionCache(tmp_path / "c", stream.info().stream_id, "pruner") as cache:
         cache.prune(set())
-        assert sorted(p.name for p in cache.dir.iterdir() if not p.name.startswith(".lock")) == []
-        path = cache.materialize(stream, 0, None)
-        assert (path / MARKER_FILE).is_file() and cache.versions() == [0]
+        assert sorted(p.name for p in cache.stream_dir.iterdir()) == [".locks"]
 
 
 def test_a_replica_id_that_cannot_name_a_record_is_refused_at_once(tmp_path):
