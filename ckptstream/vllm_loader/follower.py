@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ..errors import CkptStreamError, IntegrityError, MissingBaseError, VersionNotFoundError
+from ..errors import CkptStreamError, IntegrityError, MissingBaseError, NodesNotReady, VersionNotFoundError
 from ..format import MANIFESTS_DIR, MARKER_FILE, Manifest
 from ..hf import tensor_specs
 from ..reader import ReplicaRecord, Stream, replica_path, write_replica
@@ -86,6 +86,12 @@ class FollowerConfig:
         stand_aside: leave a server alone while another process has taken it over (``Takeover``); False
             for the taker itself.
         ephemeral_cache: remove the cache directory on ``close()`` (nobody adopts it later: a replay).
+        nodes_ready_timeout: the servers are engines spanning nodes (started with ``--worker-extension-cls
+            ckptstream.vllm_loader.worker.CacheReport``): before reloading a version, ask every rank until
+            each reports it complete, with its manifest hash, at the path the reload names; give up on it
+            for now after this many seconds (retried at the next round, never loaded into some ranks only).
+            None: one-node servers, not asked.
+        nnodes: nodes of the engine, for the replica record (None: one node).
     """
 
     storage_options: Mapping[str, Any] | None = None
@@ -100,6 +106,8 @@ class FollowerConfig:
     on_update: Callable[[UpdateRecord], None] | None = None
     stand_aside: bool = True
     ephemeral_cache: bool = False
+    nodes_ready_timeout: float | None = None
+    nnodes: int | None = None
 
     def with_options(self, **options: Any) -> FollowerConfig:
         """A copy with ``options`` (field names; TypeError for any other) replaced."""
@@ -151,7 +159,9 @@ class Follower:
         self._lock = threading.Lock()
         self._aside: set[str] = set()  # URLs of servers another process has taken over
         self.record = ReplicaRecord(replica_id=replica_id, urls=[c.url for c in self.clients],
-                                    host=socket.gethostname(), pid=os.getpid())
+                                    host=socket.gethostname(), pid=os.getpid(), pin=config.pin,
+                                    engine=replica_id if config.nnodes else None,
+                                    node_rank=0 if config.nnodes else None, nnodes=config.nnodes)
         self.wake = threading.Event()
         self.on_update = config.on_update
         # A read-only view of the stream (HTTP, a relay) cannot hold this follower's record: say so once
@@ -221,6 +231,10 @@ class Follower:
         except VersionNotFoundError as exc:  # retired between discovery and fetch: normal, move on
             log.info("version %d is gone (%s); looking for a newer one", target, exc)
             return None
+        except NodesNotReady as exc:  # not the version's fault: the lagging nodes get it later
+            log.info("%s; still serving version %s, retrying", exc, self.current)
+            self._report(state="serving" if self.current is not None else "starting")
+            return None
         except VllmUnreachable:
             raise  # not the version's fault: run() retries it once the server is back
         except CkptStreamError as exc:  # corrupt, foreign, misshapen, or a reload the server refused
@@ -241,6 +255,7 @@ class Follower:
 
         Raises:
             IntegrityError / CkptStreamError: the version is refused (servers untouched).
+            NodesNotReady: a node of an engine lacks it after ``nodes_ready_timeout`` (servers untouched).
             VllmError: a server failed to load it (servers reverted to the current version).
         """
         manifest = self.stream.manifest(version)
@@ -249,13 +264,21 @@ class Follower:
         started = time.perf_counter()
         path, base, fetched = self.prepare(version)
         prepare_s = time.perf_counter() - started
+        targets = list(self.clients if clients is None else clients)
+        if self.config.nodes_ready_timeout is not None:
+            for client in targets:
+                self._wait_for_nodes(client, manifest, path)
+        restore = self.cache.path(self.current) if self.current is not None and self.current != version else None
+        if restore is not None and not (restore / MARKER_FILE).is_file():
+            restore = None  # gone: _revert decodes it again, outside the pause
         pause_s = reload_s = 0.0
         done: list[VllmControl] = []
-        for client in self.clients if clients is None else clients:
+        for client in targets:
             try:
-                paused, reloaded = self._load_into(client, version, path)
+                paused, reloaded = self._load_into(client, version, path, restore=restore)
             except VllmError:
-                self._revert(done + [client])
+                # The failing server got the last good version back inside its pause (if it had one).
+                self._revert(done if restore is not None else done + [client])
                 raise
             pause_s += paused
             reload_s += reloaded
@@ -272,28 +295,19 @@ class Follower:
     def prepare(self, version: int) -> tuple[Path, int | None, int]:
         """Decode ``version`` into the cache (reusing a cached copy, or applying its delta to the current
         version's copy); returns (path, base version used, bytes fetched)."""
-        path = self.cache.path(version)
-        if version in self.cache.versions():
-            try:
-                self.stream.check_materialized(path, version)
-                return path, version, 0
-            except CkptStreamError as exc:
-                log.warning("cached copy of version %d is unusable (%s); fetching it again", version, exc)
-        chain = self.stream.chain(version)
-        chain_versions = [m.version for m in chain]
-        cached = [v for v in self.cache.versions() if v in chain_versions and v != version]
-        base = max(cached) if cached else None
-        fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base)
-        self.cache.prune({v for v in (self.current, base) if v is not None})
-        path = self.cache.materialize(self.stream, version, base, holder=f"follower {self.record.replica_id}")
-        return path, base, fetched
+        return prepare_version(self.stream, self.cache, version, keep={self.current} - {None},
+                               holder=f"follower {self.record.replica_id}")
 
     def _current_path(self) -> Path:
         """The cache directory of the current version, decoded again if it went missing."""
         assert self.current is not None
         return self.prepare(self.current)[0]
 
-    def _load_into(self, client: VllmControl, version: int, path: Path) -> tuple[float, float]:
+    def _load_into(self, client: VllmControl, version: int, path: Path,
+                   restore: Path | None = None) -> tuple[float, float]:
+        """Pause, reload ``path``, label, resume, check. If the reload fails and ``restore`` (the current
+        version's directory) is given, it is reloaded before ``/resume``: a rank whose reload failed
+        half-way holds placeholders, and ranks that succeeded hold the new version."""
         if not (path / MARKER_FILE).is_file():
             # vLLM treats a missing directory as a hub repository id and its engine dies of it.
             raise CkptStreamError(f"{path} is not a complete materialized directory; not handing it to vLLM",
@@ -302,10 +316,15 @@ class Follower:
         client.pause(self.pause_mode)
         try:
             reload_started = time.perf_counter()
-            client.reload_weights(str(path))
-            reload_s = time.perf_counter() - reload_started
-            client.reset_prefix_cache()
-            client.set_weight_version(str(version), check=False)
+            try:
+                client.reload_weights(str(path))
+                reload_s = time.perf_counter() - reload_started
+                client.reset_prefix_cache()
+                client.set_weight_version(str(version), check=False)
+            except VllmError:
+                if restore is not None:
+                    self._restore_paused(client, restore)
+                raise
         finally:
             client.resume(check=False)
         paused = time.perf_counter() - started
@@ -314,6 +333,40 @@ class Follower:
         client.check_weight_version(str(version))
         client.probe()
         return paused, reload_s
+
+    def _restore_paused(self, client: VllmControl, restore: Path) -> None:
+        """Reload the current version into a paused server whose reload failed (every rank reloads it)."""
+        try:
+            client.reload_weights(str(restore))
+            client.reset_prefix_cache()
+            client.set_weight_version(str(self.current), check=False)
+            log.warning("reload failed on %s; every rank reloaded version %s", client.url, self.current)
+        except VllmError as exc:
+            log.error("could not restore version %s on %s: %s", self.current, client.url, exc)
+
+    def _wait_for_nodes(self, client: VllmControl, manifest: Manifest, path: Path) -> None:
+        """Return once every rank of ``client``'s engine reports ``manifest``'s version complete, with its
+        manifest hash, in ``path``'s directory on its own node; NodesNotReady (naming the lagging nodes,
+        also in the replica record) after ``nodes_ready_timeout``. The servers keep serving meanwhile."""
+        assert self.config.nodes_ready_timeout is not None
+        deadline = time.monotonic() + self.config.nodes_ready_timeout
+        key = str(manifest.version)
+        while True:
+            ranks = client.cache_report(str(path.parent))
+            lagging = list(dict.fromkeys(f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks
+                                         if r.get("versions", {}).get(key) != manifest.manifest_hash))
+            if lagging != self.record.lagging:
+                if lagging:
+                    log.info("version %d: waiting for %s", manifest.version, ", ".join(lagging))
+                self._report(lagging=lagging)
+            if not lagging:
+                return
+            if time.monotonic() >= deadline:
+                raise NodesNotReady(f"{', '.join(lagging)} of {client.url} lack(s) it in {path.parent} after "
+                                    f"{self.config.nodes_ready_timeout:.0f} s", version=manifest.version,
+                                    lagging=lagging, hint="Is the node agent (ckptstream serve --node-rank N) "
+                                                          "running there?")
+            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 
     def _revert(self, clients: list[VllmControl]) -> None:
         """Reload the current version into servers that took (part of) a failed update."""
@@ -470,7 +523,7 @@ class Follower:
                 setattr(self.record, key, value)
             self.record.heartbeat = time.time()
             record = ReplicaRecord(**{**self.record.__dict__, "refused": dict(self.record.refused),
-                                      "urls": list(self.record.urls)})
+                                      "urls": list(self.record.urls), "lagging": list(self.record.lagging)})
         if not self._reports:
             return
         try:
@@ -481,6 +534,27 @@ class Follower:
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(self.heartbeat_interval):
             self._report()
+
+
+def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: set[int],
+                    holder: str) -> tuple[Path, int | None, int]:
+    """Decode ``version`` into ``cache`` (reusing a checked cached copy, or applying its delta to the newest
+    cached version of its chain), pruning every other version but those in ``keep`` and the base; returns
+    (path, base version used, bytes fetched). Shared by the follower and the node agent."""
+    path = cache.path(version)
+    if version in cache.versions():
+        try:
+            stream.check_materialized(path, version)
+            return path, version, 0
+        except CkptStreamError as exc:
+            log.warning("cached copy of version %d is unusable (%s); fetching it again", version, exc)
+    chain = stream.chain(version)
+    chain_versions = [m.version for m in chain]
+    cached = [v for v in cache.versions() if v in chain_versions and v != version]
+    base = max(cached) if cached else None
+    fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base)
+    cache.prune(keep | ({base} if base is not None else set()))
+    return cache.materialize(stream, version, base, holder=holder), base, fetched
 
 
 def _spec_text(spec: tuple[str, tuple[int, ...]] | None) -> str:
