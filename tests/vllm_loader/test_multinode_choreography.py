@@ -23,6 +23,8 @@ from ckptstream.reader.replicas import KIND_NODE
 from ckptstream.testing.fake_vllm import FakeNode, FakeVllmClient
 from ckptstream.vllm_loader import Follower, FollowerConfig
 from ckptstream.vllm_loader.agent import NodeAgent, node_record_id
+from ckptstream.vllm_loader.serve import engine_id, multinode_vllm_args, vllm_headless_command
+from ckptstream.vllm_loader.worker import EXTENSION_CLASS
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
@@ -155,3 +157,57 @@ def test_pinned_and_refusing_replicas_are_named_with_their_reason(tmp_path):
     with pytest.raises(TimeoutError) as waited:
         stream.wait_for_version(1, min_replicas=1, timeout=0.2, poll_interval=0.05)
     assert not isinstance(waited.value, ReplicaRefused)
+
+
+# ------------------------------------------------------------------------------------------- serve
+
+
+def test_every_node_gets_its_place_the_mp_executor_and_the_extension():
+    args = multinode_vllm_args(["--tensor-parallel-size", "16"], 2, 1, "10.0.0.1", None)
+    assert args == ["--tensor-parallel-size", "16", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                    "--distributed-executor-backend", "mp", "--worker-extension-cls", EXTENSION_CLASS]
+    assert "--master-port" in multinode_vllm_args([], 2, 0, "h", 7000)
+    assert multinode_vllm_args(["--distributed-executor-backend=ray"], 2, 0, "h", None).count("mp") == 0
+    with pytest.raises(ValueError, match="worker-extension-cls"):
+        multinode_vllm_args(["--worker-extension-cls", "mine.Ext"], 2, 0, "h", None)
+    assert engine_id("10.0.0.1", None) == "10.0.0.1-29501" and engine_id("head", 7000) == "head-7000"
+    headless = vllm_headless_command("/dev/shm/v", ["--nnodes", "2"])
+    assert headless[1:5] == ["-m", "ckptstream.vllm_loader.vllm_main", "serve", "/dev/shm/v"]
+    assert headless[-1] == "--headless"
+
+
+def test_serve_across_nodes_needs_the_head_address(capsys):
+    from ckptstream.cli import main
+
+    assert main(["serve", "/nowhere", "--nnodes", "2", "--node-rank", "1", "--", "--enforce-eager"]) == 2
+    assert "--master-addr" in capsys.readouterr().err
+    assert main(["serve", "/nowhere", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h"]) == 2
+
+
+def test_the_node_agent_command_prepares_each_version_and_reports_it(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "stream")
+    publisher = Publisher(url, keyframe_every=1000)
+    publisher.publish(_state(0)).result()
+    agent = subprocess.Popen([sys.executable, "-m", "ckptstream.cli", "node-agent", url, "--engine", "eng",
+                              "--node-rank", "1", "--nnodes", "2", "--cache-dir", str(tmp_path / "cache"),
+                              "--poll-interval", "0.05"], stderr=subprocess.PIPE, env=os.environ)
+    try:
+        deadline = time.monotonic() + 60
+        publisher.publish(_state(1)).result()
+        while (_node := next((r for r in Stream(url).replicas() if r.replica_id == "eng-node1"), None)) is None \
+                or _node.version != 1:
+            assert time.monotonic() < deadline and agent.poll() is None, "the agent did not prepare version 1"
+            time.sleep(0.05)
+        assert (_node.kind, _node.engine, _node.node_rank, _node.nnodes) == (KIND_NODE, "eng", 1, 2)
+        stream_id = Stream(url).info().stream_id
+        assert (tmp_path / "cache" / stream_id / "eng" / "000000000001" / MARKER_FILE).is_file()
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        _, err = agent.communicate(timeout=30)
+        publisher.close()
+    assert agent.returncode == 0, err.decode()
