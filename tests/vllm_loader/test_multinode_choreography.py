@@ -59,7 +59,9 @@ def _record(url: str, replica_id: str) -> ReplicaRecord:
     return next(r for r in Stream(url).replicas() if r.replica_id == replica_id)
 
 
-def test_the_head_reloads_only_once_every_node_holds_the_version(engine):
+def test_the_head_reloads_only_once_every_node_holds_the_version(engine, capsys):
+    from ckptstream.cli import main
+
     url, publisher, server, head, agent = engine
     publisher.publish(_state(1)).result()
     reloads = len(server.calls_of("reload_weights"))
@@ -68,6 +70,7 @@ def test_the_head_reloads_only_once_every_node_holds_the_version(engine):
     record = _record(url, "eng")
     assert record.version == 0 and record.lagging == ["node 1 (host1)"] and record.nnodes == 2
     assert "1" not in record.refused  # retried later, not refused
+    assert main(["replicas", url]) == 0 and "waits for node 1 (host1)" in capsys.readouterr().out
     assert agent.step() == 1
     node_record = _record(url, node_record_id("eng", 1))
     node = (node_record.kind, node_record.version, node_record.node_rank, node_record.engine)
