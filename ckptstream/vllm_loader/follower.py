@@ -274,11 +274,12 @@ class Follower:
         pause_s = reload_s = 0.0
         done: list[VllmControl] = []
         for client in targets:
+            restored: list[VllmControl] = []
             try:
-                paused, reloaded = self._load_into(client, version, path, restore=restore)
+                paused, reloaded = self._load_into(client, version, path, restore=restore, restored=restored)
             except VllmError:
-                # The failing server got the last good version back inside its pause (if it had one).
-                self._revert(done if restore is not None else done + [client])
+                # A server whose reload failed got the last good version back inside its pause.
+                self._revert(done + ([] if restored else [client]))
                 raise
             pause_s += paused
             reload_s += reloaded
@@ -303,11 +304,12 @@ class Follower:
         assert self.current is not None
         return self.prepare(self.current)[0]
 
-    def _load_into(self, client: VllmControl, version: int, path: Path,
-                   restore: Path | None = None) -> tuple[float, float]:
+    def _load_into(self, client: VllmControl, version: int, path: Path, restore: Path | None = None,
+                   restored: list[VllmControl] | None = None) -> tuple[float, float]:
         """Pause, reload ``path``, label, resume, check. If the reload fails and ``restore`` (the current
-        version's directory) is given, it is reloaded before ``/resume``: a rank whose reload failed
-        half-way holds placeholders, and ranks that succeeded hold the new version."""
+        version's directory) is given, it is reloaded before ``/resume`` (a rank whose reload failed
+        half-way holds placeholders, and ranks that succeeded hold the new version); then the client is
+        appended to ``restored``."""
         if not (path / MARKER_FILE).is_file():
             # vLLM treats a missing directory as a hub repository id and its engine dies of it.
             raise CkptStreamError(f"{path} is not a complete materialized directory; not handing it to vLLM",
@@ -322,8 +324,8 @@ class Follower:
                 client.reset_prefix_cache()
                 client.set_weight_version(str(version), check=False)
             except VllmError:
-                if restore is not None:
-                    self._restore_paused(client, restore)
+                if restore is not None and self._restore_paused(client, restore) and restored is not None:
+                    restored.append(client)
                 raise
         finally:
             client.resume(check=False)
@@ -334,15 +336,18 @@ class Follower:
         client.probe()
         return paused, reload_s
 
-    def _restore_paused(self, client: VllmControl, restore: Path) -> None:
-        """Reload the current version into a paused server whose reload failed (every rank reloads it)."""
+    def _restore_paused(self, client: VllmControl, restore: Path) -> bool:
+        """Reload the current version into a paused server whose reload failed (every rank reloads it);
+        returns whether it did."""
         try:
             client.reload_weights(str(restore))
             client.reset_prefix_cache()
             client.set_weight_version(str(self.current), check=False)
-            log.warning("reload failed on %s; every rank reloaded version %s", client.url, self.current)
         except VllmError as exc:
-            log.error("could not restore version %s on %s: %s", self.current, client.url, exc)
+            log.error("could not restore version %s on %s inside the pause: %s", self.current, client.url, exc)
+            return False
+        log.warning("reload failed on %s; every rank reloaded version %s", client.url, self.current)
+        return True
 
     def _wait_for_nodes(self, client: VllmControl, manifest: Manifest, path: Path) -> None:
         """Return once every rank of ``client``'s engine reports ``manifest``'s version complete, with its

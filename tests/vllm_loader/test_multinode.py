@@ -127,7 +127,11 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory):
 def test_one_engine_over_two_nodes_waits_for_the_lagging_node_and_rolls_back_a_failed_reload(two_nodes, tmp_path):
     nodes, publisher, state = two_nodes
     generator = torch.Generator().manual_seed(0)
+    started = time.perf_counter()
     report = nodes.client.cache_report(str(nodes.cache / Stream(nodes.url).info().stream_id / ENGINE))
+    asked_s = time.perf_counter() - started
+    print(f"cache_report over both ranks: {asked_s * 1000:.1f} ms")
+    assert asked_s < 2.0  # a collective RPC blocks the engine loop: a listing and marker reads only
     assert [(r["node_rank"], r["host"], r["rank"]) for r in report] == [(0, "node0", 0), (1, "node1", 1)]
     assert all(list(r["versions"]) == ["0"] for r in report)
     assert not any(nodes.cache.iterdir()), "each node's cache is its own tmpfs, not this directory"

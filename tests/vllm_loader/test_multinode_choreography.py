@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptstream import Publisher
-from ckptstream.errors import NodesNotReady, ReplicaRefused
+from ckptstream.errors import NodesNotReady, ReplicaRefused, VllmError
 from ckptstream.format import MARKER_FILE
 from ckptstream.reader import ReplicaRecord, Stream, write_replica
 from ckptstream.reader.replicas import KIND_NODE
@@ -112,6 +112,16 @@ def test_a_reload_failing_on_one_node_puts_every_rank_back_before_resume(engine)
     assert [n.loaded_version for n in server.nodes] == [0, 0] and server.weight_version_label == "0"
     assert head.current == 0 and "node 1 has no" in head.refused[1]
     assert not server.paused
+
+
+def test_a_failure_after_the_pause_still_puts_the_engine_back(engine):
+    url, publisher, server, head, agent = engine
+    publisher.publish(_state(1)).result()
+    agent.step()
+    server.fail("probe", VllmError("the engine generates nothing"))  # after /resume: reverted outside the pause
+    assert head.step() is None
+    assert server.calls_of("reload_weights")[-2:] == [str(head.cache.path(1)), str(head.cache.path(0))]
+    assert [n.loaded_version for n in server.nodes] == [0, 0] and server.weight_version_label == "0"
 
 
 def test_the_agent_keeps_the_version_the_head_serves(engine):
