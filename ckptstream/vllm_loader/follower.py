@@ -59,7 +59,7 @@ class UpdateRecord:
 
     def log_line(self) -> str:
         return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB"
-                f"{'' if self.base_version is None else f' (delta on cached {self.base_version})'}, "
+                f"{_base_text(self.version, self.base_version)}, "
                 f"fetch+decode {self.prepare_s:.2f} s, pause {self.pause_s:.2f} s, reload {self.reload_s:.2f} s, "
                 f"lag {self.lag_s:.2f} s after commit")
 
@@ -560,6 +560,13 @@ def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: 
     fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base)
     cache.prune(keep | ({base} if base is not None else set()))
     return cache.materialize(stream, version, base, holder=holder), base, fetched
+
+
+def _base_text(version: int, base: int | None) -> str:
+    if base is None:
+        return ""
+    # A version found in the cache already (e.g. an engine's head that waited for its nodes) decoded nothing.
+    return " (already decoded)" if base == version else f" (delta on cached {base})"
 
 
 def _spec_text(spec: tuple[str, tuple[int, ...]] | None) -> str:

@@ -77,6 +77,7 @@ def test_the_head_reloads_only_once_every_node_holds_the_version(engine, capsys)
     assert node == (KIND_NODE, 1, 1, "eng")
     update = head.step()
     assert update is not None and update.version == 1
+    assert "(already decoded)" in update.log_line()  # decoded at the first attempt, reused at this one
     assert [n.loaded_version for n in server.nodes] == [1, 1] and server.weight_version_label == "1"
     record = _record(url, "eng")
     assert record.version == 1 and record.lagging == []
