@@ -8,6 +8,8 @@ what failed and what to do next.
 
 from __future__ import annotations
 
+from typing import Any
+
 # CLI exit codes: one definition, used by the error classes below and by the command line.
 EXIT_OK = 0
 EXIT_ERROR = 1  # unexpected error
@@ -161,3 +163,30 @@ class VllmError(CkptStreamError, RuntimeError):
 
 class VllmUnreachable(VllmError, ConnectionError):
     """The vLLM server does not answer (not started yet, restarting, or dead)."""
+
+
+class NodesNotReady(VllmError):
+    """Some node of a multi-node engine does not hold the version, complete and verified, at the path every
+    rank would reload it from: the engine keeps serving the previous version (retried later, never loaded
+    into a partial set of ranks).
+
+    Attributes:
+        lagging: the nodes that lack it, as ``node <rank> (<host>)``.
+    """
+
+    def __init__(self, message: str, *, lagging: list[str], **where: Any):
+        super().__init__(message, **where)
+        self.lagging = lagging
+
+
+class ReplicaRefused(CkptStreamError, TimeoutError):
+    """A trainer waits for a version that too few replicas can ever serve: the others are pinned to an
+    older version or refused this one (each named with its reason).
+
+    Attributes:
+        reasons: replica id -> why it will not serve the version.
+    """
+
+    def __init__(self, message: str, *, reasons: dict[str, str], **where: Any):
+        super().__init__(message, **where)
+        self.reasons = reasons

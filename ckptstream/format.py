@@ -412,6 +412,8 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     writer: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    manifest_hash: str | None = field(default=None, compare=False)
+    """The seal of the bytes this manifest was read from (None for one built in memory, not yet written)."""
 
     def tensor(self, name: str) -> TensorEntry:
         """The entry of tensor ``name``; TensorNotFoundError (a KeyError) if this version lacks it."""
@@ -485,7 +487,8 @@ class Manifest:
         if not isinstance(body, dict) or body.get("manifest_hash") != seal:
             raise IntegrityError("manifest_hash is not the manifest's last top-level field",
                                  version=version, file=file)
-        return _parse_manifest(body, version=version, file=file, stream_id=stream_id)
+        return dataclasses.replace(_parse_manifest(body, version=version, file=file, stream_id=stream_id),
+                                   manifest_hash=seal)
 
 
 def _check_sealed(raw: bytes, *, version: int, file: str) -> str:

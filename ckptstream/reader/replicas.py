@@ -19,13 +19,18 @@ KIND_FOLLOWER = "follower"
 KIND_MIRROR = "mirror"
 """A record of a mirror keeping this stream a copy of ``source``: ``version`` is the last version it copied.
 Mirrors serve nothing, so they never count as replicas a trainer waits for."""
+KIND_NODE = "node"
+"""A record of a node agent: one node (not the head) of a multi-node engine, preparing each version into
+that node's cache; ``version`` is the newest version complete there. The engine is one replica, counted by
+its head's record (kind ``follower``, ``nnodes`` > 1): node records never count on their own."""
 
 
 @dataclass
 class ReplicaRecord:
     """The state a follower reports for itself (one per follower, overwritten in place).
 
-    ``kind`` is ``follower`` or ``mirror``. A follower's ``state`` is one of ``starting``, ``serving``,
+    ``kind`` is ``follower``, ``node`` (one node of a multi-node engine, see ``KIND_NODE``) or ``mirror``.
+    A follower's ``state`` is one of ``starting``, ``serving``,
     ``updating``, ``error``, ``aside``, ``stopped``; a mirror's one of ``starting``, ``copying``, ``current``,
     ``error``, ``stopped``, with ``source`` the stream it copies and ``lag`` the versions selected there that it
     has not copied yet. ``heartbeat`` is seconds since the epoch, written at least every heartbeat interval,
@@ -44,6 +49,11 @@ class ReplicaRecord:
     kind: str = KIND_FOLLOWER
     source: str | None = None
     lag: int | None = None
+    pin: int | None = None  # the only version this follower serves (it declines every other)
+    engine: str | None = None  # the multi-node engine this record belongs to (its head's replica id)
+    node_rank: int | None = None
+    nnodes: int | None = None  # nodes of the engine (head and node records); None: a one-node server
+    lagging: list[str] = field(default_factory=list)  # head: nodes that lack the version it wants to load
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the last heartbeat."""
@@ -82,6 +92,11 @@ _FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
     "kind": lambda v: isinstance(v, str),
     "source": lambda v: v is None or isinstance(v, str),
     "lag": lambda v: v is None or _is_int(v),
+    "pin": lambda v: v is None or _is_int(v),
+    "engine": lambda v: v is None or isinstance(v, str),
+    "node_rank": lambda v: v is None or _is_int(v),
+    "nnodes": lambda v: v is None or _is_int(v),
+    "lagging": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
 }
 """What a readable record's known fields hold: a wrong type would break its readers' comparisons."""
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 import torch
 
 from ..codec import INT_OF_SIZE
-from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, StreamNotFoundError,
+from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, ReplicaRefused, StreamNotFoundError,
                       TensorNotFoundError, VersionNotFoundError)
 from ..format import (DEFAULT_SHARD_BYTES, LATEST, MANIFESTS_DIR, MAX_VERSION, STREAM_FILE, FileEntry, Manifest,
                       StreamInfo, TensorEntry, asset_path, content_hash, manifest_path,
@@ -258,22 +258,34 @@ class Stream:
 
         A trainer calls this to bound rollout staleness. Replicas whose heartbeat is older than
         ``max_heartbeat_age`` seconds count as dead, and so do stopped ones and those standing aside
-        while another process (a replay) drives their servers. Mirrors' records are not replicas.
+        while another process (a replay) drives their servers. Mirrors' records are not replicas, nor
+        are node agents' (kind ``node``): an engine spanning nodes is one replica, its head's record,
+        whose version every rank serves (the head reloads only once all its nodes hold the version).
 
         Returns:
             The live replicas at ``version`` or newer.
 
         Raises:
+            ReplicaRefused: too few replicas can ever serve ``version``: every live one that does not is
+                pinned to an older version or refused this one (each named with its reason), and
+                there are not enough others.
             TimeoutError: not enough replicas caught up within ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             now = time.time()
-            ready = [r for r in self.replicas() if r.kind == KIND_FOLLOWER and r.version is not None
-                     and r.version >= version
-                     and r.age(now) <= max_heartbeat_age and r.state not in NOT_SERVING_STATES]
+            live = [r for r in self.replicas() if r.kind == KIND_FOLLOWER and r.age(now) <= max_heartbeat_age
+                    and r.state not in NOT_SERVING_STATES]
+            ready = [r for r in live if r.version is not None and r.version >= version]
             if len(ready) >= min_replicas:
                 return ready
+            declined = {r.replica_id: reason for r in live if r not in ready
+                        for reason in [_declines(r, version)] if reason is not None}
+            if declined and len(live) - len(declined) < min_replicas:
+                raise ReplicaRefused(
+                    f"{len(ready)} of the {min_replicas} replicas needed serve it and no more can: "
+                    + "; ".join(f"{rid} {why}" for rid, why in declined.items()), version=version,
+                    reasons=declined, hint="Unpin those replicas, or publish a version they accept")
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{len(ready)} of the {min_replicas} replicas needed serve version {version} "
                                    f"or newer after {timeout} s")
@@ -391,7 +403,7 @@ class Stream:
                          workers: int | None) -> dict[str, Any]:
         """The decoder, assets and marker of a materialized directory of ``manifest``."""
         marker = {"stream": self.url, "stream_id": manifest.stream_id, "version": manifest.version,
-                  "kind": manifest.kind, "step": manifest.step}
+                  "kind": manifest.kind, "step": manifest.step, "manifest_hash": manifest.manifest_hash}
         return {"decode": lambda sink: self._decode(manifest, manifest.tensors, base_dir, sink, workers=workers),
                 "assets": ((asset.name, self.asset(asset)) for asset in self.info().assets), "marker": marker}
 
@@ -481,3 +493,11 @@ def _checked_version(version: int) -> int:
         raise InvalidVersionError(f"version {version!r} is out of range (versions are 0 to {MAX_VERSION})",
                                   hint="Give a version number or 'latest'")
     return version
+
+
+def _declines(record: ReplicaRecord, version: int) -> str | None:
+    """Why the live replica of ``record`` will not serve ``version`` (None: it may still)."""
+    if record.pin is not None and record.pin < version:
+        return f"is pinned to version {record.pin}"
+    reason = record.refused.get(str(version))
+    return None if reason is None else f"refused it: {reason}"

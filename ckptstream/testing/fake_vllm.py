@@ -12,6 +12,10 @@ Example::
     server.fail("reload_weights", VllmError("boom"))      # the next reload fails
     follower.step()
     assert server.calls_of("reload_weights") == [...]
+
+An engine spanning nodes is a ``FakeVllmClient`` with ``nodes``: each ``FakeNode`` sees the paths under
+the head's cache root in a directory of its own (its "local disk"), answers ``cache_report`` with the
+real worker extension's code, and a reload fails (half-way, as in vLLM) when any node lacks the path.
 """
 
 from __future__ import annotations
@@ -22,10 +26,33 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import VllmError, VllmUnreachable
 from ..format import MARKER_FILE
+from ..vllm_loader.worker import CacheReport
+
+
+@dataclass
+class FakeNode:
+    """One node of a fake multi-node engine: paths under ``shared`` are read under ``local`` instead
+    (the same absolute path, another machine's disk); ``shared=None`` reads every path as it is (the head)."""
+
+    node_rank: int
+    host: str
+    shared: str | None = None
+    local: str | None = None
+    loaded_version: int | None = None  # None also after a reload that failed half-way on this node
+
+    def sees(self, path: str) -> str:
+        """Where this node reads ``path``."""
+        if self.shared is None or self.local is None:
+            return path
+        shared = str(Path(self.shared).absolute())
+        absolute = str(Path(path).absolute())
+        if absolute == shared or absolute.startswith(shared + "/"):
+            return self.local + absolute[len(shared):]
+        return path
 
 
 @dataclass
@@ -41,6 +68,8 @@ class FakeVllmClient:
         calls: the last ``max_calls`` calls, in order, as ``(method, argument or None)``.
         reloaded: the versions of the last ``max_calls`` successful reloads, in order.
         up: False makes every call raise ``VllmUnreachable`` (a dead server).
+        nodes: the nodes of an engine spanning several (empty: one node, no worker extension).
+        on_call: called with ``(method, argument)`` as each call arrives (a test's step at an exact point).
     """
 
     url: str = field(default_factory=lambda: f"http://fake-{uuid.uuid4().hex[:8]}:1")
@@ -50,6 +79,8 @@ class FakeVllmClient:
     root: str | None = None
     paused: bool = False
     up: bool = True
+    nodes: list[FakeNode] = field(default_factory=list)
+    on_call: Callable[[str, Any], None] | None = None
     max_calls: int = 10_000
     calls: collections.deque[tuple[str, Any]] = field(init=False)
     reloaded: collections.deque[int] = field(init=False)
@@ -73,6 +104,8 @@ class FakeVllmClient:
             self.calls.append((method, argument))
             pending = self._failures.get(method)
             error = pending.pop(0) if pending else None
+        if self.on_call is not None:
+            self.on_call(method, argument)
         if not self.up:
             raise VllmUnreachable(f"{self.url} does not answer (fake server down)")
         if error is not None:
@@ -113,6 +146,15 @@ class FakeVllmClient:
     def reload_weights(self, path: str) -> None:
         """Like vLLM: a directory that does not exist is refused; a complete one is loaded."""
         self._call("reload_weights", path)
+        missing = [node for node in self.nodes if not (Path(node.sees(path)) / MARKER_FILE).is_file()]
+        if self.nodes:
+            for node in self.nodes:  # a rank that lacks it fails half-way; the others load it
+                node.loaded_version = None if node in missing else \
+                    int(json.loads((Path(node.sees(path)) / MARKER_FILE).read_text())["version"])
+            if missing:
+                self.loaded = self.loaded_version = None
+                raise VllmError(f"{self.url}/collective_rpc reload_weights answered 500: node "
+                                f"{missing[0].node_rank} has no {path}")
         marker = Path(path) / MARKER_FILE
         if not marker.is_file():
             raise VllmError(f"{self.url}: {path} is not a model directory")
@@ -122,6 +164,17 @@ class FakeVllmClient:
 
     def reset_prefix_cache(self) -> None:
         self._call("reset_prefix_cache")
+
+    def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
+        """One report per node (one rank each), made by the real worker extension's code."""
+        self._call("cache_report", versions_dir)
+        if not self.nodes:
+            raise VllmError(f"{self.url} has no ckptstream worker extension (a fake without nodes)")
+        reports = []
+        for rank, node in enumerate(self.nodes):
+            report = CacheReport().ckptstream_cache_report(node.sees(versions_dir))
+            reports.append({**report, "host": node.host, "node_rank": node.node_rank, "rank": rank})
+        return reports
 
     def set_weight_version(self, version: str, check: bool = True) -> None:
         self._call("set_weight_version", version)

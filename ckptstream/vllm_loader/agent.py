@@ -1,0 +1,173 @@
+"""The node agent: on every node of a multi-node vLLM engine but the head, prepare each new version into
+this node's cache, at the path the head will name in ``reload_weights``.
+
+vLLM's workers read ``weights_path`` on their own node, so the head (a ``Follower`` with
+``nodes_ready_timeout``) reloads a version only once every rank reports it complete there
+(``worker.CacheReport``). The agent drives no server: it discovers, decodes (a delta applied to its newest
+cached version, as the follower does: ``prepare_version``) and reports, in a replica record of kind
+``node`` naming its engine and node rank. It keeps the newest version and the one the head's record says
+the engine serves (every rank reloads that one if an update fails on any rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import CkptStreamError, VersionNotFoundError
+from ..reader import ReplicaRecord, Stream, replica_path, write_replica
+from ..reader.replicas import KIND_NODE
+from ..storage import Watch
+from ..format import MANIFESTS_DIR
+from .cache import VersionCache, default_cache_dir, safe_owner
+from .follower import FollowerConfig, prepare_version
+
+log = logging.getLogger("ckptstream.agent")
+
+
+def node_record_id(engine: str, node_rank: int) -> str:
+    """The replica id of node ``node_rank``'s agent of ``engine``."""
+    return f"{engine}-node{node_rank}"
+
+
+class NodeAgent:
+    """Keeps one node's cache on the stream's newest version for a multi-node engine.
+
+    Args:
+        url: stream URL.
+        engine: the engine's id: its head's replica id (the same on every node; it also names the cache
+            directory, so that the version's path is the same on every node).
+        node_rank: this node's rank in the engine (1 .. nnodes-1).
+        nnodes: nodes of the engine.
+        config: the follower options that apply (``storage_options``, ``cache_dir``, ``pin``,
+            ``poll_interval``, ``heartbeat_interval``, ``list_every``); ``options`` override fields.
+    """
+
+    def __init__(self, url: str, *, engine: str, node_rank: int, nnodes: int,
+                 config: FollowerConfig | None = None, **options: Any):
+        config = (config or FollowerConfig()).with_options(**options)
+        self.config = config
+        self.engine = safe_owner(engine)
+        self.stream = Stream(url, storage_options=config.storage_options)
+        record_id = node_record_id(self.engine, node_rank)
+        replica_path(record_id)  # a ValueError now rather than at every report
+        self.cache = VersionCache(config.cache_dir or default_cache_dir(), self.stream.info().stream_id,
+                                  self.engine)
+        self.pin = config.pin
+        self.current: int | None = None
+        self.record = ReplicaRecord(replica_id=record_id, kind=KIND_NODE, engine=self.engine, node_rank=node_rank,
+                                    nnodes=nnodes, host=socket.gethostname(), pid=os.getpid(), pin=config.pin)
+        self.wake = threading.Event()
+        self._lock = threading.Lock()
+        self._polls = 0
+        self._reports = self.stream.storage.capabilities.writable
+
+    def close(self) -> None:
+        self.cache.close()
+
+    def __enter__(self) -> NodeAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def prepare(self, version: int) -> Path:
+        """Decode ``version`` into this node's cache (complete, with its marker) and report it."""
+        keep = {v for v in (self.current, self._served_by_head()) if v is not None}
+        path, base, fetched, _ = prepare_version(self.stream, self.cache, version, keep=keep,
+                                                 holder=f"node agent {self.record.replica_id}")
+        self.current = version
+        served = self._served_by_head()  # the base is done with, unless the engine serves it
+        if served is not None:
+            self.cache.hold(served)  # the engine's workers read it from here: no pruner may delete it
+        self.cache.prune({version} | ({served} if served is not None else set()))
+        log.info("version %d ready in %s (%.1f MB fetched%s)", version, path, fetched / 1e6,
+                 "" if base is None or base == version else f", delta on cached {base}")
+        self._report(version=version, state="serving", last_error=None)
+        return path
+
+    def step(self) -> int | None:
+        """Prepare the newest version (or the pin) if it is not the current one; returns it if prepared."""
+        target = self._discover()
+        if target is None or target == self.current or str(target) in self.record.refused:
+            return None
+        try:
+            self.prepare(target)
+        except VersionNotFoundError as exc:  # retired between discovery and fetch: move on
+            log.info("version %d is gone (%s)", target, exc)
+            return None
+        except CkptStreamError as exc:  # corrupt or foreign: the head refuses it too
+            with self._lock:
+                self.record.refused[str(target)] = str(exc)
+            log.error("cannot prepare version %d: %s", target, exc)
+            self._report(last_error=str(exc))
+            return None
+        return target
+
+    def run(self, stop: threading.Event) -> None:
+        """Prepare new versions until ``stop`` is set, heartbeating meanwhile (also during long decodes)."""
+        heartbeat = threading.Thread(target=self._heartbeat, args=(stop,), daemon=True,
+                                     name="ckptstream-agent-heartbeat")
+        heartbeat.start()
+        watcher: Watch | None = self.stream.storage.watch(MANIFESTS_DIR, self.wake.set)
+        backoff = self.config.poll_interval
+        try:
+            while not stop.is_set():
+                try:
+                    self.step()
+                    backoff = self.config.poll_interval
+                except Exception as exc:  # noqa: BLE001 - storage away: keep what is cached, retry
+                    backoff = min(max(backoff * 2, self.config.poll_interval), 30.0)
+                    self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
+                    log.warning("%s; retrying in %.0f s", exc, backoff)
+                self.wake.wait(backoff)
+                self.wake.clear()
+        finally:
+            if watcher is not None:
+                watcher.stop()
+            self._report(state="stopped")
+
+    def _discover(self) -> int | None:
+        """The pin, or the newest version: a probe of the next manifest per poll, a listing at first and
+        every ``list_every`` polls (versions may skip numbers)."""
+        if self.pin is not None:
+            return self.pin
+        self._polls += 1
+        if self.current is not None and self._polls % max(1, self.config.list_every):
+            newest = self.current
+            while self.stream.has_version(newest + 1):
+                newest += 1
+            return newest
+        listed = self.stream.versions()
+        return listed[-1] if listed else None
+
+    def _served_by_head(self) -> int | None:
+        """The version the engine serves, from its head's replica record (None if unreadable)."""
+        try:
+            path = replica_path(self.engine)
+            head = ReplicaRecord.from_bytes(self.stream.storage.read(path), file=path)
+        except (OSError, ValueError, CkptStreamError):
+            return None
+        return head.version
+
+    def _report(self, **changes: Any) -> None:
+        with self._lock:
+            for key, value in changes.items():
+                setattr(self.record, key, value)
+            self.record.heartbeat = time.time()
+            record = ReplicaRecord(**{**self.record.__dict__, "refused": dict(self.record.refused)})
+        if not self._reports:
+            return
+        try:
+            write_replica(self.stream.storage, record)
+        except Exception as exc:  # noqa: BLE001 - a report that cannot be written must not stop preparing
+            log.warning("cannot write replica record: %s", exc)
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.config.heartbeat_interval):
+            self._report()

