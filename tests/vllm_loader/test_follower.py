@@ -13,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,9 @@ class Setup:
         self.generator = torch.Generator().manual_seed(0)
         self.refused: set[int] = set()
         v0 = Stream(self.url).materialize(0, root / "v0")
-        self.served = start(v0)
-        self.reference = start(v0)
+        with ThreadPoolExecutor(2) as starting:  # most of this module's setup: the two starts overlap
+            served, reference = starting.submit(start, v0), starting.submit(start, v0)
+            self.served, self.reference = served.result(), reference.result()
         self.start = start
         self.follower = Follower(self.url, [self.served.url], cache_dir=root / "cache", poll_interval=0.1)
 
