@@ -223,3 +223,23 @@ def capability_error(storage: Storage, operation: str, path: str) -> StorageCapa
     return StorageCapabilityError(f"storage {storage.url} is read-only; cannot {operation}", file=path,
                                   hint="Write to the stream's own storage (a POSIX path or an S3-compatible "
                                        "object store), not to a read-only view of it")
+
+
+class RefusesWrites:
+    """The writes of a storage that cannot write (``capabilities.writable`` false): each raises
+    StorageCapabilityError. Mixed in before ``Storage`` (or a wrapper) by read-only backends and views."""
+
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        raise capability_error(self, "write a file", path)  # type: ignore[arg-type]
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        raise capability_error(self, "create a file", path)  # type: ignore[arg-type]
+
+    def put(self, path: str, data: bytes) -> None:
+        raise capability_error(self, "write a file", path)  # type: ignore[arg-type]
+
+    def delete(self, path: str) -> None:
+        raise capability_error(self, "delete a file", path)  # type: ignore[arg-type]
+
+    def delete_tree(self, path: str) -> None:
+        raise capability_error(self, "delete a directory", path)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 from ..errors import StorageAccessError, StorageCapabilityError
-from .base import MAX_CONCURRENT_READS, Capabilities, Entry, Storage, capability_error
+from .base import MAX_CONCURRENT_READS, Capabilities, Entry, RefusesWrites, Storage
 
 if TYPE_CHECKING:
     import urllib3
@@ -45,7 +45,7 @@ _DRAIN_LIMIT = 64 << 10  # unread body up to which a connection is drained for r
 _T = TypeVar("_T")
 
 
-class HttpStorage(Storage):
+class HttpStorage(RefusesWrites, Storage):
     """A stream at an ``http://`` or ``https://`` URL, read-only.
 
     ``read_into`` is the base class's: urllib3 copies out of its own buffer in any case.
@@ -106,23 +106,6 @@ class HttpStorage(Storage):
 
     def open_read(self, path: str) -> IO[bytes]:
         return io.BufferedReader(_HttpReader(self, path), buffer_size=_DISCARD_BLOCK)
-
-    # ------------------------------------------------------------------------------------------ writing
-
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        raise capability_error(self, "write a file", path)
-
-    def put_if_absent(self, path: str, data: bytes) -> None:
-        raise capability_error(self, "create a file", path)
-
-    def put(self, path: str, data: bytes) -> None:
-        raise capability_error(self, "write a file", path)
-
-    def delete(self, path: str) -> None:
-        raise capability_error(self, "delete a file", path)
-
-    def delete_tree(self, path: str) -> None:
-        raise capability_error(self, "delete a directory", path)
 
     # ------------------------------------------------------------------------------------------ metadata
 

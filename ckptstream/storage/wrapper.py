@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import IO
 
-from .base import Entry, Storage, Watch, capability_error
+from .base import Entry, RefusesWrites, Storage, Watch
 
 
 class WrapperStorage(Storage):
@@ -62,25 +62,10 @@ class WrapperStorage(Storage):
         return self.inner.watch(path, callback)
 
 
-class ReadOnlyStorage(WrapperStorage):
+class ReadOnlyStorage(RefusesWrites, WrapperStorage):
     """A read-only view of another storage: reads, listings and watches pass through, every write raises
     StorageCapabilityError (a reader that must never change the stream it reads, such as a verifier)."""
 
     def __init__(self, inner: Storage):
         super().__init__(inner)
         self.capabilities = dataclasses.replace(inner.capabilities, writable=False, put_if_absent=False)
-
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        raise capability_error(self, "write a file", path)
-
-    def put_if_absent(self, path: str, data: bytes) -> None:
-        raise capability_error(self, "create a file", path)
-
-    def put(self, path: str, data: bytes) -> None:
-        raise capability_error(self, "write a file", path)
-
-    def delete(self, path: str) -> None:
-        raise capability_error(self, "delete a file", path)
-
-    def delete_tree(self, path: str) -> None:
-        raise capability_error(self, "delete a directory", path)
