@@ -65,6 +65,11 @@ class UnsafeManifestError(IntegrityError):
     """A manifest names a file outside its version directory, or declares absurd sizes."""
 
 
+class ModelMismatchError(IntegrityError):
+    """A version's tensors differ in name, dtype or shape from the model its servers run: refused before
+    vLLM's reload, which would fail and leave the engine dead."""
+
+
 class VersionNotFoundError(CkptStreamError, FileNotFoundError):
     """The requested version has no committed manifest (never published, or garbage-collected)."""
 

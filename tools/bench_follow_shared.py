@@ -43,13 +43,13 @@ def follow(url: str, cache_dir: str, replica_id: str, ready, reports, stop) -> N
     """In a child process: one follower on a fake server, reporting (follower, version, decoded, wall
     clock, process CPU seconds) at each update."""
     from ckptstream.testing.fake_vllm import FakeVllmClient
-    from ckptstream.vllm_loader import Follower
+    from ckptstream.vllm_loader import Follower, OnUpdate
 
     def report(update) -> None:
         reports.put((replica_id, update.version, update.decoded, time.time(), time.process_time()))
 
     with Follower(url, [FakeVllmClient()], cache_dir=cache_dir, replica_id=replica_id, poll_interval=0.05,
-                  on_update=report) as follower:
+                  observers=[OnUpdate(report)]) as follower:
         ready.put(replica_id)
         halt = threading.Event()
         threading.Thread(target=lambda: (stop.wait(), halt.set(), follower.wake.set()), daemon=True).start()

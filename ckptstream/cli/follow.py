@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import EXIT_ERROR, EXIT_OK
 from .options import (DEFAULT_LEASE_TTL, LATEST, UsageError, add_command, add_url, positive_seconds, storage_options,
@@ -34,15 +33,28 @@ def _follower_options() -> argparse.ArgumentParser:
     return options
 
 
+def _metrics_options() -> argparse.ArgumentParser:
+    """The Prometheus options of follow and serve."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--metrics-port", type=int, metavar="PORT",
+                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, logged and in "
+                              "the replica record's metrics_url; default: none)")
+    options.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                         help="address of the metrics (default 127.0.0.1)")
+    return options
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     follower_options = _follower_options()
+    metrics_options = _metrics_options()
     p = add_command(sub, "follow", run_follow, "keep running vLLM servers on the newest version of a stream", """
         VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model ./v0 --port 8000 &
         ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000
         ckptstream follow s3://bucket/run1 --vllm-url http://127.0.0.1:8000 --vllm-url http://127.0.0.1:8001
         ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000 --pin 12     # evaluate version 12
         ckptstream follow /mnt/nfs/run1 --vllm-url http://head:8000 --nodes-ready-timeout 60  # multi-node engine
-        """, parents=[follower_options])
+        ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000 --metrics-port 9400  # curl :9400/metrics
+        """, parents=[follower_options, metrics_options])
     add_url(p)
     p.add_argument("--vllm-url", action="append", required=True, metavar="URL",
                    help="a vLLM server started with VLLM_SERVER_DEV_MODE=1 (repeatable: one fetch, many servers)")
@@ -61,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         # one engine over two nodes (TP=16): the same command on each, --node-rank 0 on the head
         ckptstream serve /mnt/nfs/run1 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- --tensor-parallel-size 16
         ckptstream serve /mnt/nfs/run1 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 -- --tensor-parallel-size 16
-        """, parents=[follower_options])
+        ckptstream serve /mnt/nfs/run1 --metrics-port 9400 --json -- --max-model-len 8192  # Prometheus, JSON lines
+        """, parents=[follower_options, metrics_options])
     add_url(p)
     p.add_argument("--version", dest="ref", default=LATEST, type=version_ref,
                    help=f"version to start with (default {LATEST})")
@@ -110,11 +123,11 @@ def _follow_logging() -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def _update_printer(args: argparse.Namespace) -> Callable[[Any], None] | None:
+def _observers(args: argparse.Namespace) -> list[Any]:
     """With --json: one JSON line per update on stdout (the log lines stay on stderr)."""
-    if not args.json:
-        return None
-    return lambda update: print(json.dumps(asdict(update)), flush=True)
+    from ..vllm_loader import JsonLines
+
+    return [JsonLines()] if args.json else []
 
 
 def run_follow(args: argparse.Namespace) -> int:
@@ -126,8 +139,9 @@ def run_follow(args: argparse.Namespace) -> int:
     _follow_logging()
     follower = Follower(args.url, args.vllm_url, storage_options=storage_options(args), cache_dir=args.cache_dir,
                         pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
-                        pause_mode=args.pause_mode, api_key=args.api_key, on_update=_update_printer(args),
-                        lease_ttl=args.lease_ttl, nodes_ready_timeout=args.nodes_ready_timeout)
+                        pause_mode=args.pause_mode, api_key=args.api_key, observers=_observers(args),
+                        lease_ttl=args.lease_ttl, nodes_ready_timeout=args.nodes_ready_timeout,
+                        metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -147,9 +161,10 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(args.url, args.passthrough, version=args.ref, pin=args.pin, host=args.host, port=args.port,
                  storage_options=storage_options(args), cache_dir=args.cache_dir, replica_id=args.replica_id,
                  poll_interval=args.poll_interval, pause_mode=args.pause_mode, api_key=args.api_key,
-                 on_update=_update_printer(args), lease_ttl=args.lease_ttl, nnodes=args.nnodes,
+                 observers=_observers(args), lease_ttl=args.lease_ttl, nnodes=args.nnodes,
                  node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                 nodes_ready_timeout=args.nodes_ready_timeout)
+                 nodes_ready_timeout=args.nodes_ready_timeout, metrics_port=args.metrics_port,
+                 metrics_host=args.metrics_host)
 
 
 def run_node_agent(args: argparse.Namespace) -> int:

@@ -54,6 +54,7 @@ class ReplicaRecord:
     node_rank: int | None = None
     nnodes: int | None = None  # nodes of the engine (head and node records); None: a one-node server
     lagging: list[str] = field(default_factory=list)  # head: nodes that lack the version it wants to load
+    metrics_url: str | None = None  # where the follower serves Prometheus metrics (--metrics-port)
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the last heartbeat."""
@@ -97,6 +98,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
     "node_rank": lambda v: v is None or _is_int(v),
     "nnodes": lambda v: v is None or _is_int(v),
     "lagging": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "metrics_url": lambda v: v is None or isinstance(v, str),
 }
 """What a readable record's known fields hold: a wrong type would break its readers' comparisons."""
 

@@ -10,12 +10,13 @@ hand out the submodule to whoever asks after that submodule was imported.
 from ..reader.selection import select_versions
 from .cache import VersionCache, default_cache_dir
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
-from .follower import Follower, FollowerConfig, UpdateRecord
+from .follower import Follower, FollowerConfig
+from .observe import FollowerObserver, JsonLines, OnUpdate, UpdateRecord
 from .replay import ReplayResult, replay
 from .serve import CPU_VLLM_ARGS, BackgroundServe, free_port, serve, vllm_command, vllm_platform_is_cpu
 from .takeover import Takeover
 
-__all__ = ["CPU_VLLM_ARGS", "BackgroundServe", "Follower", "FollowerConfig", "ReplayResult", "Takeover",
-           "UpdateRecord", "VersionCache", "VllmClient", "VllmControl", "VllmError", "VllmUnreachable",
-           "default_cache_dir", "free_port", "replay", "select_versions", "serve", "vllm_command",
-           "vllm_platform_is_cpu"]
+__all__ = ["CPU_VLLM_ARGS", "BackgroundServe", "Follower", "FollowerConfig", "FollowerObserver", "JsonLines",
+           "OnUpdate", "ReplayResult", "Takeover", "UpdateRecord", "VersionCache", "VllmClient", "VllmControl",
+           "VllmError", "VllmUnreachable", "default_cache_dir", "free_port", "replay", "select_versions", "serve",
+           "vllm_command", "vllm_platform_is_cpu"]

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptStreamError, VersionNotFoundError
-from ..reader import ReplicaRecord, Stream, replica_path, write_replica
+from ..reader import ReplicaRecord, Stream, replica_path
 from ..reader.replicas import KIND_NODE
 from ..storage import Watch
 from ..format import MANIFESTS_DIR
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .follower import FollowerConfig, prepare_version
+from .observe import ReplicaRecordWriter
 
 log = logging.getLogger("ckptstream.agent")
 
@@ -65,7 +66,7 @@ class NodeAgent:
         self.wake = threading.Event()
         self._lock = threading.Lock()
         self._polls = 0
-        self._reports = self.stream.storage.capabilities.writable
+        self._writer = ReplicaRecordWriter(self.stream.storage, log)
 
     def close(self) -> None:
         self.cache.close()
@@ -161,12 +162,7 @@ class NodeAgent:
                 setattr(self.record, key, value)
             self.record.heartbeat = time.time()
             record = ReplicaRecord(**{**self.record.__dict__, "refused": dict(self.record.refused)})
-        if not self._reports:
-            return
-        try:
-            write_replica(self.stream.storage, record)
-        except Exception as exc:  # noqa: BLE001 - a report that cannot be written must not stop preparing
-            log.warning("cannot write replica record: %s", exc)
+        self._writer.on_report(record)
 
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(self.config.heartbeat_interval):

@@ -27,43 +27,25 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-from ..errors import CkptStreamError, IntegrityError, MissingBaseError, NodesNotReady, VersionNotFoundError
+from ..errors import CkptStreamError, MissingBaseError, ModelMismatchError, NodesNotReady, VersionNotFoundError
 from ..format import MANIFESTS_DIR, MARKER_FILE, Manifest
 from ..hf import tensor_specs
-from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path, write_replica
+from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
 from ..reader.replicas import STATE_ASIDE
-from ..storage import Watch
+from ..storage import Watch, open_storage
+from ..storage.timing import TimedReads
 from ..locks import unlock
 from . import takeover
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
+from .observe import FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, refusal_reason
 
 log = logging.getLogger("ckptstream.follow")
 
 REFUSED_KEPT = 100
 """Refused versions a follower remembers (and reports in its replica record), newest last."""
-
-
-@dataclass(frozen=True)
-class UpdateRecord:
-    """What one update cost: the figures of the follower's log line."""
-
-    version: int
-    base_version: int | None  # the cached version the delta was applied to (None: from the keyframe)
-    bytes_fetched: int
-    prepare_s: float  # fetch + decode + hash checks, while the servers kept generating
-    pause_s: float  # servers paused (all of them, one after the other)
-    reload_s: float  # inside reload_weights
-    lag_s: float  # from the version's commit to serving it
-    decoded: bool = True  # decoded by this follower (False: reused from the cache, e.g. another follower's)
-
-    def log_line(self) -> str:
-        return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB"
-                f"{_base_text(self.version, self.base_version)}, "
-                f"fetch+decode {self.prepare_s:.2f} s, pause {self.pause_s:.2f} s, reload {self.reload_s:.2f} s, "
-                f"lag {self.lag_s:.2f} s after commit")
 
 
 @dataclass(frozen=True)
@@ -85,7 +67,11 @@ class FollowerConfig:
         heartbeat_interval: seconds between replica-record heartbeats (also during long pulls).
         list_every: list the manifests every this many polls even if the next version is absent (versions
             may skip numbers).
-        on_update: called with the ``UpdateRecord`` of every update (metrics, dashboards).
+        observers: where the follower's reports go besides its log lines and replica record
+            (``observe.FollowerObserver``: e.g. ``observe.JsonLines()``, ``observe.OnUpdate(callback)``).
+        metrics_port: serve Prometheus metrics (``metrics.py``) at ``http://<metrics_host>:<port>/metrics``
+            (0: a free port; the URL is logged and in the replica record's ``metrics_url``). None: no metrics.
+        metrics_host: the address the metrics are served on.
         stand_aside: leave a server alone while another process has taken it over (``Takeover``); False
             for the taker itself.
         ephemeral_cache: on ``close()``, delete the versions it held that no other follower holds
@@ -109,7 +95,9 @@ class FollowerConfig:
     api_key: str | None = None
     heartbeat_interval: float = 5.0
     list_every: int = 10
-    on_update: Callable[[UpdateRecord], None] | None = None
+    observers: Sequence[FollowerObserver] = ()
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     stand_aside: bool = True
     ephemeral_cache: bool = False
     lease_ttl: float = DEFAULT_LEASE_TTL
@@ -146,7 +134,8 @@ class Follower:
             raise ValueError("at least one vLLM server URL is needed")
         config = (config or FollowerConfig()).with_options(**options)
         self.config = config
-        self.stream = Stream(url, storage_options=config.storage_options, lease_ttl=config.lease_ttl)
+        self._reads = TimedReads(open_storage(url, config.storage_options))  # what is fetch in a prepare
+        self.stream = Stream(url, storage=self._reads, lease_ttl=config.lease_ttl)
         info = self.stream.info()
         self.clients: list[VllmControl] = [VllmClient(u, api_key=config.api_key) if isinstance(u, str) else u
                                            for u in vllm_urls]
@@ -170,17 +159,25 @@ class Follower:
                                     engine=replica_id if config.nnodes else None,
                                     node_rank=0 if config.nnodes else None, nnodes=config.nnodes)
         self.wake = threading.Event()
-        self.on_update = config.on_update
-        # A read-only view of the stream (HTTP, a relay) cannot hold this follower's record: say so once
-        # rather than failing to write it at every heartbeat.
-        self._reports = self.stream.storage.capabilities.writable
-        if not self._reports:
-            log.info("%s is read-only: this follower writes no replica record (`ckptstream replicas` and "
-                     "wait_for_version do not see it)", self.stream.storage.url)
+        self.observers: list[FollowerObserver] = [LogLines(log), *config.observers,
+                                                  ReplicaRecordWriter(self.stream.storage)]
+        self.metrics_server = None
+        if config.metrics_port is not None:
+            from .metrics import FollowerMetrics, MetricsServer  # prometheus_client only when asked for
+
+            metrics = FollowerMetrics(replica_id, url)
+            self.metrics_server = MetricsServer(metrics.registry, config.metrics_host, config.metrics_port)
+            self.observers.append(metrics)
+            self.record.metrics_url = self.metrics_server.url
+            log.info("metrics at %s", self.metrics_server.url)
 
     def close(self) -> None:
-        """Release the cached versions it holds (a restarted follower adopts the one its servers serve)."""
+        """Release the cached versions it holds (a restarted follower adopts the one its servers serve);
+        stop serving metrics."""
         self.cache.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
     def __enter__(self) -> Follower:
         return self
@@ -207,7 +204,7 @@ class Follower:
                 except Exception as exc:  # noqa: BLE001 - storage or servers away: keep serving, retry
                     backoff = min(max(backoff * 2, self.poll_interval), 30.0)
                     self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
-                    log.warning("%s; retrying in %.0f s", exc, backoff)
+                    self._notify("on_error", exc, backoff)
                 self.wake.wait(backoff)
                 self.wake.clear()
         finally:
@@ -226,6 +223,8 @@ class Follower:
     def _step(self, clients: list[VllmControl]) -> UpdateRecord | None:
         self._reconcile(clients)
         target = self._discover()
+        if target is not None and self.pin is None:
+            self._notify("on_discovered", target)
         if target is None or target == self.current or target in self.refused:
             return None
         if self.pin is None and self.current is not None and target < self.current:
@@ -270,9 +269,10 @@ class Follower:
         manifest = self.stream.manifest(version)
         self._check_against_served(manifest)  # before fetching anything
         self._report(state="updating")
-        started = time.perf_counter()
+        started, read_before = time.perf_counter(), self._reads.read_seconds()
         path, base, fetched, decoded = self.prepare(version)
         prepare_s = time.perf_counter() - started
+        fetch_s = min(prepare_s, self._reads.read_seconds() - read_before)
         targets = list(self.clients if clients is None else clients)
         if self.config.nodes_ready_timeout is not None:
             for client in targets:
@@ -296,10 +296,8 @@ class Follower:
         self.current = version
         self.cache.prune({version})
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, _age(manifest.created),
-                              decoded)
-        log.info("%s", update.log_line())
-        if self.on_update is not None:
-            self.on_update(update)
+                              decoded, fetch_s=fetch_s, decode_s=prepare_s - fetch_s)
+        self._notify("on_update", update)
         self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
         return update
 
@@ -493,9 +491,9 @@ class Follower:
             return
         problems = [f"{n}: {_spec_text(incoming.get(n))} where the served model has {_spec_text(reference.get(n))}"
                     for n in differing[:3]]
-        raise IntegrityError(f"does not fit the served model ({len(differing)} tensors differ; {'; '.join(problems)})",
-                             version=manifest.version, tensor=differing[0],
-                             hint="Refused before touching vLLM; the servers keep the previous version")
+        raise ModelMismatchError(f"does not fit the served model ({len(differing)} tensors differ; "
+                                 f"{'; '.join(problems)})", version=manifest.version, tensor=differing[0],
+                                 hint="Refused before touching vLLM; the servers keep the previous version")
 
     # ------------------------------------------------------------------------------------- discovery
 
@@ -532,22 +530,27 @@ class Follower:
             while len(self.refused) > REFUSED_KEPT:
                 oldest, _ = self.refused.popitem(last=False)
                 self.record.refused.pop(str(oldest), None)
-        log.error("refused version %d: %s", version, exc)
+        self._notify("on_refused", version, refusal_reason(exc), exc)
         self._report(state="serving" if self.current is not None else "error", last_error=str(exc))
 
     def _report(self, **changes: Any) -> None:
+        """Change the follower's record (``changes``: its fields), stamp its heartbeat, tell the observers."""
         with self._lock:
             for key, value in changes.items():
                 setattr(self.record, key, value)
             self.record.heartbeat = time.time()
             record = ReplicaRecord(**{**self.record.__dict__, "refused": dict(self.record.refused),
                                       "urls": list(self.record.urls), "lagging": list(self.record.lagging)})
-        if not self._reports:
-            return
-        try:
-            write_replica(self.stream.storage, record)
-        except Exception as exc:  # noqa: BLE001 - a report that cannot be written must not stop serving
-            log.warning("cannot write replica record: %s", exc)
+        self._notify("on_report", record)
+
+    def _notify(self, event: str, *args: Any) -> None:
+        """Call ``event`` on every observer; one that raises is logged and skipped (reports never stop
+        serving)."""
+        for observer in self.observers:
+            try:
+                getattr(observer, event)(*args)
+            except Exception as exc:  # noqa: BLE001 - see above
+                log.warning("observer %s failed on %s: %s", type(observer).__name__, event, exc)
 
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(self.heartbeat_interval):
@@ -588,13 +591,6 @@ def _hold_base(cache: VersionCache, version: int) -> bool:
         return True
     cache.release(version)
     return False
-
-
-def _base_text(version: int, base: int | None) -> str:
-    if base is None:
-        return ""
-    # A version found in the cache already (e.g. an engine's head that waited for its nodes) decoded nothing.
-    return " (already decoded)" if base == version else f" (delta on cached {base})"
 
 
 def _spec_text(spec: tuple[str, tuple[int, ...]] | None) -> str:

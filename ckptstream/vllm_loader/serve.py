@@ -37,7 +37,8 @@ from ..errors import VllmUnreachable
 from .agent import NodeAgent
 from .cache import safe_owner
 from .client import VllmClient
-from .follower import Follower, FollowerConfig, UpdateRecord
+from .follower import Follower, FollowerConfig
+from .observe import OnUpdate, UpdateRecord
 from .worker import EXTENSION_CLASS
 
 log = logging.getLogger("ckptstream.serve")
@@ -225,7 +226,8 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
             replica id, naming the cache directory on every node) is ``replica_id`` if given (the same on
             every node), else ``<master_addr>-<master_port>``.
         config, options: the follower's options (``FollowerConfig`` and/or its fields as keywords:
-            ``cache_dir``, ``replica_id``, ``poll_interval``, ``api_key``, ``on_update``, ...).
+            ``cache_dir``, ``replica_id``, ``poll_interval``, ``api_key``, ``observers``,
+            ``metrics_port``, ...).
 
     Returns the exit code: 0 after a stop request, 1 if vLLM exited on its own after starting.
 
@@ -406,7 +408,7 @@ class BackgroundServe:
             target=serve, name="ckptstream-serve",
             kwargs=dict(url=url, vllm_args=vllm_args, port=self.port, cache_dir=os.path.join(workdir, "cache"),
                         poll_interval=poll_interval, stop=self.stop, vllm_log=self.log, replica_id=replica_id,
-                        on_update=lambda update: self.updates.__setitem__(update.version, update)))
+                        observers=[OnUpdate(lambda update: self.updates.__setitem__(update.version, update))]))
         self.thread.start()
 
     def close(self) -> None:

@@ -1,0 +1,129 @@
+"""Prometheus metrics of a follower (``--metrics-port``): a ``FollowerObserver`` on its own registry.
+
+Each follower has its own ``CollectorRegistry`` (never prometheus_client's global one: several followers may
+live in one process, e.g. the servers of a fleet in Ray actors), and every metric carries the labels
+``replica`` (the replica id) and ``stream`` (the stream URL), so that the scrapes of a fleet are told apart.
+README "Metrics" lists the metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import urllib.parse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from ..reader import ReplicaRecord
+from .observe import FollowerObserver, UpdateRecord
+
+SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""Histogram buckets of the per-update durations: a small delta's reload takes milliseconds, a large model's
+fetch minutes."""
+LABELS = ("replica", "stream")
+
+
+class FollowerMetrics(FollowerObserver):
+    """The metrics of one follower, fed by its reports; ``registry`` is what a scrape reads."""
+
+    def __init__(self, replica_id: str, stream_url: str):
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        self._served: int | None = None
+        self._newest: int | None = None
+        self._heartbeat: float | None = None
+        labels = {"replica": replica_id, "stream": _public_url(stream_url)}
+        self._labels = labels
+
+        def gauge(name: str, text: str) -> Gauge:
+            return Gauge(name, text, LABELS, registry=self.registry).labels(**labels)
+
+        def counter(name: str, text: str) -> Counter:
+            return Counter(name, text, LABELS, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, text: str) -> Histogram:
+            return Histogram(name, text, LABELS, buckets=SECONDS_BUCKETS, registry=self.registry).labels(**labels)
+
+        gauge("ckptstream_version_served", "The version every server of the follower serves "
+              "(NaN before the first)").set_function(lambda: _or_nan(self._served))
+        gauge("ckptstream_versions_behind", "Newest committed version not refused minus the version served "
+              "(NaN until both are known, and for a pinned follower)").set_function(self._behind)
+        gauge("ckptstream_heartbeat_age_seconds", "Seconds since the follower last reported (its replica "
+              "record's heartbeat), at scrape time").set_function(self._heartbeat_age)
+        self.commit_to_serving = gauge("ckptstream_commit_to_serving_seconds",
+                                       "Seconds from the commit of the last version loaded to serving it")
+        self.commit_to_serving.set(math.nan)
+        self.updates = counter("ckptstream_updates_total", "Versions loaded into the servers")
+        self.fetched = counter("ckptstream_fetched_bytes_total", "Stored bytes fetched to decode versions")
+        self.refused = Counter("ckptstream_refused_versions_total", "Versions refused, by reason (see "
+                               "observe.REFUSAL_REASONS)", (*LABELS, "reason"), registry=self.registry)
+        self.errors = counter("ckptstream_errors_total", "Rounds failed for a cause not the version's "
+                              "(storage or a server away), retried")
+        self.pause = histogram("ckptstream_pause_seconds", "Seconds the servers were paused per update "
+                               "(all of them, one after the other)")
+        self.fetch = histogram("ckptstream_fetch_seconds", "Seconds of an update's preparation with a storage "
+                               "read in flight")
+        self.decode = histogram("ckptstream_decode_seconds", "Seconds of an update's preparation spent decoding "
+                                "with no read outstanding")
+        self.reload = histogram("ckptstream_reload_seconds", "Seconds inside vLLM's reload_weights per update")
+
+    def on_report(self, record: ReplicaRecord) -> None:
+        with self._lock:
+            self._heartbeat = record.heartbeat
+            self._served = record.version
+
+    def on_discovered(self, newest: int) -> None:
+        with self._lock:
+            self._newest = newest
+
+    def on_update(self, update: UpdateRecord) -> None:
+        self.updates.inc()
+        self.fetched.inc(update.bytes_fetched)
+        self.commit_to_serving.set(update.lag_s)
+        self.pause.observe(update.pause_s)
+        self.fetch.observe(update.fetch_s)
+        self.decode.observe(update.decode_s)
+        self.reload.observe(update.reload_s)
+
+    def on_refused(self, version: int, reason: str, error: BaseException) -> None:
+        self.refused.labels(**self._labels, reason=reason).inc()
+
+    def on_error(self, error: BaseException, retry_in: float) -> None:
+        self.errors.inc()
+
+    def _behind(self) -> float:
+        with self._lock:
+            if self._served is None or self._newest is None:
+                return math.nan
+            return float(max(0, self._newest - self._served))
+
+    def _heartbeat_age(self) -> float:
+        with self._lock:
+            return math.nan if self._heartbeat is None else time.time() - self._heartbeat
+
+
+class MetricsServer:
+    """``/metrics`` of ``registry`` over HTTP on ``host:port`` (port 0: a free one, see ``url``), served by
+    a daemon thread until ``close()``."""
+
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0):
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        bound = self._server.server_address[1]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+
+def _or_nan(value: int | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _public_url(url: str) -> str:
+    """``url`` without credentials or query (a label is visible to whoever scrapes)."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.scheme or not parts.netloc:
+        return url
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, "", ""))

@@ -1,0 +1,152 @@
+"""What a follower reports, and to whom: one observer interface that every report goes through.
+
+The follower (``follower.py``) keeps its state and calls its observers; each sink is one small class:
+``LogLines`` (the log lines), ``JsonLines`` (``--json`` of ``follow``/``serve``), ``ReplicaRecordWriter``
+(the replica record in the stream), ``metrics.FollowerMetrics`` (Prometheus), ``OnUpdate`` (a callback).
+Observers are called on the follower's threads (its loop, its heartbeat thread), one after the other; one
+that raises is logged and skipped, never stopping the follower.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import asdict, dataclass
+from typing import IO, Callable
+
+from ..errors import (CkptStreamError, IncompatibleStreamError, IntegrityError, MissingBaseError, ModelMismatchError,
+                      VllmError)
+from ..reader import ReplicaRecord, write_replica
+from ..storage import Storage
+
+log = logging.getLogger("ckptstream.follow")
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """What one update cost: the figures of the follower's log line, ``--json`` line and metrics."""
+
+    version: int
+    base_version: int | None  # the cached version the delta was applied to (None: from the keyframe)
+    bytes_fetched: int
+    prepare_s: float  # fetch + decode + hash checks, while the servers kept generating (fetch_s + decode_s)
+    pause_s: float  # servers paused (all of them, one after the other)
+    reload_s: float  # inside reload_weights
+    lag_s: float  # from the version's commit to serving it
+    decoded: bool = True  # decoded by this follower (False: reused from the cache, e.g. another follower's)
+    fetch_s: float = 0.0  # of prepare_s: seconds with a storage read in flight (reads overlap decoding)
+    decode_s: float = 0.0  # of prepare_s: the rest (decoding, hashing, writing with no read outstanding)
+
+    def log_line(self) -> str:
+        return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB"
+                f"{_base_text(self.version, self.base_version)}, "
+                f"fetch {self.fetch_s:.2f} s + decode {self.decode_s:.2f} s, pause {self.pause_s:.2f} s, "
+                f"reload {self.reload_s:.2f} s, lag {self.lag_s:.2f} s after commit")
+
+
+REFUSAL_REASONS: tuple[tuple[type[CkptStreamError], str], ...] = (
+    (ModelMismatchError, "model_mismatch"),
+    (IntegrityError, "integrity"),
+    (MissingBaseError, "missing_base"),
+    (IncompatibleStreamError, "incompatible"),
+    (VllmError, "reload_failed"),
+    (CkptStreamError, "other"),
+)
+"""Why a version is refused, by the class of the error that refused it (the first match counts): the
+``reason`` of ``on_refused`` and of the ``ckptstream_refused_versions_total`` metric."""
+
+
+def refusal_reason(error: BaseException) -> str:
+    """The reason kind (``REFUSAL_REASONS``) of the error that refused a version."""
+    return next((reason for kind, reason in REFUSAL_REASONS if isinstance(error, kind)), "other")
+
+
+class FollowerObserver:
+    """Receives what a follower reports. Every method does nothing here: a sink overrides those it uses."""
+
+    def on_report(self, record: ReplicaRecord) -> None:
+        """The follower's state changed (state, version served, error, lagging nodes) or it heartbeats:
+        ``record`` is a snapshot of its replica record, ``heartbeat`` set to now."""
+
+    def on_discovered(self, newest: int) -> None:
+        """The newest committed version that this follower has not refused, as discovery saw it (not
+        called for a pinned follower, which does not look)."""
+
+    def on_update(self, update: UpdateRecord) -> None:
+        """``update.version`` is served by every server of the follower (called before the ``on_report``
+        saying so)."""
+
+    def on_refused(self, version: int, reason: str, error: BaseException) -> None:
+        """``version`` is refused for good (``reason``: see ``REFUSAL_REASONS``); the servers keep the last
+        good version."""
+
+    def on_error(self, error: BaseException, retry_in: float) -> None:
+        """A round failed for a cause that is not the version's (storage or a server away); retried after
+        ``retry_in`` seconds, the servers keep serving."""
+
+
+class LogLines(FollowerObserver):
+    """The follower's log lines: one per update, refusal and failed round."""
+
+    def __init__(self, logger: logging.Logger = log):
+        self.logger = logger
+
+    def on_update(self, update: UpdateRecord) -> None:
+        self.logger.info("%s", update.log_line())
+
+    def on_refused(self, version: int, reason: str, error: BaseException) -> None:
+        self.logger.error("refused version %d: %s", version, error)
+
+    def on_error(self, error: BaseException, retry_in: float) -> None:
+        self.logger.warning("%s; retrying in %.0f s", error, retry_in)
+
+
+class JsonLines(FollowerObserver):
+    """One JSON object per update (the ``UpdateRecord``'s fields) on its own line, flushed: ``--json``."""
+
+    def __init__(self, out: IO[str] | None = None):
+        self.out = out
+
+    def on_update(self, update: UpdateRecord) -> None:
+        out = self.out or sys.stdout  # looked up late: tests and callers may swap sys.stdout
+        out.write(json.dumps(asdict(update)) + "\n")
+        out.flush()
+
+
+class OnUpdate(FollowerObserver):
+    """Calls ``callback`` with each ``UpdateRecord`` (dashboards, benchmarks)."""
+
+    def __init__(self, callback: Callable[[UpdateRecord], object]):
+        self.callback = callback
+
+    def on_update(self, update: UpdateRecord) -> None:
+        self.callback(update)
+
+
+class ReplicaRecordWriter(FollowerObserver):
+    """Writes each reported record to ``replicas/<id>.json`` of the stream. A read-only view of a stream
+    (HTTP, a relay) cannot hold it: said once, then nothing is written."""
+
+    def __init__(self, storage: Storage, logger: logging.Logger = log):
+        self.storage = storage
+        self.logger = logger
+        self.writable = storage.capabilities.writable
+        if not self.writable:
+            logger.info("%s is read-only: this follower writes no replica record (`ckptstream replicas` and "
+                        "wait_for_version do not see it)", storage.url)
+
+    def on_report(self, record: ReplicaRecord) -> None:
+        if not self.writable:
+            return
+        try:
+            write_replica(self.storage, record)
+        except Exception as exc:  # noqa: BLE001 - a report that cannot be written must not stop serving
+            self.logger.warning("cannot write replica record: %s", exc)
+
+
+def _base_text(version: int, base: int | None) -> str:
+    if base is None:
+        return ""
+    # A version found in the cache already (e.g. an engine's head that waited for its nodes) decoded nothing.
+    return " (already decoded)" if base == version else f" (delta on cached {base})"
