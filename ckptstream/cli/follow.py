@@ -96,7 +96,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         # the head: ckptstream follow /mnt/nfs/run1 --vllm-url http://head:8000 --replica-id eng \
         #     --cache-dir /dev/shm/ckptstream --nodes-ready-timeout 60
         ckptstream node-agent /mnt/nfs/run1 --engine eng --node-rank 1 --nnodes 2 --cache-dir /dev/shm/ckptstream
-        """)
+        ckptstream node-agent /mnt/nfs/run1 --engine eng --node-rank 1 --nnodes 2 --metrics-port 9401
+        """, parents=[metrics_options])
     add_url(p)
     p.add_argument("--engine", required=True, help="the engine's id: the replica id of the head's follower")
     p.add_argument("--node-rank", type=int, required=True, help="this node's rank in the engine (1 or more)")
@@ -181,7 +182,8 @@ def run_node_agent(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with NodeAgent(args.url, engine=args.engine, node_rank=args.node_rank, nnodes=args.nnodes,
                    storage_options=storage_options(args), cache_dir=args.cache_dir,
-                   poll_interval=args.poll_interval) as agent:
+                   poll_interval=args.poll_interval, metrics_port=args.metrics_port,
+                   metrics_host=args.metrics_host) as agent:
         agent.run(stop)
     return EXIT_OK
 

@@ -26,7 +26,7 @@ from ..storage import Watch
 from ..format import MANIFESTS_DIR
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .follower import FollowerConfig, prepare_version
-from .observe import ReplicaRecordWriter
+from .observe import FollowerObserver, ReplicaRecordWriter, notify, refusal_reason
 
 log = logging.getLogger("ckptstream.agent")
 
@@ -46,7 +46,10 @@ class NodeAgent:
         node_rank: this node's rank in the engine (1 .. nnodes-1).
         nnodes: nodes of the engine.
         config: the follower options that apply (``storage_options``, ``cache_dir``, ``pin``,
-            ``poll_interval``, ``heartbeat_interval``, ``list_every``); ``options`` override fields.
+            ``poll_interval``, ``heartbeat_interval``, ``list_every``, ``observers``, ``metrics_port``,
+            ``metrics_host``); ``options`` override fields. Its observers get ``on_report``,
+            ``on_discovered``, ``on_refused`` and ``on_error`` (it loads no server: no ``on_update``); in its
+            metrics, ``ckptstream_version_served`` is the newest version complete in this node's cache.
     """
 
     def __init__(self, url: str, *, engine: str, node_rank: int, nnodes: int,
@@ -66,10 +69,22 @@ class NodeAgent:
         self.wake = threading.Event()
         self._lock = threading.Lock()
         self._polls = 0
-        self._writer = ReplicaRecordWriter(self.stream.storage, log)
+        self.observers: list[FollowerObserver] = [ReplicaRecordWriter(self.stream.storage, log), *config.observers]
+        self.metrics_server = None
+        if config.metrics_port is not None:
+            from .metrics import FollowerMetrics  # prometheus_client only when asked for
+
+            metrics = FollowerMetrics(record_id, url)
+            self.metrics_server = metrics.serve(config.metrics_host, config.metrics_port)
+            self.observers.append(metrics)
+            self.record.metrics_url = self.metrics_server.url
 
     def close(self) -> None:
+        """Release the cached versions it holds; stop serving metrics."""
         self.cache.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
     def __enter__(self) -> NodeAgent:
         return self
@@ -95,7 +110,11 @@ class NodeAgent:
     def step(self) -> int | None:
         """Prepare the newest version (or the pin) if it is not the current one; returns it if prepared."""
         target = self._discover()
-        if target is None or target == self.current or str(target) in self.record.refused:
+        if target is None or str(target) in self.record.refused:
+            return None
+        if self.pin is None:
+            notify(self.observers, "on_discovered", target)
+        if target == self.current:
             return None
         try:
             self.prepare(target)
@@ -106,6 +125,7 @@ class NodeAgent:
             with self._lock:
                 self.record.refused[str(target)] = str(exc)
             log.error("cannot prepare version %d: %s", target, exc)
+            notify(self.observers, "on_refused", target, refusal_reason(exc), exc)
             self._report(last_error=str(exc))
             return None
         return target
@@ -126,6 +146,7 @@ class NodeAgent:
                     backoff = min(max(backoff * 2, self.config.poll_interval), 30.0)
                     self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
                     log.warning("%s; retrying in %.0f s", exc, backoff)
+                    notify(self.observers, "on_error", exc, backoff)
                 self.wake.wait(backoff)
                 self.wake.clear()
         finally:
@@ -162,7 +183,7 @@ class NodeAgent:
                 setattr(self.record, key, value)
             self.record.heartbeat = time.time()
             record = ReplicaRecord(**{**self.record.__dict__, "refused": dict(self.record.refused)})
-        self._writer.on_report(record)
+        notify(self.observers, "on_report", record)
 
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(self.config.heartbeat_interval):

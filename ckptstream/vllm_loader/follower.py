@@ -40,7 +40,7 @@ from ..locks import unlock
 from . import takeover
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
-from .observe import FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, refusal_reason
+from .observe import FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, notify, refusal_reason
 
 log = logging.getLogger("ckptstream.follow")
 
@@ -163,13 +163,12 @@ class Follower:
                                                   ReplicaRecordWriter(self.stream.storage)]
         self.metrics_server = None
         if config.metrics_port is not None:
-            from .metrics import FollowerMetrics, MetricsServer  # prometheus_client only when asked for
+            from .metrics import FollowerMetrics  # prometheus_client only when asked for
 
             metrics = FollowerMetrics(replica_id, url)
-            self.metrics_server = MetricsServer(metrics.registry, config.metrics_host, config.metrics_port)
+            self.metrics_server = metrics.serve(config.metrics_host, config.metrics_port)
             self.observers.append(metrics)
             self.record.metrics_url = self.metrics_server.url
-            log.info("metrics at %s", self.metrics_server.url)
 
     def close(self) -> None:
         """Release the cached versions it holds (a restarted follower adopts the one its servers serve);
@@ -544,13 +543,7 @@ class Follower:
         self._notify("on_report", record)
 
     def _notify(self, event: str, *args: Any) -> None:
-        """Call ``event`` on every observer; one that raises is logged and skipped (reports never stop
-        serving)."""
-        for observer in self.observers:
-            try:
-                getattr(observer, event)(*args)
-            except Exception as exc:  # noqa: BLE001 - see above
-                log.warning("observer %s failed on %s: %s", type(observer).__name__, event, exc)
+        notify(self.observers, event, *args)
 
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(self.heartbeat_interval):

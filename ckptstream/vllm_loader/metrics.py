@@ -8,6 +8,7 @@ README "Metrics" lists the metrics.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -21,6 +22,8 @@ SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 """Histogram buckets of the per-update durations: a small delta's reload takes milliseconds, a large model's
 fetch minutes."""
 LABELS = ("replica", "stream")
+
+log = logging.getLogger("ckptstream.follow")
 
 
 class FollowerMetrics(FollowerObserver):
@@ -66,6 +69,13 @@ class FollowerMetrics(FollowerObserver):
         self.decode = histogram("ckptstream_decode_seconds", "Seconds of an update's preparation spent decoding "
                                 "with no read outstanding")
         self.reload = histogram("ckptstream_reload_seconds", "Seconds inside vLLM's reload_weights per update")
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
+        """Serve these metrics at ``http://host:port/metrics`` (port 0: a free one) until the server's
+        ``close()``; the URL is logged."""
+        server = MetricsServer(self.registry, host, port)
+        log.info("metrics at %s", server.url)
+        return server
 
     def on_report(self, record: ReplicaRecord) -> None:
         with self._lock:

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 from dataclasses import asdict, dataclass
-from typing import IO, Callable
+from typing import IO, Any, Callable, Sequence
 
 from ..errors import (CkptStreamError, IncompatibleStreamError, IntegrityError, MissingBaseError, ModelMismatchError,
                       VllmError)
@@ -84,6 +84,16 @@ class FollowerObserver:
     def on_error(self, error: BaseException, retry_in: float) -> None:
         """A round failed for a cause that is not the version's (storage or a server away); retried after
         ``retry_in`` seconds, the servers keep serving."""
+
+
+def notify(observers: Sequence[FollowerObserver], event: str, *args: Any) -> None:
+    """Call method ``event`` of every observer with ``args``; one that raises is logged and skipped (a report
+    never stops serving)."""
+    for observer in observers:
+        try:
+            getattr(observer, event)(*args)
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("observer %s failed on %s: %s", type(observer).__name__, event, exc)
 
 
 class LogLines(FollowerObserver):

@@ -7,21 +7,26 @@ expected greedy outputs; once, a fresh server started directly on a materialized
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from ckptstream import Publisher, Stream
 from ckptstream.format import data_path
 from ckptstream.hf import iter_hf_weights
+from ckptstream.storage import WrapperStorage, open_storage, register_backend
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import Follower, VllmClient, VllmUnreachable
 from ckptstream.vllm_loader import free_port
@@ -182,8 +187,34 @@ def test_vllm_restart_is_brought_back_to_the_newest_version(setup):
     assert restarted.outputs() == setup.expected(version)
 
 
+class DamagedWrites(WrapperStorage):
+    """An S3 stream whose data files get one byte flipped as they are written (a bad link at the trainer):
+    the version is committed corrupt, before any follower can see it."""
+
+    @contextlib.contextmanager
+    def open_write(self, path: str):
+        buffer = io.BytesIO()
+        yield buffer
+        data = bytearray(buffer.getvalue())
+        data[len(data) // 2] ^= 0x01
+        with self.inner.open_write(path) as f:
+            f.write(bytes(data))
+
+
+register_backend("damaged-s3", lambda url, options: DamagedWrites(open_storage("s3://" + url.partition("://")[2],
+                                                                               options)))
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of a /metrics page: (name, sorted labels) -> value."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples}
+
+
 def test_serve_follows_an_s3_stream_and_stops_cleanly(tmp_path, s3_endpoint):
-    url = f"s3://{new_bucket(s3_endpoint)}/run"
+    bucket = new_bucket(s3_endpoint)
+    url = f"s3://{bucket}/run"
     model = write_tiny_model(tmp_path / "model", TinyModelSpec(arch="qwen3"))
     state = dict(iter_hf_weights(model))
     publisher = Publisher(url, assets=model)
@@ -191,7 +222,8 @@ def test_serve_follows_an_s3_stream_and_stops_cleanly(tmp_path, s3_endpoint):
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     serve = subprocess.Popen(["ckptstream", "serve", url, "--cache-dir", str(tmp_path / "cache"), "--port", str(port),
-                              "--poll-interval", "0.2", "--replica-id", "serve-test", "--", *VLLM_CPU_ARGS],
+                              "--poll-interval", "0.2", "--replica-id", "serve-test", "--metrics-port", "0", "--",
+                              *VLLM_CPU_ARGS],
                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log, stderr=subprocess.STDOUT)
     client = VllmClient(f"http://127.0.0.1:{port}")
     try:
@@ -203,6 +235,27 @@ def test_serve_follows_an_s3_stream_and_stops_cleanly(tmp_path, s3_endpoint):
         assert [r.replica_id for r in replicas] == ["serve-test"]
         assert client.weight_version() == str(version)
         assert [client.generate(p, 8) for p in PROMPTS] != first
+
+        # A version committed corrupt is refused; its metrics, scraped over HTTP, say what the record says.
+        with Publisher(f"damaged-s3://{bucket}/run", assets=model) as damaged:
+            bad = damaged.publish(state).result().version
+        _wait(lambda: str(bad) in Stream(url).replicas()[0].refused, timeout=60)
+        for _ in range(5):  # a record and a scrape between the same two heartbeats
+            (record,) = Stream(url).replicas()
+            scraped_at, samples = time.time(), _scrape(record.metrics_url)
+            if Stream(url).replicas()[0].heartbeat == record.heartbeat:
+                break
+        labels = (("replica", "serve-test"), ("stream", url))
+        assert samples[("ckptstream_version_served", labels)] == record.version == version
+        assert samples[("ckptstream_versions_behind", labels)] == 0  # the newer version is refused
+        assert samples[("ckptstream_refused_versions_total", (*labels, ("reason", "integrity")))] == 1
+        assert list(record.refused) == [str(bad)]
+        assert samples[("ckptstream_updates_total", labels)] == 1  # version 0 was started on, not loaded
+        assert samples[("ckptstream_errors_total", labels)] == 0
+        assert samples[("ckptstream_fetched_bytes_total", labels)] > 0
+        assert samples[("ckptstream_commit_to_serving_seconds", labels)] > 0
+        assert samples[("ckptstream_reload_seconds_count", labels)] == 1
+        assert abs(samples[("ckptstream_heartbeat_age_seconds", labels)] - (scraped_at - record.heartbeat)) < 0.5
     finally:
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(timeout=120)

@@ -202,3 +202,25 @@ def test_refusal_reasons_come_from_the_error_classes():
     assert refusal_reason(MissingBaseError("x")) == "missing_base"
     assert refusal_reason(VllmError("x")) == "reload_failed"
     assert refusal_reason(CkptStreamError("x")) == "other"
+
+
+def test_a_node_agent_reports_through_the_same_observers(tmp_path):
+    from ckptstream.vllm_loader.agent import NodeAgent
+
+    url = str(tmp_path / "stream")
+    recorder = Recorder()
+    with Publisher(url, keyframe_every=1000) as publisher:
+        publisher.publish(_state(0)).result()
+        with NodeAgent(url, engine="eng", node_rank=1, nnodes=2, cache_dir=tmp_path / "cache", observers=[recorder],
+                       metrics_port=0) as agent:
+            assert agent.step() == 0
+            corrupt = publisher.publish(_state(1)).result().version
+            _corrupt(url, corrupt)
+            assert agent.step() is None
+            assert [e for e in recorder.distinct() if e[0] != "report"] == [
+                ("discovered", 0), ("discovered", 1), ("refused", 1, "integrity")]
+            (record,) = Stream(url).replicas()
+            samples = _scrape(record.metrics_url)
+    assert samples[("ckptstream_version_served", ())] == record.version == 0
+    assert samples[("ckptstream_refused_versions_total", (("reason", "integrity"),))] == 1
+    assert list(record.refused) == [str(corrupt)]
