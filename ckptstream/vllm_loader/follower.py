@@ -4,7 +4,9 @@ Per new version: discover it (a cheap probe of the next manifest; a listing now 
 a local cache directory while the servers keep generating (a delta is applied to the cached current
 version), check it against the served model (names, dtypes, shapes) and against its hashes, then per
 server: pause → ``reload_weights`` → reset prefix cache → set weight version → resume → one-token probe.
-A version that fails any check is refused and recorded; the servers keep the last good version.
+A version that fails any check is refused and recorded; the servers keep the last good version. Every
+report (log lines, the replica record, ``--json`` lines, metrics) goes through the follower's observers
+(``observe.py``).
 
 The decoded versions live in a ``VersionCache`` (``cache.py``) that the followers of the stream on the
 host share: each version is decoded once, by whichever follower comes first. A server

@@ -97,6 +97,9 @@ class FollowerMetrics(FollowerObserver):
 
     def on_refused(self, version: int, reason: str, error: BaseException) -> None:
         self.refused.labels(**self._labels, reason=reason).inc()
+        with self._lock:
+            if self._newest == version:  # not the newest good version after all: unknown until the next look
+                self._newest = None
 
     def on_error(self, error: BaseException, retry_in: float) -> None:
         self.errors.inc()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -237,15 +238,18 @@ def test_serve_follows_an_s3_stream_and_stops_cleanly(tmp_path, s3_endpoint):
         assert [client.generate(p, 8) for p in PROMPTS] != first
 
         # A version committed corrupt is refused; its metrics, scraped over HTTP, say what the record says.
+        rl_like_step(state, fraction=0.2, max_ulps=40)
         with Publisher(f"damaged-s3://{bucket}/run", assets=model) as damaged:
             bad = damaged.publish(state).result().version
         _wait(lambda: str(bad) in Stream(url).replicas()[0].refused, timeout=60)
-        for _ in range(5):  # a record and a scrape between the same two heartbeats
+        labels = (("replica", "serve-test"), ("stream", url))
+        for _ in range(10):  # a record and a scrape between the same two heartbeats, after a look for a newer version
             (record,) = Stream(url).replicas()
             scraped_at, samples = time.time(), _scrape(record.metrics_url)
-            if Stream(url).replicas()[0].heartbeat == record.heartbeat:
+            if Stream(url).replicas()[0].heartbeat == record.heartbeat and \
+                    not math.isnan(samples[("ckptstream_versions_behind", labels)]):
                 break
-        labels = (("replica", "serve-test"), ("stream", url))
+            time.sleep(0.3)
         assert samples[("ckptstream_version_served", labels)] == record.version == version
         assert samples[("ckptstream_versions_behind", labels)] == 0  # the newer version is refused
         assert samples[("ckptstream_refused_versions_total", (*labels, ("reason", "integrity")))] == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import threading
 import time
 import urllib.request
@@ -99,6 +100,8 @@ def test_observers_see_updates_refusals_and_errors_in_order_and_metrics_match(ru
     corrupt = publisher.publish(_state(2)).result().version
     _corrupt(url, corrupt)
     assert follower.step() is None
+    behind = ("ckptstream_versions_behind", ())
+    assert math.isnan(_scrape(follower.metrics_server.url)[behind])  # the newest good version: unknown until a look
     misshapen = publisher.publish({**_state(3), "b": torch.zeros(5)}, keyframe=True).result().version
     assert follower.step() is None
     assert recorder.distinct() == [
