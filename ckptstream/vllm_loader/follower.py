@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from ..errors import CkptStreamError, MissingBaseError, ModelMismatchError, NodesNotReady, VersionNotFoundError
+from ..errors import (CkptStreamError, MissingBaseError, ModelMismatchError, NodesNotReady,
+                      RouterError, VersionNotFoundError)
 from ..format import MANIFESTS_DIR, MARKER_FILE, Manifest
 from ..hf import tensor_specs
 from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
@@ -42,6 +43,7 @@ from ..locks import unlock
 from . import takeover
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
+from .gate import UpdateGate
 from .observe import FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, notify, refusal_reason
 
 log = logging.getLogger("ckptstream.follow")
@@ -86,6 +88,8 @@ class FollowerConfig:
             for now after this many seconds (retried at the next round, never loaded into some ranks only).
             None: one-node servers, not asked.
         nnodes: nodes of the engine, for the replica record (None: one node).
+        update_gate: entered around each server's update (``gate.UpdateGate``), e.g. a rolling update's
+            ``ckptstream.fleet.rolling.RouterGate`` taking it out of a router meanwhile; None: none.
     """
 
     storage_options: Mapping[str, Any] | None = None
@@ -105,6 +109,7 @@ class FollowerConfig:
     lease_ttl: float = DEFAULT_LEASE_TTL
     nodes_ready_timeout: float | None = None
     nnodes: int | None = None
+    update_gate: UpdateGate | None = None
 
     def with_options(self, **options: Any) -> FollowerConfig:
         """A copy with ``options`` (field names; TypeError for any other) replaced."""
@@ -242,8 +247,8 @@ class Follower:
             log.info("%s; still serving version %s, retrying", exc, self.current)
             self._report(state="serving" if self.current is not None else "starting")
             return None
-        except VllmUnreachable:
-            raise  # not the version's fault: run() retries it once the server is back
+        except (VllmUnreachable, RouterError):
+            raise  # not the version's fault: run() retries it once the server (or the gate's router) is back
         except CkptStreamError as exc:  # corrupt, foreign, misshapen, or a reload the server refused
             self._refuse(target, exc)
             return None
@@ -286,10 +291,20 @@ class Follower:
         for client in targets:
             restored: list[VllmControl] = []
             try:
-                paused, reloaded = self._load_into(client, version, path, restore=restore, restored=restored)
+                with self._gate(client.url, version):
+                    try:
+                        paused, reloaded = self._load_into(client, version, path, restore=restore,
+                                                           restored=restored)
+                    except VllmError:
+                        # A server whose reload failed got the last good version back inside its pause,
+                        # else gets it now, before the gate lets it serve again.
+                        if not restored:
+                            self._revert([client])
+                        raise
             except VllmError:
-                # A server whose reload failed got the last good version back inside its pause.
-                self._revert(done + ([] if restored else [client]))
+                for other in done:
+                    with self._gate(other.url, version):
+                        self._revert([other])
                 raise
             pause_s += paused
             reload_s += reloaded
@@ -344,6 +359,10 @@ class Follower:
         client.check_weight_version(str(version))
         client.probe()
         return paused, reload_s
+
+    def _gate(self, url: str, version: int) -> contextlib.AbstractContextManager[None]:
+        gate = self.config.update_gate
+        return gate.hold(url, version) if gate is not None else contextlib.nullcontext()
 
     def _restore_paused(self, client: VllmControl, restore: Path) -> bool:
         """Reload the current version into a paused server whose reload failed (every rank reloads it);

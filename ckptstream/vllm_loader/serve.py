@@ -20,7 +20,6 @@ model from their own node's disk.
 from __future__ import annotations
 
 import collections
-import ctypes
 import importlib.metadata
 import logging
 import os
@@ -34,6 +33,7 @@ from typing import IO, Any, Callable, Sequence
 
 from ..format import LATEST
 from ..errors import VllmUnreachable
+from ..process import die_with_parent, free_port
 from .agent import NodeAgent
 from .cache import safe_owner
 from .client import VllmClient
@@ -42,8 +42,6 @@ from .observe import OnUpdate, UpdateRecord
 from .worker import EXTENSION_CLASS
 
 log = logging.getLogger("ckptstream.serve")
-
-_PR_SET_PDEATHSIG = 1
 
 CPU_KVCACHE_SPACE_GIB = "1"
 """``VLLM_CPU_KVCACHE_SPACE`` (GiB) that ``serve`` sets on a CPU platform when the user set none."""
@@ -67,23 +65,6 @@ _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)):\s*\S")
 _DEFERRING = ("root cause", "see stack trace")
 _CONTINUATION_LINES = 2
 _NOT_CONTINUATION = ("Traceback", "File ", "For further information", "The above exception")
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies (orphans keep holding ports)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (for a server about to start)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def vllm_command(model_dir: str, host: str, port: int, vllm_args: Sequence[str], served_name: str) -> list[str]:
@@ -308,7 +289,7 @@ def _start_child(command: list[str], env: dict[str, str], vllm_log: str | os.Pat
     """Start vLLM with its output passed on (to ``vllm_log`` or stderr) and its last lines kept."""
     log_file = open(vllm_log, "a", encoding="utf-8") if vllm_log is not None else None
     try:
-        child = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent, stdout=subprocess.PIPE,
+        child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT)
     except BaseException:
         if log_file is not None:

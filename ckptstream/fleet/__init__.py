@@ -1,0 +1,1 @@
+"""Rollout fleets: vLLM servers following a stream behind a vLLM router (Ray fleet: extra ``ray``)."""

@@ -1,0 +1,93 @@
+"""A real vllm-router: its worker list changed by URL and checked (a 200 is no proof), and a clear error
+when it is gone. The workers are loopback HTTP servers answering ``/health`` (all the router asks of a
+worker it adds); real vLLM servers behind the router are in ``test_rolling.py``."""
+
+from __future__ import annotations
+
+import threading
+import urllib.parse
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
+
+import pytest
+
+from ckptstream.errors import RouterError
+from ckptstream.fleet.router import Router
+
+
+class _Healthy(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[str]]:
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Healthy) for _ in range(2)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
+    for server in servers:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory) -> Iterator[Router]:
+    with Router.start(log=tmp_path_factory.mktemp("router") / "router.log", timeout=5) as router:
+        yield router
+
+
+def test_add_list_remove_are_checked_in_the_worker_list(router, workers):
+    a, b = workers
+    assert router.workers() == []
+    router.add(a)
+    router.add(b + "/")  # the same worker as without the slash
+    assert sorted(router.workers()) == sorted([a, b])
+    router.add(a)  # listed already: nothing changes
+    assert sorted(router.workers()) == sorted([a, b])
+    router.remove(a)
+    assert router.workers() == [b]
+    router.remove(b)
+    assert router.workers() == []
+
+
+def test_the_router_answers_200_to_a_delete_that_removes_nothing(router, workers):
+    """Why remove() reads the list back: deleting by anything but the encoded URL is a silent no-op."""
+    a = workers[0]
+    router.add(a)
+    for path in ("/workers/0", "/workers/" + urllib.parse.quote("http://127.0.0.1:1", safe="")):
+        with urllib.request.urlopen(urllib.request.Request(router.url + path, method="DELETE"), timeout=5) as answer:
+            assert answer.status == 200
+    assert router.workers() == [a]
+    router.remove(a)
+    assert router.workers() == []
+
+
+def test_removing_an_unknown_url_changes_nothing(router, workers):
+    router.add(workers[0])
+    router.remove("http://127.0.0.1:1")
+    assert router.workers() == [workers[0]]
+    router.remove(workers[0])
+
+
+def test_adding_a_server_that_does_not_answer_is_a_router_error(router):
+    impatient = Router(router.url, timeout=1)  # the router itself would wait for the server's start
+    with pytest.raises(RouterError, match="could not add it") as caught:
+        impatient.add("http://127.0.0.1:1")
+    assert caught.value.worker == "http://127.0.0.1:1" and caught.value.router == router.url
+    assert router.workers() == []
+
+
+def test_a_router_that_is_gone_is_a_clear_error(tmp_path, workers):
+    router = Router.start(timeout=2)
+    url = router.url
+    router.close()
+    for call in (router.workers, lambda: router.add(workers[0]), lambda: router.remove(workers[0])):
+        with pytest.raises(RouterError, match="Is the router running there") as caught:
+            call()
+        assert url in str(caught.value) and caught.value.router == url
