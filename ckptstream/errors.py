@@ -190,3 +190,17 @@ class ReplicaRefused(CkptStreamError, TimeoutError):
     def __init__(self, message: str, *, reasons: dict[str, str], **where: Any):
         super().__init__(message, **where)
         self.reasons = reasons
+
+
+class FleetError(CkptStreamError, RuntimeError):
+    """A fleet of servers on Ray could not do what was asked (start, scale, replay, wait)."""
+
+
+class FleetNotFoundError(FleetError, LookupError):
+    """No fleet of this stream (or name) runs on the Ray cluster."""
+
+    exit_code = EXIT_NOT_FOUND
+
+
+class FleetTimeout(FleetError, TimeoutError):
+    """Too few of a fleet's servers reached a version in time."""
