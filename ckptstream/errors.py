@@ -192,6 +192,21 @@ class ReplicaRefused(CkptStreamError, TimeoutError):
         self.reasons = reasons
 
 
+class RouterError(CkptStreamError, RuntimeError):
+    """A vLLM router does not answer, refused a change of its worker list, or answered without doing it
+    (its worker list is the proof, not its status code).
+
+    Attributes:
+        router: the router's base URL.
+        worker: the worker (vLLM server) URL concerned, if any.
+    """
+
+    def __init__(self, message: str, *, router: str, worker: str | None = None, **where: Any):
+        subject = f"router {router}" + (f", worker {worker}" if worker else "")
+        super().__init__(f"{subject}: {message}", **where)
+        self.router = router
+        self.worker = worker
+
 class FleetError(CkptStreamError, RuntimeError):
     """A fleet of servers on Ray could not do what was asked (start, scale, replay, wait)."""
 

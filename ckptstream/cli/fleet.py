@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), help="vLLM API key (default $VLLM_API_KEY)")
     p.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
                    help="seconds between each server's checks for a new version (default 1)")
-    p.add_argument("--metrics-port", type=int, metavar="P", help="each server's Prometheus metrics port")
+    p.add_argument("--metrics-port", type=int, metavar="P",
+                   help="each server's Prometheus metrics port (0: a free port per server, shown by status)")
     p.add_argument("--vllm-log-dir", metavar="DIR", help="vLLM's output, one file per server (on each node)")
     p.add_argument("--name", help="the fleet's name (default from the stream URL)")
     p.add_argument("--wait", type=positive_seconds, metavar="SECONDS",

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from ..errors import CkptStreamError, FleetError
 from ..reader import Stream
-from ..vllm_loader.serve import free_port
+from ..process import free_port
 from .server import ServerActor, descendants, log_to_stderr
 from .spec import STATE_ASIDE, STATE_RESTARTING, STATE_SERVING, STATE_STARTING, FleetSpec
 
@@ -52,6 +52,7 @@ class _Server:
     actors: list[Any]
     group: Any = None  # the placement group of a multi-node engine
     url: str | None = None
+    metrics_url: str | None = None
     node: str | None = None
     version: int | None = None
     state: str = STATE_STARTING
@@ -99,8 +100,11 @@ class FleetController:
 
         if spec.router == "start":
             host = self._ray.util.get_node_ip_address()
-            return Router.start(host=host, port=free_port(host),
-                                policy=spec.router_policy)
+            log_file = None
+            if spec.vllm_log_dir is not None:
+                os.makedirs(spec.vllm_log_dir, exist_ok=True)
+                log_file = os.path.join(spec.vllm_log_dir, f"{spec.name}-router.log")
+            return Router.start(host=host, port=free_port(host), policy=spec.router_policy, log=log_file)
         return Router(spec.router, api_key=spec.api_key)
 
     def _start_server(self, slot: int, restarts: int = 0) -> _Server:
@@ -237,6 +241,7 @@ class FleetController:
                     continue  # scaled away or replaced meanwhile
                 head = infos[0]
                 server.url, server.node, server.version = head["url"], head["node"], head["version"]
+                server.metrics_url = head["metrics_url"]
                 server.last_update = head["last_update"] or server.last_update
                 server.pids = [pid for info in infos for pid in info["pids"]]
                 if server.aside:
@@ -275,7 +280,8 @@ class FleetController:
     def servers(self) -> list[dict[str, Any]]:
         """What the controller knows of each server (the handle adds the replica records)."""
         with self._lock:
-            return [{"slot": s.slot, "replica_id": s.replica_id, "url": s.url, "node": s.node, "version": s.version,
+            return [{"slot": s.slot, "replica_id": s.replica_id, "url": s.url, "metrics_url": s.metrics_url,
+                     "node": s.node, "version": s.version,
                      "state": s.state, "registered": s.registered, "restarts": s.restarts,
                      "last_error": s.last_error, "last_update": s.last_update, "pids": list(s.pids)}
                     for s in sorted(self._servers.values(), key=lambda s: s.slot)]
@@ -285,7 +291,11 @@ class FleetController:
         and of what it started (the router)."""
         router = None
         if self._router is not None:
-            router = {"url": self._router.url, "workers": self._router.workers()}
+            try:
+                workers, error = self._router.workers(), None
+            except CkptStreamError as exc:  # the router is away: the fleet's own state still answers
+                workers, error = [], str(exc)
+            router = {"url": self._router.url, "workers": workers, "error": error}
         return {"spec": self.spec, "router": router, "pids": [os.getpid(), *descendants(os.getpid())]}
 
     def scale(self, replicas: int) -> None:
@@ -317,7 +327,14 @@ class FleetController:
                 self._deregister(server)
         try:
             calls = [s.actors[0].replay.remote(g, list(command)) for s, g in zip(chosen, groups)]
-            results = [r for batch in self._ray.get(calls) for r in batch]
+            results = []
+            for server, group, call in zip(chosen, groups, calls):
+                try:
+                    results += self._ray.get(call)
+                except self._ray.exceptions.RayError as exc:  # the server died meanwhile: its versions failed
+                    error = f"the replay on {server.url} failed: {type(exc).__name__}: {exc}"[:2000]
+                    results += [{"version": v, "server": server.url, "exit_code": None, "output": None,
+                                 "load_s": 0.0, "run_s": 0.0, "error": error} for v in group]
         finally:
             with self._lock:
                 for server in chosen:

@@ -47,7 +47,8 @@ class Fleet:
             registered there once they serve the newest good version, deregistered when they leave.
         rolling: updates take one server at a time out of the router (needs ``router``).
         name: the controller's name (default ``fleet_name(stream_url)``).
-        metrics_port: each server's Prometheus port.
+        metrics_port: each server's Prometheus metrics port (``serve(metrics_port=)``); 0: a free port per
+            server (for several servers per node), shown in ``status()`` as ``metrics_url``.
         vllm_log_dir: a directory (on each node) for the servers' vLLM output (default: the actors' logs).
 
     Raises:
@@ -70,8 +71,14 @@ class Fleet:
         if _find(spec.name) is not None:
             raise FleetError(f"a fleet named {spec.name} runs already on this cluster",
                              hint=f"Use Fleet.connect({url!r}), or stop it: `ckptstream fleet down {url}`")
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # On this driver's node (the head, for `fleet up`), where a router it starts is expected; its loss
+        # ends the fleet (its servers are the controller's actors).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         controller = ray.remote(FleetController).options(
-            name=spec.name, namespace=NAMESPACE, lifetime="detached", max_concurrency=32, num_cpus=0).remote(spec)
+            name=spec.name, namespace=NAMESPACE, lifetime="detached", max_concurrency=32, num_cpus=0,
+            scheduling_strategy=here).remote(spec)
         try:
             ray.get(controller.servers.remote())
         except ray.exceptions.RayError as exc:
@@ -151,7 +158,8 @@ class Fleet:
                 last_pause_s=last_update.get("pause_s"),
                 last_error=(record.last_error if record is not None and record.last_error else None)
                 or server["last_error"],
-                restarts=server["restarts"], registered=server["registered"], pids=server["pids"]))
+                restarts=server["restarts"], registered=server["registered"], metrics_url=server["metrics_url"],
+                pids=server["pids"]))
         return result
 
     def urls(self, min_version: int | None = None) -> list[str]:

