@@ -25,8 +25,8 @@ from typing import Any, Sequence
 
 from ..errors import CkptStreamError, FleetError
 from ..reader import Stream
-from ..process import free_port
-from .server import ServerActor, descendants, log_to_stderr
+from ..process import descendants, free_port
+from .server import ServerActor, log_to_stderr
 from .spec import STATE_ASIDE, STATE_RESTARTING, STATE_SERVING, STATE_STARTING, FleetSpec
 
 log = logging.getLogger("ckptstream.fleet")

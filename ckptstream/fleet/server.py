@@ -20,7 +20,7 @@ from ..format import LATEST
 from ..vllm_loader.client import VllmClient
 from ..vllm_loader.follower import FollowerConfig, UpdateRecord
 from ..vllm_loader.replay import replay
-from ..process import free_port
+from ..process import descendants, free_port
 from ..vllm_loader.serve import serve
 from .spec import FleetSpec
 
@@ -50,26 +50,6 @@ def unnice_thread() -> None:
             os.setpriority(os.PRIO_PROCESS, 0, 0)
     except OSError as exc:  # lowering niceness needs CAP_SYS_NICE: start Ray with RAY_worker_niceness=0
         log.info("vLLM keeps Ray's worker niceness (%s)", exc)
-
-
-def descendants(pid: int) -> list[int]:
-    """The PIDs of every live descendant of ``pid`` (from /proc: vLLM, its engine core, its workers)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 class ServerActor:

@@ -33,6 +33,7 @@ class FleetSlot:
         return True
 
     def release(self) -> None:
+        """Give the slot back (a no-op unless this holder has it)."""
         import ray
 
         ray.get(self._controller.release_slot.remote(self.holder))

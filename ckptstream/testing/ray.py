@@ -1,8 +1,8 @@
 """A one-node Ray cluster for tests: ``ray start --head`` on 127.0.0.1, torn down with every process it
 started.
 
-Every process of the cluster (GCS, raylet, workers, and what they start: vLLM) inherits a marker in its
-environment (``CLUSTER_MARKER``); the teardown ends exactly those, by PID (``ray stop`` would end every
+Every process of the cluster (GCS, raylet, agents, workers, and what they start: vLLM) is found by its
+temp dir (``cluster_processes``); the teardown ends exactly those, by PID (``ray stop`` would end every
 Ray process of the machine, other users' clusters included). Run it where nothing but loopback exists
 (a network namespace): Ray's processes connect over the machine's own address otherwise.
 """
@@ -16,7 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from ..process import descendants
 
 CLUSTER_MARKER = "CKPTSTREAM_TEST_RAY_CLUSTER"
 """The environment variable every process of a test cluster carries (its value: the cluster's temp dir)."""
@@ -32,24 +33,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def processes_with_marker(value: str) -> list[int]:
-    """PIDs of the live processes whose environment holds ``CLUSTER_MARKER=value``."""
-    needle = f"{CLUSTER_MARKER}={value}".encode()
-    found = []
+def cluster_processes(temp_dir: str) -> list[int]:
+    """PIDs of the live processes of the cluster whose temp dir is ``temp_dir``, and of their descendants:
+    those with ``CLUSTER_MARKER=temp_dir`` in their environment, ``temp_dir`` in their command line, or a
+    file open under it (Ray's workers and agents rename themselves with setproctitle, which overwrites the
+    environment /proc shows, but keep their logs open in the session directory)."""
+    needle, prefix = f"{CLUSTER_MARKER}={temp_dir}".encode(), temp_dir.encode()
+    found = set()
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) == os.getpid() or not pid_alive(int(entry)):
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 environ = f.read().split(b"\0")
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue  # a zombie holds nothing: its parent reaps it
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            files = [os.readlink(f"/proc/{entry}/fd/{fd}") for fd in os.listdir(f"/proc/{entry}/fd")]
         except OSError:
             continue
-        if needle in environ:
-            found.append(int(entry))
-    return found
+        if needle in environ or prefix in cmdline or any(f.startswith(temp_dir + "/") for f in files):
+            found.add(int(entry))
+    for pid in list(found):
+        found.update(p for p in descendants(pid) if pid_alive(p))
+    return sorted(found)
 
 
 def pid_alive(pid: int) -> bool:
@@ -85,7 +91,7 @@ class RayCluster:
 
     def pids(self) -> list[int]:
         """The live processes of this cluster (and of what its workers started)."""
-        return processes_with_marker(self.temp_dir)
+        return cluster_processes(self.temp_dir)
 
     def close(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -108,7 +114,3 @@ class RayCluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def ray_session_logs(cluster: RayCluster) -> Path:
-    """The directory of the cluster's logs (workers' output: what a failing test wants to read)."""
-    return Path(cluster.temp_dir) / "session_latest" / "logs"

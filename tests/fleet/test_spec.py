@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -57,3 +58,27 @@ def test_fleet_help_has_examples_and_imports_neither_torch_nor_ray():
              "assert 'torch' not in sys.modules and 'ray' not in sys.modules\n")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_test_cluster_finds_its_processes_by_their_open_files_and_their_children(tmp_path):
+    """Ray's processes rename themselves (their /proc environment is gone then): what the teardown kills is
+    found by the files they keep open in the cluster's directory, and by parenthood."""
+    import subprocess
+
+    from ckptstream.testing.ray import cluster_processes, pid_alive
+
+    shell = subprocess.Popen(["sh", "-c", f"exec 3>{tmp_path}/log; sleep 60 3>&- & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(found := cluster_processes(str(tmp_path))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shell.pid in found and len(found) == 2  # the shell (its open file) and its child (closed it)
+        assert cluster_processes(str(tmp_path / "other")) == []
+    finally:
+        for pid in cluster_processes(str(tmp_path)):
+            os.kill(pid, 9)
+        shell.wait()
+    deadline = time.monotonic() + 10  # a SIGKILLed orphan ends (and init reaps it) a moment later
+    while any(pid_alive(p) for p in found) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in found)
