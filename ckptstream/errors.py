@@ -211,3 +211,16 @@ class RouterError(CkptStreamError, RuntimeError):
         super().__init__(f"{subject}: {message}", **where)
         self.router = router
         self.worker = worker
+
+class FleetError(CkptStreamError, RuntimeError):
+    """A fleet of servers on Ray could not do what was asked (start, scale, replay, wait)."""
+
+
+class FleetNotFoundError(FleetError, LookupError):
+    """No fleet of this stream (or name) runs on the Ray cluster."""
+
+    exit_code = EXIT_NOT_FOUND
+
+
+class FleetTimeout(FleetError, TimeoutError):
+    """Too few of a fleet's servers reached a version in time."""

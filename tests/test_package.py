@@ -11,12 +11,13 @@ import sys
 
 import pytest
 
-LAZY_FACES = ["ckptstream", "ckptstream.reader", "ckptstream.writer"]
+LAZY_FACES = ["ckptstream", "ckptstream.reader", "ckptstream.writer", "ckptstream.fleet"]
 
 
 @pytest.mark.parametrize("package", LAZY_FACES)
 def test_import_does_not_import_torch(package):
-    check = f"import sys, {package}; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    check = (f"import sys, {package}; assert 'torch' not in sys.modules and 'ray' not in sys.modules, "
+             "sorted(sys.modules)")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

@@ -1,5 +1,5 @@
 """The ``ckptstream`` command line: publish, ls, show, diff, replicas, materialize, verify, mirror, export,
-import, gc, follow, serve, replay, relay, make-tiny-model, demo.
+import, gc, follow, serve, replay, fleet, relay, make-tiny-model, demo.
 
 One module per command group; :mod:`.options` and :mod:`.output` hold what they share. Results go to
 stdout (``--json`` for scripts), progress and ``Error:`` lines to stderr. Set ``CKPTSTREAM_TRACEBACK=1``
@@ -18,7 +18,7 @@ from typing import Sequence
 from .. import __version__
 from ..errors import (EXIT_CONFLICT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE,
                       CkptStreamError)
-from . import bundle, follow, gc, inspect, materialize, mirror, publish, relay, tools
+from . import bundle, fleet, follow, gc, inspect, materialize, mirror, publish, relay, tools
 from .options import EXIT_CODES_HELP, Parser
 
 __all__ = ["main"]
@@ -85,6 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
             """) + "\n" + EXIT_CODES_HELP)
     parser.add_argument("--version", action="version", version=f"ckptstream {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for group in (publish, inspect, materialize, mirror, bundle, gc, follow, relay, tools):
+    for group in (publish, inspect, materialize, mirror, bundle, gc, follow, fleet, relay, tools):
         group.register(sub)
     return parser

@@ -10,7 +10,8 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import EXIT_ERROR, EXIT_OK
-from .options import (DEFAULT_LEASE_TTL, LATEST, UsageError, add_command, add_url, positive_seconds, storage_options,
+from .options import (DEFAULT_LEASE_TTL, LATEST, UsageError, add_command, add_url, positive_int, positive_seconds,
+                      storage_options,
                       version_number, version_ref)
 from .output import print_json, table
 
@@ -110,11 +111,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "each (the command goes after --)", """
         ckptstream replay /mnt/nfs/run1 --versions 0:100:10 --vllm-url http://127.0.0.1:8000 -- python eval.py
         ckptstream replay s3://bucket/run1 --versions 40:latest --vllm-url http://127.0.0.1:8000 --json -- ./eval.sh
+        ckptstream replay --fleet /mnt/nfs/run1 --versions 0:100 --servers 4 -- python eval.py  # on a Ray fleet
         # the command sees CKPTSTREAM_VERSION, CKPTSTREAM_URL and CKPTSTREAM_VLLM_URL
         """, parents=[follower_options])
     add_url(p)
     p.add_argument("--versions", required=True, metavar="A:B[:STEP]", help="versions to evaluate (inclusive)")
-    p.add_argument("--vllm-url", action="append", required=True, metavar="URL", help="server(s) to load into")
+    p.add_argument("--vllm-url", action="append", metavar="URL", help="server(s) to load into")
+    p.add_argument("--fleet", action="store_true",
+                   help="evaluate on servers set aside from the stream's fleet on Ray (`ckptstream fleet up`), the "
+                        "versions spread over them, each command run on its server's node")
+    p.add_argument("--servers", type=positive_int, metavar="K",
+                   help="with --fleet: servers to set aside (default every server serving)")
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                   help="with --fleet: the Ray cluster (default $RAY_ADDRESS, else the local one)")
+    p.add_argument("--name", help="with --fleet: the fleet's name (default from the stream URL)")
 
 
 def _follow_logging() -> None:
@@ -193,7 +203,13 @@ def run_replay(args: argparse.Namespace) -> int:
 
     if not args.passthrough:
         raise UsageError("give the evaluation command after --, e.g. `-- python eval.py`")
+    if args.fleet == bool(args.vllm_url):
+        raise UsageError("give either --vllm-url (servers to load into) or --fleet (servers of a Ray fleet)")
     _follow_logging()
+    if args.fleet:
+        from .fleet import run_fleet_replay
+
+        return run_fleet_replay(args)
     results = replay(args.url, args.versions, args.vllm_url, args.passthrough, storage_options=storage_options(args),
                      cache_dir=args.cache_dir, api_key=args.api_key, lease_ttl=args.lease_ttl)
     if args.json:

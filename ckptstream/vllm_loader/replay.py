@@ -30,16 +30,20 @@ class ReplayResult:
     exit_code: int | None  # None: the version could not be loaded, the command did not run
     run_s: float
     error: str | None = None
+    output: str | None = None  # the command's stdout and stderr, when the replay captured them
 
 
-def replay(url: str, versions: str, vllm_urls: Sequence[str | VllmControl], command: Sequence[str], *,
-           config: FollowerConfig | None = None, takeover_timeout: float = 600.0,
+def replay(url: str, versions: str | Sequence[int], vllm_urls: Sequence[str | VllmControl], command: Sequence[str],
+           *, config: FollowerConfig | None = None, takeover_timeout: float = 600.0, capture: bool = False,
            **options: Any) -> list[ReplayResult]:
     """Load each selected version into the servers, then run ``command`` with ``CKPTSTREAM_VERSION``,
     ``CKPTSTREAM_URL`` and ``CKPTSTREAM_VLLM_URL`` in its environment.
 
     Args:
+        versions: ``A:B[:STEP]`` (see ``select_versions``), or the version numbers themselves.
         vllm_urls: the servers (base URLs, or ``VllmControl`` objects).
+        capture: keep the command's output (stdout and stderr together) in each result instead of
+            passing it on (a fleet's replay returns it from another node).
         config, options: the follower's options (``FollowerConfig`` and/or its fields as keywords:
             ``storage_options``, ``cache_dir``, ``api_key``, ...).
         takeover_timeout: seconds to wait for the servers' followers to finish an update in flight.
@@ -50,12 +54,14 @@ def replay(url: str, versions: str, vllm_urls: Sequence[str | VllmControl], comm
     config = config.with_options(replica_id=config.replica_id or f"replay-{os.getpid()}", stand_aside=False,
                                  ephemeral_cache=True)
     with Follower(url, vllm_urls, config) as follower:
-        selected = select_versions(follower.stream, versions)  # refused before the servers are touched
+        # Refused before the servers are touched.
+        selected = select_versions(follower.stream, versions) if isinstance(versions, str) else \
+            [follower.stream.resolve(v) for v in versions]
         with Takeover([c.url for c in follower.clients], timeout=takeover_timeout):
-            return [_replay_one(follower, version, url, command) for version in selected]
+            return [_replay_one(follower, version, url, command, capture) for version in selected]
 
 
-def _replay_one(follower: Follower, version: int, url: str, command: Sequence[str]) -> ReplayResult:
+def _replay_one(follower: Follower, version: int, url: str, command: Sequence[str], capture: bool) -> ReplayResult:
     """Load ``version`` into the servers, then run ``command`` against it."""
     started = time.perf_counter()
     try:
@@ -66,5 +72,9 @@ def _replay_one(follower: Follower, version: int, url: str, command: Sequence[st
     env = {**os.environ, "CKPTSTREAM_VERSION": str(version), "CKPTSTREAM_URL": url,
            "CKPTSTREAM_VLLM_URL": follower.clients[0].url}
     started = time.perf_counter()
-    code = subprocess.run(list(command), env=env).returncode
-    return ReplayResult(version, load_s, code, time.perf_counter() - started)
+    if capture:
+        done = subprocess.run(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        code, output = done.returncode, done.stdout.decode("utf-8", "replace")
+    else:
+        code, output = subprocess.run(list(command), env=env).returncode, None
+    return ReplayResult(version, load_s, code, time.perf_counter() - started, output=output)
