@@ -19,6 +19,7 @@ from ..errors import VllmError
 from ..format import LATEST
 from ..vllm_loader.client import VllmClient
 from ..vllm_loader.follower import FollowerConfig, UpdateRecord
+from ..vllm_loader.observe import OnUpdate
 from ..vllm_loader.replay import replay
 from ..process import descendants, free_port
 from ..vllm_loader.serve import serve
@@ -89,12 +90,12 @@ class ServerActor:
         spec = self.spec
         config = FollowerConfig(storage_options=spec.storage_options, cache_dir=spec.cache_dir,
                                 replica_id=self.replica_id, api_key=spec.api_key, poll_interval=spec.poll_interval,
-                                on_update=self._on_update)
+                                observers=[OnUpdate(self._on_update)])
         options: dict[str, Any] = {}
         if self._gate is not None and self.node_rank == 0:
             config = config.with_options(update_gate=self._gate(self.url))
         if self.metrics_port is not None and self.node_rank == 0:
-            options["metrics_port"] = self.metrics_port
+            options.update(metrics_port=self.metrics_port, metrics_host=self.node)
         if spec.nodes_per_replica > 1:
             options.update(nnodes=spec.nodes_per_replica, node_rank=self.node_rank,
                            master_addr=master_addr or self.node)
