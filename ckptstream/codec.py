@@ -188,23 +188,55 @@ def encode_chunk(new: torch.Tensor, base: torch.Tensor | None, itemsize: int, *,
         changed = positions.numel()
         layout = LAYOUT_SPARSE if changed <= SPARSE_MAX_DENSITY * ints.numel() else LAYOUT_DENSE
         if layout == LAYOUT_SPARSE:
-            payload = _sparse_payload(positions, ints[positions], itemsize, shuffle)
+            return sparse_frame(positions, ints[positions], itemsize, shuffle=shuffle, level=level), changed, layout
     if layout == LAYOUT_DENSE and shuffle:
         payload = _shuffle(payload, itemsize)
     return _compressor(level).compress(buffer_of(payload)), changed, layout
 
 
-def _sparse_payload(positions: torch.Tensor, values: torch.Tensor, itemsize: int, shuffle: bool) -> torch.Tensor:
-    """Sparse layout: header, one gap byte per changed element (255 escapes to a u32 list), the values."""
+def sparse_frame(positions: torch.Tensor, values: torch.Tensor, itemsize: int, *, shuffle: bool,
+                 level: int) -> bytes:
+    """The stored bytes (one zstd frame) of a ``sparse`` chunk: the XOR ``values`` (integers of ``itemsize``
+    bytes) of the changed elements at ``positions`` (ascending int64 element indices inside the chunk).
+
+    The one serializer of the sparse layout, for every encoder (host and device): callers that find the
+    changed elements elsewhere hand them here.
+    """
+    return _compress_sections(_sparse_sections(positions, values, itemsize, shuffle), level)
+
+
+def _sparse_sections(positions: torch.Tensor, values: torch.Tensor, itemsize: int,
+                     shuffle: bool) -> list[torch.Tensor]:
+    """The sparse layout's payload (header, one gap byte per changed element with 255 escaping to a u32
+    list, the values), as its consecutive sections: header and gap bytes, long gaps, then the values,
+    one section per byte plane if shuffled."""
     gaps = torch.diff(positions, prepend=positions.new_tensor([-1])) - 1
     escaped = gaps >= _GAP_ESCAPE
     big = gaps[escaped].to(torch.int32)
     small = gaps.clamp(max=_GAP_ESCAPE).to(torch.uint8)
     value_bytes = values.contiguous().view(torch.uint8)
-    if shuffle:
-        value_bytes = _shuffle(value_bytes, itemsize)
     header = torch.tensor([positions.numel(), big.numel()], dtype=torch.int32).view(torch.uint8)
-    return torch.cat([header, small, big.view(torch.uint8), value_bytes])
+    sections = [torch.cat([header, small]), big.view(torch.uint8)]
+    if shuffle and itemsize > 1 and positions.numel():
+        sections.extend(_shuffle(value_bytes, itemsize).view(itemsize, -1).unbind(0))
+    else:
+        sections.append(value_bytes)
+    return sections
+
+
+def _compress_sections(sections: list[torch.Tensor], level: int) -> bytes:
+    """One zstd frame of the concatenated ``sections`` (uint8, contiguous), declaring its content size,
+    with a block boundary after each section: every section gets entropy tables of its own (gap bytes,
+    long gaps and each byte plane of the values have unrelated statistics; one table for a block mixing
+    them costs ~14 % of a 1 %-changed bf16 chunk). Decoders see one ordinary frame."""
+    compressor = _compressor(level).compressobj(size=sum(s.numel() for s in sections))
+    parts = []
+    for section in sections:
+        if section.numel():
+            parts.append(compressor.compress(buffer_of(section)))
+            parts.append(compressor.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    parts.append(compressor.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
+    return b"".join(parts)
 
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame; skippable frames have other magic numbers
