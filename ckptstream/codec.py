@@ -8,6 +8,7 @@ callers encode and decode chunks in parallel threads (torch and zstandard releas
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 
 import torch
@@ -163,6 +164,7 @@ SPARSE_MAX_DENSITY = 0.125
 """XOR chunks with at most this fraction of changed elements use the sparse layout (FORMAT.md)."""
 
 _SPARSE_HEADER = 8  # u32 count of changed elements, u32 count of escaped gaps
+_SPARSE_COUNTS = struct.Struct("<II")
 _GAP_ESCAPE = 255
 
 
@@ -300,26 +302,35 @@ def _decode_sparse(stored: bytes | memoryview, raw_bytes: int, itemsize: int,
     data = _decompress(stored, _SPARSE_HEADER + n * (1 + 4 + itemsize), exact=False)
     if len(data) < _SPARSE_HEADER:
         raise ValueError("sparse chunk is shorter than its header")
-    payload = torch.frombuffer(data, dtype=torch.uint8)
-    count, n_big = (int(x) for x in payload[:_SPARSE_HEADER].view(torch.int32))
+    count, n_big = _SPARSE_COUNTS.unpack_from(data)
     if not 0 <= count <= n or not 0 <= n_big <= count:
         raise ValueError(f"sparse chunk claims {count} changes / {n_big} long gaps for {n} elements")
     if len(data) != _SPARSE_HEADER + count * (1 + itemsize) + 4 * n_big:
         raise ValueError("sparse chunk size does not match its header")
     small_end = _SPARSE_HEADER + count
     big_end = small_end + 4 * n_big
-    gaps = payload[_SPARSE_HEADER:small_end].to(torch.int64)
+    if not count:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=INT_OF_SIZE[itemsize])
+    # Sections are copied out with Python's memcpy (into aligned buffers for the integer views): small
+    # torch copies fork an OpenMP team each, which costs milliseconds on a busy machine.
+    gaps = torch.frombuffer(data, dtype=torch.uint8, count=count, offset=_SPARSE_HEADER).to(torch.int64)
     escaped = gaps == _GAP_ESCAPE
     if int(escaped.sum()) != n_big:
         raise ValueError("sparse chunk's escaped gaps do not match its header")
-    big = payload[small_end:big_end].clone().view(torch.int32).to(torch.int64)
-    if n_big and int(big.min()) < _GAP_ESCAPE:
-        raise ValueError("sparse chunk has an invalid long gap")
-    gaps[escaped] = big
-    positions = torch.cumsum(gaps + 1, 0) - 1
-    if count and int(positions[-1]) >= n:
+    if n_big:
+        big = torch.frombuffer(bytearray(data[small_end:big_end]), dtype=torch.int32).to(torch.int64)
+        if int(big.min()) < _GAP_ESCAPE:
+            raise ValueError("sparse chunk has an invalid long gap")
+        gaps[escaped] = big
+    positions = gaps.add_(1).cumsum_(0).sub_(1)
+    if int(positions[-1]) >= n:
         raise ValueError("sparse chunk points past the end of its chunk")
-    value_bytes = payload[big_end:].clone()  # aligned for the integer view
-    if shuffle:
-        value_bytes = _unshuffle(value_bytes, itemsize)
-    return positions, value_bytes.view(INT_OF_SIZE[itemsize])
+    value_bytes = torch.frombuffer(bytearray(data[big_end:]), dtype=torch.uint8)
+    if not shuffle or itemsize == 1:
+        return positions, value_bytes.view(INT_OF_SIZE[itemsize])
+    # Byte planes to integers by shifts (~3x faster than a transposing copy for a few thousand elements).
+    planes = value_bytes.view(itemsize, count)
+    values = planes[0].to(INT_OF_SIZE[itemsize])
+    for j in range(1, itemsize):
+        values.bitwise_or_(planes[j].to(INT_OF_SIZE[itemsize]).bitwise_left_shift_(8 * j))
+    return positions, values

@@ -259,6 +259,55 @@ def test_damaged_base_directory_is_an_integrity_error_naming_the_file(two_versio
         stream.check_materialized(base, 0)
 
 
+@pytest.mark.parametrize("encoding", ["xor-zstd", "unchanged"])
+@pytest.mark.parametrize("damage", ["value", "dtype"])
+def test_a_differing_base_copy_is_refused_on_every_decode_path(two_versions, tmp_path, damage, encoding):
+    """Directory writers read a base copy straight into reused buffers, checked only through the decoded
+    tensor's hash; ``iter_tensors`` goes the same way without reuse. Both refuse the same damage with the
+    same error, naming the base version and the tensor, and write nothing."""
+    from safetensors.torch import save_file
+
+    stream = Stream(two_versions)
+    name = next(t.name for t in stream.manifest(1).tensors if t.encoding == encoding)
+    base = stream.materialize(0, tmp_path / "v0")
+    tensors = load_file(base / "model.safetensors")
+    if damage == "value":
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(torch.uint8).view(-1)[-1] ^= 1
+    else:
+        tensors[name] = tensors[name].view(torch.uint8)
+    save_file(tensors, str(base / "model.safetensors"))
+    expected = "base copy differs" if damage == "value" else "base copy has"
+
+    def write_into() -> None:
+        (tmp_path / "w").mkdir(exist_ok=True)
+        stream.write_into(1, tmp_path / "w", base_dir=base)
+
+    for decode in (lambda: stream.materialize(1, tmp_path / "v1", base_dir=base),
+                   write_into, lambda: dict(stream.iter_tensors(1, base_dir=base))):
+        with pytest.raises(IntegrityError, match=expected) as info:
+            decode()
+        assert info.value.version == 0 and info.value.tensor == name
+    assert not (tmp_path / "v1").exists()
+
+
+def test_buffer_pool_reuses_buffers_within_twice_their_size():
+    from ckptstream.reader.decode import BufferPool
+
+    pool = BufferPool(max_free_bytes=1 << 20)
+    a = pool.take(1000)
+    pointer = a.data_ptr()
+    pool.give(a.view(torch.int16).view(10, 50))  # a view of it counts as it
+    assert pool.take(400).data_ptr() != pointer  # less than half: a fresh buffer
+    b = pool.take(600)
+    assert b.data_ptr() == pointer and b.numel() == 600
+    pool.give(torch.empty(10, dtype=torch.uint8))  # not one of its own: ignored
+    pool.give(b)
+    big = pool.take(2 << 20)
+    pool.give(big)  # more than it keeps free: dropped
+    assert pool.take(1000).data_ptr() == pointer
+
+
 # ------------------------------------------------------------------------------- references and outputs
 
 @pytest.mark.parametrize("ref", ["abc", "-1", -1, "1_0", " 1", "1.0", "", 10**12, True, None])
