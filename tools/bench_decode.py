@@ -10,8 +10,8 @@ changed per step by 1–3 ulps, the stream a directory on the storage given by `
   (c) the follower's apply-one-delta (``Stream.write_into`` with ``base_dir`` the previous version's
       materialized directory, what ``prepare_version`` does) vs a plain copy of that directory's weight
       files on the same machine (target <= 1.5x).
-The page cache is dropped (``/proc/sys/vm/drop_caches``, as root) before every cold read; where that is
-not permitted, each stream file is evicted with ``posix_fadvise(DONTNEED)`` (the run says which).
+Before every cold read the stream's files are evicted from the page cache with ``posix_fadvise(DONTNEED)``
+(``--drop-caches``: the whole page cache, as root; the run says which).
 
 Sizes (``--sizes``): stored bytes of one 4 MiB chunk per layout at 0.1 / 1 / 10 % changed elements, bf16
 and fp32, and the decode speed of each.
@@ -44,21 +44,25 @@ from ckptstream.testing.models import TinyModelSpec, rl_like_step, tiny_state_di
 BLOCK = 16 << 20
 
 
-def make_cold(files: list[Path]) -> str:
-    """Evict ``files`` from the page cache; returns how ("drop_caches" or "fadvise")."""
+def make_cold(files: list[Path], drop_caches: bool) -> str:
+    """Evict ``files`` from the page cache; returns how: ``fadvise`` (``posix_fadvise(DONTNEED)`` on each
+    file, after a sync: only these files go cold) or ``drop_caches`` (the whole page cache, root only: also
+    the libraries' code pages, which the decoder then faults back in from disk)."""
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for path in files:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        return "fadvise"
+    if drop_caches:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            return "drop_caches"
+        except OSError:
+            pass
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise"
 
 
 def timed(fn) -> float:
@@ -112,12 +116,12 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     base = stream.materialize(latest - 1, out / "base")
     how = ""
     for _ in range(args.repeats):
-        how = make_cold(files)
+        how = make_cold(files, args.drop_caches)
         raw.append(timed(lambda: read_files(files)))
-        make_cold(files)
+        make_cold(files, args.drop_caches)
         mat.append(timed(lambda: stream.materialize(latest, out / "mat")))
         shutil.rmtree(out / "mat")
-        make_cold(files)
+        make_cold(files, args.drop_caches)
         (out / "next").mkdir()
         follow.append(timed(lambda: stream.write_into(latest, out / "next", base_dir=base)))
         shutil.rmtree(out / "next")
@@ -193,11 +197,15 @@ def main() -> None:
     parser.add_argument("--dir", help="storage directory (default: a temp dir under /tmp)")
     parser.add_argument("--out", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                         help="where materialized directories go, as a follower's cache would (default /dev/shm)")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="drop the whole page cache before each cold read (root), not only the stream's files")
     parser.add_argument("--sizes-only", action="store_true", help="only the per-layout chunk sizes")
+    parser.add_argument("--no-sizes", action="store_true", help="only the decode figures")
     args = parser.parse_args()
     if not args.sizes_only:
         decode_benchmark(args)
-    sizes_benchmark(args.repeats)
+    if not args.no_sizes:
+        sizes_benchmark(args.repeats)
 
 
 if __name__ == "__main__":

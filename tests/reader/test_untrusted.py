@@ -238,6 +238,50 @@ def test_chain_fields_must_agree_with_the_base(stream_url, field, value):
         assert info.value.version == 2 and info.value.file == manifest_path(2)
 
 
+# ------------------------------------------------------------------------------ malformed sparse chunks
+
+def _sparse_frame(count: int, n_big: int, gaps: bytes, big: list[int], values: bytes) -> bytes:
+    """A zstd frame of a hand-made sparse payload (FORMAT.md, "Encodings")."""
+    import struct
+
+    import zstandard
+
+    payload = struct.pack("<II", count, n_big) + gaps + struct.pack(f"<{len(big)}I", *big) + values
+    return zstandard.ZstdCompressor(write_content_size=True).compress(payload)
+
+
+@pytest.mark.parametrize("frame, problem", [
+    (_sparse_frame(65, 0, bytes(65), [], bytes(130)), "claims 65 changes"),
+    (_sparse_frame(1, 0, b"\xff", [], b"\x01\x00"), "escaped gaps do not match"),
+    (_sparse_frame(1, 1, b"\xff", [3], b"\x01\x00"), "invalid long gap"),
+    (_sparse_frame(1, 0, bytes([64]), [], b"\x01\x00"), "points past the end"),
+    (_sparse_frame(1, 0, b"\x00", [], b"\x01"), "size does not match"),
+], ids=["count", "escapes", "long-gap", "past-end", "size"])
+def test_a_malformed_sparse_chunk_is_an_integrity_error_naming_it(stream_url, tmp_path, frame, problem):
+    """A sparse chunk whose payload is malformed, behind a correctly sealed manifest and matching stored
+    hashes, is refused by every decode path, naming version, file and tensor."""
+    state = {"w": torch.arange(64, dtype=torch.float32).to(torch.bfloat16)}
+    with Publisher(stream_url) as publisher:
+        publisher.publish(state).result()
+        state["w"].view(torch.int16)[5] += 1
+        publisher.publish(state).result()
+    entry = Stream(stream_url).manifest(1).tensor("w")
+    assert [layout for _, _, layout in entry.chunks] == ["sparse"]
+    _replace(stream_url, data_path(1, entry.file), frame)
+
+    def edit(body: dict) -> None:
+        body["files"] = [{"name": entry.file, "size": len(frame), "hash": content_hash(frame)}]
+        (tensor,) = body["tensors"]
+        tensor.update(offset=0, length=len(frame), stored_hash=content_hash(frame),
+                      chunks=[[entry.nbytes, len(frame), "sparse"]])
+    _forge(stream_url, 1, edit)
+    stream = Stream(stream_url)
+    for decode in (lambda: stream.read_tensor(1, "w"), lambda: stream.materialize(1, tmp_path / "out")):
+        with pytest.raises(IntegrityError, match=problem) as info:
+            decode()
+        assert (info.value.version, info.value.file, info.value.tensor) == (1, data_path(1, entry.file), "w")
+
+
 # ------------------------------------------------------------------------------------ damaged base copy
 
 @pytest.mark.parametrize("damage", ["truncate", "header"])
