@@ -148,9 +148,10 @@ def fmt(values: list[float]) -> str:
 
 
 def sizes_benchmark(repeats: int) -> None:
-    """Stored size of one 4 MiB chunk per layout and change rate, and decode time of each."""
-    print(f"\n{'dtype':6} {'changed':>8} {'layout':>7} {'stored %':>9} {'before %':>9} {'decode ms':>10} "
-          f"{'before ms':>10}")
+    """Stored size of one 4 MiB chunk per layout and change rate, and decode time of each (old and new
+    frames timed alternately, so that a busy machine slows both alike)."""
+    print(f"\n{'dtype':8} {'changed':>7} {'layout':>7} {'stored %':>9} {'before %':>9} {'apply ms':>9} "
+          f"{'before':>7} {'zstd ms':>8} {'before':>7}")
     generator = torch.Generator().manual_seed(1)
     for dtype in (torch.bfloat16, torch.float32):
         for fraction in (0.001, 0.01, 0.1):
@@ -163,23 +164,27 @@ def sizes_benchmark(repeats: int) -> None:
             # Before: the same payload compressed in one pass (one entropy table per 128 KiB block).
             before = codec._compressor(3).compress(codec.buffer_of(torch.cat(codec._sparse_sections(
                 *_positions_values(a, b, dtype.itemsize), dtype.itemsize, True)))) if layout == "sparse" else frame
-
-            print(f"{str(dtype).removeprefix('torch.'):6} {fraction:8.1%} {layout:>7} "
+            apply_new, apply_old, zstd_new, zstd_old = decode_ms([frame, before], a, b, dtype.itemsize, layout,
+                                                                 max(repeats, 15))
+            print(f"{str(dtype).removeprefix('torch.'):8} {fraction:7.1%} {layout:>7} "
                   f"{100 * len(frame) / a.numel():9.3f} {100 * len(before) / a.numel():9.3f} "
-                  f"{decode_ms(frame, a, b, dtype.itemsize, layout, repeats):10.2f} "
-                  f"{decode_ms(before, a, b, dtype.itemsize, layout, repeats):10.2f}")
+                  f"{apply_new:9.2f} {apply_old:7.2f} {zstd_new:8.3f} {zstd_old:7.3f}")
 
 
-def decode_ms(stored: bytes, new: torch.Tensor, base: torch.Tensor, itemsize: int, layout: str,
-              repeats: int) -> float:
-    """Median milliseconds of applying one stored XOR chunk to a copy of ``base`` (checked to give ``new``)."""
-    times = []
+def decode_ms(frames: list[bytes], new: torch.Tensor, base: torch.Tensor, itemsize: int, layout: str,
+              repeats: int) -> list[float]:
+    """Median milliseconds of applying each stored XOR chunk of ``frames`` to a copy of ``base`` (checked
+    to give ``new``), then of decompressing each alone; the frames alternate within each repeat."""
+    applies: list[list[float]] = [[] for _ in frames]
+    zstds: list[list[float]] = [[] for _ in frames]
     for _ in range(repeats):
-        target = base.clone()
-        times.append(timed(lambda t=target: codec.apply_chunk(t, stored, itemsize, shuffle=True, layout=layout,
-                                                              xor=True)))
-        assert torch.equal(target, new)
-    return 1000 * statistics.median(times)
+        for stored, apply_times, zstd_times in zip(frames, applies, zstds):
+            target = base.clone()
+            apply_times.append(timed(lambda t=target, f=stored: codec.apply_chunk(
+                t, f, itemsize, shuffle=True, layout=layout, xor=True)))
+            assert torch.equal(target, new)
+            zstd_times.append(timed(lambda f=stored: codec._decompress(f, 2 * new.numel() + 8, exact=False)))
+    return [1000 * statistics.median(t) for t in applies] + [1000 * statistics.median(t) for t in zstds]
 
 
 def _positions_values(a: torch.Tensor, b: torch.Tensor, itemsize: int) -> tuple[torch.Tensor, torch.Tensor]:
