@@ -32,7 +32,8 @@ from .decode import BaseTensors
 _BUILD_DIR = "out"
 
 Sink = Callable[[TensorEntry, torch.Tensor], int]
-"""Writes one decoded tensor and returns its byte count (called on the decoding threads)."""
+"""Writes one decoded tensor and returns its byte count (called on the decoding threads). It keeps no
+reference to the tensor: the decoder reuses its buffer once the sink returns."""
 
 
 def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
