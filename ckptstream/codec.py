@@ -8,6 +8,7 @@ callers encode and decode chunks in parallel threads (torch and zstandard releas
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 
 import torch
@@ -163,6 +164,7 @@ SPARSE_MAX_DENSITY = 0.125
 """XOR chunks with at most this fraction of changed elements use the sparse layout (FORMAT.md)."""
 
 _SPARSE_HEADER = 8  # u32 count of changed elements, u32 count of escaped gaps
+_SPARSE_COUNTS = struct.Struct("<II")
 _GAP_ESCAPE = 255
 
 
@@ -188,23 +190,55 @@ def encode_chunk(new: torch.Tensor, base: torch.Tensor | None, itemsize: int, *,
         changed = positions.numel()
         layout = LAYOUT_SPARSE if changed <= SPARSE_MAX_DENSITY * ints.numel() else LAYOUT_DENSE
         if layout == LAYOUT_SPARSE:
-            payload = _sparse_payload(positions, ints[positions], itemsize, shuffle)
+            return sparse_frame(positions, ints[positions], itemsize, shuffle=shuffle, level=level), changed, layout
     if layout == LAYOUT_DENSE and shuffle:
         payload = _shuffle(payload, itemsize)
     return _compressor(level).compress(buffer_of(payload)), changed, layout
 
 
-def _sparse_payload(positions: torch.Tensor, values: torch.Tensor, itemsize: int, shuffle: bool) -> torch.Tensor:
-    """Sparse layout: header, one gap byte per changed element (255 escapes to a u32 list), the values."""
+def sparse_frame(positions: torch.Tensor, values: torch.Tensor, itemsize: int, *, shuffle: bool,
+                 level: int) -> bytes:
+    """The stored bytes (one zstd frame) of a ``sparse`` chunk: the XOR ``values`` (integers of ``itemsize``
+    bytes) of the changed elements at ``positions`` (ascending int64 element indices inside the chunk).
+
+    The one serializer of the sparse layout, for every encoder (host and device): callers that find the
+    changed elements elsewhere hand them here.
+    """
+    return _compress_sections(_sparse_sections(positions, values, itemsize, shuffle), level)
+
+
+def _sparse_sections(positions: torch.Tensor, values: torch.Tensor, itemsize: int,
+                     shuffle: bool) -> list[torch.Tensor]:
+    """The sparse layout's payload (header, one gap byte per changed element with 255 escaping to a u32
+    list, the values), as its consecutive sections: header and gap bytes, long gaps, then the values,
+    one section per byte plane if shuffled."""
     gaps = torch.diff(positions, prepend=positions.new_tensor([-1])) - 1
     escaped = gaps >= _GAP_ESCAPE
     big = gaps[escaped].to(torch.int32)
     small = gaps.clamp(max=_GAP_ESCAPE).to(torch.uint8)
     value_bytes = values.contiguous().view(torch.uint8)
-    if shuffle:
-        value_bytes = _shuffle(value_bytes, itemsize)
     header = torch.tensor([positions.numel(), big.numel()], dtype=torch.int32).view(torch.uint8)
-    return torch.cat([header, small, big.view(torch.uint8), value_bytes])
+    sections = [torch.cat([header, small]), big.view(torch.uint8)]
+    if shuffle and itemsize > 1 and positions.numel():
+        sections.extend(_shuffle(value_bytes, itemsize).view(itemsize, -1).unbind(0))
+    else:
+        sections.append(value_bytes)
+    return sections
+
+
+def _compress_sections(sections: list[torch.Tensor], level: int) -> bytes:
+    """One zstd frame of the concatenated ``sections`` (uint8, contiguous), declaring its content size,
+    with a block boundary after each section: every section gets entropy tables of its own (gap bytes,
+    long gaps and each byte plane of the values have unrelated statistics; one table for a block mixing
+    them costs ~14 % of a 1 %-changed bf16 chunk). Decoders see one ordinary frame."""
+    compressor = _compressor(level).compressobj(size=sum(s.numel() for s in sections))
+    parts = []
+    for section in sections:
+        if section.numel():
+            parts.append(compressor.compress(buffer_of(section)))
+            parts.append(compressor.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    parts.append(compressor.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
+    return b"".join(parts)
 
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame; skippable frames have other magic numbers
@@ -268,26 +302,35 @@ def _decode_sparse(stored: bytes | memoryview, raw_bytes: int, itemsize: int,
     data = _decompress(stored, _SPARSE_HEADER + n * (1 + 4 + itemsize), exact=False)
     if len(data) < _SPARSE_HEADER:
         raise ValueError("sparse chunk is shorter than its header")
-    payload = torch.frombuffer(data, dtype=torch.uint8)
-    count, n_big = (int(x) for x in payload[:_SPARSE_HEADER].view(torch.int32))
+    count, n_big = _SPARSE_COUNTS.unpack_from(data)
     if not 0 <= count <= n or not 0 <= n_big <= count:
         raise ValueError(f"sparse chunk claims {count} changes / {n_big} long gaps for {n} elements")
     if len(data) != _SPARSE_HEADER + count * (1 + itemsize) + 4 * n_big:
         raise ValueError("sparse chunk size does not match its header")
     small_end = _SPARSE_HEADER + count
     big_end = small_end + 4 * n_big
-    gaps = payload[_SPARSE_HEADER:small_end].to(torch.int64)
+    if not count:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=INT_OF_SIZE[itemsize])
+    # Sections are copied out with Python's memcpy (into aligned buffers for the integer views): small
+    # torch copies fork an OpenMP team each, which costs milliseconds on a busy machine.
+    gaps = torch.frombuffer(data, dtype=torch.uint8, count=count, offset=_SPARSE_HEADER).to(torch.int64)
     escaped = gaps == _GAP_ESCAPE
     if int(escaped.sum()) != n_big:
         raise ValueError("sparse chunk's escaped gaps do not match its header")
-    big = payload[small_end:big_end].clone().view(torch.int32).to(torch.int64)
-    if n_big and int(big.min()) < _GAP_ESCAPE:
-        raise ValueError("sparse chunk has an invalid long gap")
-    gaps[escaped] = big
-    positions = torch.cumsum(gaps + 1, 0) - 1
-    if count and int(positions[-1]) >= n:
+    if n_big:
+        big = torch.frombuffer(bytearray(data[small_end:big_end]), dtype=torch.int32).to(torch.int64)
+        if int(big.min()) < _GAP_ESCAPE:
+            raise ValueError("sparse chunk has an invalid long gap")
+        gaps[escaped] = big
+    positions = gaps.add_(1).cumsum_(0).sub_(1)
+    if int(positions[-1]) >= n:
         raise ValueError("sparse chunk points past the end of its chunk")
-    value_bytes = payload[big_end:].clone()  # aligned for the integer view
-    if shuffle:
-        value_bytes = _unshuffle(value_bytes, itemsize)
-    return positions, value_bytes.view(INT_OF_SIZE[itemsize])
+    value_bytes = torch.frombuffer(bytearray(data[big_end:]), dtype=torch.uint8)
+    if not shuffle or itemsize == 1:
+        return positions, value_bytes.view(INT_OF_SIZE[itemsize])
+    # Byte planes to integers by shifts (~3x faster than a transposing copy for a few thousand elements).
+    planes = value_bytes.view(itemsize, count)
+    values = planes[0].to(INT_OF_SIZE[itemsize])
+    for j in range(1, itemsize):
+        values.bitwise_or_(planes[j].to(INT_OF_SIZE[itemsize]).bitwise_left_shift_(8 * j))
+    return positions, values

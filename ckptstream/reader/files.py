@@ -100,13 +100,15 @@ class DataFiles:
         _check_file_hash(manifest, file, digest)
         self.check(manifest, file.name)
 
-    def read(self, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
-        """The stored bytes of ``entry`` as a uint8 tensor, its file checked first, the bytes checked
-        against ``stored_hash``."""
+    def read(self, manifest: Manifest, entry: TensorEntry, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored bytes of ``entry`` as a uint8 tensor (``out`` if given: uint8, ``entry.length``), its file
+        checked first, the bytes checked against ``stored_hash``."""
         assert entry.file is not None
         self.check(manifest, entry.file, entry.name)
         path = data_path(manifest.version, entry.file)
-        out = torch.empty(entry.length, dtype=torch.uint8)
+        if out is None:
+            out = torch.empty(entry.length, dtype=torch.uint8)
+        assert out.dtype == torch.uint8 and out.numel() == entry.length and out.is_contiguous()
         buffer = codec.buffer_of(out)
         # A large tensor is fetched as concurrent ranged reads (an object store serves each request at
         # a fraction of the link; a file system does not mind).

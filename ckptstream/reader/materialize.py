@@ -12,6 +12,7 @@ that has no lock file: an older ckptstream's debris) and leaves alone those stil
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,14 +25,15 @@ import torch
 from .. import codec
 from ..errors import CkptStreamError, IntegrityError, NotADirectoryOutputError, UnsafeManifestError
 from ..locks import LOCK_FILE, try_lock, unlock
-from ..format import (INDEX_FILE, MARKER_FILE, TEMP_PREFIX, Manifest, TensorEntry, asset_path, dumps_json,
-                      is_reserved_asset_name, loads_json, safetensors_header, shard_groups)
+from ..format import (INDEX_FILE, MARKER_FILE, SAFETENSORS_LENGTH, TEMP_PREFIX, Manifest, TensorEntry, asset_path,
+                      dumps_json, is_reserved_asset_name, loads_json, safetensors_header, shard_groups)
 from .decode import BaseTensors
 
 _BUILD_DIR = "out"
 
 Sink = Callable[[TensorEntry, torch.Tensor], int]
-"""Writes one decoded tensor and returns its byte count (called on the decoding threads)."""
+"""Writes one decoded tensor and returns its byte count (called on the decoding threads). It keeps no
+reference to the tensor: the decoder reuses its buffer once the sink returns."""
 
 
 def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
@@ -221,6 +223,19 @@ class MaterializedBase(BaseTensors):
                                      hint="Materialize this version without the base directory, or delete "
                                           "the directory") from None
         self._where = {name: f for f in self._files for name in f.keys()}
+        # Where each tensor's bytes lie, for reads straight into a decode buffer (safe_open has checked the
+        # headers: offsets inside the file, sizes matching dtype and shape).
+        self._spans: dict[str, tuple[int, int, str, tuple[int, ...]]] = {}
+        self._fds: list[int] = []
+        for path in sorted(self.directory.glob("*.safetensors")):
+            fd = os.open(path, os.O_RDONLY)
+            self._fds.append(fd)
+            (length,) = SAFETENSORS_LENGTH.unpack(os.pread(fd, SAFETENSORS_LENGTH.size, 0))
+            header = json.loads(os.pread(fd, length, SAFETENSORS_LENGTH.size))
+            for name, spec in header.items():
+                if name != "__metadata__":
+                    self._spans[name] = (fd, SAFETENSORS_LENGTH.size + length + spec["data_offsets"][0],
+                                         spec["dtype"], tuple(spec["shape"]))
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -229,6 +244,30 @@ class MaterializedBase(BaseTensors):
         f = self._where.get(name)
         return None if f is None else f.get_tensor(name).clone()
 
+    def read_into(self, entry: TensorEntry, out: torch.Tensor) -> bool:
+        span = self._spans.get(entry.name)
+        if span is None:
+            return False
+        fd, offset, dtype, shape = span
+        if (dtype, shape) != (entry.dtype, entry.shape):
+            raise IntegrityError(f"the given base copy has {dtype}{list(shape)}, the base version "
+                                 f"{entry.dtype}{list(entry.shape)}", version=self.version, tensor=entry.name,
+                                 hint="The local base directory is stale or foreign; materialize it again")
+        buffer = codec.buffer_of(out)
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(fd, [buffer[done:]], offset + done)
+            if n <= 0:
+                raise IntegrityError("the local copy is truncated", version=self.version, tensor=entry.name,
+                                     hint="Materialize this version without the base directory, or delete "
+                                          "the directory")
+            done += n
+        return True
+
     def close(self) -> None:
         self._files.clear()
         self._where.clear()
+        self._spans.clear()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()

@@ -238,6 +238,50 @@ def test_chain_fields_must_agree_with_the_base(stream_url, field, value):
         assert info.value.version == 2 and info.value.file == manifest_path(2)
 
 
+# ------------------------------------------------------------------------------ malformed sparse chunks
+
+def _sparse_frame(count: int, n_big: int, gaps: bytes, big: list[int], values: bytes) -> bytes:
+    """A zstd frame of a hand-made sparse payload (FORMAT.md, "Encodings")."""
+    import struct
+
+    import zstandard
+
+    payload = struct.pack("<II", count, n_big) + gaps + struct.pack(f"<{len(big)}I", *big) + values
+    return zstandard.ZstdCompressor(write_content_size=True).compress(payload)
+
+
+@pytest.mark.parametrize("frame, problem", [
+    (_sparse_frame(65, 0, bytes(65), [], bytes(130)), "claims 65 changes"),
+    (_sparse_frame(1, 0, b"\xff", [], b"\x01\x00"), "escaped gaps do not match"),
+    (_sparse_frame(1, 1, b"\xff", [3], b"\x01\x00"), "invalid long gap"),
+    (_sparse_frame(1, 0, bytes([64]), [], b"\x01\x00"), "points past the end"),
+    (_sparse_frame(1, 0, b"\x00", [], b"\x01"), "size does not match"),
+], ids=["count", "escapes", "long-gap", "past-end", "size"])
+def test_a_malformed_sparse_chunk_is_an_integrity_error_naming_it(stream_url, tmp_path, frame, problem):
+    """A sparse chunk whose payload is malformed, behind a correctly sealed manifest and matching stored
+    hashes, is refused by every decode path, naming version, file and tensor."""
+    state = {"w": torch.arange(64, dtype=torch.float32).to(torch.bfloat16)}
+    with Publisher(stream_url) as publisher:
+        publisher.publish(state).result()
+        state["w"].view(torch.int16)[5] += 1
+        publisher.publish(state).result()
+    entry = Stream(stream_url).manifest(1).tensor("w")
+    assert [layout for _, _, layout in entry.chunks] == ["sparse"]
+    _replace(stream_url, data_path(1, entry.file), frame)
+
+    def edit(body: dict) -> None:
+        body["files"] = [{"name": entry.file, "size": len(frame), "hash": content_hash(frame)}]
+        (tensor,) = body["tensors"]
+        tensor.update(offset=0, length=len(frame), stored_hash=content_hash(frame),
+                      chunks=[[entry.nbytes, len(frame), "sparse"]])
+    _forge(stream_url, 1, edit)
+    stream = Stream(stream_url)
+    for decode in (lambda: stream.read_tensor(1, "w"), lambda: stream.materialize(1, tmp_path / "out")):
+        with pytest.raises(IntegrityError, match=problem) as info:
+            decode()
+        assert (info.value.version, info.value.file, info.value.tensor) == (1, data_path(1, entry.file), "w")
+
+
 # ------------------------------------------------------------------------------------ damaged base copy
 
 @pytest.mark.parametrize("damage", ["truncate", "header"])
@@ -257,6 +301,55 @@ def test_damaged_base_directory_is_an_integrity_error_naming_the_file(two_versio
     assert not (tmp_path / "v1").exists()
     with pytest.raises(IntegrityError):
         stream.check_materialized(base, 0)
+
+
+@pytest.mark.parametrize("encoding", ["xor-zstd", "unchanged"])
+@pytest.mark.parametrize("damage", ["value", "dtype"])
+def test_a_differing_base_copy_is_refused_on_every_decode_path(two_versions, tmp_path, damage, encoding):
+    """Directory writers read a base copy straight into reused buffers, checked only through the decoded
+    tensor's hash; ``iter_tensors`` goes the same way without reuse. Both refuse the same damage with the
+    same error, naming the base version and the tensor, and write nothing."""
+    from safetensors.torch import save_file
+
+    stream = Stream(two_versions)
+    name = next(t.name for t in stream.manifest(1).tensors if t.encoding == encoding)
+    base = stream.materialize(0, tmp_path / "v0")
+    tensors = load_file(base / "model.safetensors")
+    if damage == "value":
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(torch.uint8).view(-1)[-1] ^= 1
+    else:
+        tensors[name] = tensors[name].view(torch.uint8)
+    save_file(tensors, str(base / "model.safetensors"))
+    expected = "base copy differs" if damage == "value" else "base copy has"
+
+    def write_into() -> None:
+        (tmp_path / "w").mkdir(exist_ok=True)
+        stream.write_into(1, tmp_path / "w", base_dir=base)
+
+    for decode in (lambda: stream.materialize(1, tmp_path / "v1", base_dir=base),
+                   write_into, lambda: dict(stream.iter_tensors(1, base_dir=base))):
+        with pytest.raises(IntegrityError, match=expected) as info:
+            decode()
+        assert info.value.version == 0 and info.value.tensor == name
+    assert not (tmp_path / "v1").exists()
+
+
+def test_buffer_pool_reuses_buffers_within_twice_their_size():
+    from ckptstream.reader.decode import BufferPool
+
+    pool = BufferPool(max_free_bytes=1 << 20)
+    a = pool.take(1000)
+    pointer = a.data_ptr()
+    pool.give(a.view(torch.int16).view(10, 50))  # a view of it counts as it
+    assert pool.take(400).data_ptr() != pointer  # less than half: a fresh buffer
+    b = pool.take(600)
+    assert b.data_ptr() == pointer and b.numel() == 600
+    pool.give(torch.empty(10, dtype=torch.uint8))  # not one of its own: ignored
+    pool.give(b)
+    big = pool.take(2 << 20)
+    pool.give(big)  # more than it keeps free: dropped
+    assert pool.take(1000).data_ptr() == pointer
 
 
 # ------------------------------------------------------------------------------- references and outputs
