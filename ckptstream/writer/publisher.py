@@ -4,7 +4,9 @@ Each version goes through the same stages, each its own part:
 
 1. snapshot (``snapshot.SnapshotBuffers``): the tensors are copied into reused host buffers; the only
    stage the trainer waits for — ``publish`` returns when it is done, ``stage`` at once with a future of
-   its own (``Publication.staged``) apart from the commit's (``Publication.committed``);
+   its own (``Publication.staged``) apart from the commit's (``Publication.committed``). For CUDA tensors
+   (``device_delta``), the snapshot is ``device_encode.DeviceSnapshot``'s instead: the changes against a
+   device-resident copy of the last version, found on the device, reach the host in the background;
 2. encode (``encode.VersionEncoder``): a delta against the base (``base.BaseLookup``) where one is
    allowed and pays, else a keyframe;
 3. write (``files.DataFileWriter``): the data files, under names unique to this writer;
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +40,7 @@ from ..reader import Stream
 from .base import BaseLookup
 from .commit import LazyStream, commit_manifest, load_assets, new_writer_id, utc_now, write_latest_hint
 from .config import PublisherConfig
+from .device_encode import DeviceCapture, DeviceDeltaEncoder, DeviceSnapshot
 from .encode import DeltaEncoder, EncodedVersion, VersionEncoder
 from .files import DataFileWriter
 from .snapshot import NamedTensors, SnapshotBuffers
@@ -112,6 +116,7 @@ class _Job:
     keyframe: bool
     previous_version: int | None  # the publisher's last version before this one was numbered
     future: Future[Manifest] = field(default_factory=Future)
+    capture: DeviceCapture | None = None  # the device snapshot (then ``tensors`` are filled when it lands)
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,12 @@ class Publisher:
         coordinator: how the processes writing a version agree on it (default: this process alone).
         **options: fields of :class:`PublisherConfig` (``storage_options``, ``assets``,
             ``keyframe_every``, ``delta_max_ratio``, ``shard_bytes``, ``chunk_bytes``, ``zstd_level``,
-            ``shuffle``, ``max_in_flight``, ``workers``, ``base_cache_dir``), replacing ``config``'s.
+            ``shuffle``, ``max_in_flight``, ``workers``, ``base_cache_dir``, ``device_delta``), replacing
+            ``config``'s.
+
+    CUDA tensors are encoded on their device (``device_delta``, on by default for them): the publisher
+    then holds a copy of the last version on the device (``device_memory_bytes``, 1x the model's bytes)
+    and a small pinned ring (``pinned_memory_bytes``); ``device_delta=False`` keeps the host path.
 
     The stream is created (its assets, then ``stream.json``) just before the first version is committed,
     or when a publisher that published nothing is closed; an existing stream's assets are checked at once.
@@ -158,11 +168,13 @@ class Publisher:
         self._bases = BaseLookup(self.stream if self._coordinator.looks_up_base else None,
                                  config.base_cache_dir if self._coordinator.looks_up_base else None)
         self._snapshots = SnapshotBuffers()
+        self._device = DeviceSnapshot()
         self._pool = ThreadPoolExecutor(config.workers or default_workers(), thread_name_prefix="ckptstream-encode")
-        self._encoder = VersionEncoder(
-            DeltaEncoder(self._pool, chunk_bytes=config.chunk_bytes, zstd_level=config.zstd_level,
-                         shuffle=config.shuffle, max_ratio=config.delta_max_ratio),
-            keyframe_every=config.keyframe_every)
+        host_delta = DeltaEncoder(self._pool, chunk_bytes=config.chunk_bytes, zstd_level=config.zstd_level,
+                                  shuffle=config.shuffle, max_ratio=config.delta_max_ratio)
+        self._encoder = VersionEncoder(host_delta, keyframe_every=config.keyframe_every)
+        self._device_encoder = VersionEncoder(DeviceDeltaEncoder(self._device, host_delta),
+                                              keyframe_every=config.keyframe_every)
         self._files = DataFileWriter(self.storage, self.writer_id, config.shard_bytes)
         self._slots = threading.BoundedSemaphore(config.max_in_flight)
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="ckptstream-stage")
@@ -216,6 +228,17 @@ class Publisher:
         staged = self._stager.submit(self._snapshot, job, named_tensors)
         return Publication(job.version, staged, job.future)
 
+    @property
+    def device_memory_bytes(self) -> int:
+        """Device memory the publisher holds: the device encoder's copy of the last version (0 on the host
+        path). A version's compact payload adds to it until the background has copied it to the host."""
+        return self._device.device_memory_bytes
+
+    @property
+    def pinned_memory_bytes(self) -> int:
+        """Pinned host memory of the device encoder (its ring); the host path pins its snapshot buffers."""
+        return self._device.pinned_bytes
+
     def wait(self) -> None:
         """Block until every version published so far is committed; raise the first failure, if any."""
         self._stager.submit(lambda: None).result()
@@ -242,6 +265,7 @@ class Publisher:
             self._pool.shutdown(wait=True)
             self._bases.forget()
             self._snapshots.clear()
+            self._device.clear()
 
     def __enter__(self) -> Publisher:
         return self
@@ -278,7 +302,18 @@ class Publisher:
         version up."""
         self._slots.acquire()
         try:
-            job.tensors = self._snapshots.take(named_tensors)
+            items = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+            first = next(items, None)
+            items = itertools.chain([] if first is None else [first], items)
+            on_device = self.config.device_delta
+            if on_device is None:
+                on_device = first is not None and isinstance(first[1], torch.Tensor) and first[1].is_cuda
+            if on_device:
+                self._snapshots.clear()
+                job.capture = self._device.take(items, job.version)
+            else:
+                self._device.reset()
+                job.tensors = self._snapshots.take(items)
         except BaseException as exc:
             self._slots.release()
             with self._lock:
@@ -296,6 +331,7 @@ class Publisher:
                 # Start over from what the stream holds: the next version is numbered from the stream.
                 self._last_version = None
                 self._bases.forget()
+                self._device.reset()
         if error is not None:
             raise error
 
@@ -321,7 +357,9 @@ class Publisher:
             if failed:
                 raise PublishError("not published because an earlier version failed", version=job.version)
             manifest = self._write(job)
-            self._snapshots.retire(self._bases.promote(manifest, job.tensors))
+            replaced = self._bases.promote(manifest, job.tensors)
+            if job.capture is None:  # the device encoder's mirror is its own, updated in place
+                self._snapshots.retire(replaced)
             job.future.set_result(manifest)
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller through the future
             error = exc if isinstance(exc, CkptStreamError) else PublishError(
@@ -334,16 +372,26 @@ class Publisher:
                     self._error = error
             job.future.set_exception(error)
         finally:
+            if job.capture is not None:
+                job.capture.released.set()  # also where it never landed
             self._slots.release()
 
     def _write(self, job: _Job) -> Manifest:
         """Encode, write and commit one version (on the background thread)."""
-        base = self._bases.current(job.version)
-        hashes = [self._pool.submit(codec.tensor_hash, t) for _, t in job.tensors]
+        encoder = self._encoder
         encoded: EncodedVersion | None = None
         failure: BaseException | None = None
+        if job.capture is not None:
+            encoder = self._device_encoder
+            try:
+                job.tensors = self._device.land(job.capture, self._pool).mirror
+            except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
+                failure = exc
+        base = self._bases.current(job.version)
+        hashes = [self._pool.submit(codec.tensor_hash, t) for _, t in job.tensors]
         try:
-            encoded = self._encoder.try_delta(job.tensors, base, force_keyframe=job.keyframe)
+            if failure is None:
+                encoded = encoder.try_delta(job.tensors, base, force_keyframe=job.keyframe)
         except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
             failure = exc
         kind = self._coordinator.agree_kind(job.version, KEYFRAME if encoded is None else DELTA, failure)
@@ -352,7 +400,7 @@ class Publisher:
         if kind is not None and failure is None:
             try:
                 if kind == KEYFRAME or encoded is None:  # the others may need a keyframe where this part was a delta
-                    encoded = self._encoder.keyframe(job.tensors)
+                    encoded = encoder.keyframe(job.tensors)
                 base_manifest = encoded.base
                 part.files, part.tensors = self._files.write(job.version, encoded, [h.result() for h in hashes])
             except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
