@@ -315,6 +315,10 @@ class DeviceSnapshot:
                                                           codec.INT_OF_SIZE[host.element_size()], after))))
         finally:
             capture.released.set()
+            for item in capture.tensors:  # the device payload is on the host now: free it
+                item.values = []
+                if item.positions is not None:
+                    item.positions = []
 
         def apply(entry: tuple[_TensorCapture, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]) -> None:
             _, host, change = entry
