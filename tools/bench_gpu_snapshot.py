@@ -6,7 +6,8 @@ few ulps there (``rl_like_step``), then ``Publisher.publish`` takes the version 
 encoder: ``--device-delta auto``; ``off`` is the host path). Measured in the same run: the floor of the host
 path, a pinned device-to-host copy of every tensor into preallocated pinned buffers. Prints per version the
 blocking time of ``publish`` and when the version was committed after ``publish`` returned, then the targets
-side by side with the floor, the extra device memory and the pinned host memory; every version is decoded
+side by side with the floor, the extra device memory and the pinned host memory ("blocked" counts until
+``publish`` returned and the device work queued before the trainer's next kernels is done); every version is decoded
 from the stream and compared bit for bit with the device tensors of its step (on the device).
 
     python tools/bench_gpu_snapshot.py --size 15GB --steps 6 --json /tmp/bench.json
@@ -129,16 +130,18 @@ def main() -> None:
             synchronize(device)
             started = time.perf_counter()
             future = publisher.publish(state, step=step)
+            returned = time.perf_counter() - started
+            synchronize(device)  # and the device work the trainer's stream now waits for
             blocked = time.perf_counter() - started
             manifest = future.result()
-            after = time.perf_counter() - started - blocked
+            after = time.perf_counter() - started - returned
             rows.append({"version": manifest.version, "kind": manifest.kind, "stored_bytes": manifest.stored_bytes,
-                         "blocked_s": blocked, "committed_after_s": after,
+                         "blocked_s": blocked, "returned_s": returned, "committed_after_s": after,
                          "device_memory_bytes": publisher.device_memory_bytes,
                          "pinned_bytes": publisher.pinned_memory_bytes})
             print(f"  version {step}: {manifest.kind:8} stored {manifest.stored_bytes / 1e6:9.1f} MB "
-                  f"({100 * manifest.stored_bytes / full:6.2f}%)  publish blocked {blocked:6.3f} s, "
-                  f"committed {after:6.2f} s after it returned", flush=True)
+                  f"({100 * manifest.stored_bytes / full:6.2f}%)  publish blocked {blocked:6.3f} s (returned after "
+                  f"{returned:6.3f} s), committed {after:6.2f} s after it returned", flush=True)
             ok = all(same_bits(state[n], t.to(device)) for n, t in stream.iter_tensors(manifest.version))
             exact.append(ok)
             print(f"    decodes bit-exactly to the device tensors: {'ok' if ok else 'NO'}", flush=True)

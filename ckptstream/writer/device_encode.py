@@ -244,10 +244,10 @@ class DeviceSnapshot:
             except BaseException:
                 self._resident, self._version, self._mirror = {}, None, {}
                 raise
-            ready = {}
-            for device, stream in streams.items():
-                ready[device] = stream.record_event()
-                torch.cuda.current_stream(device).wait_stream(stream)
+            finally:  # the caller's later kernels (which may change the tensors) wait for the capture's reads
+                ready = {device: stream.record_event() for device, stream in streams.items()}
+                for device, stream in streams.items():
+                    torch.cuda.current_stream(device).wait_stream(stream)
             self._resident, self._version = resident, version
             capture = DeviceCapture(version, previous, declined, captures, ready)
             if all(item.positions is not None for item in captures):

@@ -169,3 +169,26 @@ def test_device_snapshot_changes_and_memory_on_cpu():
     assert torch.equal(landed.mirror[0][1].view(torch.int16), live.view(torch.int16))
     assert landed.changes["x"][0].tolist() == [2, 3, 9] and landed.changes["x"][0].dtype == torch.int64
     assert snapshot.device_memory_bytes == 0 and snapshot.pinned_bytes == 0
+
+
+def test_failed_capture_forgets_the_device_copy_and_the_next_version_is_right(tmp_path, small_spans):
+    """A tensor refused in the middle of a capture (after others were recorded): nothing is published, and
+    the next version, captured whole again, is encoded against the last committed one."""
+    versions = _versions()
+    url = str(tmp_path / "s")
+    with Publisher(url, chunk_bytes=CHUNK_BYTES, device_delta=True, workers=2) as publisher:
+        publisher.publish(versions[0], 0).result()
+        publisher.publish(versions[1], 1).result()
+        bad = list(versions[2].items())
+        bad.insert(3, ("embed", torch.zeros(2)))  # given twice
+        with pytest.raises(ValueError):
+            publisher.publish(bad, 2)
+        assert publisher.device_memory_bytes == 0  # the device copy is forgotten (none on CPU anyway)
+        assert not publisher._device._resident
+        assert publisher.publish(versions[2], 2).result().kind == "delta"
+        assert publisher.publish(versions[3], 3).result().kind == "delta"  # a device delta again
+        assert publisher._device.landed is not None and publisher._device.landed.previous == 2
+    stream = Stream(url)
+    assert stream.versions() == [0, 1, 2, 3]
+    for version in range(4):
+        assert_same_tensors(dict(stream.iter_tensors(version)), versions[version])
