@@ -115,8 +115,7 @@ def main() -> None:
     shutil.rmtree(root / "stream", ignore_errors=True)
     synchronize(device)
     memory_before = torch.cuda.memory_allocated(device) if cuda else 0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
+    peak = 0  # device memory above memory_before while a version is published (the step's own temporaries aside)
     generator = torch.Generator(device=device).manual_seed(1)
     rows, exact = [], []
     device_delta = None if args.device_delta == "auto" and cuda else args.device_delta == "auto"
@@ -128,6 +127,8 @@ def main() -> None:
             if step:
                 rl_like_step(state, fraction=args.fraction, generator=generator)
             synchronize(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             started = time.perf_counter()
             future = publisher.publish(state, step=step)
             returned = time.perf_counter() - started
@@ -135,6 +136,8 @@ def main() -> None:
             blocked = time.perf_counter() - started
             manifest = future.result()
             after = time.perf_counter() - started - returned
+            if cuda:
+                peak = max(peak, torch.cuda.max_memory_allocated(device) - memory_before)
             rows.append({"version": manifest.version, "kind": manifest.kind, "stored_bytes": manifest.stored_bytes,
                          "blocked_s": blocked, "returned_s": returned, "committed_after_s": after,
                          "device_memory_bytes": publisher.device_memory_bytes,
@@ -145,7 +148,6 @@ def main() -> None:
             ok = all(same_bits(state[n], t.to(device)) for n, t in stream.iter_tensors(manifest.version))
             exact.append(ok)
             print(f"    decodes bit-exactly to the device tensors: {'ok' if ok else 'NO'}", flush=True)
-        peak = (torch.cuda.max_memory_allocated(device) - memory_before) if cuda else 0
         resident = publisher.device_memory_bytes
         pinned = publisher.pinned_memory_bytes
     synchronize(device)
