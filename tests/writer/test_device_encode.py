@@ -192,3 +192,18 @@ def test_failed_capture_forgets_the_device_copy_and_the_next_version_is_right(tm
     assert stream.versions() == [0, 1, 2, 3]
     for version in range(4):
         assert_same_tensors(dict(stream.iter_tensors(version)), versions[version])
+
+
+def test_staged_versions_in_flight_together(tmp_path, small_spans):
+    """``stage`` with two versions in flight: a capture waits until the back half of a whole-tensor capture
+    no longer reads the device copy, and every version decodes to its own tensors."""
+    versions = _versions()
+    url = str(tmp_path / "s")
+    with Publisher(url, chunk_bytes=CHUNK_BYTES, device_delta=True, max_in_flight=2, workers=2) as publisher:
+        publications = [publisher.stage(state, number) for number, state in enumerate(versions)]
+        for publication in publications:
+            publication.staged.result()
+        assert [p.committed.result().kind for p in publications] == ["keyframe"] + ["delta"] * 4
+    stream = Stream(url)
+    for version, state in enumerate(versions):
+        assert_same_tensors(dict(stream.iter_tensors(version)), state)
