@@ -21,10 +21,10 @@ coordinator of :mod:`ckptstream.writer.distributed` for the ranks of a job.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
-import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -202,7 +202,8 @@ class Publisher:
 
         Returns:
             A future resolving to the committed ``Manifest`` (or raising the failure). ``publish`` returns
-            as soon as the tensors are copied, so the caller may modify them right away.
+            as soon as the snapshot is taken (CUDA tensors: their changes found on the device, see
+            ``device_delta``), so the caller may modify them right away.
 
         Raises:
             VersionOrderError: ``version`` is not newer than the latest version.
