@@ -282,11 +282,12 @@ class DeviceSnapshot:
             positions = torch.nonzero(old_span != new_span).view(-1)  # waits for the count
             if not positions.numel():
                 continue
-            new_values = new_span[positions]
-            xor_values = old_span[positions].bitwise_xor_(new_values)
-            old_span[positions] = new_values
+            # index_select/index_copy_ rather than indexing: the same kernels, half the time per call in Python
+            new_values = new_span.index_select(0, positions)
+            xor_values = old_span.index_select(0, positions).bitwise_xor_(new_values)
+            old_span.index_copy_(0, positions, new_values)
             assert capture.positions is not None
-            capture.positions.append((positions + start).to(index_dtype))
+            capture.positions.append((positions + start if start else positions).to(index_dtype))
             capture.values.append(xor_values)
         return capture
 
