@@ -61,6 +61,11 @@ class _TensorCapture:
     positions: list[torch.Tensor] | None = None  # tensor-relative element indices, ascending
     values: list[torch.Tensor] = field(default_factory=list)  # XOR values at those positions
 
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the compact payload (positions and values) held on the device."""
+        return sum(p.numel() * p.element_size() for p in (self.positions or []) + self.values)
+
 
 @dataclass
 class DeviceCapture:
@@ -76,11 +81,6 @@ class DeviceCapture:
     """Per CUDA device, an event after the capture's last kernel."""
     released: threading.Event = field(default_factory=threading.Event)
     """Set once the back half no longer reads the resident copies (the next capture waits for it)."""
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of the compact payload (positions and values) held on the device."""
-        return sum(p.numel() * p.element_size() for t in self.tensors for p in (t.positions or []) + t.values)
 
 
 @dataclass
@@ -234,8 +234,7 @@ class DeviceSnapshot:
                         else:
                             capture = self._changes(name, buffer, live)
                             captures.append(capture)
-                            payload += sum(p.numel() * p.element_size() for p in capture.positions or [])
-                            payload += sum(v.numel() * v.element_size() for v in capture.values)
+                            payload += capture.payload_bytes
                             if payload > limit:  # drop the payload: the resident copies are right already
                                 declined = True
                                 for item in captures:
