@@ -141,10 +141,12 @@ def main() -> None:
             rows.append({"version": manifest.version, "kind": manifest.kind, "stored_bytes": manifest.stored_bytes,
                          "blocked_s": blocked, "returned_s": returned, "committed_after_s": after,
                          "device_memory_bytes": publisher.device_memory_bytes,
-                         "pinned_bytes": publisher.pinned_memory_bytes})
+                         "pinned_bytes": publisher.pinned_memory_bytes, "phases_s": dict(publisher.phase_seconds)})
             print(f"  version {step}: {manifest.kind:8} stored {manifest.stored_bytes / 1e6:9.1f} MB "
                   f"({100 * manifest.stored_bytes / full:6.2f}%)  publish blocked {blocked:6.3f} s (returned after "
                   f"{returned:6.3f} s), committed {after:6.2f} s after it returned", flush=True)
+            print("    background: " + ", ".join(f"{k} {v:.3f} s" for k, v in publisher.phase_seconds.items()),
+                  flush=True)
             ok = all(same_bits(state[n], t.to(device)) for n, t in stream.iter_tensors(manifest.version))
             exact.append(ok)
             print(f"    decodes bit-exactly to the device tensors: {'ok' if ok else 'NO'}", flush=True)
@@ -165,6 +167,9 @@ def main() -> None:
         "extra_device_memory_x_model": peak / full, "resident_device_memory_x_model": resident / full,
         "pinned_host_x_model": pinned / full, "device_memory_before": memory_before,
         "device_memory_after_close": memory_after, "bit_exact": all(exact), "rows": rows,
+        "delta_phases_median_s": {k: statistics.median(r["phases_s"].get(k, 0.0) for r in deltas)
+                                  for k in (deltas[0]["phases_s"] if deltas else {})},
+        "peak_beyond_resident_bytes": peak - resident,
     }
     print()
     print(f"{'measure':44} {'figure':>10} {'target':>9}  ok")
@@ -179,6 +184,9 @@ def main() -> None:
         print(f"{label:44} {value:10.3f} {target:9.2f}  {'yes' if value <= target else 'NO'}")
     print(f"{'pinned D2H floor, s':44} {floor:10.3f}")
     print(f"{'resident device copy x model':44} {resident / full:10.3f}")
+    print(f"{'peak device memory beyond it, MB':44} {(peak - resident) / 1e6:10.1f}")
+    for key, value in figures["delta_phases_median_s"].items():
+        print(f"{'delta background, ' + key + ' (median), s':44} {value:10.3f}")
     print(f"{'delta stored (median) x model':44} {figures['delta_stored_median_bytes'] / full:10.4f}")
     print(f"device memory allocated: before {memory_before / 1e9:.2f} GB, after close {memory_after / 1e9:.2f} GB")
     print(f"every version decodes bit-exactly to the device tensors: {'ok' if all(exact) else 'NO'}")

@@ -1,21 +1,25 @@
 """The device encoder: deltas of CUDA tensors computed where the tensors live.
 
 Front half, ``DeviceSnapshot.take`` (what ``publish`` waits for): the snapshot buffer is a device-resident
-copy of the last version (1x the model's bytes, on the tensors' devices). Per tensor, on a side CUDA
-stream, span by span: the changed elements are found by ``nonzero(resident != live)`` on integer views,
-their XOR values gathered, and the resident copy updated at those positions. Only this compact payload
-(positions, XOR values) is kept for the back half. A tensor without a resident copy (the first version, a
-new tensor, a payload over its budget) is copied device-to-device instead.
+copy of the last version (1x the model's bytes, on the tensors' devices). On a side CUDA stream, per span
+of every tensor, the number of changed elements (``resident != live`` on integer views) is counted on the
+device; ONE host sync reads all counts (per device), which decide the payload budget. Then per changed
+span, with no further sync: ``nonzero_static`` (sized by the count) gives the positions, the XOR values are
+gathered, the resident copy updated at those positions, and the span's payload (int32 span-relative
+positions, XOR values) copied at once into a pinned staging block, so that the device scratch of a span is
+freed before the next. A tensor without a resident copy (the first version, a new tensor, a payload over
+its budget) is copied device-to-device instead.
 
-Back half, on the publisher's background thread: ``DeviceSnapshot.land`` copies the payload (or, for
-full tensors, the resident copies) to the host through a small ring of reused pinned buffers and applies it
-to a host mirror of the last version (pageable memory; the hashes and keyframes are computed from it).
-``DeviceDeltaEncoder`` then serializes and compresses every chunk on host threads with the host encoder's
-own function, ``codec.encode_xor_chunk``, so both encoders store the same bytes for the same tensors.
+Back half, on the publisher's background thread: ``DeviceSnapshot.land`` reads the payload from the
+staging block and applies it to a host mirror of the last version (pageable memory; the hashes and
+keyframes are computed from it), tensors in parallel; full tensors come through a ring of slots carved
+from the same pinned block. ``DeviceDeltaEncoder`` then serializes and compresses every chunk on host
+threads with the host encoder's own function, ``codec.encode_xor_chunk``, so both encoders store the same
+bytes for the same tensors.
 
 Everything is written with torch ops that run on any device: the CPU run of the same code is the reference
-tested against the host encoder. The CUDA-only parts (side streams, events, the pinned ring) are guarded
-by ``is_cuda``.
+tested against the host encoder (there the payload stays in CPU tensors). The CUDA-only parts (side
+streams, events, the pinned block) are guarded by ``is_cuda``.
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ device memory next to the snapshot buffer, and the delta would hardly pay anyway
 elements changed)."""
 
 SPAN_BYTES = 64 << 20
-"""Change detection runs over spans of at most this many bytes of a tensor: bounds the device memory of
-one ``nonzero`` (its int64 output is 4x a fully changed bf16 span)."""
+"""Change detection runs over spans of at most this many bytes of a tensor: bounds the device scratch of
+one span (its mask, ``nonzero_static``'s int64 output) and keeps span-relative positions within int32."""
 
 RING_SLOT_BYTES = 32 << 20
 RING_SLOTS = 4
-"""The pinned ring through which device bytes reach the host: 4 x 32 MiB of pinned memory."""
+"""The ring through which full tensors reach the host: 4 x 32 MiB, at the start of the pinned block."""
+
+_ALIGN = 8
+"""Payload sections in the pinned block start at multiples of this (the widest element)."""
 
 
 @dataclass
@@ -58,12 +65,13 @@ class _TensorCapture:
 
     name: str
     resident: torch.Tensor
-    positions: list[torch.Tensor] | None = None  # tensor-relative element indices, ascending
+    positions: list[torch.Tensor] | None = None  # int32 span-relative element indices, ascending, per span
     values: list[torch.Tensor] = field(default_factory=list)  # XOR values at those positions
+    starts: list[int] = field(default_factory=list)  # the spans' first elements
 
     @property
     def payload_bytes(self) -> int:
-        """Bytes of the compact payload (positions and values) held on the device."""
+        """Bytes of the compact payload (positions and values)."""
         return sum(p.numel() * p.element_size() for p in (self.positions or []) + self.values)
 
 
@@ -78,9 +86,10 @@ class DeviceCapture:
     """Whether the changes outgrew ``max_payload_ratio`` (the version is to be a keyframe)."""
     tensors: list[_TensorCapture]
     ready: dict[torch.device, torch.cuda.Event]
-    """Per CUDA device, an event after the capture's last kernel."""
+    """Per CUDA device, an event after the capture's last kernel and copy."""
     released: threading.Event = field(default_factory=threading.Event)
-    """Set once the back half no longer reads the resident copies (the next capture waits for it)."""
+    """Set once the back half no longer reads the resident copies nor the pinned block (the next capture
+    waits for it)."""
 
 
 @dataclass
@@ -96,24 +105,34 @@ class LandedVersion:
 
 
 class PinnedRing:
-    """Copies device bytes into host tensors through ``slots`` reused pinned buffers of ``slot_bytes``,
-    on a copy stream of its own: the pinned memory stays small whatever the size of the copy. Used from
-    one thread at a time (the publisher's background thread)."""
+    """One pinned host block, allocated once (``reserve``) and reused: the staging area of the captures'
+    payloads, and at its start the ``slots`` buffers of ``slot_bytes`` through which ``copy`` brings device
+    tensors of any size to the host, on a copy stream of its own. Used from one thread at a time."""
 
     def __init__(self, slot_bytes: int = RING_SLOT_BYTES, slots: int = RING_SLOTS):
         self.slot_bytes = slot_bytes
         self.slots = slots
-        self._buffers: list[torch.Tensor] = []
+        self.block: torch.Tensor | None = None
+        """The pinned block (uint8), once reserved."""
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @property
     def pinned_bytes(self) -> int:
         """Pinned host memory held."""
-        return sum(b.numel() for b in self._buffers)
+        return 0 if self.block is None else self.block.numel()
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold a block of at least ``nbytes`` (and of the ring's slots); reallocated only to grow. Call
+        only while nothing is staged in it."""
+        nbytes = max(nbytes, self.slot_bytes * self.slots)
+        if self.block is None or self.block.numel() < nbytes:
+            self.block = None
+            self.block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event | None = None) -> None:
         """``dst[:] = src`` for a contiguous ``src`` on any device and a contiguous host ``dst`` of the same
-        bytes; for a CUDA ``src``, once ``after`` (an event of the stream that wrote it) has passed."""
+        bytes; for a CUDA ``src``, once ``after`` (an event of the stream that wrote it) has passed. Uses the
+        start of the block: nothing staged there may still be needed."""
         src_bytes, dst_bytes = codec.as_bytes(src), codec.as_bytes(dst)
         if not src.is_cuda:
             dst_bytes.copy_(src_bytes)
@@ -121,9 +140,9 @@ class PinnedRing:
         stream = self._streams.get(src.device)
         if stream is None:
             stream = self._streams[src.device] = torch.cuda.Stream(src.device)
-        if not self._buffers:
-            self._buffers = [torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
-                             for _ in range(self.slots)]
+        self.reserve(0)
+        assert self.block is not None
+        buffers = [self.block[n * self.slot_bytes:(n + 1) * self.slot_bytes] for n in range(self.slots)]
         if after is not None:
             stream.wait_event(after)
         pending: deque[tuple[torch.cuda.Event, torch.Tensor, int, int]] = deque()
@@ -132,7 +151,7 @@ class PinnedRing:
                 end = min(start + self.slot_bytes, src_bytes.numel())
                 if len(pending) == self.slots:
                     _drain(pending.popleft(), dst_bytes)
-                buffer = self._buffers[number % self.slots]
+                buffer = buffers[number % self.slots]
                 buffer[:end - start].copy_(src_bytes[start:end], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
@@ -141,8 +160,8 @@ class PinnedRing:
             _drain(pending.popleft(), dst_bytes)
 
     def clear(self) -> None:
-        """Release the pinned buffers."""
-        self._buffers = []
+        """Release the pinned block."""
+        self.block = None
 
 
 def _drain(item: tuple[torch.cuda.Event, torch.Tensor, int, int], dst_bytes: torch.Tensor) -> None:
@@ -160,7 +179,8 @@ class DeviceSnapshot:
     Args:
         max_payload_ratio: see :data:`MAX_PAYLOAD_RATIO` (the default).
         span_bytes: see :data:`SPAN_BYTES` (the default).
-        ring: the pinned ring (default 4 x 32 MiB).
+        ring: the pinned block and its ring (default: 4 x 32 MiB slots; the block grows to
+            ``max_payload_ratio`` of the model's bytes when the first CUDA capture lands).
     """
 
     def __init__(self, *, max_payload_ratio: float | None = None, span_bytes: int | None = None,
@@ -185,7 +205,7 @@ class DeviceSnapshot:
 
     @property
     def pinned_bytes(self) -> int:
-        """Pinned host memory held (the ring)."""
+        """Pinned host memory held (the block: payload staging and ring)."""
         return self.ring.pinned_bytes
 
     def reset(self) -> None:
@@ -203,19 +223,20 @@ class DeviceSnapshot:
     def take(self, named_tensors: NamedTensors, version: int) -> DeviceCapture:
         """Record ``version`` of the tensors: their changes against the resident copies, which then hold
         ``version``. Returns once the caller may change the tensors (their later kernels on the current
-        stream are ordered after the capture's reads). Raises as ``SnapshotBuffers.take`` does; after a
-        failure the resident copies are forgotten."""
+        stream are ordered after the capture's reads). Waits for the back half of the previous capture to
+        have read what it needs. Raises as ``SnapshotBuffers.take`` does; after a failure the resident
+        copies are forgotten."""
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         with self._lock:
             if self._released is not None:
-                self._released.wait()  # the back half of a full capture still reads the resident copies
+                self._released.wait()  # the back half still reads the resident copies or the pinned block
             previous, old = self._version, self._resident
             limit = self.max_payload_ratio * sum(t.numel() * t.element_size() for t in old.values())
             resident: dict[str, torch.Tensor] = {}
             captures: list[_TensorCapture] = []
+            compared: list[tuple[_TensorCapture, torch.Tensor, list[int], list[torch.Tensor]]] = []
             streams: dict[torch.device, torch.cuda.Stream] = {}
             seen: set[str] = set()
-            payload, declined = 0, False
             try:
                 for name, tensor in items:
                     check_tensor(name, tensor, seen)
@@ -226,20 +247,17 @@ class DeviceSnapshot:
                         if buffer is not None and (buffer.dtype, buffer.shape, buffer.device) != (
                                 live.dtype, live.shape, live.device):
                             buffer = None
-                        if buffer is None or previous is None or declined:
+                        if buffer is None or previous is None:
                             if buffer is None:
                                 buffer = torch.empty_like(live, memory_format=torch.contiguous_format)
                             buffer.copy_(live)
                             captures.append(_TensorCapture(name, buffer))
                         else:
-                            capture = self._changes(name, buffer, live)
+                            capture = _TensorCapture(name, buffer, [], [])
                             captures.append(capture)
-                            payload += capture.payload_bytes
-                            if payload > limit:  # drop the payload: the resident copies are right already
-                                declined = True
-                                for item in captures:
-                                    item.positions, item.values = None, []
+                            compared.append((capture, live, *self._count(buffer, live)))
                     resident[name] = buffer
+                declined = self._record(compared, limit, streams)
             except BaseException:
                 self._resident, self._version, self._mirror = {}, None, {}
                 raise
@@ -249,10 +267,85 @@ class DeviceSnapshot:
                     torch.cuda.current_stream(device).wait_stream(stream)
             self._resident, self._version = resident, version
             capture = DeviceCapture(version, previous, declined, captures, ready)
-            if all(item.positions is not None for item in captures):
-                capture.released.set()  # the back half reads only the payload
+            if not streams and all(item.positions is not None for item in captures):
+                capture.released.set()  # on the CPU the back half reads only the payload, in tensors of its own
             self._released = capture.released
             return capture
+
+    def _spans(self, live: torch.Tensor) -> range:
+        span = min(max(1, self.span_bytes // live.element_size()), 2 ** 31 - 1)  # int32 positions in a span
+        return range(0, live.numel(), span)
+
+    def _count(self, buffer: torch.Tensor, live: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+        """The spans of ``live`` and their numbers of changed elements against ``buffer``, as device
+        scalars (queued, not waited for)."""
+        ints = codec.INT_OF_SIZE[live.element_size()]
+        old_ints, new_ints = buffer.view(-1).view(ints), live.view(-1).view(ints)
+        spans = self._spans(live)
+        return list(spans), [(old_ints[start:start + spans.step] != new_ints[start:start + spans.step]).sum()
+                             for start in spans]
+
+    def _record(self, compared: list[tuple[_TensorCapture, torch.Tensor, list[int], list[torch.Tensor]]],
+                limit: float, streams: dict[torch.device, torch.cuda.Stream]) -> bool:
+        """Read the counts (one sync per device), then record every changed span's payload and update the
+        resident copies; or, where the payload would outgrow ``limit`` (or, on CUDA, the pinned block),
+        copy the tensors whole. Returns whether the payload was declined."""
+        counts: dict[tuple[int, int], int] = {}
+        by_device: dict[torch.device, list[tuple[tuple[int, int], torch.Tensor]]] = {}
+        for number, (_, live, _, scalars) in enumerate(compared):
+            by_device.setdefault(live.device, []).extend(((number, span), c) for span, c in enumerate(scalars))
+        for device, entries in by_device.items():
+            with torch.cuda.stream(streams[device]) if device in streams else contextlib.nullcontext():
+                values = torch.stack([c for _, c in entries]).tolist()  # the one wait for the device
+            counts.update(zip((key for key, _ in entries), values))
+        on_cuda = any(live.is_cuda for _, live, _, _ in compared)
+        if on_cuda:
+            limit = min(limit, self.ring.pinned_bytes)
+        payload = sum(_aligned(4 * count) + _aligned(live.element_size() * count)
+                      for (number, span), count in counts.items() for live in [compared[number][1]] if count)
+        if payload > limit:
+            for capture, live, _, _ in compared:
+                with torch.cuda.stream(streams[live.device]) if live.is_cuda else contextlib.nullcontext():
+                    capture.resident.copy_(live)
+                capture.positions = None
+            return True
+        offset = 0
+        for number, (capture, live, starts, _) in enumerate(compared):
+            with torch.cuda.stream(streams[live.device]) if live.is_cuda else contextlib.nullcontext():
+                for span, start in enumerate(starts):
+                    count = counts[number, span]
+                    if count:
+                        offset = self._record_span(capture, live, start, count, offset)
+        return False
+
+    def _record_span(self, capture: _TensorCapture, live: torch.Tensor, start: int, count: int, offset: int) -> int:
+        """Record the ``count`` changes of the span at ``start`` (no host sync) and update the resident copy;
+        on CUDA the payload goes to the pinned block at ``offset``. Returns the next free offset."""
+        ints = codec.INT_OF_SIZE[live.element_size()]
+        step = self._spans(live).step
+        old_span = capture.resident.view(-1).view(ints)[start:start + step]
+        new_span = live.view(-1).view(ints)[start:start + step]
+        positions = torch.nonzero_static(old_span != new_span, size=count).view(-1)
+        # index_select/index_copy_ rather than indexing: the same kernels, half the time per call in Python
+        new_values = new_span.index_select(0, positions)
+        xor_values = old_span.index_select(0, positions).bitwise_xor_(new_values)
+        old_span.index_copy_(0, positions, new_values)
+        positions = positions.to(torch.int32)
+        if live.is_cuda:
+            assert self.ring.block is not None
+            staged = []
+            for part in (positions, xor_values):
+                nbytes = part.numel() * part.element_size()
+                host = self.ring.block[offset:offset + nbytes].view(part.dtype)
+                host.copy_(part, non_blocking=True)
+                staged.append(host)
+                offset += _aligned(nbytes)
+            positions, xor_values = staged
+        assert capture.positions is not None
+        capture.positions.append(positions)
+        capture.values.append(xor_values)
+        capture.starts.append(start)
+        return offset
 
     def _on_side_stream(self, live: torch.Tensor, streams: dict[torch.device, torch.cuda.Stream]
                         ) -> contextlib.AbstractContextManager[object]:
@@ -268,81 +361,66 @@ class DeviceSnapshot:
         streams[live.device] = stream
         return torch.cuda.stream(stream)
 
-    def _changes(self, name: str, buffer: torch.Tensor, live: torch.Tensor) -> _TensorCapture:
-        """The changed elements of ``live`` against ``buffer`` (which is updated to ``live``), span by span."""
-        ints = codec.INT_OF_SIZE[live.element_size()]
-        old_ints, new_ints = buffer.view(-1).view(ints), live.view(-1).view(ints)
-        count = new_ints.numel()
-        index_dtype = torch.int32 if count < 2 ** 31 else torch.int64
-        span = max(1, self.span_bytes // live.element_size())
-        capture = _TensorCapture(name, buffer, [], [])
-        for start in range(0, count, span):
-            old_span, new_span = old_ints[start:start + span], new_ints[start:start + span]
-            positions = torch.nonzero(old_span != new_span).view(-1)  # waits for the count
-            if not positions.numel():
-                continue
-            # index_select/index_copy_ rather than indexing: the same kernels, half the time per call in Python
-            new_values = new_span.index_select(0, positions)
-            xor_values = old_span.index_select(0, positions).bitwise_xor_(new_values)
-            old_span.index_copy_(0, positions, new_values)
-            assert capture.positions is not None
-            capture.positions.append((positions + start if start else positions).to(index_dtype))
-            capture.values.append(xor_values)
-        return capture
-
     def land(self, capture: DeviceCapture, executor: Executor) -> LandedVersion:
         """Copy ``capture`` to the host and apply it to the mirror, which then holds its version; returns
         it (also kept as ``landed``). Call in version order, once per capture."""
         try:
+            for event in capture.ready.values():
+                event.synchronize()  # the payload is in the pinned block
             mirror = self._mirror
-            copied: list[tuple[_TensorCapture, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]] = []
+            entries: list[tuple[_TensorCapture, torch.Tensor]] = []
             for item in capture.tensors:
-                after = capture.ready.get(item.resident.device)
                 host = mirror.get(item.name)
                 if host is not None and (host.dtype, host.shape) != (item.resident.dtype, item.resident.shape):
                     host = None
-                if item.positions is None:
-                    if host is None:
-                        host = torch.empty(item.resident.shape, dtype=item.resident.dtype)
-                    self.ring.copy(item.resident, host, after)
-                    copied.append((item, host, None))
-                    continue
                 if host is None:
-                    raise PublishError("the host mirror lacks a tensor the device holds", version=capture.version,
-                                       tensor=item.name, hint="Publish again: the next version is a keyframe")
-                copied.append((item, host, (self._to_host(item.positions, torch.int64, after),
-                                            self._to_host(item.values, item.values[0].dtype if item.values else
-                                                          codec.INT_OF_SIZE[host.element_size()], after))))
+                    if item.positions is not None:
+                        raise PublishError("the host mirror lacks a tensor the device holds",
+                                           version=capture.version, tensor=item.name,
+                                           hint="Publish again: the next version is a keyframe")
+                    host = torch.empty(item.resident.shape, dtype=item.resident.dtype)
+                entries.append((item, host))
+            # the payloads first (they are in the block the ring's slots reuse), tensors in parallel
+            changes = list(executor.map(_apply, [(item, host) for item, host in entries if item.positions is not None]))
+            if capture.ready:
+                model = sum(item.resident.numel() * item.resident.element_size() for item in capture.tensors)
+                self.ring.reserve(int(self.max_payload_ratio * model) // _ALIGN * _ALIGN)  # once, for the deltas
+            for item, host in entries:
+                if item.positions is None:
+                    self.ring.copy(item.resident, host, capture.ready.get(item.resident.device))
         finally:
             capture.released.set()
-            for item in capture.tensors:  # the device payload is on the host now: free it
+            for item in capture.tensors:  # the payload is on the host now: drop it
                 item.values = []
                 if item.positions is not None:
                     item.positions = []
-
-        def apply(entry: tuple[_TensorCapture, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-            _, host, change = entry
-            if change is not None and change[0].numel():
-                ints = host.view(-1).view(codec.INT_OF_SIZE[host.element_size()])
-                ints.index_put_((change[0],), ints[change[0]].bitwise_xor_(change[1]))
-
-        list(executor.map(apply, copied))
+        changed = iter(changes)
         landed = LandedVersion(capture.version, capture.previous, capture.declined,
-                               {item.name: change for item, _, change in copied},
-                               [(item.name, host) for item, host, _ in copied])
+                               {item.name: None if item.positions is None else next(changed) for item, _ in entries},
+                               [(item.name, host) for item, host in entries])
         with self._lock:
             self._mirror = dict(landed.mirror)
             self.landed = landed
         return landed
 
-    def _to_host(self, parts: list[torch.Tensor], dtype: torch.dtype, after: torch.cuda.Event | None) -> torch.Tensor:
-        """The concatenation of device ``parts`` as one host tensor of ``dtype``, through the ring."""
-        out = []
-        for part in parts:
-            host = torch.empty(part.shape, dtype=part.dtype)
-            self.ring.copy(part, host, after)
-            out.append(host)
-        return torch.cat(out).to(dtype) if out else torch.empty(0, dtype=dtype)
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _apply(entry: tuple[_TensorCapture, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply one tensor's payload to its host mirror; returns it as host tensors of its own (int64
+    tensor-relative positions, XOR values)."""
+    item, host = entry
+    ints = codec.INT_OF_SIZE[host.element_size()]
+    assert item.positions is not None
+    if not item.positions:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=ints)
+    positions = torch.cat([p.to(torch.int64).add_(start) for p, start in zip(item.positions, item.starts)])
+    values = torch.cat(item.values)
+    flat = host.view(-1).view(ints)
+    flat.index_put_((positions,), flat.index_select(0, positions).bitwise_xor_(values))
+    return positions, values
 
 
 class DeviceDeltaEncoder:

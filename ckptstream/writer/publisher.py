@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
@@ -169,6 +170,10 @@ class Publisher:
                                  config.base_cache_dir if self._coordinator.looks_up_base else None)
         self._snapshots = SnapshotBuffers()
         self._device = DeviceSnapshot()
+        self.phase_seconds: dict[str, float] = {}
+        """Where the background time of the last committed version went, in seconds per phase (``land``:
+        the device payload applied to the host mirror; ``encode``: the delta or keyframe encoded;
+        ``hash``: waiting for the tensors' hashes after that; ``write``: its files; ``commit``: the rest)."""
         self._pool = ThreadPoolExecutor(config.workers or default_workers(), thread_name_prefix="ckptstream-encode")
         host_delta = DeltaEncoder(self._pool, chunk_bytes=config.chunk_bytes, zstd_level=config.zstd_level,
                                   shuffle=config.shuffle, max_ratio=config.delta_max_ratio)
@@ -382,12 +387,21 @@ class Publisher:
         encoder = self._encoder
         encoded: EncodedVersion | None = None
         failure: BaseException | None = None
+        phases: dict[str, float] = {}
+        clock = [time.perf_counter()]
+
+        def phase(name: str) -> None:
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - clock[0]
+            clock[0] = now
+
         if job.capture is not None:
             encoder = self._device_encoder
             try:
                 job.tensors = self._device.land(job.capture, self._pool).mirror
             except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
                 failure = exc
+            phase("land")
         base = self._bases.current(job.version)
         hashes = [self._pool.submit(codec.tensor_hash, t) for _, t in job.tensors]
         try:
@@ -403,12 +417,19 @@ class Publisher:
                 if kind == KEYFRAME or encoded is None:  # the others may need a keyframe where this part was a delta
                     encoded = encoder.keyframe(job.tensors)
                 base_manifest = encoded.base
-                part.files, part.tensors = self._files.write(job.version, encoded, [h.result() for h in hashes])
+                phase("encode")
+                digests = [h.result() for h in hashes]
+                phase("hash")
+                part.files, part.tensors = self._files.write(job.version, encoded, digests)
+                phase("write")
             except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
                 part.failure = exc
-        return self._coordinator.commit(
+        manifest = self._coordinator.commit(
             job.version, part, lambda files, tensors: self._commit(job, base_manifest, files, tensors),
             lambda: self._files.remove(job.version, part.files))
+        phase("commit")
+        self.phase_seconds = phases
+        return manifest
 
     def _commit(self, job: _Job, base: Manifest | None, files: list[FileEntry],
                 tensors: list[TensorEntry]) -> Manifest:

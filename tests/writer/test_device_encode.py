@@ -149,7 +149,7 @@ def test_payload_over_budget_becomes_a_keyframe_then_deltas_resume(tmp_path, mon
 
 
 def test_device_snapshot_changes_and_memory_on_cpu():
-    """The capture itself: changed positions (tensor-relative, across spans) and XOR values; the resident
+    """The capture itself: changed positions (span-relative int32, across spans) and XOR values; the resident
     copy follows the tensors; CPU tensors hold no device memory."""
     snapshot = device_encode.DeviceSnapshot(span_bytes=6, max_payload_ratio=100.0)  # 3 bf16 elements per span
     live = torch.zeros(10, dtype=torch.bfloat16)
@@ -161,7 +161,8 @@ def test_device_snapshot_changes_and_memory_on_cpu():
     second = snapshot.take({"x": live}, 1)
     assert second.previous == 0 and second.released.is_set()
     (item,) = second.tensors
-    assert torch.cat(item.positions).tolist() == [2, 3, 9]
+    assert item.starts == [0, 3, 9] and all(p.dtype == torch.int32 for p in item.positions)  # span-relative
+    assert torch.cat([p + start for p, start in zip(item.positions, item.starts)]).tolist() == [2, 3, 9]
     assert torch.cat(item.values).tolist() == [1, 2, 3] and item.values[0].dtype == INT_OF_SIZE[2]
     assert torch.equal(item.resident.view(torch.int16), live.view(torch.int16))
     with ThreadPoolExecutor(1) as pool:
