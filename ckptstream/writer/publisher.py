@@ -36,7 +36,7 @@ import torch
 from .. import __version__, codec
 from ..errors import CkptStreamError, PublishError, VersionOrderError
 from ..format import DELTA, KEYFRAME, FileEntry, Manifest, TensorEntry, dumps_json
-from ..parallel import default_workers
+from ..parallel import default_workers, one_cpu_thread_each
 from ..reader import Stream
 from .base import BaseLookup
 from .commit import LazyStream, commit_manifest, load_assets, new_writer_id, utc_now, write_latest_hint
@@ -174,7 +174,8 @@ class Publisher:
         """Where the background time of the last committed version went, in seconds per phase (``land``:
         the device payload applied to the host mirror; ``encode``: the delta or keyframe encoded;
         ``hash``: waiting for the tensors' hashes after that; ``write``: its files; ``commit``: the rest)."""
-        self._pool = ThreadPoolExecutor(config.workers or default_workers(), thread_name_prefix="ckptstream-encode")
+        self._pool = ThreadPoolExecutor(config.workers or default_workers(), thread_name_prefix="ckptstream-encode",
+                                        initializer=one_cpu_thread_each)
         host_delta = DeltaEncoder(self._pool, chunk_bytes=config.chunk_bytes, zstd_level=config.zstd_level,
                                   shuffle=config.shuffle, max_ratio=config.delta_max_ratio)
         self._encoder = VersionEncoder(host_delta, keyframe_every=config.keyframe_every)
