@@ -145,7 +145,7 @@ class Publisher:
 
     CUDA tensors are encoded on their device (``device_delta``, on by default for them): the publisher
     then holds a copy of the last version on the device (``device_memory_bytes``, 1x the model's bytes)
-    and a small pinned ring (``pinned_memory_bytes``); ``device_delta=False`` keeps the host path.
+    and a pinned block of 10 % of them (``pinned_memory_bytes``); ``device_delta=False`` keeps the host path.
 
     The stream is created (its assets, then ``stream.json``) just before the first version is committed,
     or when a publisher that published nothing is closed; an existing stream's assets are checked at once.
@@ -238,12 +238,13 @@ class Publisher:
     @property
     def device_memory_bytes(self) -> int:
         """Device memory the publisher holds: the device encoder's copy of the last version (0 on the host
-        path). A version's compact payload adds to it until the background has copied it to the host."""
+        path). While ``publish`` runs, the scratch of one span adds to it (the payload goes to pinned memory)."""
         return self._device.device_memory_bytes
 
     @property
     def pinned_memory_bytes(self) -> int:
-        """Pinned host memory of the device encoder (its ring); the host path pins its snapshot buffers."""
+        """Pinned host memory of the device encoder (its block: payload staging and ring); the host path pins
+        its snapshot buffers."""
         return self._device.pinned_bytes
 
     def wait(self) -> None:
