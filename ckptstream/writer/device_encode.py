@@ -76,6 +76,18 @@ class _TensorCapture:
 
 
 @dataclass
+class _Compared:
+    """A tensor being compared with its resident copy in ``DeviceSnapshot.take``: its spans (first element,
+    integer views of the resident copy and of the tensor) and their counts of changed elements (device
+    scalars)."""
+
+    capture: _TensorCapture
+    live: torch.Tensor
+    spans: list[tuple[int, torch.Tensor, torch.Tensor]]
+    counts: list[torch.Tensor]
+
+
+@dataclass
 class DeviceCapture:
     """What ``DeviceSnapshot.take`` recorded of one version, waiting on the device for the back half."""
 
@@ -234,7 +246,7 @@ class DeviceSnapshot:
             limit = self.max_payload_ratio * sum(t.numel() * t.element_size() for t in old.values())
             resident: dict[str, torch.Tensor] = {}
             captures: list[_TensorCapture] = []
-            compared: list[tuple[_TensorCapture, torch.Tensor, list[int], list[torch.Tensor]]] = []
+            compared: list[_Compared] = []
             streams: dict[torch.device, torch.cuda.Stream] = {}
             seen: set[str] = set()
             try:
@@ -255,7 +267,7 @@ class DeviceSnapshot:
                         else:
                             capture = _TensorCapture(name, buffer, [], [])
                             captures.append(capture)
-                            compared.append((capture, live, *self._count(buffer, live)))
+                            compared.append(self._count(capture, live))
                     resident[name] = buffer
                 declined = self._record(compared, limit, streams)
             except BaseException:
@@ -272,66 +284,64 @@ class DeviceSnapshot:
             self._released = capture.released
             return capture
 
-    def _spans(self, live: torch.Tensor) -> range:
-        span = min(max(1, self.span_bytes // live.element_size()), 2 ** 31 - 1)  # int32 positions in a span
-        return range(0, live.numel(), span)
-
-    def _count(self, buffer: torch.Tensor, live: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
-        """The spans of ``live`` and their numbers of changed elements against ``buffer``, as device
-        scalars (queued, not waited for)."""
+    def _count(self, capture: _TensorCapture, live: torch.Tensor) -> _Compared:
+        """Queue the counts of changed elements of ``live`` against ``capture.resident``, span by span
+        (device scalars, not waited for)."""
         ints = codec.INT_OF_SIZE[live.element_size()]
-        old_ints, new_ints = buffer.view(-1).view(ints), live.view(-1).view(ints)
-        spans = self._spans(live)
-        return list(spans), [(old_ints[start:start + spans.step] != new_ints[start:start + spans.step]).sum()
-                             for start in spans]
+        old_ints, new_ints = capture.resident.view(-1).view(ints), live.view(-1).view(ints)
+        span = min(max(1, self.span_bytes // live.element_size()), 2 ** 31 - 1)  # int32 positions in a span
+        if live.numel() <= span:  # one span (most tensors): no slicing
+            spans = [(0, old_ints, new_ints)] if live.numel() else []
+        else:
+            spans = [(start, old_ints[start:start + span], new_ints[start:start + span])
+                     for start in range(0, live.numel(), span)]
+        return _Compared(capture, live, spans, [(old != new).sum() for _, old, new in spans])
 
-    def _record(self, compared: list[tuple[_TensorCapture, torch.Tensor, list[int], list[torch.Tensor]]],
-                limit: float, streams: dict[torch.device, torch.cuda.Stream]) -> bool:
+    def _record(self, compared: list[_Compared], limit: float, streams: dict[torch.device, torch.cuda.Stream]
+                ) -> bool:
         """Read the counts (one sync per device), then record every changed span's payload and update the
         resident copies; or, where the payload would outgrow ``limit`` (or, on CUDA, the pinned block),
         copy the tensors whole. Returns whether the payload was declined."""
-        counts: dict[tuple[int, int], int] = {}
-        by_device: dict[torch.device, list[tuple[tuple[int, int], torch.Tensor]]] = {}
-        for number, (_, live, _, scalars) in enumerate(compared):
-            by_device.setdefault(live.device, []).extend(((number, span), c) for span, c in enumerate(scalars))
-        for device, entries in by_device.items():
+        counts: list[list[int]] = [[] for _ in compared]
+        by_device: dict[torch.device, list[int]] = {}
+        for number, item in enumerate(compared):
+            by_device.setdefault(item.live.device, []).append(number)
+        for device, numbers in by_device.items():
+            scalars = [c for number in numbers for c in compared[number].counts]
             with torch.cuda.stream(streams[device]) if device in streams else contextlib.nullcontext():
-                values = torch.stack([c for _, c in entries]).tolist()  # the one wait for the device
-            counts.update(zip((key for key, _ in entries), values))
-        on_cuda = any(live.is_cuda for _, live, _, _ in compared)
-        if on_cuda:
+                values = iter(torch.stack(scalars).tolist() if scalars else [])  # the one wait for the device
+            for number in numbers:
+                counts[number] = [next(values) for _ in compared[number].counts]
+        if any(item.live.is_cuda for item in compared):
             limit = min(limit, self.ring.pinned_bytes)
-        payload = sum(_aligned(4 * count) + _aligned(live.element_size() * count)
-                      for (number, span), count in counts.items() for live in [compared[number][1]] if count)
+        payload = sum(_aligned(4 * count) + _aligned(item.live.element_size() * count)
+                      for item, numbers in zip(compared, counts) for count in numbers if count)
         if payload > limit:
-            for capture, live, _, _ in compared:
-                with torch.cuda.stream(streams[live.device]) if live.is_cuda else contextlib.nullcontext():
-                    capture.resident.copy_(live)
-                capture.positions = None
+            for item in compared:
+                with torch.cuda.stream(streams[item.live.device]) if item.live.is_cuda else contextlib.nullcontext():
+                    item.capture.resident.copy_(item.live)
+                item.capture.positions = None
             return True
         offset = 0
-        for number, (capture, live, starts, _) in enumerate(compared):
-            with torch.cuda.stream(streams[live.device]) if live.is_cuda else contextlib.nullcontext():
-                for span, start in enumerate(starts):
-                    count = counts[number, span]
+        for item, numbers in zip(compared, counts):
+            with torch.cuda.stream(streams[item.live.device]) if item.live.is_cuda else contextlib.nullcontext():
+                for (start, old_span, new_span), count in zip(item.spans, numbers):
                     if count:
-                        offset = self._record_span(capture, live, start, count, offset)
+                        offset = self._record_span(item.capture, old_span, new_span, start, count, offset)
         return False
 
-    def _record_span(self, capture: _TensorCapture, live: torch.Tensor, start: int, count: int, offset: int) -> int:
-        """Record the ``count`` changes of the span at ``start`` (no host sync) and update the resident copy;
-        on CUDA the payload goes to the pinned block at ``offset``. Returns the next free offset."""
-        ints = codec.INT_OF_SIZE[live.element_size()]
-        step = self._spans(live).step
-        old_span = capture.resident.view(-1).view(ints)[start:start + step]
-        new_span = live.view(-1).view(ints)[start:start + step]
+    def _record_span(self, capture: _TensorCapture, old_span: torch.Tensor, new_span: torch.Tensor, start: int,
+                     count: int, offset: int) -> int:
+        """Record the ``count`` changes of a span (integer views of the resident copy and the tensor; no host
+        sync) and update the resident copy; on CUDA the payload goes to the pinned block at ``offset``.
+        Returns the next free offset."""
         positions = torch.nonzero_static(old_span != new_span, size=count).view(-1)
         # index_select/index_copy_ rather than indexing: the same kernels, half the time per call in Python
         new_values = new_span.index_select(0, positions)
         xor_values = old_span.index_select(0, positions).bitwise_xor_(new_values)
         old_span.index_copy_(0, positions, new_values)
         positions = positions.to(torch.int32)
-        if live.is_cuda:
+        if new_span.is_cuda:
             assert self.ring.block is not None
             staged = []
             for part in (positions, xor_values):
