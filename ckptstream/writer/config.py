@@ -35,7 +35,7 @@ class PublisherConfig:
         device_delta: compute deltas on the device the tensors live on (:mod:`ckptstream.writer.device_encode`).
             None (default): for CUDA tensors. It keeps a copy of the last version on the device (1x the
             model's bytes of device memory, ``Publisher.device_memory_bytes``) and a pageable host copy,
-            with one pinned block of 10 % of the model's bytes (``Publisher.pinned_memory_bytes``: the
+            with one pinned block of at most 10 % of the model's bytes (``Publisher.pinned_memory_bytes``: the
             payload's staging and the ring whole tensors leave through); ``publish`` then waits only
             for the change detection on the device. False: the host path (the tensors are copied into pinned
             host buffers, and the delta is computed there). True also for CPU tensors (the reference run).

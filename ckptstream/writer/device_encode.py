@@ -191,8 +191,9 @@ class DeviceSnapshot:
     Args:
         max_payload_ratio: see :data:`MAX_PAYLOAD_RATIO` (the default).
         span_bytes: see :data:`SPAN_BYTES` (the default).
-        ring: the pinned block and its ring (default: 4 x 32 MiB slots; the block grows to
-            ``max_payload_ratio`` of the model's bytes when the first CUDA capture lands).
+        ring: the pinned block and its ring (default: 4 x 32 MiB slots; when the first CUDA capture
+            lands, the block grows to the largest power of two within ``max_payload_ratio`` of the model's
+            bytes, which then also bounds a version's payload).
     """
 
     def __init__(self, *, max_payload_ratio: float | None = None, span_bytes: int | None = None,
@@ -394,7 +395,8 @@ class DeviceSnapshot:
             changes = list(executor.map(_apply, [(item, host) for item, host in entries if item.positions is not None]))
             if capture.ready:
                 model = sum(item.resident.numel() * item.resident.element_size() for item in capture.tensors)
-                self.ring.reserve(int(self.max_payload_ratio * model) // _ALIGN * _ALIGN)  # once, for the deltas
+                # once, for the deltas; a power of two: torch's pinned allocator rounds sizes up to one
+                self.ring.reserve(1 << max(0, int(self.max_payload_ratio * model).bit_length() - 1))
             for item, host in entries:
                 if item.positions is None:
                     self.ring.copy(item.resident, host, capture.ready.get(item.resident.device))

@@ -145,7 +145,7 @@ class Publisher:
 
     CUDA tensors are encoded on their device (``device_delta``, on by default for them): the publisher
     then holds a copy of the last version on the device (``device_memory_bytes``, 1x the model's bytes)
-    and a pinned block of 10 % of them (``pinned_memory_bytes``); ``device_delta=False`` keeps the host path.
+    and a pinned block of at most 10 % of them (``pinned_memory_bytes``); ``device_delta=False`` keeps the host path.
 
     The stream is created (its assets, then ``stream.json``) just before the first version is committed,
     or when a publisher that published nothing is closed; an existing stream's assets are checked at once.
