@@ -55,10 +55,12 @@ def _versions() -> list[dict[str, torch.Tensor]]:
     return [v0, v1, v2, v3, v4]
 
 
-@pytest.fixture
-def small_spans(monkeypatch):
+@pytest.fixture(params=[0, device_encode.WHOLE_BYTES], ids=["spans", "whole"])
+def small_spans(monkeypatch, request):
     """Spans of change detection smaller than a chunk and not element-aligned in bytes, and no payload
-    budget (these versions change most of their bytes)."""
+    budget (these versions change most of their bytes); the tensors compared span by span, or (all
+    small here) staged whole and compared on the host."""
+    monkeypatch.setattr(device_encode, "WHOLE_BYTES", request.param)
     monkeypatch.setattr(device_encode, "SPAN_BYTES", 100)
     monkeypatch.setattr(device_encode, "MAX_PAYLOAD_RATIO", 100.0)
 
@@ -132,6 +134,7 @@ def test_host_and_device_encoders_take_over_from_each_other(tmp_path, small_span
 
 def test_payload_over_budget_becomes_a_keyframe_then_deltas_resume(tmp_path, monkeypatch):
     monkeypatch.setattr(device_encode, "MAX_PAYLOAD_RATIO", 0.01)
+    monkeypatch.setattr(device_encode, "WHOLE_BYTES", 0)  # compared on the "device" (a staged tensor counts whole)
     g = torch.Generator().manual_seed(3)
     state = {"a": torch.randn(4096, generator=g), "b": torch.randn(1000, generator=g).to(torch.bfloat16)}
     states = [{k: v.clone() for k, v in state.items()}]
@@ -151,7 +154,7 @@ def test_payload_over_budget_becomes_a_keyframe_then_deltas_resume(tmp_path, mon
 def test_device_snapshot_changes_and_memory_on_cpu():
     """The capture itself: changed positions (span-relative int32, across spans) and XOR values; the resident
     copy follows the tensors; CPU tensors hold no device memory."""
-    snapshot = device_encode.DeviceSnapshot(span_bytes=6, max_payload_ratio=100.0)  # 3 bf16 elements per span
+    snapshot = device_encode.DeviceSnapshot(span_bytes=6, max_payload_ratio=100.0, whole_bytes=0)  # 3 per span
     live = torch.zeros(10, dtype=torch.bfloat16)
     first = snapshot.take({"x": live}, 0)
     assert first.previous is None and first.tensors[0].positions is None and not first.released.is_set()
