@@ -313,9 +313,10 @@ class DeviceSnapshot:
 
     def _record(self, compared: list[_Compared], limit: float, streams: dict[torch.device, torch.cuda.Stream]
                 ) -> bool:
-        """Read the counts (one sync per device), then record every changed span's payload and update the
-        resident copies; or, where the payload would outgrow ``limit`` (or, on CUDA, the pinned block),
-        copy the tensors whole. Returns whether the payload was declined."""
+        """Read the counts (one sync per device), then record every changed span's payload (and stage the
+        small tensors whole) and update the resident copies; or, where the payload would outgrow ``limit``
+        (or, on CUDA, what is staged the pinned block), copy the tensors whole. Returns whether the payload
+        was declined."""
         counts: list[list[int]] = [[] for _ in compared]
         by_device: dict[torch.device, list[int]] = {}
         for number, item in enumerate(compared):
@@ -326,12 +327,13 @@ class DeviceSnapshot:
                 values = iter(torch.stack(scalars).tolist() if scalars else [])  # the one wait for the device
             for number in numbers:
                 counts[number] = [next(values) for _ in compared[number].counts]
-        if any(item.live.is_cuda for item in compared):
-            limit = min(limit, self.ring.pinned_bytes)
         payload = sum(_aligned(4 * count) + _aligned(item.live.element_size() * count)
                       for item, numbers in zip(compared, counts) for count in numbers if count)
-        payload += sum(_aligned(item.live.numel() * item.live.element_size()) for item in compared if item.whole)
-        if payload > limit:
+        # the tensors staged whole are not changes: they count against the pinned block only
+        staged = payload + sum(_aligned(item.live.numel() * item.live.element_size()) for item in compared
+                               if item.whole)
+        on_cuda = any(item.live.is_cuda for item in compared)
+        if payload > limit or (on_cuda and staged > self.ring.pinned_bytes):
             for item in compared:
                 with torch.cuda.stream(streams[item.live.device]) if item.live.is_cuda else contextlib.nullcontext():
                     item.capture.resident.copy_(item.live)
