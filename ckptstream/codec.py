@@ -182,18 +182,43 @@ def encode_chunk(new: torch.Tensor, base: torch.Tensor | None, itemsize: int, *,
         ``zstd``: all of them) and the layout, ``LAYOUT_DENSE`` or ``LAYOUT_SPARSE``.
     """
     if base is None:
-        payload, changed, layout = new, new.numel() // itemsize, LAYOUT_DENSE
-    else:
-        payload = _xor(new, base)
-        ints = payload.view(INT_OF_SIZE[itemsize])
-        positions = _changed_positions(payload, itemsize)
-        changed = positions.numel()
-        layout = LAYOUT_SPARSE if changed <= SPARSE_MAX_DENSITY * ints.numel() else LAYOUT_DENSE
-        if layout == LAYOUT_SPARSE:
-            return sparse_frame(positions, ints[positions], itemsize, shuffle=shuffle, level=level), changed, layout
-    if layout == LAYOUT_DENSE and shuffle:
-        payload = _shuffle(payload, itemsize)
-    return _compressor(level).compress(buffer_of(payload)), changed, layout
+        payload = _shuffle(new, itemsize) if shuffle else new
+        return _compressor(level).compress(buffer_of(payload)), new.numel() // itemsize, LAYOUT_DENSE
+    xor = _xor(new, base)
+    return encode_xor_chunk(_changed_positions(xor, itemsize), itemsize, xor=xor, shuffle=shuffle, level=level)
+
+
+def encode_xor_chunk(positions: torch.Tensor, itemsize: int, *, shuffle: bool, level: int,
+                     xor: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                     elements: int | None = None) -> tuple[bytes, int, str]:
+    """Encode one ``xor-zstd`` chunk from its changed elements: the layout decision and serialization
+    shared by the host encoder (which has the chunk's XOR bytes) and the device encoder (which has only
+    the changed elements, computed on the device).
+
+    Args:
+        positions: int64 indices of the chunk's changed elements, ascending.
+        itemsize: element size.
+        xor: the chunk's XOR bytes (uint8), where the caller has them; else ``values`` and ``elements``.
+        values: the XOR values at ``positions`` (the integer dtype of ``itemsize``).
+        elements: the chunk's number of elements.
+
+    Returns:
+        As :func:`encode_chunk`.
+    """
+    if xor is not None:
+        elements = xor.numel() // itemsize
+    assert elements is not None and (xor is not None or values is not None), "give xor, or values and elements"
+    changed = positions.numel()
+    if changed <= SPARSE_MAX_DENSITY * elements:
+        if values is None:
+            assert xor is not None
+            values = xor.view(INT_OF_SIZE[itemsize])[positions]
+        return sparse_frame(positions, values, itemsize, shuffle=shuffle, level=level), changed, LAYOUT_SPARSE
+    if xor is None:
+        assert values is not None
+        xor = torch.zeros(elements, dtype=INT_OF_SIZE[itemsize]).index_put_((positions,), values).view(torch.uint8)
+    payload = _shuffle(xor, itemsize) if shuffle else xor
+    return _compressor(level).compress(buffer_of(payload)), changed, LAYOUT_DENSE
 
 
 def sparse_frame(positions: torch.Tensor, values: torch.Tensor, itemsize: int, *, shuffle: bool,

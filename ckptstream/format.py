@@ -133,7 +133,11 @@ class Hasher:
 
 def content_hash(data: bytes | bytearray | memoryview) -> str:
     """Hash of ``data`` in the format's notation."""
-    return HASH_PREFIX + xxhash.xxh3_128_hexdigest(data)
+    # Through the hash object: its update releases the GIL (the one-shot functions do not), so threads
+    # hash tensors in parallel.
+    hasher = xxhash.xxh3_128()
+    hasher.update(data)
+    return HASH_PREFIX + hasher.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------- JSON

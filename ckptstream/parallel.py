@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
+import sys
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
 
@@ -14,6 +16,25 @@ R = TypeVar("R")
 def default_workers() -> int:
     """Worker threads for encoding/decoding: one per core, at most 8."""
     return max(1, min(8, os.cpu_count() or 1))
+
+
+def one_cpu_thread_each() -> None:
+    """Thread-pool initializer: torch's CPU ops called on this thread run on it alone (an OpenMP team of
+    one). The pool's workers are the parallelism; each of them waking a team of one thread per core
+    oversubscribes the cores (a ``torch.cat`` of 60 kB took 10 ms instead of 0.07 ms from 2 workers on 2
+    cores). Only the calling thread's OpenMP setting changes (``omp_set_num_threads`` is per thread), not
+    ``torch.get_num_threads()`` of the others. A no-op where torch is not loaded or has no libgomp."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    torch.get_num_threads()  # torch's per-thread initialization first: it would set the team size again
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libgomp" in line), None)
+        if path is not None:
+            ctypes.CDLL(path).omp_set_num_threads(1)
+    except OSError:
+        pass  # not Linux, or the library is not where the map said: torch's default then
 
 
 def ordered_parallel(items: Iterable[T], work: Callable[[T], R], cost: Callable[[T], int], *, max_cost: int,

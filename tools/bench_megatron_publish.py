@@ -5,12 +5,13 @@ save of the same weights. Run under torchrun; CPU (gloo) or GPUs (NCCL, one per 
 Each rank holds its tensor-parallel part of a bf16 GPTModel of about ``--size`` bytes (random weights).
 Each step changes 1 % of the elements by a few ulps (``rl_like_step``, in place, on the parameters'
 device), then times, on the same weights:
-  * ckptstream: ``publish`` (tensor-parallel gather + copy into reused host buffers), until it returns;
-    the background encode/write/commit is timed separately (the trainer does not wait for it);
+  * ckptstream: ``publish`` (tensor-parallel gather + snapshot: on GPUs the device encoder's change
+    detection, ``--device-delta off`` the copy into reused host buffers), until it returns; the background
+    encode/write/commit is timed separately (the trainer does not wait for it);
   * sync save: the same gather, ``.cpu()``, ``safetensors.save_file`` of the Hugging Face tensors and
     fsync, on every writing rank in parallel — what a trainer does to hand weights over through a disk.
-Prints one row per step and the medians over the steps after the first (the first publish pins its
-buffers) with their ratio.
+Prints one row per step, the medians over the steps after the first with their ratio, the first and the
+largest later blocking, and (on GPUs) the publisher's extra device memory and pinned host memory.
 
     torchrun --standalone --nproc-per-node 2 tools/bench_megatron_publish.py --size 256MB --steps 6
     torchrun --standalone --nproc-per-node 2 tools/bench_megatron_publish.py --size 15GB --dir /tmp/b   # 2 GPUs
@@ -45,6 +46,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--tp", type=int, help="tensor-parallel size (default: the world size)")
     parser.add_argument("--dir", help="scratch directory (default: a temp dir)")
+    parser.add_argument("--device-delta", choices=("auto", "off"), default="auto",
+                        help="auto: the device encoder on GPUs; off: the host path")
+    parser.add_argument("--json", help="rank 0 also writes the figures to this file")
     args = parser.parse_args()
 
     from megatron.core import parallel_state as mpu
@@ -73,8 +77,13 @@ def main() -> None:
             param.fill_(1.0) if param.dim() == 1 else param.normal_(0.0, 0.02)
     params = {name: param.data for name, param in model.named_parameters()}
     local_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    if cuda:
+        torch.cuda.synchronize()
+        memory_before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     publisher = MegatronPublisher(str(root / "stream"), model, hf_dir, keyframe_every=args.steps + 1,
-                                  workers=min(16, os.cpu_count() or 1))
+                                  workers=min(16, os.cpu_count() or 1),
+                                  device_delta=None if args.device_delta == "auto" else False)
     if rank == 0:
         device_name = torch.cuda.get_device_name() if cuda else "CPU"
         print(f"{world} ranks on {device_name}, TP={mpu.get_tensor_model_parallel_world_size()}; model "
@@ -96,12 +105,25 @@ def main() -> None:
             rows.append((blocked, commit, sync))
             print(f"{step:4d} {latest.kind:>8} {blocked:14.3f}s {commit:12.3f}s {sync:9.3f}s "
                   f"{latest.stored_bytes / 1e6:8.1f}MB", flush=True)
+    device_memory, pinned = publisher.device_memory_bytes, publisher.pinned_memory_bytes
+    peak = torch.cuda.max_memory_allocated() - memory_before if cuda else 0
     publisher.close()
     if rank == 0 and len(rows) > 1:
         steady = rows[1:]
         blocked, commit, sync = (statistics.median(r[i] for r in steady) for i in range(3))
         print(f"median over steps 1..{args.steps - 1}: publish blocks {blocked:.3f}s, sync save {sync:.3f}s "
               f"-> {sync / blocked:.1f}x less blocking; background commit {commit:.3f}s")
+        print(f"first publish blocks {rows[0][0]:.3f}s; largest later {max(r[0] for r in steady):.3f}s")
+        if cuda:
+            print(f"rank 0: device copy held {device_memory / 1e9:.2f} GB ({device_memory / local_bytes:.2f}x its "
+                  f"{local_bytes / 1e9:.2f} GB), peak extra device memory {peak / 1e9:.2f} GB "
+                  f"({peak / local_bytes:.2f}x), pinned host {pinned / 1e6:.0f} MB", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "ranks": world, "model_bytes": local_bytes * world, "rows": rows, "median_blocked_s": blocked,
+                "median_sync_save_s": sync, "median_commit_s": commit, "first_blocked_s": rows[0][0],
+                "max_later_blocked_s": max(r[0] for r in steady), "device_memory_bytes": device_memory,
+                "peak_extra_device_memory_bytes": peak, "pinned_bytes": pinned}, indent=1))
     dist.destroy_process_group()
 
 

@@ -194,10 +194,12 @@ def rl_like_step(state: Mapping[str, torch.Tensor], *, fraction: float = 0.01, m
             continue  # float8 is left alone: an ulp there is no small step
         bits = tensor.view(INT_OF_SIZE[tensor.element_size()]).view(-1)
         count = max(1, int(bits.numel() * fraction))
-        # Random draws on the generator's device (CPU by default), applied where the tensor lives (also a GPU).
-        positions = torch.randint(0, bits.numel(), (count,), generator=generator).unique().to(bits.device)
-        steps = torch.randint(1, max_ulps + 1, (positions.numel(),), generator=generator).to(bits.device)
-        signs = (torch.randint(0, 2, (positions.numel(),), generator=generator) * 2 - 1).to(bits.device)
+        # Random draws on the generator's device (CPU by default; a CUDA one is much faster for a large
+        # model), applied where the tensor lives (also a GPU).
+        on = generator.device if generator is not None else None
+        positions = torch.randint(0, bits.numel(), (count,), generator=generator, device=on).unique().to(bits.device)
+        steps = torch.randint(1, max_ulps + 1, (positions.numel(),), generator=generator, device=on).to(bits.device)
+        signs = (torch.randint(0, 2, (positions.numel(),), generator=generator, device=on) * 2 - 1).to(bits.device)
         old = bits[positions].to(torch.int64)
         sign_bit = 1 << (8 * tensor.element_size() - 1)
         negative = old < 0

@@ -32,6 +32,13 @@ class PublisherConfig:
         workers: encoder threads (default: one per core, at most 8).
         base_cache_dir: a local directory keeping a copy of the last version this publisher wrote, so a
             fresh process (e.g. the CLI) can write a delta without decoding the stream's latest version.
+        device_delta: compute deltas on the device the tensors live on (:mod:`ckptstream.writer.device_encode`).
+            None (default): for CUDA tensors. It keeps a copy of the last version on the device (1x the
+            model's bytes of device memory, ``Publisher.device_memory_bytes``) and a pageable host copy,
+            with one pinned block of at most 10 % of the model's bytes (``Publisher.pinned_memory_bytes``: the
+            payload's staging and the ring whole tensors leave through); ``publish`` then waits only
+            for the change detection on the device. False: the host path (the tensors are copied into pinned
+            host buffers, and the delta is computed there). True also for CPU tensors (the reference run).
     """
 
     storage_options: Mapping[str, Any] | None = None
@@ -45,6 +52,7 @@ class PublisherConfig:
     max_in_flight: int = 1
     workers: int | None = None
     base_cache_dir: str | os.PathLike[str] | None = None
+    device_delta: bool | None = None
 
     def __post_init__(self) -> None:
         if self.keyframe_every < 1 or self.max_in_flight < 1 or self.shard_bytes < 1 or self.chunk_bytes < 8:

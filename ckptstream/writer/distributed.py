@@ -143,6 +143,16 @@ class DistributedPublisher:
         """The options this publisher runs with."""
         return self._publisher.config
 
+    @property
+    def device_memory_bytes(self) -> int:
+        """Device memory this rank's publisher holds (see :attr:`Publisher.device_memory_bytes`)."""
+        return self._publisher.device_memory_bytes
+
+    @property
+    def pinned_memory_bytes(self) -> int:
+        """Pinned host memory of this rank's device encoder (see :attr:`Publisher.pinned_memory_bytes`)."""
+        return self._publisher.pinned_memory_bytes
+
     def publish(self, named_tensors: NamedTensors, version: int | None = None, *, step: int | None = None,
                 metadata: Mapping[str, Any] | None = None, keyframe: bool = False) -> Future[Manifest]:
         """Publish this rank's part of ``version``; call it on every rank with the same version.

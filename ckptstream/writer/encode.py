@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from functools import partial
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -94,9 +95,8 @@ class DeltaEncoder:
     def encode(self, tensors: Snapshot, base: BaseVersion | None) -> EncodedVersion | None:
         if base is None:
             return None
-        limit = self.max_ratio * sum(t.numel() * t.element_size() for _, t in tensors)
-        tasks = []  # (tensor index, new bytes, base bytes or None, itemsize)
-        plans = []
+        plans: list[EncodedTensor] = []
+        tasks: list[ChunkTask] = []
         for index, (name, tensor) in enumerate(tensors):
             previous = base.tensors.get(name)
             if previous is not None and (previous.dtype, previous.shape) != (tensor.dtype, tensor.shape):
@@ -105,35 +105,45 @@ class DeltaEncoder:
             base_bytes = codec.as_bytes(previous) if previous is not None else None
             plans.append(EncodedTensor(name, tensor, ENCODING_XOR_ZSTD if previous is not None else ENCODING_ZSTD,
                                        changed=0))
-            for start, end in codec.chunk_ranges(new_bytes.numel(), tensor.element_size(), self.chunk_bytes):
-                tasks.append((index, new_bytes[start:end], None if base_bytes is None else base_bytes[start:end],
-                              tensor.element_size()))
+            itemsize = tensor.element_size()
+            for start, end in codec.chunk_ranges(new_bytes.numel(), itemsize, self.chunk_bytes):
+                tasks.append((index, end - start, partial(
+                    codec.encode_chunk, new_bytes[start:end], None if base_bytes is None else base_bytes[start:end],
+                    itemsize, shuffle=self.shuffle, level=self.zstd_level)))
+        return assemble_delta(plans, tasks, base.manifest, executor=self.executor, chunk_bytes=self.chunk_bytes,
+                              max_ratio=self.max_ratio, shuffle=self.shuffle)
 
-        def encode(task: tuple[int, torch.Tensor, torch.Tensor | None, int]) -> tuple[int, int, bytes, int, str]:
-            index, new, old, itemsize = task
-            frame, changed, layout = codec.encode_chunk(new, old, itemsize, shuffle=self.shuffle,
-                                                        level=self.zstd_level)
-            return index, new.numel(), frame, changed, layout
 
-        stored = 0
-        results = ordered_parallel(tasks, encode, lambda task: task[1].numel(), executor=self.executor,
-                                   max_cost=max(self.chunk_bytes, 64 << 20) * 4)
-        try:
-            for index, raw_len, frame, changed, layout in results:
-                plan = plans[index]
-                plan.frames.append(frame)
-                plan.chunks.append((raw_len, len(frame), layout))
-                plan.changed = (plan.changed or 0) + changed
-                stored += len(frame)
-                if stored > limit:
-                    log.info("delta exceeds %.0f%% of the full size; writing a keyframe", 100 * self.max_ratio)
-                    return None
-        finally:
-            results.close()
-        for plan in plans:
-            if plan.encoding == ENCODING_XOR_ZSTD and plan.changed == 0:
-                plan.encoding, plan.frames, plan.chunks = ENCODING_UNCHANGED, [], []
-        return EncodedVersion(DELTA, base.manifest, plans, shuffle=self.shuffle)
+ChunkTask = tuple[int, int, Callable[[], tuple[bytes, int, str]]]
+"""One chunk to encode: the index of its tensor's plan, its raw bytes, and the call returning its stored
+frame, changed elements and layout."""
+
+
+def assemble_delta(plans: list[EncodedTensor], tasks: list[ChunkTask], base: Manifest, *, executor: Executor,
+                   chunk_bytes: int, max_ratio: float, shuffle: bool) -> EncodedVersion | None:
+    """Run the chunk tasks on ``executor`` (in order, bounded memory) and fill their tensors' plans: the
+    delta on ``base``, or None as soon as the stored bytes outgrow ``max_ratio`` of the full bytes. A delta
+    plan without changes becomes ``unchanged``. Shared by the host and the device encoders."""
+    limit = max_ratio * sum(plan.tensor.numel() * plan.tensor.element_size() for plan in plans)
+    stored = 0
+    results = ordered_parallel(tasks, lambda task: (task[0], task[1], *task[2]()), lambda task: task[1],
+                               executor=executor, max_cost=max(chunk_bytes, 64 << 20) * 4)
+    try:
+        for index, raw_len, frame, changed, layout in results:
+            plan = plans[index]
+            plan.frames.append(frame)
+            plan.chunks.append((raw_len, len(frame), layout))
+            plan.changed = (plan.changed or 0) + changed
+            stored += len(frame)
+            if stored > limit:
+                log.info("delta exceeds %.0f%% of the full size; writing a keyframe", 100 * max_ratio)
+                return None
+    finally:
+        results.close()
+    for plan in plans:
+        if plan.encoding == ENCODING_XOR_ZSTD and plan.changed == 0:
+            plan.encoding, plan.frames, plan.chunks = ENCODING_UNCHANGED, [], []
+    return EncodedVersion(DELTA, base, plans, shuffle=shuffle)
 
 
 class VersionEncoder:

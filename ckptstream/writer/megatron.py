@@ -5,7 +5,9 @@ The weights are split over tensor-, pipeline-, expert- and data-parallel ranks u
 (in the trainer's own process groups, while the trainer waits), converts them to the Hugging Face tensors
 vLLM loads, and hands them to a :class:`DistributedPublisher`: the tensor-parallel ranks of each pipeline
 stage (and of each expert-parallel rank, for experts) take turns writing its tensors, every rank in
-parallel with the others, and rank 0 commits.
+parallel with the others, and rank 0 commits. On GPUs, the gathered tensors (on the writing rank's GPU)
+go to the device encoder (:mod:`ckptstream.writer.device_encode`; ``device_delta=False`` keeps the host
+path): ``publish`` then waits for the gathers and the change detection on the GPU only.
 megatron-core is imported only when a publisher is built.
 """
 
@@ -59,7 +61,7 @@ class MegatronPublisher:
         publisher = MegatronPublisher("s3://bucket/run1", model, "hf/Qwen3-8B", dtype=torch.bfloat16)
         for step in range(steps):
             train_step(model)
-            publisher.publish(step, step=step)   # returns after the gather and the host snapshot
+            publisher.publish(step, step=step)   # returns after the gather and the snapshot
         publisher.close()
     """
 
@@ -89,7 +91,8 @@ class MegatronPublisher:
                 keyframe: bool = False) -> Future[Manifest]:
         """Gather and snapshot this rank's weights, then publish ``version`` in the background.
 
-        Blocks for the tensor-parallel gathers and the copy to host memory only. Returns a future that
+        Blocks for the tensor-parallel gathers and the snapshot only (on GPUs, the device encoder's change
+        detection against its copy of the last version; else the copy to host memory). Returns a future that
         resolves to the committed manifest on every rank, or raises on every rank if any rank failed.
         """
         mpu = self._mpu
@@ -98,6 +101,16 @@ class MegatronPublisher:
         return self.publisher.publish(self.iter_hf_tensors(), version, step=step,
                                       metadata={"source": "megatron", "parallel": layout, **(metadata or {})},
                                       keyframe=keyframe)
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """Device memory this rank's publisher holds (its copy of the tensors it writes)."""
+        return self.publisher.device_memory_bytes
+
+    @property
+    def pinned_memory_bytes(self) -> int:
+        """Pinned host memory of this rank's device encoder."""
+        return self.publisher.pinned_memory_bytes
 
     def wait(self) -> None:
         """Block until every version published so far is committed (on every rank)."""

@@ -4,7 +4,9 @@ Each version goes through the same stages, each its own part:
 
 1. snapshot (``snapshot.SnapshotBuffers``): the tensors are copied into reused host buffers; the only
    stage the trainer waits for — ``publish`` returns when it is done, ``stage`` at once with a future of
-   its own (``Publication.staged``) apart from the commit's (``Publication.committed``);
+   its own (``Publication.staged``) apart from the commit's (``Publication.committed``). For CUDA tensors
+   (``device_delta``), the snapshot is ``device_encode.DeviceSnapshot``'s instead: the changes against a
+   device-resident copy of the last version, found on the device, reach the host in the background;
 2. encode (``encode.VersionEncoder``): a delta against the base (``base.BaseLookup``) where one is
    allowed and pays, else a keyframe;
 3. write (``files.DataFileWriter``): the data files, under names unique to this writer;
@@ -19,10 +21,12 @@ coordinator of :mod:`ckptstream.writer.distributed` for the ranks of a job.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
@@ -32,11 +36,12 @@ import torch
 from .. import __version__, codec
 from ..errors import CkptStreamError, PublishError, VersionOrderError
 from ..format import DELTA, KEYFRAME, FileEntry, Manifest, TensorEntry, dumps_json
-from ..parallel import default_workers
+from ..parallel import default_workers, one_cpu_thread_each
 from ..reader import Stream
 from .base import BaseLookup
 from .commit import LazyStream, commit_manifest, load_assets, new_writer_id, utc_now, write_latest_hint
 from .config import PublisherConfig
+from .device_encode import DeviceCapture, DeviceDeltaEncoder, DeviceSnapshot
 from .encode import DeltaEncoder, EncodedVersion, VersionEncoder
 from .files import DataFileWriter
 from .snapshot import NamedTensors, SnapshotBuffers
@@ -112,6 +117,7 @@ class _Job:
     keyframe: bool
     previous_version: int | None  # the publisher's last version before this one was numbered
     future: Future[Manifest] = field(default_factory=Future)
+    capture: DeviceCapture | None = None  # the device snapshot (then ``tensors`` are filled when it lands)
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,12 @@ class Publisher:
         coordinator: how the processes writing a version agree on it (default: this process alone).
         **options: fields of :class:`PublisherConfig` (``storage_options``, ``assets``,
             ``keyframe_every``, ``delta_max_ratio``, ``shard_bytes``, ``chunk_bytes``, ``zstd_level``,
-            ``shuffle``, ``max_in_flight``, ``workers``, ``base_cache_dir``), replacing ``config``'s.
+            ``shuffle``, ``max_in_flight``, ``workers``, ``base_cache_dir``, ``device_delta``), replacing
+            ``config``'s.
+
+    CUDA tensors are encoded on their device (``device_delta``, on by default for them): the publisher
+    then holds a copy of the last version on the device (``device_memory_bytes``, 1x the model's bytes)
+    and a pinned block of at most 10 % of them (``pinned_memory_bytes``); ``device_delta=False`` keeps the host path.
 
     The stream is created (its assets, then ``stream.json``) just before the first version is committed,
     or when a publisher that published nothing is closed; an existing stream's assets are checked at once.
@@ -158,11 +169,18 @@ class Publisher:
         self._bases = BaseLookup(self.stream if self._coordinator.looks_up_base else None,
                                  config.base_cache_dir if self._coordinator.looks_up_base else None)
         self._snapshots = SnapshotBuffers()
-        self._pool = ThreadPoolExecutor(config.workers or default_workers(), thread_name_prefix="ckptstream-encode")
-        self._encoder = VersionEncoder(
-            DeltaEncoder(self._pool, chunk_bytes=config.chunk_bytes, zstd_level=config.zstd_level,
-                         shuffle=config.shuffle, max_ratio=config.delta_max_ratio),
-            keyframe_every=config.keyframe_every)
+        self._device = DeviceSnapshot()
+        self.phase_seconds: dict[str, float] = {}
+        """Where the background time of the last committed version went, in seconds per phase (``land``:
+        the device payload applied to the host mirror; ``encode``: the delta or keyframe encoded;
+        ``hash``: waiting for the tensors' hashes after that; ``write``: its files; ``commit``: the rest)."""
+        self._pool = ThreadPoolExecutor(config.workers or default_workers(), thread_name_prefix="ckptstream-encode",
+                                        initializer=one_cpu_thread_each)
+        host_delta = DeltaEncoder(self._pool, chunk_bytes=config.chunk_bytes, zstd_level=config.zstd_level,
+                                  shuffle=config.shuffle, max_ratio=config.delta_max_ratio)
+        self._encoder = VersionEncoder(host_delta, keyframe_every=config.keyframe_every)
+        self._device_encoder = VersionEncoder(DeviceDeltaEncoder(self._device, host_delta),
+                                              keyframe_every=config.keyframe_every)
         self._files = DataFileWriter(self.storage, self.writer_id, config.shard_bytes)
         self._slots = threading.BoundedSemaphore(config.max_in_flight)
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="ckptstream-stage")
@@ -190,7 +208,8 @@ class Publisher:
 
         Returns:
             A future resolving to the committed ``Manifest`` (or raising the failure). ``publish`` returns
-            as soon as the tensors are copied, so the caller may modify them right away.
+            as soon as the snapshot is taken (CUDA tensors: their changes found on the device, see
+            ``device_delta``), so the caller may modify them right away.
 
         Raises:
             VersionOrderError: ``version`` is not newer than the latest version.
@@ -215,6 +234,18 @@ class Publisher:
         job = self._start(version, step, metadata, keyframe)
         staged = self._stager.submit(self._snapshot, job, named_tensors)
         return Publication(job.version, staged, job.future)
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """Device memory the publisher holds: the device encoder's copy of the last version (0 on the host
+        path). While ``publish`` runs, the scratch of one span adds to it (the payload goes to pinned memory)."""
+        return self._device.device_memory_bytes
+
+    @property
+    def pinned_memory_bytes(self) -> int:
+        """Pinned host memory of the device encoder (its block: payload staging and ring); the host path pins
+        its snapshot buffers."""
+        return self._device.pinned_bytes
 
     def wait(self) -> None:
         """Block until every version published so far is committed; raise the first failure, if any."""
@@ -242,6 +273,7 @@ class Publisher:
             self._pool.shutdown(wait=True)
             self._bases.forget()
             self._snapshots.clear()
+            self._device.clear()
 
     def __enter__(self) -> Publisher:
         return self
@@ -278,7 +310,18 @@ class Publisher:
         version up."""
         self._slots.acquire()
         try:
-            job.tensors = self._snapshots.take(named_tensors)
+            items = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+            first = next(items, None)
+            items = itertools.chain([] if first is None else [first], items)
+            on_device = self.config.device_delta
+            if on_device is None:
+                on_device = first is not None and isinstance(first[1], torch.Tensor) and first[1].is_cuda
+            if on_device:
+                self._snapshots.clear()
+                job.capture = self._device.take(items, job.version)
+            else:
+                self._device.reset()
+                job.tensors = self._snapshots.take(items)
         except BaseException as exc:
             self._slots.release()
             with self._lock:
@@ -296,6 +339,7 @@ class Publisher:
                 # Start over from what the stream holds: the next version is numbered from the stream.
                 self._last_version = None
                 self._bases.forget()
+                self._device.reset()
         if error is not None:
             raise error
 
@@ -321,7 +365,9 @@ class Publisher:
             if failed:
                 raise PublishError("not published because an earlier version failed", version=job.version)
             manifest = self._write(job)
-            self._snapshots.retire(self._bases.promote(manifest, job.tensors))
+            replaced = self._bases.promote(manifest, job.tensors)
+            if job.capture is None:  # the device encoder's mirror is its own, updated in place
+                self._snapshots.retire(replaced)
             job.future.set_result(manifest)
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller through the future
             error = exc if isinstance(exc, CkptStreamError) else PublishError(
@@ -334,16 +380,35 @@ class Publisher:
                     self._error = error
             job.future.set_exception(error)
         finally:
+            if job.capture is not None:
+                job.capture.released.set()  # also where it never landed
             self._slots.release()
 
     def _write(self, job: _Job) -> Manifest:
         """Encode, write and commit one version (on the background thread)."""
-        base = self._bases.current(job.version)
-        hashes = [self._pool.submit(codec.tensor_hash, t) for _, t in job.tensors]
+        encoder = self._encoder
         encoded: EncodedVersion | None = None
         failure: BaseException | None = None
+        phases: dict[str, float] = {}
+        clock = [time.perf_counter()]
+
+        def phase(name: str) -> None:
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - clock[0]
+            clock[0] = now
+
+        if job.capture is not None:
+            encoder = self._device_encoder
+            try:
+                job.tensors = self._device.land(job.capture, self._pool).mirror
+            except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
+                failure = exc
+            phase("land")
+        base = self._bases.current(job.version)
+        hashes = [self._pool.submit(codec.tensor_hash, t) for _, t in job.tensors]
         try:
-            encoded = self._encoder.try_delta(job.tensors, base, force_keyframe=job.keyframe)
+            if failure is None:
+                encoded = encoder.try_delta(job.tensors, base, force_keyframe=job.keyframe)
         except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
             failure = exc
         kind = self._coordinator.agree_kind(job.version, KEYFRAME if encoded is None else DELTA, failure)
@@ -352,14 +417,21 @@ class Publisher:
         if kind is not None and failure is None:
             try:
                 if kind == KEYFRAME or encoded is None:  # the others may need a keyframe where this part was a delta
-                    encoded = self._encoder.keyframe(job.tensors)
+                    encoded = encoder.keyframe(job.tensors)
                 base_manifest = encoded.base
-                part.files, part.tensors = self._files.write(job.version, encoded, [h.result() for h in hashes])
+                phase("encode")
+                digests = [h.result() for h in hashes]
+                phase("hash")
+                part.files, part.tensors = self._files.write(job.version, encoded, digests)
+                phase("write")
             except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
                 part.failure = exc
-        return self._coordinator.commit(
+        manifest = self._coordinator.commit(
             job.version, part, lambda files, tensors: self._commit(job, base_manifest, files, tensors),
             lambda: self._files.remove(job.version, part.files))
+        phase("commit")
+        self.phase_seconds = phases
+        return manifest
 
     def _commit(self, job: _Job, base: Manifest | None, files: list[FileEntry],
                 tensors: list[TensorEntry]) -> Manifest:

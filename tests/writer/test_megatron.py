@@ -49,7 +49,9 @@ def _publish_worker(rank: int, world_size: int, port: int, layout: dict[str, int
 
     The model is fp32 (for an exact forward pass) and published as bf16; with ``layout["bf16"]`` it is
     bf16 as in training, where Megatron keeps layer norms in fp32, and published in config.json's dtype
-    by default (no forward pass: tools/check_megatron_logits.py compares bf16 logits on GPUs)."""
+    by default (no forward pass: tools/check_megatron_logits.py compares bf16 logits on GPUs). With
+    ``layout["device_delta"]`` the gathered tensors go to the device encoder (its CPU reference here), as
+    they do on GPUs."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -73,6 +75,8 @@ def _publish_worker(rank: int, world_size: int, port: int, layout: dict[str, int
             model = Float16Module(model.config, model)
         load_hf_weights(model, v0, hf_dir)
         cast = {} if layout.get("bf16") else {"dtype": torch.bfloat16}
+        if layout.get("device_delta"):
+            cast["device_delta"] = True
         with MegatronPublisher(str(model_dir / "stream"), model, hf_dir, **cast) as publisher:
             publisher.publish(0, step=0)
             load_hf_weights(model, v1, hf_dir)  # the trainer may change weights as soon as publish returns
@@ -167,7 +171,8 @@ LAYOUTS = [
     pytest.param({"tp": 2, "pp": 2}, ["qwen2", "llama", "qwen3_moe"], True, id="tp2-pp2"),
     pytest.param({"ep": 2}, ["qwen3_moe"], True, id="ep2-dp2"),
     pytest.param({"pp": 2, "vpp": 2}, ["llama-4-layers"], True, id="pp2-vpp2"),
-    pytest.param({"tp": 2, "bf16": True}, ["qwen2", "qwen3_moe"], False, id="tp2-bf16-params"),
+    pytest.param({"tp": 2, "bf16": True, "device_delta": True}, ["qwen2", "qwen3_moe"], False,
+                 id="tp2-bf16-params-device-encoder"),
 ]
 
 

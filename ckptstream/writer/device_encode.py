@@ -1,0 +1,532 @@
+"""The device encoder: deltas of CUDA tensors computed where the tensors live.
+
+Front half, ``DeviceSnapshot.take`` (what ``publish`` waits for): the snapshot buffer is a device-resident
+copy of the last version (1x the model's bytes, on the tensors' devices). On a side CUDA stream, per span
+of every tensor, the number of changed elements (``resident != live`` on integer views) is counted on the
+device; ONE host sync reads all counts (per device), which decide the payload budget. Then per changed
+span, with no further sync: ``nonzero_static`` (sized by the count) gives the positions, the XOR values are
+gathered, the resident copy updated at those positions, and the span's payload (int32 span-relative
+positions, XOR values) copied at once into a pinned staging block, so that the device scratch of a span is
+freed before the next. A tensor without a resident copy (the first version, a new tensor, a payload over
+its budget) is copied device-to-device instead.
+
+Back half, on the publisher's background thread: ``DeviceSnapshot.land`` reads the payload from the
+staging block and applies it to a host mirror of the last version (pageable memory; the hashes and
+keyframes are computed from it), tensors in parallel; full tensors come through a ring of slots carved
+from the same pinned block. ``DeviceDeltaEncoder`` then serializes and compresses every chunk on host
+threads with the host encoder's own function, ``codec.encode_xor_chunk``, so both encoders store the same
+bytes for the same tensors.
+
+Everything is written with torch ops that run on any device: the CPU run of the same code is the reference
+tested against the host encoder (there the payload stays in CPU tensors). The CUDA-only parts (side
+streams, events, the pinned block) are guarded by ``is_cuda``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Mapping
+
+import torch
+
+from .. import codec
+from ..errors import PublishError
+from ..format import ENCODING_XOR_ZSTD, ENCODING_ZSTD
+from .encode import BaseVersion, DeltaEncoder, EncodedTensor, EncodedVersion, Snapshot, assemble_delta
+from .snapshot import NamedTensors, check_tensor
+
+MAX_PAYLOAD_RATIO = 0.1
+"""A version's compact payload (positions and XOR values, on the device until the back half copies it)
+may reach this fraction of the model's bytes; beyond it the version becomes a keyframe. Bounds the extra
+device memory next to the snapshot buffer, and the delta would hardly pay anyway (more than ~3 % of bf16
+elements changed)."""
+
+SPAN_BYTES = 64 << 20
+"""Change detection runs over spans of at most this many bytes of a tensor: bounds the device scratch of
+one span (its mask, ``nonzero_static``'s int64 output) and keeps span-relative positions within int32."""
+
+RING_SLOT_BYTES = 32 << 20
+RING_SLOTS = 4
+"""The ring through which full tensors reach the host: 4 x 32 MiB, at the start of the pinned block."""
+
+WHOLE_BYTES = 1 << 20
+"""A tensor of at most this many bytes (norm weights, biases) is not compared on the device: its new bytes
+go to the pinned block whole (two copies instead of ~12 kernels and copies, which cost ~0.15 ms of host
+time each in ``publish``), and its changes are found on the host when it lands."""
+
+_ALIGN = 8
+"""Payload sections in the pinned block start at multiples of this (the widest element)."""
+
+
+@dataclass
+class _TensorCapture:
+    """One tensor of a capture: its resident copy (holding this version) and its changes since the
+    previous one, span by span (``positions`` None: nothing recorded, the tensor is copied whole)."""
+
+    name: str
+    resident: torch.Tensor
+    positions: list[torch.Tensor] | None = None  # int32 span-relative element indices, ascending, per span
+    values: list[torch.Tensor] = field(default_factory=list)  # XOR values at those positions
+    starts: list[int] = field(default_factory=list)  # the spans' first elements
+    whole: torch.Tensor | None = None  # or: the tensor's new bytes (integer view), its changes found on landing
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the compact payload (positions and values)."""
+        parts = (self.positions or []) + self.values + ([] if self.whole is None else [self.whole])
+        return sum(p.numel() * p.element_size() for p in parts)
+
+
+@dataclass
+class _Compared:
+    """A tensor being compared with its resident copy in ``DeviceSnapshot.take``: its spans (first element,
+    integer views of the resident copy and of the tensor) and their counts of changed elements (device
+    scalars)."""
+
+    capture: _TensorCapture
+    live: torch.Tensor
+    spans: list[tuple[int, torch.Tensor, torch.Tensor]]
+    counts: list[torch.Tensor]
+    whole: bool = False  # staged whole (see WHOLE_BYTES): no spans
+
+
+@dataclass
+class DeviceCapture:
+    """What ``DeviceSnapshot.take`` recorded of one version, waiting on the device for the back half."""
+
+    version: int
+    previous: int | None
+    """The version the resident copies held before (the changes are against it); None: no delta."""
+    declined: bool
+    """Whether the changes outgrew ``max_payload_ratio`` (the version is to be a keyframe)."""
+    tensors: list[_TensorCapture]
+    ready: dict[torch.device, torch.cuda.Event]
+    """Per CUDA device, an event after the capture's last kernel and copy."""
+    released: threading.Event = field(default_factory=threading.Event)
+    """Set once the back half no longer reads the resident copies nor the pinned block (the next capture
+    waits for it)."""
+
+
+@dataclass
+class LandedVersion:
+    """A capture applied to the host mirror: per tensor, the changes as host tensors (int64 positions,
+    XOR values), or None for a tensor copied whole."""
+
+    version: int
+    previous: int | None
+    declined: bool
+    changes: dict[str, tuple[torch.Tensor, torch.Tensor] | None]
+    mirror: list[tuple[str, torch.Tensor]]
+
+
+class PinnedRing:
+    """One pinned host block, allocated once (``reserve``) and reused: the staging area of the captures'
+    payloads, and at its start the ``slots`` buffers of ``slot_bytes`` through which ``copy`` brings device
+    tensors of any size to the host, on a copy stream of its own. Used from one thread at a time."""
+
+    def __init__(self, slot_bytes: int = RING_SLOT_BYTES, slots: int = RING_SLOTS):
+        self.slot_bytes = slot_bytes
+        self.slots = slots
+        self.block: torch.Tensor | None = None
+        """The pinned block (uint8), once reserved."""
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory held."""
+        return 0 if self.block is None else self.block.numel()
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold a block of at least ``nbytes`` (and of the ring's slots); reallocated only to grow. Call
+        only while nothing is staged in it."""
+        nbytes = max(nbytes, self.slot_bytes * self.slots)
+        if self.block is None or self.block.numel() < nbytes:
+            self.block = None
+            self.block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event | None = None) -> None:
+        """``dst[:] = src`` for a contiguous ``src`` on any device and a contiguous host ``dst`` of the same
+        bytes; for a CUDA ``src``, once ``after`` (an event of the stream that wrote it) has passed. Uses the
+        start of the block: nothing staged there may still be needed."""
+        src_bytes, dst_bytes = codec.as_bytes(src), codec.as_bytes(dst)
+        if not src.is_cuda:
+            dst_bytes.copy_(src_bytes)
+            return
+        stream = self._streams.get(src.device)
+        if stream is None:
+            stream = self._streams[src.device] = torch.cuda.Stream(src.device)
+        self.reserve(0)
+        assert self.block is not None
+        buffers = [self.block[n * self.slot_bytes:(n + 1) * self.slot_bytes] for n in range(self.slots)]
+        if after is not None:
+            stream.wait_event(after)
+        pending: deque[tuple[torch.cuda.Event, torch.Tensor, int, int]] = deque()
+        with torch.cuda.stream(stream):
+            for number, start in enumerate(range(0, src_bytes.numel(), self.slot_bytes)):
+                end = min(start + self.slot_bytes, src_bytes.numel())
+                if len(pending) == self.slots:
+                    _drain(pending.popleft(), dst_bytes)
+                buffer = buffers[number % self.slots]
+                buffer[:end - start].copy_(src_bytes[start:end], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                pending.append((event, buffer, start, end))
+        while pending:
+            _drain(pending.popleft(), dst_bytes)
+
+    def clear(self) -> None:
+        """Release the pinned block."""
+        self.block = None
+
+
+def _drain(item: tuple[torch.cuda.Event, torch.Tensor, int, int], dst_bytes: torch.Tensor) -> None:
+    event, buffer, start, end = item
+    event.synchronize()
+    dst_bytes[start:end].copy_(buffer[:end - start])
+
+
+class DeviceSnapshot:
+    """The device-resident copy of the last version, its host mirror and the pinned ring between them.
+
+    Thread-safe: ``take`` runs on the caller's thread, ``land`` on the publisher's background thread, in
+    version order.
+
+    Args:
+        max_payload_ratio: see :data:`MAX_PAYLOAD_RATIO` (the default).
+        span_bytes: see :data:`SPAN_BYTES` (the default).
+        whole_bytes: see :data:`WHOLE_BYTES` (the default).
+        ring: the pinned block and its ring (default: 4 x 32 MiB slots; when the first CUDA capture
+            lands, the block grows to the largest power of two within ``max_payload_ratio`` of the model's
+            bytes, which then also bounds a version's payload).
+    """
+
+    def __init__(self, *, max_payload_ratio: float | None = None, span_bytes: int | None = None,
+                 whole_bytes: int | None = None, ring: PinnedRing | None = None):
+        self.max_payload_ratio = MAX_PAYLOAD_RATIO if max_payload_ratio is None else max_payload_ratio
+        self.span_bytes = SPAN_BYTES if span_bytes is None else span_bytes
+        self.whole_bytes = WHOLE_BYTES if whole_bytes is None else whole_bytes
+        self.ring = ring if ring is not None else PinnedRing()
+        self._lock = threading.Lock()
+        self._resident: dict[str, torch.Tensor] = {}
+        self._version: int | None = None  # the version the resident copies hold
+        self._released: threading.Event | None = None  # the last capture's
+        self._mirror: dict[str, torch.Tensor] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.landed: LandedVersion | None = None
+        """The last version ``land`` applied (what :class:`DeviceDeltaEncoder` encodes)."""
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """Device memory held by the snapshot buffer (the resident copies on CUDA devices)."""
+        with self._lock:
+            return sum(t.numel() * t.element_size() for t in self._resident.values() if t.is_cuda)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory held (the block: payload staging and ring)."""
+        return self.ring.pinned_bytes
+
+    def reset(self) -> None:
+        """Forget the resident copies and the mirror (after a failure, or when the host path takes over):
+        the next capture copies every tensor whole."""
+        with self._lock:
+            self._resident, self._version, self._mirror, self.landed = {}, None, {}, None
+            self._released = None
+
+    def clear(self) -> None:
+        """Release every buffer, device and pinned."""
+        self.reset()
+        self.ring.clear()
+
+    def take(self, named_tensors: NamedTensors, version: int) -> DeviceCapture:
+        """Record ``version`` of the tensors: their changes against the resident copies, which then hold
+        ``version``. Returns once the caller may change the tensors (their later kernels on the current
+        stream are ordered after the capture's reads). Waits for the back half of the previous capture to
+        have read what it needs. Raises as ``SnapshotBuffers.take`` does; after a failure the resident
+        copies are forgotten."""
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        with self._lock:
+            if self._released is not None:
+                self._released.wait()  # the back half still reads the resident copies or the pinned block
+            previous, old = self._version, self._resident
+            limit = self.max_payload_ratio * sum(t.numel() * t.element_size() for t in old.values())
+            resident: dict[str, torch.Tensor] = {}
+            captures: list[_TensorCapture] = []
+            compared: list[_Compared] = []
+            streams: dict[torch.device, torch.cuda.Stream] = {}
+            seen: set[str] = set()
+            try:
+                for name, tensor in items:
+                    check_tensor(name, tensor, seen)
+                    live = tensor.detach()
+                    with self._on_side_stream(live, streams):
+                        live = live.contiguous()
+                        buffer = old.pop(name, None)
+                        if buffer is not None and (buffer.dtype, buffer.shape, buffer.device) != (
+                                live.dtype, live.shape, live.device):
+                            buffer = None
+                        if buffer is None or previous is None:
+                            if buffer is None:
+                                buffer = torch.empty_like(live, memory_format=torch.contiguous_format)
+                            buffer.copy_(live)
+                            captures.append(_TensorCapture(name, buffer))
+                        else:
+                            capture = _TensorCapture(name, buffer, [], [])
+                            captures.append(capture)
+                            if live.numel() * live.element_size() <= self.whole_bytes:
+                                compared.append(_Compared(capture, live, [], [], whole=True))
+                            else:
+                                compared.append(self._count(capture, live))
+                    resident[name] = buffer
+                declined = self._record(compared, limit, streams)
+            except BaseException:
+                self._resident, self._version, self._mirror = {}, None, {}
+                raise
+            finally:  # the caller's later kernels (which may change the tensors) wait for the capture's reads
+                ready = {device: stream.record_event() for device, stream in streams.items()}
+                for device, stream in streams.items():
+                    torch.cuda.current_stream(device).wait_stream(stream)
+            self._resident, self._version = resident, version
+            capture = DeviceCapture(version, previous, declined, captures, ready)
+            if not streams and all(item.positions is not None for item in captures):
+                capture.released.set()  # on the CPU the back half reads only the payload, in tensors of its own
+            self._released = capture.released
+            return capture
+
+    def _count(self, capture: _TensorCapture, live: torch.Tensor) -> _Compared:
+        """Queue the counts of changed elements of ``live`` against ``capture.resident``, span by span
+        (device scalars, not waited for)."""
+        ints = codec.INT_OF_SIZE[live.element_size()]
+        old_ints, new_ints = capture.resident.view(-1).view(ints), live.view(-1).view(ints)
+        span = min(max(1, self.span_bytes // live.element_size()), 2 ** 31 - 1)  # int32 positions in a span
+        if live.numel() <= span:  # one span (most tensors): no slicing
+            spans = [(0, old_ints, new_ints)] if live.numel() else []
+        else:
+            spans = [(start, old_ints[start:start + span], new_ints[start:start + span])
+                     for start in range(0, live.numel(), span)]
+        return _Compared(capture, live, spans, [(old != new).sum() for _, old, new in spans])
+
+    def _record(self, compared: list[_Compared], limit: float, streams: dict[torch.device, torch.cuda.Stream]
+                ) -> bool:
+        """Read the counts (one sync per device), then record every changed span's payload (and stage the
+        small tensors whole) and update the resident copies; or, where the payload would outgrow ``limit``
+        (or, on CUDA, what is staged the pinned block), copy the tensors whole. Returns whether the payload
+        was declined."""
+        counts: list[list[int]] = [[] for _ in compared]
+        by_device: dict[torch.device, list[int]] = {}
+        for number, item in enumerate(compared):
+            by_device.setdefault(item.live.device, []).append(number)
+        for device, numbers in by_device.items():
+            scalars = [c for number in numbers for c in compared[number].counts]
+            with torch.cuda.stream(streams[device]) if device in streams else contextlib.nullcontext():
+                values = iter(torch.stack(scalars).tolist() if scalars else [])  # the one wait for the device
+            for number in numbers:
+                counts[number] = [next(values) for _ in compared[number].counts]
+        payload = sum(_aligned(4 * count) + _aligned(item.live.element_size() * count)
+                      for item, numbers in zip(compared, counts) for count in numbers if count)
+        # the tensors staged whole are not changes: they count against the pinned block only
+        staged = payload + sum(_aligned(item.live.numel() * item.live.element_size()) for item in compared
+                               if item.whole)
+        on_cuda = any(item.live.is_cuda for item in compared)
+        if payload > limit or (on_cuda and staged > self.ring.pinned_bytes):
+            for item in compared:
+                with torch.cuda.stream(streams[item.live.device]) if item.live.is_cuda else contextlib.nullcontext():
+                    item.capture.resident.copy_(item.live)
+                item.capture.positions = None
+            return True
+        offset = 0
+        for item, numbers in zip(compared, counts):
+            with torch.cuda.stream(streams[item.live.device]) if item.live.is_cuda else contextlib.nullcontext():
+                if item.whole:
+                    offset = self._record_whole(item, offset)
+                for (start, old_span, new_span), count in zip(item.spans, numbers):
+                    if count:
+                        offset = self._record_span(item.capture, old_span, new_span, start, count, offset)
+        return False
+
+    def _record_whole(self, item: _Compared, offset: int) -> int:
+        """Stage the tensor's new bytes whole (on CUDA in the pinned block at ``offset``) and update its
+        resident copy. Returns the next free offset."""
+        new_ints = item.live.view(-1).view(codec.INT_OF_SIZE[item.live.element_size()])
+        item.capture.resident.copy_(item.live)
+        if item.live.is_cuda:
+            assert self.ring.block is not None
+            nbytes = new_ints.numel() * new_ints.element_size()
+            item.capture.whole = self.ring.block[offset:offset + nbytes].view(new_ints.dtype)
+            item.capture.whole.copy_(new_ints, non_blocking=True)
+            return offset + _aligned(nbytes)
+        item.capture.whole = new_ints.clone()
+        return offset
+
+    def _record_span(self, capture: _TensorCapture, old_span: torch.Tensor, new_span: torch.Tensor, start: int,
+                     count: int, offset: int) -> int:
+        """Record the ``count`` changes of a span (integer views of the resident copy and the tensor; no host
+        sync) and update the resident copy; on CUDA the payload goes to the pinned block at ``offset``.
+        Returns the next free offset."""
+        positions = torch.nonzero_static(old_span != new_span, size=count).view(-1)
+        # index_select/index_copy_ rather than indexing: the same kernels, half the time per call in Python
+        new_values = new_span.index_select(0, positions)
+        xor_values = old_span.index_select(0, positions).bitwise_xor_(new_values)
+        old_span.index_copy_(0, positions, new_values)
+        positions = positions.to(torch.int32)
+        if new_span.is_cuda:
+            assert self.ring.block is not None
+            staged = []
+            for part in (positions, xor_values):
+                nbytes = part.numel() * part.element_size()
+                host = self.ring.block[offset:offset + nbytes].view(part.dtype)
+                host.copy_(part, non_blocking=True)
+                staged.append(host)
+                offset += _aligned(nbytes)
+            positions, xor_values = staged
+        assert capture.positions is not None
+        capture.positions.append(positions)
+        capture.values.append(xor_values)
+        capture.starts.append(start)
+        return offset
+
+    def _on_side_stream(self, live: torch.Tensor, streams: dict[torch.device, torch.cuda.Stream]
+                        ) -> contextlib.AbstractContextManager[object]:
+        """For a CUDA tensor: the device's side stream, after the work queued so far on the current one
+        (``live`` is kept alive for it); for others, nothing."""
+        if not live.is_cuda:
+            return contextlib.nullcontext()
+        stream = self._streams.get(live.device)
+        if stream is None:
+            stream = self._streams[live.device] = torch.cuda.Stream(live.device)
+        stream.wait_stream(torch.cuda.current_stream(live.device))
+        live.record_stream(stream)
+        streams[live.device] = stream
+        return torch.cuda.stream(stream)
+
+    def land(self, capture: DeviceCapture, executor: Executor) -> LandedVersion:
+        """Copy ``capture`` to the host and apply it to the mirror, which then holds its version; returns
+        it (also kept as ``landed``). Call in version order, once per capture."""
+        try:
+            for event in capture.ready.values():
+                event.synchronize()  # the payload is in the pinned block
+            mirror = self._mirror
+            entries: list[tuple[_TensorCapture, torch.Tensor]] = []
+            for item in capture.tensors:
+                host = mirror.get(item.name)
+                if host is not None and (host.dtype, host.shape) != (item.resident.dtype, item.resident.shape):
+                    host = None
+                if host is None:
+                    if item.positions is not None:
+                        raise PublishError("the host mirror lacks a tensor the device holds",
+                                           version=capture.version, tensor=item.name,
+                                           hint="Publish again: the next version is a keyframe")
+                    host = torch.empty(item.resident.shape, dtype=item.resident.dtype)
+                entries.append((item, host))
+            # the payloads first (they are in the block the ring's slots reuse), tensors in parallel
+            changes = list(executor.map(_apply, [(item, host) for item, host in entries if item.positions is not None]))
+            if capture.ready:
+                model = sum(item.resident.numel() * item.resident.element_size() for item in capture.tensors)
+                # once, for the deltas; a power of two: torch's pinned allocator rounds sizes up to one
+                self.ring.reserve(1 << max(0, int(self.max_payload_ratio * model).bit_length() - 1))
+            for item, host in entries:
+                if item.positions is None:
+                    self.ring.copy(item.resident, host, capture.ready.get(item.resident.device))
+        finally:
+            capture.released.set()
+            for item in capture.tensors:  # the payload is on the host now: drop it
+                item.values, item.whole = [], None
+                if item.positions is not None:
+                    item.positions = []
+        changed = iter(changes)
+        landed = LandedVersion(capture.version, capture.previous, capture.declined,
+                               {item.name: None if item.positions is None else next(changed) for item, _ in entries},
+                               [(item.name, host) for item, host in entries])
+        with self._lock:
+            self._mirror = dict(landed.mirror)
+            self.landed = landed
+        return landed
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _apply(entry: tuple[_TensorCapture, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply one tensor's payload to its host mirror; returns it as host tensors of its own (int64
+    tensor-relative positions, XOR values)."""
+    item, host = entry
+    ints = codec.INT_OF_SIZE[host.element_size()]
+    flat = host.view(-1).view(ints)
+    if item.whole is not None:  # the changes are found here
+        positions = torch.nonzero(flat != item.whole).view(-1)
+        values = flat.index_select(0, positions).bitwise_xor_(item.whole.index_select(0, positions))
+        flat.copy_(item.whole)
+        return positions, values
+    assert item.positions is not None
+    if not item.positions:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=ints)
+    positions = torch.cat([p.to(torch.int64).add_(start) for p, start in zip(item.positions, item.starts)])
+    values = torch.cat(item.values)
+    flat.index_put_((positions,), flat.index_select(0, positions).bitwise_xor_(values))
+    return positions, values
+
+
+class DeviceDeltaEncoder:
+    """Deltas from the changes a :class:`DeviceSnapshot` recorded on the device and landed on the host
+    (``tensors`` must be that landed version's mirror): every chunk serialized by
+    ``codec.encode_xor_chunk`` and compressed on ``executor``, as the host encoder does.
+
+    A version whose capture had no previous version (a fresh publisher, or one that failed) is encoded
+    by ``fallback``, the host encoder, against the base decoded from the stream. Declines (None) where
+    the capture outgrew its payload budget, the base is not the version the changes are against, or the
+    stored bytes outgrow ``max_ratio`` of the full bytes.
+    """
+
+    def __init__(self, snapshot: DeviceSnapshot, fallback: DeltaEncoder):
+        self.snapshot = snapshot
+        self.fallback = fallback
+
+    def encode(self, tensors: Snapshot, base: BaseVersion | None) -> EncodedVersion | None:
+        landed = self.snapshot.landed
+        if base is None or landed is None or landed.declined or [n for n, _ in tensors] != [
+                n for n, _ in landed.mirror] or any(a is not b for (_, a), (_, b) in zip(tensors, landed.mirror)):
+            return None
+        if landed.previous is None:
+            mirrored = {id(t) for _, t in landed.mirror}
+            if any(id(t) in mirrored for t in base.tensors.values()):
+                return None  # the base's tensors were overwritten by this version
+            return self.fallback.encode(tensors, base)
+        if landed.previous != base.manifest.version:
+            return None
+        entries = base.manifest.tensor_map()
+        chunk_bytes, host = self.fallback.chunk_bytes, self.fallback
+        plans: list[EncodedTensor] = []
+        tasks: list[tuple[int, int, Callable[[], tuple[bytes, int, str]]]] = []
+        for index, (name, tensor) in enumerate(tensors):
+            change = landed.changes[name]
+            entry = entries.get(name)
+            in_base = entry is not None and (entry.dtype, entry.shape) == (codec.dtype_name(tensor.dtype),
+                                                                            tuple(tensor.shape))
+            if in_base != (change is not None):
+                return None  # the resident copies did not hold the base's tensors
+            plans.append(EncodedTensor(name, tensor, ENCODING_XOR_ZSTD if in_base else ENCODING_ZSTD, changed=0))
+            new_bytes, itemsize = codec.as_bytes(tensor), tensor.element_size()
+            ranges = codec.chunk_ranges(new_bytes.numel(), itemsize, chunk_bytes)
+            if change is None:
+                tasks.extend((index, end - start, partial(codec.encode_chunk, new_bytes[start:end], None, itemsize,
+                                                          shuffle=host.shuffle, level=host.zstd_level))
+                             for start, end in ranges)
+                continue
+            positions, values = change
+            bounds = torch.searchsorted(positions, torch.tensor([start // itemsize for start, _ in ranges]
+                                                                + [new_bytes.numel() // itemsize]))
+            for number, (start, end) in enumerate(ranges):
+                lo, hi = int(bounds[number]), int(bounds[number + 1])
+                first = start // itemsize
+                tasks.append((index, end - start, partial(
+                    codec.encode_xor_chunk, positions[lo:hi] - first, itemsize, values=values[lo:hi],
+                    elements=(end - start) // itemsize, shuffle=host.shuffle, level=host.zstd_level)))
+        return assemble_delta(plans, tasks, base.manifest, executor=host.executor, chunk_bytes=chunk_bytes,
+                              max_ratio=host.max_ratio, shuffle=host.shuffle)
+
