@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.process
+import os
 import uuid
 from typing import IO, Callable, Sequence
 
@@ -62,18 +66,12 @@ def run_ranks(target, world_size: int, *args: object, timeout: float = 300) -> l
     torch.distributed job on loopback); return their exit codes (None: still running at the timeout,
     then killed). The processes fork from a fork server that has imported ``RANK_PRELOAD`` and nothing
     else (no threads, no process group), and run with this process's environment as it is now."""
-    import multiprocessing
-    import os
     import time
 
     from ckptstream.vllm_loader.serve import free_port
 
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(RANK_PRELOAD)
     port = free_port()
-    environment = dict(os.environ)
-    processes = [context.Process(target=_in_environment, args=(environment, target, rank, world_size, port, *args))
-                 for rank in range(world_size)]
+    processes = [preloaded_process(target, rank, world_size, port, *args) for rank in range(world_size)]
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout
@@ -88,10 +86,22 @@ def run_ranks(target, world_size: int, *args: object, timeout: float = 300) -> l
     return codes
 
 
-def _in_environment(environment: dict[str, str], target, *args: object) -> None:
-    """A rank's body: the fork server's environment is the one of its start, not the caller's now."""
-    import os
+def preloaded_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context whose processes fork from a fork server that has imported
+    ``RANK_PRELOAD`` (and started no thread): a new process in a fraction of a spawned one's time."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)
+    return context
 
+
+def preloaded_process(target, *args: object) -> multiprocessing.process.BaseProcess:
+    """A new (not started) process of ``preloaded_context`` running ``target(*args)`` with this process's
+    environment as it is now."""
+    return preloaded_context().Process(target=_in_environment, args=(dict(os.environ), target, *args))
+
+
+def _in_environment(environment: dict[str, str], target, *args: object) -> None:
+    """A process's body: the fork server's environment is the one of its start, not the caller's now."""
     os.environ.clear()
     os.environ.update(environment)
     target(*args)
