@@ -54,7 +54,7 @@ VLLM_CPU_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat1
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [100, 200, 300, 400, 5], [42] * 10]
 
 
-RANK_PRELOAD = ["torch", "torch.distributed", "safetensors.torch", "ckptstream.writer", "ckptstream.cli",
+RANK_PRELOAD = ["torch", "torch.distributed", "safetensors.torch", "s3fs", "ckptstream.writer", "ckptstream.cli",
                 "megatron.core", "megatron.core.models.gpt", "ckptstream.testing.megatron",
                 "ckptstream.writer.megatron", "tests.helpers"]
 """Modules the ranks' fork server imports once (those not installed are skipped): each spawned rank would
