@@ -123,3 +123,77 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
         server.stop()
 
 
+class ServerPool:
+    """Real vLLM servers of the tiny Qwen2 model (``TinyModelSpec()``, what the ``tiny_model`` fixture
+    writes), shared by the tests that need a server serving that model but not a start of their own: a start
+    costs 30-60 s on this machine, most of those tests' time. ``take`` hands servers out in the state of a
+    fresh start on that model (its weights reloaded from the model directory, the prefix cache reset, the
+    weight version ``default``); ``give_back`` returns them when the test or module is done with them."""
+
+    SIZE = 2
+    """Servers started together on the first ``take``: the most one module takes (two overlapping starts
+    cost little more than one)."""
+
+    def __init__(self, start, model_dir: Path):
+        self._start = start
+        self._model_dir = model_dir
+        self._idle: list[VllmServer] = []
+
+    def take(self, count: int) -> list[VllmServer]:
+        """``count`` servers serving the tiny model with weight version ``default``, started if needed."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        ready: list[VllmServer] = []
+        while self._idle and len(ready) < count:
+            server = self._idle.pop()
+            if self._reset(server):
+                ready.append(server)
+        missing = count - len(ready)
+        if missing:
+            starts = max(missing, self.SIZE - len(ready) - len(self._idle))
+            with ThreadPoolExecutor(starts) as starting:
+                fresh = list(starting.map(lambda _: self._start(self._model_dir), range(starts)))
+            ready += fresh[:missing]
+            self._idle += fresh[missing:]
+        return ready
+
+    def give_back(self, servers: list[VllmServer]) -> None:
+        """Return servers taken (or started on the tiny model by the test); stopped ones are dropped."""
+        self._idle += [server for server in servers if server.process.poll() is None]
+
+    def _reset(self, server: VllmServer) -> bool:
+        """Put a server back into the state of a fresh start; a server that cannot be is stopped."""
+        client = server.client
+        try:
+            client.pause()
+            client.reload_weights(str(self._model_dir))
+            client.reset_prefix_cache()
+            client.resume()
+            client.set_weight_version("default")
+            client.probe()
+            return True
+        except Exception:  # noqa: BLE001 - a server a test left broken is replaced, not reused
+            server.stop()
+            return False
+
+
+@pytest.fixture(scope="session")
+def server_pool(vllm_servers, tiny_model: Path) -> ServerPool:
+    """The session's shared vLLM servers of the tiny model (see ``ServerPool``)."""
+    return ServerPool(vllm_servers, tiny_model)
+
+
+@pytest.fixture
+def pooled_servers(server_pool: ServerPool) -> Iterator:
+    """``take(count) -> [VllmServer]`` from the session's pool, given back when the test ends."""
+    taken: list[VllmServer] = []
+
+    def take(count: int) -> list[VllmServer]:
+        servers = server_pool.take(count)
+        taken.extend(servers)
+        return servers
+
+    yield take
+    server_pool.give_back(taken)
+
+

@@ -3,30 +3,27 @@ it, and never the temporary directory of a materialize still running (real proce
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import signal
-import subprocess
-import sys
-import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from ckptstream import Publisher, Stream
 from ckptstream.reader.materialize import remove_stale_builds
-from tests.helpers import random_state
+from tests.helpers import preloaded_context, preloaded_process, random_state
 
-# Materializes version 0 and, after its first tensor, blocks (so the parent can kill it mid-way).
-_CHILD = textwrap.dedent("""
-    import sys, time
-    from ckptstream import Stream
 
+def _materialize_and_block(url: str, out: str, started) -> None:
+    """In a child process: materialize version 0 and, after its first tensor, block (so the parent can
+    kill it mid-way)."""
     def progress(_):
-        print("started", flush=True)
+        started.set()
         time.sleep(600)
 
-    Stream(sys.argv[1]).materialize(0, sys.argv[2], progress=progress, workers=1, overwrite=True)
-""")
+    Stream(url).materialize(0, out, progress=progress, workers=1, overwrite=True)
 
 
 @pytest.fixture
@@ -36,9 +33,11 @@ def stream(local_url):
     return Stream(local_url)
 
 
-def _start(url: str, out: Path) -> subprocess.Popen:
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, url, str(out)], stdout=subprocess.PIPE)
-    assert child.stdout is not None and child.stdout.readline() == b"started\n"
+def _start(url: str, out: Path) -> multiprocessing.process.BaseProcess:
+    started = preloaded_context().Event()
+    child = preloaded_process(_materialize_and_block, url, str(out), started)  # forked ready-imported
+    child.start()
+    assert started.wait(120), "the materialize did not reach its first tensor"
     return child
 
 
@@ -46,9 +45,10 @@ def _temps(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith(".tmp-"))
 
 
-def _kill(child: subprocess.Popen) -> None:
+def _kill(child: multiprocessing.process.BaseProcess) -> None:
     os.kill(child.pid, signal.SIGKILL)
-    child.wait(timeout=60)
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
 
 
 def test_killed_materialize_debris_is_removed_by_the_next_run(stream, tmp_path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import multiprocessing
 import os
 import shutil
 import sys
@@ -30,6 +29,7 @@ from ckptstream.vllm_loader import Follower, FollowerConfig, Takeover, VersionCa
 from ckptstream.vllm_loader.follower import REFUSED_KEPT
 from ckptstream.vllm_loader.serve import default_vllm_settings, last_error_line, vllm_platform_is_cpu
 from ckptstream.vllm_loader.takeover import lock_path
+from tests.helpers import preloaded_context, preloaded_process
 
 
 def _state(step: int = 0) -> dict[str, torch.Tensor]:
@@ -162,9 +162,8 @@ def test_a_pruner_never_deletes_a_version_another_process_holds_and_a_killed_hol
     pruner = VersionCache(tmp_path, "sid", "pruner")
     for version in (1, 2, 3):
         _fake_version(pruner, version)
-    context = multiprocessing.get_context("spawn")
-    ready = context.Queue()
-    holder = context.Process(target=_hold_version, args=(str(tmp_path), 2, ready))
+    ready = preloaded_context().Queue()
+    holder = preloaded_process(_hold_version, str(tmp_path), 2, ready)
     holder.start()
     try:
         assert ready.get(timeout=60) == [2]
@@ -399,7 +398,7 @@ def test_a_preparer_killed_while_writing_leaves_nothing_that_blocks_or_misleads_
     url = str(tmp_path / "stream")
     with Publisher(url) as publisher:
         publisher.publish({"w": torch.arange(1000, dtype=torch.float32)}).result()
-    child = multiprocessing.get_context("spawn").Process(target=_write_then_die, args=(url, str(tmp_path / "c")))
+    child = preloaded_process(_write_then_die, url, str(tmp_path / "c"))
     child.start()
     child.join(120)
     assert child.exitcode == -9

