@@ -3,13 +3,11 @@
 One module-wide setup (the cluster, the stream, the fleet) shared by the assertions, in order: both servers
 serve each new version; a replay over the fleet; a server whose vLLM is SIGKILLed, then whose actor process
 is SIGKILLed, is replaced on the newest version (meanwhile the fleet scales 2 -> 1 -> 2); `ckptstream fleet
-down` leaves no process. With the router's module present, the fleet runs behind a real `vllm-router`, whose
-worker list follows the servers.
+down` leaves no process. The fleet runs behind a real `vllm-router`, whose worker list follows the servers.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -29,11 +27,6 @@ from ckptstream.testing.ray import RayCluster, pid_alive
 from ckptstream.vllm_loader import VllmClient
 from tests.helpers import VLLM_CPU_ARGS
 
-pytest.importorskip("ray")
-if os.environ.get("CKPTSTREAM_SKIP_RAY"):
-    pytest.skip("CKPTSTREAM_SKIP_RAY is set", allow_module_level=True)
-
-WITH_ROUTER = importlib.util.find_spec("ckptstream.fleet.router") is not None
 CLI = [sys.executable, "-m", "ckptstream.cli"]
 START_TIMEOUT = 240.0
 UPDATE_TIMEOUT = 60.0
@@ -63,7 +56,7 @@ class Setup:
         self.cluster = RayCluster(num_cpus=8, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
         ray.init(address=self.cluster.address, logging_level="WARNING")
         self.fleet = Fleet(self.url, replicas=2, vllm_args=VLLM_CPU_ARGS, cache_dir=str(root / "cache"),
-                           poll_interval=0.2, router="start" if WITH_ROUTER else None,
+                           poll_interval=0.2, router="start",
                            vllm_log_dir=str(root / "vllm-logs"))
         self.fleet.wait_for_version(0, min_replicas=2, timeout=START_TIMEOUT)
         self.seen_pids: set[int] = set()  # of servers gone: `fleet down` must not have left any
@@ -80,9 +73,8 @@ class Setup:
         servers = self.fleet.wait_for_version(version, min_replicas=2, timeout=timeout)
         for server in servers:
             assert VllmClient(server.url).weight_version() == str(version)
-        if WITH_ROUTER:
-            _wait(lambda: sorted(self.fleet.router_workers()) == sorted(s.url for s in self.fleet.status()),
-                  timeout, "the router's workers are the fleet's servers")
+        _wait(lambda: sorted(self.fleet.router_workers()) == sorted(s.url for s in self.fleet.status()),
+              timeout, "the router's workers are the fleet's servers")
 
     def close(self) -> None:
         import ray
@@ -157,9 +149,8 @@ def test_a_server_whose_vllm_is_killed_comes_back_on_the_newest_version(setup):
     vllm = _vllm_pid(old.pids)
     setup.seen_pids |= set(old.pids)
     os.kill(vllm, signal.SIGKILL)
-    if WITH_ROUTER:
-        _wait(lambda: old.url not in setup.fleet.router_workers(), UPDATE_TIMEOUT,
-              "the killed server leaves the router")
+    _wait(lambda: old.url not in setup.fleet.router_workers(), UPDATE_TIMEOUT,
+          "the killed server leaves the router")
     version = setup.publish()  # published while it is away: it comes back on this one
     _wait(lambda: setup.server(0).restarts == 1, UPDATE_TIMEOUT, "the fleet replaced the server")
     setup.wait_all(version, timeout=START_TIMEOUT)
@@ -175,9 +166,8 @@ def test_a_killed_actor_process_is_replaced_while_the_fleet_scales(setup):
     setup.fleet.scale(1)
     assert [s.slot for s in setup.fleet.status()] == [0]
     _wait(lambda: not any(pid_alive(p) for p in other.pids), UPDATE_TIMEOUT, "the scaled-away server's processes end")
-    if WITH_ROUTER:
-        _wait(lambda: other.url not in setup.fleet.router_workers() and old.url not in setup.fleet.router_workers(),
-              UPDATE_TIMEOUT, "the killed and the scaled-away servers leave the router")
+    _wait(lambda: other.url not in setup.fleet.router_workers() and old.url not in setup.fleet.router_workers(),
+          UPDATE_TIMEOUT, "the killed and the scaled-away servers leave the router")
     _wait(lambda: not any(pid_alive(p) for p in old.pids), UPDATE_TIMEOUT, "the killed actor's vLLM died with it")
     setup.fleet.scale(2)
     version = setup.publish()
