@@ -12,7 +12,8 @@ _PR_SET_PDEATHSIG = 1
 
 def die_with_parent() -> None:
     """In the child, before exec (``Popen(preexec_fn=...)``): get SIGTERM when the parent dies (orphans
-    keep holding ports)."""
+    keep holding ports). Linux sends it when the *thread* that started the child exits: start children
+    from a thread that lives as long as they should (not from a pool's worker thread)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:

@@ -77,6 +77,7 @@ class Router:
               api_key: str | None = None, log: str | os.PathLike[str] | None = None,
               args: list[str] | None = None, timeout: float = 10.0) -> Router:
         """Start ``vllm-router`` (no workers) as a child process that dies with this one; ``close()`` stops it.
+        It also dies when the thread that called ``start`` exits (``process.die_with_parent``).
 
         Args:
             host, port: where it listens (``port`` None: a free one).

