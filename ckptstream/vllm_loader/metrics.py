@@ -50,7 +50,7 @@ class FollowerMetrics(FollowerObserver):
         gauge("ckptstream_version_served", "The version every server of the follower serves "
               "(NaN before the first)").set_function(lambda: _or_nan(self._served))
         gauge("ckptstream_versions_behind", "Newest committed version not refused minus the version served "
-              "(NaN until both are known, and for a pinned follower)").set_function(self._behind)
+              "(NaN while unknown: a pinned follower, or the newest was just refused)").set_function(self._behind)
         gauge("ckptstream_heartbeat_age_seconds", "Seconds since the follower last reported (its replica "
               "record's heartbeat), at scrape time").set_function(self._heartbeat_age)
         self.commit_to_serving = gauge("ckptstream_commit_to_serving_seconds",

@@ -250,7 +250,7 @@ def test_serve_follows_an_s3_stream_and_stops_cleanly(tmp_path, s3_endpoint):
             time.sleep(0.3)
         assert samples[("ckptstream_version_served", labels)] == record.version == version
         assert samples[("ckptstream_versions_behind", labels)] == 0  # the newer version is refused
-        assert samples[("ckptstream_refused_versions_total", (*labels, ("reason", "integrity")))] == 1
+        assert samples[("ckptstream_refused_versions_total", (("reason", "integrity"), *labels))] == 1
         assert list(record.refused) == [str(bad)]
         assert samples[("ckptstream_updates_total", labels)] == 1  # version 0 was started on, not loaded
         assert samples[("ckptstream_errors_total", labels)] == 0
