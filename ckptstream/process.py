@@ -1,4 +1,4 @@
-"""Helpers for child servers (vLLM, vllm-router): a free port to start one on, and death with the parent."""
+"""Helpers for child servers (vLLM, vllm-router): a free port to start one on, death with the parent, a stop."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import ctypes
 import os
 import signal
 import socket
+import subprocess
 
 _PR_SET_PDEATHSIG = 1
 
@@ -18,6 +19,16 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM ``process`` and wait for it; SIGKILL it after ``timeout`` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

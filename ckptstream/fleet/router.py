@@ -18,7 +18,6 @@ What vllm-router 0.1.17 does, found by experiment (``GET /workers``, ``POST /wor
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -26,12 +25,12 @@ import sys
 import time
 import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from ..errors import RouterError
-from ..process import die_with_parent, free_port
+from ..httpjson import request_json
+from ..process import die_with_parent, free_port, stop_process
 
 logger = logging.getLogger("ckptstream.router")
 
@@ -140,12 +139,7 @@ class Router:
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
             return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout=10)
 
     def __enter__(self) -> Router:
         return self
@@ -215,15 +209,8 @@ class Router:
             time.sleep(CHECK_INTERVAL)
 
     def _request(self, method: str, path: str, body: Any = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method)
-        if data is not None:
-            request.add_header("Content-Type", "application/json")
-        if self.api_key:
-            request.add_header("Authorization", f"Bearer {self.api_key}")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                raw = response.read()
+            return request_json(self.url + path, method, body, api_key=self.api_key, timeout=self.timeout)
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:300].decode("utf-8", "replace")
             raise RouterError(f"{method} {path} answered {exc.code}: {detail}", router=self.url) from None
@@ -232,7 +219,3 @@ class Router:
             raise RouterError(f"{method} {path} failed: {reason}", router=self.url,
                               hint="Is the router running there? Start one with `vllm-router --port PORT` "
                                    "or Router.start()") from None
-        try:
-            return json.loads(raw) if raw else None
-        except ValueError:
-            return raw.decode("utf-8", "replace")

@@ -6,14 +6,13 @@ vLLM routes can answer 200 while ignoring what was asked, so each control call i
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import urllib.error
-import urllib.request
 from typing import Any, Protocol
 
 from ..errors import VllmError, VllmUnreachable
+from ..httpjson import request_json
 
 
 class VllmControl(Protocol):
@@ -81,27 +80,14 @@ class VllmClient:
         self._model: str | None = None
 
     def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method)
-        if data is not None:
-            request.add_header("Content-Type", "application/json")
-        if self.api_key:
-            request.add_header("Authorization", f"Bearer {self.api_key}")
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                raw = response.read()
+            return request_json(self.url + path, method, body, api_key=self.api_key, timeout=timeout or self.timeout)
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:500].decode("utf-8", "replace")
             raise VllmError(f"{method} {self.url}{path} answered {exc.code}: {detail}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
             raise VllmUnreachable(f"{method} {self.url}{path} failed: {exc}",
                                   hint="Is the server running, and started with VLLM_SERVER_DEV_MODE=1?") from None
-        if not raw:
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return raw.decode("utf-8", "replace")
 
     # ------------------------------------------------------------------------------------------ state
 

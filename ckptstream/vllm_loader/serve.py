@@ -33,7 +33,7 @@ from typing import IO, Any, Callable, Sequence
 
 from ..format import LATEST
 from ..errors import VllmUnreachable
-from ..process import die_with_parent, free_port
+from ..process import die_with_parent, free_port, stop_process
 from .agent import NodeAgent
 from .cache import safe_owner
 from .client import VllmClient
@@ -317,12 +317,7 @@ def _stop_child(child: subprocess.Popen[bytes], output: _OutputTail, log_file: I
     """Stop vLLM (if it still runs) and close its log; returns whether it had exited on its own."""
     exited_alone = child.poll() is not None
     if not exited_alone:
-        child.terminate()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        stop_process(child, timeout=30)
     output.thread.join(timeout=10)
     if log_file is not None:
         log_file.close()
