@@ -13,7 +13,6 @@ import re
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import pytest
@@ -53,16 +52,14 @@ class CountingGate:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, vllm_servers):
+def fleet(tmp_path_factory, server_pool):
     root = tmp_path_factory.mktemp("rolling")
     model = write_tiny_model(root / "model", TinyModelSpec())
     url = str(root / "stream")
     state = dict(iter_hf_weights(model))
     publisher = Publisher(url, assets=model, keyframe_every=1000)
     publisher.publish(state).result()
-    v0 = Stream(url).materialize(0, root / "v0")
-    with ThreadPoolExecutor(2) as starting:
-        servers = [s.result() for s in [starting.submit(vllm_servers, v0), starting.submit(vllm_servers, v0)]]
+    servers = server_pool.take(2)  # of the same tiny model: the follower's first step loads version 0
     router = Router.start(log=root / "router.log")
     gate = CountingGate(RouterGate(router))
     follower = Follower(url, [s.url for s in servers], cache_dir=root / "cache", poll_interval=0.1,
@@ -72,6 +69,7 @@ def fleet(tmp_path_factory, vllm_servers):
     follower.close()
     router.close()
     publisher.close()
+    server_pool.give_back(servers)
 
 
 def _load(router_url: str, stop: threading.Event, answers: list, failures: list) -> None:
