@@ -4,10 +4,11 @@ of ``ckptstream replay --fleet``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, FleetError
 from .options import UsageError, add_command, add_url, positive_int, positive_seconds, storage_options
@@ -77,8 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="the fleet's name (default from the stream URL)")
 
 
-def connect_ray(address: str | None) -> Any:
-    """Connect this process to the Ray cluster at ``address`` (default: the local one)."""
+@contextlib.contextmanager
+def connect_ray(address: str | None) -> Iterator[None]:
+    """This process connected to the Ray cluster at ``address`` (default: the local one) while inside."""
     try:
         import ray
     except ImportError:
@@ -90,7 +92,10 @@ def connect_ray(address: str | None) -> Any:
     except ConnectionError as exc:
         raise FleetError(f"cannot reach the Ray cluster at {address or 'auto'}: {exc}",
                          hint="Start one with `ray start --head`, or give --address HOST:PORT") from None
-    return ray
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def _status_json(fleet: Any) -> dict[str, Any]:
@@ -117,8 +122,7 @@ def run_up(args: argparse.Namespace) -> int:
         raise UsageError("--rolling takes servers out of a router: give --router start or --router URL")
     if args.gpus_per_replica % args.nodes_per_replica:
         raise UsageError("--gpus-per-replica must split evenly over --nodes-per-replica")
-    ray = connect_ray(args.address)
-    try:
+    with connect_ray(args.address):
         fleet = Fleet(args.url, args.replicas, gpus_per_replica=args.gpus_per_replica,
                       nodes_per_replica=args.nodes_per_replica, vllm_args=args.passthrough, cache_dir=args.cache_dir,
                       api_key=args.api_key, storage_options=storage_options(args) or None, router=args.router,
@@ -129,8 +133,6 @@ def run_up(args: argparse.Namespace) -> int:
             newest = Stream(fleet.spec.url, storage_options=fleet.spec.storage_options).resolve("latest")
             fleet.wait_for_version(newest, timeout=args.wait)
         _print_status(fleet, args.json)
-    finally:
-        ray.shutdown()
     return EXIT_OK
 
 
@@ -141,32 +143,23 @@ def _connect(args: argparse.Namespace) -> Any:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    ray = connect_ray(args.address)
-    try:
+    with connect_ray(args.address):
         _print_status(_connect(args), args.json)
-    finally:
-        ray.shutdown()
     return EXIT_OK
 
 
 def run_down(args: argparse.Namespace) -> int:
-    ray = connect_ray(args.address)
-    try:
+    with connect_ray(args.address):
         fleet = _connect(args)
         fleet.stop()
         print(f"fleet {fleet.name} stopped")
-    finally:
-        ray.shutdown()
     return EXIT_OK
 
 
 def run_fleet_replay(args: argparse.Namespace) -> int:
     """``ckptstream replay URL --fleet --versions A:B[:STEP] -- CMD``: the versions spread over the fleet."""
-    ray = connect_ray(args.address)
-    try:
+    with connect_ray(args.address):
         results = _connect(args).replay(args.versions, args.passthrough, servers=args.servers)
-    finally:
-        ray.shutdown()
     if args.json:
         print_json([asdict(r) for r in results])
     else:

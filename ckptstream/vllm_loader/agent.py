@@ -26,7 +26,7 @@ from ..storage import Watch
 from ..format import MANIFESTS_DIR
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .follower import FollowerConfig, prepare_version
-from .observe import FollowerObserver, ReplicaRecordWriter, notify, refusal_reason
+from .observe import FollowerObserver, ReplicaRecordWriter, attach_metrics, notify, refusal_reason
 
 log = logging.getLogger("ckptstream.agent")
 
@@ -70,14 +70,8 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._polls = 0
         self.observers: list[FollowerObserver] = [ReplicaRecordWriter(self.stream.storage, log), *config.observers]
-        self.metrics_server = None
-        if config.metrics_port is not None:
-            from .metrics import FollowerMetrics  # prometheus_client only when asked for
-
-            metrics = FollowerMetrics(record_id, url)
-            self.metrics_server = metrics.serve(config.metrics_host, config.metrics_port)
-            self.observers.append(metrics)
-            self.record.metrics_url = self.metrics_server.url
+        self.metrics_server = attach_metrics(self.observers, self.record, url, config.metrics_host,
+                                             config.metrics_port)
 
     def close(self) -> None:
         """Release the cached versions it holds; stop serving metrics."""

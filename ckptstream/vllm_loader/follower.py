@@ -44,7 +44,8 @@ from . import takeover
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from .gate import UpdateGate
-from .observe import FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, notify, refusal_reason
+from .observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, attach_metrics, notify,
+                      refusal_reason)
 
 log = logging.getLogger("ckptstream.follow")
 
@@ -168,14 +169,8 @@ class Follower:
         self.wake = threading.Event()
         self.observers: list[FollowerObserver] = [LogLines(log), *config.observers,
                                                   ReplicaRecordWriter(self.stream.storage)]
-        self.metrics_server = None
-        if config.metrics_port is not None:
-            from .metrics import FollowerMetrics  # prometheus_client only when asked for
-
-            metrics = FollowerMetrics(replica_id, url)
-            self.metrics_server = metrics.serve(config.metrics_host, config.metrics_port)
-            self.observers.append(metrics)
-            self.record.metrics_url = self.metrics_server.url
+        self.metrics_server = attach_metrics(self.observers, self.record, url, config.metrics_host,
+                                             config.metrics_port)
 
     def close(self) -> None:
         """Release the cached versions it holds (a restarted follower adopts the one its servers serve);
