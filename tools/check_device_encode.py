@@ -18,7 +18,6 @@ and adds a tensor. Checks, printing one line each:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import sys
@@ -31,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Publisher, Stream  # noqa: E402
 from ckptstream.cli.options import parse_bytes  # noqa: E402
-from ckptstream.format import data_path  # noqa: E402
 from ckptstream.testing.models import rl_like_step  # noqa: E402
+from ckptstream.testing.storage import stored_entries  # noqa: E402
 from tools.bench_gpu_snapshot import model_on, same_bits  # noqa: E402
 
 
@@ -59,15 +58,6 @@ def publish(url: str, states: list[dict[str, torch.Tensor]], *, device_delta: bo
     with Publisher(url, keyframe_every=100, device_delta=device_delta, workers=8) as publisher:
         for number, state in enumerate(states, start):
             publisher.publish(state, number, keyframe=number in keyframes).result()
-
-
-def stored(stream: Stream, version: int) -> list[tuple[dict, bytes | None]]:
-    out = []
-    for entry in stream.manifest(version).tensors:
-        data = None if entry.file is None else stream.storage.read(data_path(version, entry.file), entry.offset,
-                                                                   entry.offset + entry.length)
-        out.append(({k: v for k, v in dataclasses.asdict(entry).items() if k != "file"}, data))
-    return out
 
 
 def decodes(stream: Stream, version: int, want: dict[str, torch.Tensor]) -> bool:
@@ -102,7 +92,7 @@ def main() -> None:
                                         "after_close": torch.cuda.memory_allocated(device)}
         publish(str(root / "host"), states[:5], device_delta=False)
         host, dev = Stream(str(root / "host")), Stream(str(root / "device"))
-        same = [stored(dev, v) == stored(host, v) for v in range(5)]
+        same = [stored_entries(dev, v) == stored_entries(host, v) for v in range(5)]
         kinds = [dev.manifest(v).kind for v in range(5)]
         results["same_entries_and_chunks"] = all(same)
         print(f"1. device and host encoders store the same entries and chunks, versions 0-4 ({kinds}): "

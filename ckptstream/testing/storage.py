@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
@@ -301,3 +301,18 @@ class ReadOnlyStorageSuite(StorageSuite):
             storage.delete_tree("d")
         assert storage.read(FILE) == DATA
         assert not storage.exists("manifests/a.json")
+
+
+def stored_entries(stream: Any, version: int) -> list[tuple[dict, bytes | None]]:
+    """What ``version`` of ``stream`` (a ``Stream``) stores, tensor by tensor: each manifest entry without its
+    file name (which is unique to the writer) and its stored bytes; equal for two writers that encoded alike."""
+    import dataclasses
+
+    from ..format import data_path
+
+    out = []
+    for entry in stream.manifest(version).tensors:
+        data = None if entry.file is None else stream.storage.read(data_path(version, entry.file), entry.offset,
+                                                                   entry.offset + entry.length)
+        out.append(({k: v for k, v in dataclasses.asdict(entry).items() if k != "file"}, data))
+    return out

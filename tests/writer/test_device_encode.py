@@ -4,7 +4,6 @@ inputs, and the two encoders take over from each other on one stream in either o
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from ckptstream import Publisher, Stream
 from ckptstream.codec import INT_OF_SIZE
-from ckptstream.format import data_path
+from ckptstream.testing.storage import stored_entries
 from ckptstream.writer import device_encode
 from tests.helpers import assert_same_tensors
 
@@ -79,16 +78,6 @@ def _publish(url: str, versions: list[dict[str, torch.Tensor]], *, device: bool,
     return publisher
 
 
-def _stored(stream: Stream, version: int) -> list[tuple[dict, bytes | None]]:
-    """Each tensor entry of a version without its file name (unique to the writer), and its stored bytes."""
-    out = []
-    for entry in stream.manifest(version).tensors:
-        data = None if entry.file is None else stream.storage.read(data_path(version, entry.file), entry.offset,
-                                                                   entry.offset + entry.length)
-        out.append(({k: v for k, v in dataclasses.asdict(entry).items() if k != "file"}, data))
-    return out
-
-
 def test_device_encoder_stores_what_the_host_encoder_stores(tmp_path, small_spans):
     versions = _versions()
     _publish(str(tmp_path / "host"), versions, device=False)
@@ -97,7 +86,7 @@ def test_device_encoder_stores_what_the_host_encoder_stores(tmp_path, small_span
     kinds = [device.manifest(v).kind for v in range(len(versions))]
     assert kinds == ["keyframe"] + ["delta"] * (len(versions) - 1)
     for version, state in enumerate(versions):
-        assert _stored(device, version) == _stored(host, version), f"version {version}"
+        assert stored_entries(device, version) == stored_entries(host, version), f"version {version}"
         assert_same_tensors(dict(device.iter_tensors(version)), state)
         assert_same_tensors(dict(host.iter_tensors(version)), state)
     layouts = {(e.name, v): [c[2] for c in e.chunks] for v in (1, 2) for e in device.manifest(v).tensors}
@@ -129,7 +118,7 @@ def test_host_and_device_encoders_take_over_from_each_other(tmp_path, small_span
     _publish(str(tmp_path / "host"), versions, device=False, keyframes=(7,))
     host = Stream(str(tmp_path / "host"))
     for version in (3, 8):  # the device deltas
-        assert _stored(stream, version) == _stored(host, version)
+        assert stored_entries(stream, version) == stored_entries(host, version)
 
 
 def test_payload_over_budget_becomes_a_keyframe_then_deltas_resume(tmp_path, monkeypatch):
