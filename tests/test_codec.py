@@ -150,10 +150,11 @@ def test_sparse_frame_round_trips_bit_exactly(dtype, case, shuffle):
     values = values.view(codec.INT_OF_SIZE[itemsize]).view(-1)
     frame = codec.sparse_frame(positions, values, itemsize, shuffle=shuffle, level=3)
     params = zstandard.get_frame_parameters(frame)
-    sections = codec._sparse_sections(positions, values, itemsize, shuffle)
-    assert params.content_size == sum(s.numel() for s in sections)
+    payload = codec.SparseChunks(positions, values, itemsize, elements=n, chunk_elements=n,
+                                 shuffle=shuffle).payload(0)
+    assert params.content_size == len(payload)
     # One ordinary frame holding exactly the sparse layout's payload (FORMAT.md), whatever its blocks.
-    assert zstandard.ZstdDecompressor().decompress(frame) == bytes(codec.buffer_of(torch.cat(sections)))
+    assert zstandard.ZstdDecompressor().decompress(frame) == payload
     restored = base.clone()
     codec.apply_chunk(restored, frame, itemsize, shuffle=shuffle, layout=LAYOUT_SPARSE, xor=True)
     expected = base.clone()
@@ -176,7 +177,35 @@ def test_sparse_frames_are_smaller_than_one_pass():
     assert layout == LAYOUT_SPARSE
     xor = codec._xor(a, b)
     positions = codec._changed_positions(xor, 2)
-    one_pass = codec._compressor(3).compress(codec.buffer_of(torch.cat(codec._sparse_sections(
-        positions, xor.view(torch.int16)[positions], 2, True))))
+    one_pass = codec._compressor(3).compress(codec.SparseChunks(
+        positions, xor.view(torch.int16)[positions], 2, elements=a.numel() // 2, chunk_elements=a.numel() // 2,
+        shuffle=True).payload(0))
     assert len(frame) < 0.9 * len(one_pass)
     assert len(frame) < 0.008 * a.numel()
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+def test_sparse_chunks_of_a_tensor_equal_each_chunk_alone(itemsize):
+    """``SparseChunks`` (every chunk of a tensor serialized at once) stores each chunk as ``sparse_frame``
+    of that chunk alone: gaps restart at chunk boundaries (also after a long gap across one, or after
+    empty chunks), escapes are counted per chunk, the last chunk is shorter."""
+    g = torch.Generator().manual_seed(3)
+    chunk = 4096
+    n = 6 * chunk + 100
+    dtype = codec.INT_OF_SIZE[itemsize]
+    positions = torch.unique(torch.cat([
+        torch.randint(0, chunk, (60,), generator=g),  # chunk 0: dense-ish
+        torch.tensor([chunk - 1, 3 * chunk + 300, 3 * chunk + 300 + 256]),  # a long gap over two empty chunks
+        torch.randint(4 * chunk, n, (40,), generator=g)]))
+    values = torch.randint(1, 100, (positions.numel(),), generator=g).to(dtype)
+    chunks = codec.SparseChunks(positions, values, itemsize, elements=n, chunk_elements=chunk, shuffle=True)
+    for number, start in enumerate(range(0, n, chunk)):
+        inside = (positions >= start) & (positions < start + chunk)
+        assert chunks.changed(number) == int(inside.sum())
+        alone = codec.sparse_frame(positions[inside] - start, values[inside], itemsize, shuffle=True, level=3)
+        assert chunks.frame(number, 3) == alone, number
+        restored = torch.zeros(min(chunk, n - start) * itemsize, dtype=torch.uint8)
+        codec.apply_chunk(restored, alone, itemsize, shuffle=True, layout=LAYOUT_SPARSE, xor=True)
+        expected = torch.zeros(min(chunk, n - start), dtype=dtype)
+        expected[positions[inside] - start] = values[inside]
+        assert torch.equal(restored.view(dtype), expected)

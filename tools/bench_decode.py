@@ -162,8 +162,9 @@ def sizes_benchmark(repeats: int) -> None:
             a, b = codec.as_bytes(new), codec.as_bytes(base)
             frame, _, layout = codec.encode_chunk(a, b, dtype.itemsize, shuffle=True, level=3)
             # Before: the same payload compressed in one pass (one entropy table per 128 KiB block).
-            before = codec._compressor(3).compress(codec.buffer_of(torch.cat(codec._sparse_sections(
-                *_positions_values(a, b, dtype.itemsize), dtype.itemsize, True)))) if layout == "sparse" else frame
+            before = codec._compressor(3).compress(codec.SparseChunks(
+                *_positions_values(a, b, dtype.itemsize), dtype.itemsize, elements=n, chunk_elements=n,
+                shuffle=True).payload(0)) if layout == "sparse" else frame
             apply_new, apply_old, zstd_new, zstd_old = decode_ms([frame, before], a, b, dtype.itemsize, layout,
                                                                  max(repeats, 15))
             print(f"{str(dtype).removeprefix('torch.'):8} {fraction:7.1%} {layout:>7} "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import deque
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Mapping
@@ -36,7 +36,7 @@ import torch
 
 from .. import codec
 from ..errors import PublishError
-from ..format import ENCODING_XOR_ZSTD, ENCODING_ZSTD
+from ..format import ENCODING_XOR_ZSTD, ENCODING_ZSTD, LAYOUT_SPARSE
 from .encode import BaseVersion, DeltaEncoder, EncodedTensor, EncodedVersion, Snapshot, assemble_delta
 from .snapshot import NamedTensors, check_tensor
 
@@ -448,6 +448,20 @@ class DeviceSnapshot:
         return landed
 
 
+def _encode_chunk(sparse: Future[codec.SparseChunks], number: int, positions: torch.Tensor, values: torch.Tensor,
+                  start: int, end: int, itemsize: int, *, shuffle: bool, level: int) -> tuple[bytes, int, str]:
+    """Chunk ``number`` (bytes ``start:end``) of a tensor's delta, as ``codec.encode_xor_chunk`` stores it:
+    its sparse frame, or where too many elements changed its dense XOR (rebuilt from the changes)."""
+    chunks = sparse.result()
+    changed = chunks.changed(number)
+    elements = (end - start) // itemsize
+    if changed <= codec.SPARSE_MAX_DENSITY * elements:
+        return chunks.frame(number, level), changed, LAYOUT_SPARSE
+    lo, hi = chunks.bounds[number], chunks.bounds[number + 1]
+    return codec.encode_xor_chunk(positions[lo:hi] - start // itemsize, itemsize, values=values[lo:hi],
+                                  elements=elements, shuffle=shuffle, level=level)
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
@@ -474,8 +488,9 @@ def _apply(entry: tuple[_TensorCapture, torch.Tensor]) -> tuple[torch.Tensor, to
 
 class DeviceDeltaEncoder:
     """Deltas from the changes a :class:`DeviceSnapshot` recorded on the device and landed on the host
-    (``tensors`` must be that landed version's mirror): every chunk serialized by
-    ``codec.encode_xor_chunk`` and compressed on ``executor``, as the host encoder does.
+    (``tensors`` must be that landed version's mirror): every chunk stored as ``codec.encode_xor_chunk``
+    stores it for the host encoder, the sparse layout of each tensor serialized at once
+    (``codec.SparseChunks``), compressed on ``executor``.
 
     A version whose capture had no previous version (a fresh publisher, or one that failed) is encoded
     by ``fallback``, the host encoder, against the base decoded from the stream. Declines (None) where
@@ -519,14 +534,14 @@ class DeviceDeltaEncoder:
                              for start, end in ranges)
                 continue
             positions, values = change
-            bounds = torch.searchsorted(positions, torch.tensor([start // itemsize for start, _ in ranges]
-                                                                + [new_bytes.numel() // itemsize]))
-            for number, (start, end) in enumerate(ranges):
-                lo, hi = int(bounds[number]), int(bounds[number + 1])
-                first = start // itemsize
-                tasks.append((index, end - start, partial(
-                    codec.encode_xor_chunk, positions[lo:hi] - first, itemsize, values=values[lo:hi],
-                    elements=(end - start) // itemsize, shuffle=host.shuffle, level=host.zstd_level)))
+            # the sparse layout of all the tensor's chunks at once, on the executor (every tensor's is queued
+            # before the first chunk, which waits for it)
+            sparse = host.executor.submit(codec.SparseChunks, positions, values, itemsize,
+                                          elements=tensor.numel(), chunk_elements=ranges[0][1] // itemsize,
+                                          shuffle=host.shuffle) if ranges else None
+            tasks.extend((index, end - start, partial(_encode_chunk, sparse, number, positions, values, start, end,
+                                                      itemsize, shuffle=host.shuffle, level=host.zstd_level))
+                         for number, (start, end) in enumerate(ranges))
         return assemble_delta(plans, tasks, base.manifest, executor=host.executor, chunk_bytes=chunk_bytes,
                               max_ratio=host.max_ratio, shuffle=host.shuffle)
 
