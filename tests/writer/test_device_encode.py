@@ -4,6 +4,7 @@ inputs, and the two encoders take over from each other on one stream in either o
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,6 +17,17 @@ from ckptstream.writer import device_encode
 from tests.helpers import assert_same_tensors
 
 CHUNK_BYTES = 256  # 128 bf16 elements per chunk: many chunks, changes on their boundaries
+
+
+@pytest.fixture(autouse=True)
+def triton_kernels(monkeypatch):
+    """With ``CKPTSTREAM_TEST_TRITON_KERNELS`` set (tests/writer/test_device_kernels.py runs this module so,
+    in Triton's interpreter), every snapshot uses the Triton kernels, in spans of 50 elements."""
+    if os.environ.get("CKPTSTREAM_TEST_TRITON_KERNELS"):
+        from ckptstream.writer import device_kernels
+
+        monkeypatch.setattr(device_encode, "kernels_for", lambda device: device_kernels.TritonKernels())
+        monkeypatch.setattr(device_encode, "MAX_SPAN_ELEMENTS", 50)
 
 
 def _versions() -> list[dict[str, torch.Tensor]]:
