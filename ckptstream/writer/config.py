@@ -26,7 +26,8 @@ class PublisherConfig:
         delta_max_ratio: a delta larger than this fraction of the full bytes is written as a keyframe.
         shard_bytes: maximum size of one data file.
         chunk_bytes: size of independently compressed chunks (the unit of parallel encode/decode).
-        zstd_level: zstd compression level for deltas.
+        zstd_level: zstd compression level for deltas (1: on a 1 %-changed bf16 delta both smaller and twice
+            as fast to compress as 3, whose match finding finds nothing in XOR payloads).
         shuffle: byte-shuffle chunks before compression (groups the bytes of equal significance).
         max_in_flight: versions snapshotted but not yet committed; ``publish`` blocks beyond this.
         workers: encoder threads (default: one per core, at most 8).
@@ -47,7 +48,7 @@ class PublisherConfig:
     delta_max_ratio: float = 0.5
     shard_bytes: int = DEFAULT_SHARD_BYTES
     chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES
-    zstd_level: int = 3
+    zstd_level: int = 1
     shuffle: bool = True
     max_in_flight: int = 1
     workers: int | None = None

@@ -84,7 +84,7 @@ class DeltaEncoder:
     Declines (None) as soon as the stored bytes outgrow ``max_ratio`` of the full bytes.
     """
 
-    def __init__(self, executor: Executor, *, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, zstd_level: int = 3,
+    def __init__(self, executor: Executor, *, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, zstd_level: int = 1,
                  shuffle: bool = True, max_ratio: float = 0.5):
         self.executor = executor
         self.chunk_bytes = chunk_bytes
