@@ -40,7 +40,11 @@ TORCH_TO_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPE_T
 # Integer dtype of each item size: XOR and change counting run on these views.
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
+"""Writers cut tensors into chunks of this many bytes: the unit of parallel encoding and decoding. 16 MiB
+rather than 4: a 1 %-changed bf16 delta then takes 30 % of the calls to zstd (the
+Python between them bounded a 16-thread encoder: 0.52 s -> 0.20 s for a 15 GB delta on an H200 host),
+and a 15 GB model still has ~1,000 of them."""
 assert DEFAULT_CHUNK_BYTES <= MAX_CHUNK_BYTES
 
 _local = threading.local()
