@@ -14,8 +14,12 @@ import torch
 from .. import codec
 from ..errors import IntegrityError
 from ..format import (CHUNKED_ENCODINGS, ENCODING_RAW, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ENCODING_ZSTD,
-                      Manifest, TensorEntry, data_path)
+                      LAYOUT_SPARSE, Manifest, TensorEntry, data_path)
 from .files import DataFiles
+
+SPARSE_BATCH_BYTES = 64 << 20
+"""Sparse chunks of one tensor are decoded together up to this many raw bytes: enough to amortize the
+per-op cost, few enough that the changes' positions (8 bytes each) stay a small buffer."""
 
 
 class BaseTensors(Protocol):
@@ -92,22 +96,48 @@ def apply_entry(files: DataFiles, manifest: Manifest, entry: TensorEntry, out: t
                 pool.give(out)
             out = _take(pool, entry.nbytes)
         assert out is not None and entry.encoding in CHUNKED_ENCODINGS
+        xor = entry.encoding == ENCODING_XOR_ZSTD
+        sparse: list[tuple[int, int, memoryview]] = []  # sparse chunks waiting to be decoded together
+        sparse_bytes = 0
         raw_pos = stored_pos = 0
+        stored_view = codec.buffer_of(stored)
         for raw_len, stored_len, layout in entry.chunks:
-            try:
-                frame = codec.buffer_of(stored[stored_pos:stored_pos + stored_len])
-                codec.apply_chunk(out[raw_pos:raw_pos + raw_len], frame, entry.itemsize, shuffle=entry.shuffle,
-                                  layout=layout, xor=entry.encoding == ENCODING_XOR_ZSTD)
-            except ValueError as exc:
-                raise IntegrityError(f"cannot decode chunk at byte {raw_pos}: {exc}", version=manifest.version,
-                                     file=data_path(manifest.version, entry.file or ""),
-                                     tensor=entry.name) from None
+            frame = stored_view[stored_pos:stored_pos + stored_len]
+            if layout == LAYOUT_SPARSE and xor:
+                sparse.append((raw_pos, raw_len, frame))
+                sparse_bytes += raw_len
+                if sparse_bytes >= SPARSE_BATCH_BYTES:
+                    _apply_sparse(manifest, entry, out, sparse)
+                    sparse, sparse_bytes = [], 0
+            else:
+                try:
+                    codec.apply_chunk(out[raw_pos:raw_pos + raw_len], frame, entry.itemsize,
+                                      shuffle=entry.shuffle, layout=layout, xor=xor)
+                except ValueError as exc:
+                    raise _chunk_error(manifest, entry, raw_pos, exc) from None
             raw_pos += raw_len
             stored_pos += stored_len
+        _apply_sparse(manifest, entry, out, sparse)
     finally:
         if pool is not None:
             pool.give(stored)
     return out
+
+
+def _apply_sparse(manifest: Manifest, entry: TensorEntry, out: torch.Tensor,
+                  chunks: list[tuple[int, int, memoryview]]) -> None:
+    """``out ^=`` the sparse ``chunks`` (first byte, raw size, frame) of ``entry``, decoded together."""
+    if not chunks:
+        return
+    try:
+        codec.xor_at(out, *codec.sparse_changes(chunks, entry.itemsize, entry.shuffle))
+    except codec.ChunkError as exc:
+        raise _chunk_error(manifest, entry, chunks[exc.index][0], exc) from None
+
+
+def _chunk_error(manifest: Manifest, entry: TensorEntry, raw_pos: int, exc: ValueError) -> IntegrityError:
+    return IntegrityError(f"cannot decode chunk at byte {raw_pos}: {exc}", version=manifest.version,
+                          file=data_path(manifest.version, entry.file or ""), tensor=entry.name)
 
 
 def decode_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
