@@ -398,7 +398,9 @@ class Stream:
                    workers: int | None = None, holder: str = "write_into") -> None:
         """Write ``version``'s materialized files into ``directory``, an existing empty directory the caller
         owns and makes appear atomically itself (a cache that keeps its own temporary names); the marker is
-        written last. ``materialize`` is the atomic form of this. A lease (named ``holder``, e.g.
+        written last, and on an error the caller discards the directory (a tensor applied to ``base_dir`` is
+        checked against its hash once written, see ``reader.decode.decode_tensor_to``). ``materialize`` is the
+        atomic form of this. A lease (named ``holder``, e.g.
         ``follower <replica id>``) keeps the version from gc while it is written."""
         with self.lease(version, holder=holder) as chain:
             manifest = chain[-1]
