@@ -235,8 +235,8 @@ patched (a random access per change), hashed and written (measured on this 2-cor
 delta of 1 % changed: 0.66-0.80 s of CPU against 0.94-1.01 s; 256 KiB segments cost more in per-segment
 calls than they gain)."""
 STREAM_MAX_CHANGES_BYTES = 256 << 20
-"""Above this many bytes of decoded changes (8-byte position and the value of each) a tensor is decoded
-whole instead: the changes of every delta are held while the segments pass."""
+"""Above this many bytes of decoded changes (8-byte position and the value of each, counted as they are
+decoded) a tensor is decoded whole instead: the changes of every delta are held while the segments pass."""
 
 
 def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
@@ -261,9 +261,15 @@ def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], tar
     streams = (base is not None and base_entry is not None and entry.nbytes > 0
                and all(e.encoding == ENCODING_UNCHANGED
                        or (e.encoding == ENCODING_XOR_ZSTD and all(c[2] == LAYOUT_SPARSE for c in e.chunks))
-                       for _, e in deltas)
-               and sum((e.changed if e.changed is not None else e.numel) * (8 + e.itemsize)
-                       for _, e in deltas if e.encoding == ENCODING_XOR_ZSTD) <= STREAM_MAX_CHANGES_BYTES)
+                       for _, e in deltas))
+    changes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if streams:
+        budget = [STREAM_MAX_CHANGES_BYTES]
+        try:
+            changes = [_changes(files, manifest, e, pool, budget) for manifest, e in deltas
+                       if e.encoding == ENCODING_XOR_ZSTD]
+        except _TooManyChanges:
+            streams = False
     if not streams:
         tensor = decode_tensor(files, manifests, target, entry, base, pool)
         try:
@@ -273,7 +279,6 @@ def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], tar
                 pool.give(tensor)
         return entry.nbytes
     assert base is not None and base_entry is not None
-    changes = [_changes(files, manifest, e, pool) for manifest, e in deltas if e.encoding == ENCODING_XOR_ZSTD]
     buffer = _take(pool, min(SEGMENT_BYTES, entry.nbytes))
     try:
         actual = _stream_segments(entry, changes, buffer, write, base, base_entry)
@@ -288,25 +293,42 @@ def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], tar
     return entry.nbytes
 
 
-def _changes(files: DataFiles, manifest: Manifest, entry: TensorEntry,
-             pool: BufferPool | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The changed elements (positions, XOR values) of a delta entry whose chunks are all sparse."""
+class _TooManyChanges(Exception):
+    """The deltas of a tensor change more than ``STREAM_MAX_CHANGES_BYTES``: it is decoded whole instead."""
+
+
+def _changes(files: DataFiles, manifest: Manifest, entry: TensorEntry, pool: BufferPool | None,
+             budget: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changed elements (positions, XOR values) of a delta entry whose chunks are all sparse, decoded in
+    batches of ``SPARSE_BATCH_BYTES``; raises _TooManyChanges once they outgrow ``budget[0]`` bytes (what the
+    manifest's ``changed`` promised is not trusted for memory)."""
     stored = files.read(manifest, entry, out=_take(pool, entry.length))
     try:
         view = codec.buffer_of(stored)
-        chunks = []
-        raw_pos = stored_pos = 0
-        for raw_len, stored_len, _ in entry.chunks:
+        batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        chunks: list[tuple[int, int, memoryview]] = []
+        raw_pos = stored_pos = batch_bytes = 0
+        for index, (raw_len, stored_len, _) in enumerate(entry.chunks):
             chunks.append((raw_pos, raw_len, view[stored_pos:stored_pos + stored_len]))
             raw_pos += raw_len
             stored_pos += stored_len
-        try:
-            return codec.sparse_changes(chunks, entry.itemsize, entry.shuffle)
-        except codec.ChunkError as exc:
-            raise _chunk_error(manifest, entry, chunks[exc.index][0], exc) from None
+            batch_bytes += raw_len
+            if batch_bytes >= SPARSE_BATCH_BYTES or index == len(entry.chunks) - 1:
+                try:
+                    positions, values = codec.sparse_changes(chunks, entry.itemsize, entry.shuffle)
+                except codec.ChunkError as exc:
+                    raise _chunk_error(manifest, entry, chunks[exc.index][0], exc) from None
+                budget[0] -= positions.numel() * (8 + entry.itemsize)
+                if budget[0] < 0:
+                    raise _TooManyChanges
+                batches.append((positions, values))
+                chunks, batch_bytes = [], 0
     finally:
         if pool is not None:
             pool.give(stored)
+    if len(batches) == 1:
+        return batches[0]
+    return torch.cat([p for p, _ in batches]), torch.cat([v for _, v in batches])
 
 
 def _stream_segments(entry: TensorEntry, changes: list[tuple[torch.Tensor, torch.Tensor]], buffer: torch.Tensor,

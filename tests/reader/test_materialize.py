@@ -100,6 +100,11 @@ def test_applying_deltas_to_a_base_in_segments(model_stream, tmp_path, monkeypat
     base = stream.materialize(0, tmp_path / "v0")
     out = stream.materialize(2, tmp_path / "v2", base_dir=base)
     assert_same_tensors(load_file(out / "model.safetensors"), history[2])
+    monkeypatch.setattr(decode, "STREAM_MAX_CHANGES_BYTES", 100)  # more changes than that: decoded whole
+    out = stream.materialize(2, tmp_path / "v2-whole", base_dir=base)
+    assert_same_tensors(load_file(out / "model.safetensors"), history[2])
+    monkeypatch.undo()
+    monkeypatch.setattr(decode, "SEGMENT_BYTES", 4096 + 2)
     tensors = load_file(base / "model.safetensors")
     name = max(tensors, key=lambda n: tensors[n].numel())
     tensors[name] = tensors[name].clone()
