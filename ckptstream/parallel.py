@@ -42,11 +42,12 @@ def ordered_parallel(items: Iterable[T], work: Callable[[T], R], cost: Callable[
     """``map(work, items)`` on threads, yielding results in order, with the summed ``cost`` of the items
     in flight (submitted but not yet yielded) at most ``max_cost`` (one item always runs).
 
-    Uses ``executor`` if given (and leaves it running), else a pool of its own of ``workers`` threads.
+    Uses ``executor`` if given (and leaves it running), else a pool of its own of ``workers`` threads, each
+    running torch's CPU ops on itself alone (:func:`one_cpu_thread_each`).
     Closing the generator early cancels what has not started.
     """
     pool = executor or ThreadPoolExecutor(max_workers=workers or default_workers(),
-                                          thread_name_prefix="ckptstream")
+                                          thread_name_prefix="ckptstream", initializer=one_cpu_thread_each)
     pending: collections.deque[tuple[Future[R], int]] = collections.deque()
     in_flight = 0
     try:

@@ -209,3 +209,35 @@ def test_sparse_chunks_of_a_tensor_equal_each_chunk_alone(itemsize):
         expected = torch.zeros(min(chunk, n - start), dtype=dtype)
         expected[positions[inside] - start] = values[inside]
         assert torch.equal(restored.view(dtype), expected)
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+def test_sparse_chunks_decode_together_as_alone(itemsize):
+    """``sparse_changes`` over several chunks (some without changes, long gaps, a short last chunk) gives the
+    tensor's changes, as each chunk applied alone does; a malformed chunk among them is named by index."""
+    g = torch.Generator().manual_seed(3)
+    chunk_bytes = 3000 * itemsize
+    base = torch.randint(0, 256, (4 * chunk_bytes + 10 * itemsize,), dtype=torch.uint8, generator=g)
+    new = base.clone()
+    n = new.numel() // itemsize
+    changed = torch.randperm(n, generator=g)[: n // 100]
+    changed = changed[(changed < 3000) | (changed >= 6000)]  # the second chunk unchanged
+    new.view(n, itemsize)[changed, 0] ^= 0x21
+    new.view(n, itemsize)[2 * 3000 + 2, 0] ^= 1  # a gap of more than 255 elements in the third chunk
+    chunks, alone = [], base.clone()
+    for start, end in codec.chunk_ranges(new.numel(), itemsize, chunk_bytes):
+        frame, _, layout = codec.encode_chunk(new[start:end], base[start:end], itemsize, shuffle=True, level=3)
+        assert layout == LAYOUT_SPARSE
+        chunks.append((start, end - start, frame))
+        codec.apply_chunk(alone[start:end], frame, itemsize, shuffle=True, layout=layout, xor=True)
+    positions, values = codec.sparse_changes(chunks, itemsize, shuffle=True)
+    together = base.clone()
+    codec.xor_at(together, positions, values)
+    assert torch.equal(together, new) and torch.equal(alone, new)
+    assert torch.equal(positions, positions.sort().values)
+    broken = list(chunks)
+    broken[2] = (broken[2][0], broken[2][1], zstandard.ZstdCompressor(write_content_size=True).compress(
+        b"\x01\x00\x00\x00\x00\x00\x00\x00" + bytes([255]) + bytes(itemsize)))  # an escape without its long gap
+    with pytest.raises(codec.ChunkError, match="escaped gaps do not match") as info:
+        codec.sparse_changes(broken, itemsize, shuffle=True)
+    assert info.value.index == 2

@@ -27,24 +27,21 @@ from ..errors import CkptStreamError, IntegrityError, NotADirectoryOutputError, 
 from ..locks import LOCK_FILE, try_lock, unlock
 from ..format import (INDEX_FILE, MARKER_FILE, SAFETENSORS_LENGTH, TEMP_PREFIX, Manifest, TensorEntry, asset_path,
                       dumps_json, is_reserved_asset_name, loads_json, safetensors_header, shard_groups)
-from .decode import BaseTensors
+from .decode import BaseTensors, Writer
 
 _BUILD_DIR = "out"
 
-Sink = Callable[[TensorEntry, torch.Tensor], int]
-"""Writes one decoded tensor and returns its byte count (called on the decoding threads). It keeps no
-reference to the tensor: the decoder reuses its buffer once the sink returns."""
 
 
 def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
-                    decode: Callable[[Sink], Iterator[int]], assets: Iterable[tuple[str, bytes]],
+                    decode: Callable[[Writer], Iterator[int]], assets: Iterable[tuple[str, bytes]],
                     marker: Mapping[str, Any], overwrite: bool, shard_bytes: int,
                     progress: Callable[[int], None] | None = None) -> Path:
     """Write the tensors of ``manifest`` as safetensors shards (with an index when there are several),
     then the ``assets`` and the ``marker`` file, into ``out_dir``, atomically (see the module docstring).
 
     Args:
-        decode: runs a sink on every decoded tensor of the version, yielding the sink's results.
+        decode: decodes every tensor of the version through a writer, yielding each tensor's byte count.
         assets: (name, bytes) of each non-weight file.
         overwrite: replace a non-empty ``out_dir`` (else FileExistsError).
 
@@ -73,7 +70,7 @@ def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
     return out
 
 
-def write_directory(directory: Path, manifest: Manifest, *, decode: Callable[[Sink], Iterator[int]],
+def write_directory(directory: Path, manifest: Manifest, *, decode: Callable[[Writer], Iterator[int]],
                     assets: Iterable[tuple[str, bytes]], marker: Mapping[str, Any], shard_bytes: int,
                     progress: Callable[[int], None] | None = None) -> None:
     """Write the files of a materialized directory into ``directory``, an empty directory that the caller
@@ -98,7 +95,7 @@ def _check_output(out: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --force to replace it)")
 
 
-def _write_weights(build: Path, manifest: Manifest, decode: Callable[[Sink], Iterator[int]], shard_bytes: int,
+def _write_weights(build: Path, manifest: Manifest, decode: Callable[[Writer], Iterator[int]], shard_bytes: int,
                    progress: Callable[[int], None] | None) -> None:
     groups = shard_groups([t.nbytes for t in manifest.tensors], shard_bytes)
     weight_map: dict[str, str] = {}
@@ -118,14 +115,15 @@ def _write_weights(build: Path, manifest: Manifest, decode: Callable[[Sink], Ite
                 weight_map[entry.name] = file_name
                 placement[entry.name] = (fd, offset)
 
-        def write(entry: TensorEntry, tensor: torch.Tensor) -> int:
-            # Each decoding thread writes its tensor in place: decode and write overlap.
+        def write(entry: TensorEntry, data: torch.Tensor | memoryview, at: int = 0) -> int:
+            # Each decoding thread writes its tensor's bytes in place: decode and write overlap.
             fd, offset = placement[entry.name]
-            data = codec.buffer_of(codec.as_bytes(tensor))
+            if isinstance(data, torch.Tensor):
+                data = codec.buffer_of(codec.as_bytes(data))
             written = 0
             while written < len(data):
-                written += os.pwrite(fd, data[written:], offset + written)
-            return entry.nbytes
+                written += os.pwrite(fd, data[written:], offset + at + written)
+            return written
 
         for nbytes in decode(write):
             if progress:
@@ -244,19 +242,20 @@ class MaterializedBase(BaseTensors):
         f = self._where.get(name)
         return None if f is None else f.get_tensor(name).clone()
 
-    def read_into(self, entry: TensorEntry, out: torch.Tensor) -> bool:
+    def read_into(self, entry: TensorEntry, out: torch.Tensor, offset: int = 0) -> bool:
         span = self._spans.get(entry.name)
         if span is None:
             return False
-        fd, offset, dtype, shape = span
+        fd, start, dtype, shape = span
         if (dtype, shape) != (entry.dtype, entry.shape):
             raise IntegrityError(f"the given base copy has {dtype}{list(shape)}, the base version "
                                  f"{entry.dtype}{list(entry.shape)}", version=self.version, tensor=entry.name,
                                  hint="The local base directory is stale or foreign; materialize it again")
+        assert 0 <= offset and offset + out.numel() <= entry.nbytes
         buffer = codec.buffer_of(out)
         done = 0
         while done < len(buffer):
-            n = os.preadv(fd, [buffer[done:]], offset + done)
+            n = os.preadv(fd, [buffer[done:]], start + offset + done)
             if n <= 0:
                 raise IntegrityError("the local copy is truncated", version=self.version, tensor=entry.name,
                                      hint="Materialize this version without the base directory, or delete "

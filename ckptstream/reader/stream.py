@@ -22,7 +22,7 @@ from ..format import (DEFAULT_SHARD_BYTES, LATEST, MANIFESTS_DIR, MAX_VERSION, S
 from ..parallel import default_workers, ordered_parallel
 from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
 from ..storage.readahead import ChunkedReads
-from .decode import BufferPool, decode_tensor, load_checked
+from .decode import BufferPool, Writer, decode_tensor, decode_tensor_to, load_checked
 from .files import DataFiles
 from .leases import DEFAULT_LEASE_TTL, hold_lease
 from .materialize import MaterializedBase, build_directory, write_directory
@@ -316,24 +316,22 @@ class Stream:
                                 workers=workers, max_inflight_bytes=max_inflight_bytes)
 
     def _decode(self, target: Manifest, entries: Iterable[TensorEntry], base_dir: str | os.PathLike[str] | None,
-                sink: Callable[[TensorEntry, torch.Tensor], R], *, workers: int | None = None,
-                max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES, sink_consumes: bool = False) -> Iterator[R]:
-        """``sink(entry, tensor)`` for each decoded tensor, run on the decoding threads, results in order.
-        ``sink_consumes``: the sink keeps no reference to the tensor (it writes it out), so its buffer is
-        reused for a later tensor."""
+                sink: Callable[[TensorEntry, torch.Tensor], R] | None, *, write: Writer | None = None,
+                workers: int | None = None, max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> Iterator[R | int]:
+        """``sink(entry, tensor)`` for each decoded tensor, run on the decoding threads, results in order; or,
+        without a sink, each tensor's bytes handed to ``write`` (``decode_tensor_to``), their byte counts in
+        order, the decode buffers reused from tensor to tensor."""
         # The chain is checked now (naming a missing base) and held for every tensor's walk down it, so
         # that a chain longer than the manifest cache is not read again per tensor.
         chain = {m.version: m for m in self.chain(target.version)}
         base = MaterializedBase(base_dir, self.info().stream_id) if base_dir is not None else None
-        pool = BufferPool(max_inflight_bytes) if sink_consumes else None
+        pool = BufferPool(max_inflight_bytes) if write is not None else None
 
-        def work(entry: TensorEntry) -> R:
-            tensor = decode_tensor(self._files, chain.__getitem__, target, entry, base, pool)
-            try:
-                return sink(entry, tensor)
-            finally:
-                if pool is not None:
-                    pool.give(tensor)
+        def work(entry: TensorEntry) -> R | int:
+            if write is not None:
+                return decode_tensor_to(self._files, chain.__getitem__, target, entry, write, base, pool)
+            assert sink is not None
+            return sink(entry, decode_tensor(self._files, chain.__getitem__, target, entry, base))
 
         if workers is None and not self.storage.is_posix:
             # Each thread mostly waits for its ranged reads: enough of them to keep an object store's link
@@ -400,7 +398,9 @@ class Stream:
                    workers: int | None = None, holder: str = "write_into") -> None:
         """Write ``version``'s materialized files into ``directory``, an existing empty directory the caller
         owns and makes appear atomically itself (a cache that keeps its own temporary names); the marker is
-        written last. ``materialize`` is the atomic form of this. A lease (named ``holder``, e.g.
+        written last, and on an error the caller discards the directory (a tensor applied to ``base_dir`` is
+        checked against its hash once written, see ``reader.decode.decode_tensor_to``). ``materialize`` is the
+        atomic form of this. A lease (named ``holder``, e.g.
         ``follower <replica id>``) keeps the version from gc while it is written."""
         with self.lease(version, holder=holder) as chain:
             manifest = chain[-1]
@@ -412,8 +412,8 @@ class Stream:
         """The decoder, assets and marker of a materialized directory of ``manifest``."""
         marker = {"stream": self.url, "stream_id": manifest.stream_id, "version": manifest.version,
                   "kind": manifest.kind, "step": manifest.step, "manifest_hash": manifest.manifest_hash}
-        return {"decode": lambda sink: self._decode(manifest, manifest.tensors, base_dir, sink, workers=workers,
-                                                    sink_consumes=True),
+        return {"decode": lambda write: self._decode(manifest, manifest.tensors, base_dir, None, write=write,
+                                                     workers=workers),
                 "assets": ((asset.name, self.asset(asset)) for asset in self.info().assets), "marker": marker}
 
     def check_materialized(self, directory: str | os.PathLike[str], version: int) -> None:

@@ -86,3 +86,33 @@ def test_diff_counts_changed_elements(model_stream):
         changed = int((before.view(torch.int16) != after.view(torch.int16)).sum())
         assert diffs[name].changed == changed
         assert diffs[name].status == ("same" if changed == 0 else "changed")
+
+
+def test_applying_deltas_to_a_base_in_segments(model_stream, tmp_path, monkeypatch):
+    """Deltas applied to a base copy go through in segments (read, patched, hashed, written): with segments
+    far smaller than the tensors, across two deltas, the result is the version's; a damaged base is refused
+    naming it, and the output never appears."""
+    from ckptstream.reader import decode
+
+    monkeypatch.setattr(decode, "SEGMENT_BYTES", 4096 + 2)  # not a divisor of the tensors' sizes
+    url, history = model_stream
+    stream = Stream(url)
+    base = stream.materialize(0, tmp_path / "v0")
+    out = stream.materialize(2, tmp_path / "v2", base_dir=base)
+    assert_same_tensors(load_file(out / "model.safetensors"), history[2])
+    monkeypatch.setattr(decode, "STREAM_MAX_CHANGES_BYTES", 100)  # more changes than that: decoded whole
+    out = stream.materialize(2, tmp_path / "v2-whole", base_dir=base)
+    assert_same_tensors(load_file(out / "model.safetensors"), history[2])
+    monkeypatch.undo()
+    monkeypatch.setattr(decode, "SEGMENT_BYTES", 4096 + 2)
+    tensors = load_file(base / "model.safetensors")
+    name = max(tensors, key=lambda n: tensors[n].numel())
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[-1] += 1  # in its last segment
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(base / "model.safetensors"))
+    with pytest.raises(Exception, match="base copy differs") as info:
+        stream.materialize(2, tmp_path / "v2b", base_dir=base)
+    assert info.value.tensor == name
+    assert not (tmp_path / "v2b").exists()
