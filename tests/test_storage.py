@@ -344,34 +344,3 @@ def test_bwlimit_refuses_what_is_not_a_rate(text, capsys):
     assert main(["materialize", "/nowhere", "0", "/tmp/out", "--bwlimit", text]) == 2
     err = capsys.readouterr().err
     assert "Error: argument --bwlimit" in err
-
-
-def test_posix_cold_large_reads_bypass_the_page_cache_and_match(tmp_path, monkeypatch):
-    """Large ranged reads of an uncached file go through ``O_DIRECT`` (into an aligned buffer, copied out):
-    the bytes are the file's at any offset and length, up to an unaligned end of file, cached or not."""
-    from ckptstream.storage import posix
-
-    size = 3 * posix.DIRECT_MIN_BYTES + 12345  # not a multiple of any block size
-    data = os.urandom(size)
-    (tmp_path / "f").write_bytes(data)
-    storage = PosixStorage(str(tmp_path))
-    minimum = posix.DIRECT_MIN_BYTES
-    ranges = [(1, minimum + 7), (minimum + 8197, 2 * minimum + 9000), (size - minimum - 1, size)]  # 3 pages apart
-    direct = []
-    read_cold = posix._read_cold
-    monkeypatch.setattr(posix, "_read_cold", lambda *args: direct.append(read_cold(*args)) or direct[-1])
-    for cold in (True, False):
-        direct.clear()
-        if cold:
-            os.sync()
-            fd = os.open(tmp_path / "f", os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-        buffers = [bytearray(end - start) for start, end in ranges]
-        storage.read_ranges_into("f", [(start, memoryview(b)) for (start, _), b in zip(ranges, buffers)])
-        assert [bytes(b) for b in buffers] == [data[start:end] for start, end in ranges]
-        if posix._open_direct(str(tmp_path / "f")) is not None:  # else (tmpfs) all of it through the cache
-            # Cold: read past the cache (DONTNEED may leave a page of a range's start behind); warm: cached.
-            assert any(direct) if cold else direct == [0, 0, 0]
-    with pytest.raises(EOFError):
-        storage.read_into("f", size - 10, memoryview(bytearray(posix.DIRECT_MIN_BYTES)))

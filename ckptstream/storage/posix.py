@@ -2,24 +2,21 @@
 
 Writes go to a unique temporary file that is fsynced and renamed into place; ``put_if_absent`` links the
 temporary file to its final name (link(2) fails if the name exists, atomically, also on NFS). Ranged reads
-use pread on one descriptor from several threads; large ones read what the page cache does not hold with
-``O_DIRECT`` (see ``_read_cold``). Changes are watched through inotify (watchdog) when it is installed.
+use pread on one descriptor from several threads; changes are watched through inotify (watchdog) when it
+is installed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import mmap
 import os
 import shutil
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from ..errors import StorageCapabilityError
-from .base import (MAX_CONCURRENT_READS, Capabilities, Entry, Storage, check_ranges, concurrently, short_read,
-                   temp_name)
+from .base import Capabilities, Entry, Storage, check_ranges, concurrently, short_read, temp_name
 
 # watchdog event types that mean something changed; reads ("opened", "closed_no_write") are not changes,
 # and a watcher woken by every reader of the directory would poll in a loop.
@@ -47,7 +44,14 @@ class PosixStorage(Storage):
             return f.read() if end is None else f.read(max(0, end - (start or 0)))
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
-        self.read_ranges_into(path, [(offset, buffer)])
+        with open(self._abs(path), "rb", buffering=0) as f:
+            f.seek(offset)
+            done = 0
+            while done < len(buffer):
+                n = f.readinto(buffer[done:])
+                if not n:
+                    raise EOFError(f"{path}: wanted {len(buffer)} bytes at {offset}, file ends after {done}")
+                done += n
 
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         check_ranges(ranges)
@@ -57,16 +61,10 @@ class PosixStorage(Storage):
 
     def read_ranges_into(self, path: str, targets: Sequence[tuple[int, memoryview]]) -> None:
         fd = os.open(self._abs(path), os.O_RDONLY)
-        direct = None
         try:
-            if any(len(buffer) >= DIRECT_MIN_BYTES for _, buffer in targets):
-                direct = _open_direct(self._abs(path))
-                if direct is not None:  # a read that does not wait still starts readahead, unless random
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-
             def fill(target: tuple[int, memoryview]) -> None:
                 offset, buffer = target
-                done = _read_cold(fd, direct, offset, buffer) if direct is not None else 0
+                done = 0
                 while done < len(buffer):  # preadv fills the caller's buffer without a copy
                     n = os.preadv(fd, [buffer[done:]], offset + done)
                     if not n:
@@ -76,8 +74,6 @@ class PosixStorage(Storage):
             concurrently(fill, targets)
         finally:
             os.close(fd)
-            if direct is not None:
-                os.close(direct)
 
     def open_read(self, path: str) -> IO[bytes]:
         return open(self._abs(path), "rb")
@@ -192,91 +188,6 @@ class _ObserverWatch:
     def stop(self) -> None:
         self._observer.stop()
         self._observer.join(timeout=10)
-
-
-DIRECT_MIN_BYTES = 1 << 20
-"""Reads at least this large take what the page cache holds and read the rest with ``O_DIRECT``."""
-_DIRECT_ALIGN = 4096  # offsets, lengths and memory of O_DIRECT reads: a multiple of any block size in use
-_DIRECT_PIECE = 1 << 20
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-
-
-def _open_direct(path: str) -> int | None:
-    """A descriptor of ``path`` for ``O_DIRECT`` reads, or None where the file system has none (tmpfs)."""
-    if not _O_DIRECT or not _RWF_NOWAIT:
-        return None
-    try:
-        return os.open(path, os.O_RDONLY | _O_DIRECT)
-    except OSError:
-        return None
-
-
-class _Bounces:
-    """Page-aligned buffers of ``_DIRECT_PIECE`` bytes (plus a block at each end) for ``O_DIRECT`` reads,
-    kept for reuse: fresh memory costs a page fault per page on its first touch."""
-
-    def __init__(self, keep: int):
-        self._free: list[mmap.mmap] = []
-        self._keep = keep
-        self._lock = threading.Lock()
-
-    def take(self) -> mmap.mmap:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return mmap.mmap(-1, _DIRECT_PIECE + 2 * _DIRECT_ALIGN)
-
-    def give(self, bounce: mmap.mmap) -> None:
-        with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(bounce)
-                return
-        bounce.close()
-
-
-_bounces = _Bounces(keep=MAX_CONCURRENT_READS)
-
-
-def _read_cold(fd: int, direct: int, offset: int, buffer: memoryview) -> int:
-    """Fill a prefix of ``buffer`` with the file's bytes at ``offset`` read with ``O_DIRECT`` into an aligned
-    buffer and copied out, unless the page cache holds the range's start (a file just written on this
-    host: a read that does not wait, ``RWF_NOWAIT``, tells). Returns the bytes filled: all of them, none
-    if cached, or fewer at the end of the file or where the file system refuses ``O_DIRECT`` (the caller
-    reads the rest through the page cache).
-
-    A cold read through the page cache costs this machine kind's kernel more CPU than the copy
-    (allocating and filling cache pages: 1.0-3.5 s of system time per 1.3 GB against 0.1-0.2 s with
-    ``O_DIRECT``, measured), CPU that the decoding threads need; the data are read once, so caching
-    them gains nothing."""
-    if len(buffer) < DIRECT_MIN_BYTES:
-        return 0
-    try:  # is the range's first byte cached? (``fd`` has readahead off: the probe reads nothing more)
-        os.preadv(fd, [buffer[:1]], offset, _RWF_NOWAIT)
-        return 0
-    except OSError:  # not cached (BlockingIOError), or the file system cannot tell
-        pass
-    done = 0
-    bounce = _bounces.take()
-    try:
-        with memoryview(bounce) as view:
-            while done < len(buffer):
-                start = offset + done
-                aligned = start - start % _DIRECT_ALIGN
-                want = min(len(buffer) - done, _DIRECT_PIECE)
-                span = -(-(start + want - aligned) // _DIRECT_ALIGN) * _DIRECT_ALIGN
-                try:
-                    n = os.preadv(direct, [view[:span]], aligned)
-                except OSError:
-                    break
-                got = min(n - (start - aligned), want)
-                if got <= 0:
-                    break
-                buffer[done:done + got] = view[start - aligned:start - aligned + got]
-                done += got
-    finally:
-        _bounces.give(bounce)
-    return done
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
