@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterable, Mapping
@@ -64,11 +64,6 @@ WHOLE_BYTES = 1 << 20
 """A tensor of at most this many bytes (norm weights, biases) is not compared on the device: its new bytes
 go to the pinned block whole (two copies instead of ~12 kernels and copies, which cost ~0.15 ms of host
 time each in ``publish``), and its changes are found on the host when it lands."""
-
-SPARSE_TASK_SHARE = 16
-"""A chunk of changes counts 1/16 of its raw bytes against the encoder's memory in flight (it holds only
-its frame, ~100 kB for 16 MiB at 1 % changed; a dense one briefly its XOR): many run at once, where 16 of
-16 MiB had kept the 16 threads waiting on the ordered results."""
 
 _ALIGN = 8
 """Payload sections in the pinned block start at multiples of this (the widest element)."""
@@ -516,27 +511,11 @@ class DeviceSnapshot:
         return landed
 
 
-class _SparseOnce:
-    """A tensor's ``codec.SparseChunks``, built by the first of its chunk tasks (the others wait for it): the
-    tensors' sections are built in the order their chunks are encoded, beside the frames of earlier tensors."""
-
-    def __init__(self, build: Callable[[], codec.SparseChunks]):
-        self._build = build
-        self._lock = threading.Lock()
-        self._chunks: codec.SparseChunks | None = None
-
-    def get(self) -> codec.SparseChunks:
-        with self._lock:
-            if self._chunks is None:
-                self._chunks = self._build()
-            return self._chunks
-
-
-def _encode_chunk(sparse: _SparseOnce, number: int, positions: torch.Tensor, values: torch.Tensor,
+def _encode_chunk(sparse: Future[codec.SparseChunks], number: int, positions: torch.Tensor, values: torch.Tensor,
                   start: int, end: int, itemsize: int, *, shuffle: bool, level: int) -> tuple[bytes, int, str]:
     """Chunk ``number`` (bytes ``start:end``) of a tensor's delta, as ``codec.encode_xor_chunk`` stores it:
     its sparse frame, or where too many elements changed its dense XOR (rebuilt from the changes)."""
-    chunks = sparse.get()
+    chunks = sparse.result()
     changed = chunks.changed(number)
     elements = (end - start) // itemsize
     if changed <= codec.SPARSE_MAX_DENSITY * elements:
@@ -602,7 +581,6 @@ class DeviceDeltaEncoder:
         chunk_bytes, host = self.fallback.chunk_bytes, self.fallback
         plans: list[EncodedTensor] = []
         tasks: list[tuple[int, int, Callable[[], tuple[bytes, int, str]]]] = []
-        costs: list[int] = []
         for index, (name, tensor) in enumerate(tensors):
             change = landed.changes[name]
             entry = entries.get(name)
@@ -617,16 +595,16 @@ class DeviceDeltaEncoder:
                 tasks.extend((index, end - start, partial(codec.encode_chunk, new_bytes[start:end], None, itemsize,
                                                           shuffle=host.shuffle, level=host.zstd_level))
                              for start, end in ranges)
-                costs.extend(end - start for start, end in ranges)
                 continue
             positions, values = change
-            sparse = _SparseOnce(partial(codec.SparseChunks, positions, values, itemsize, elements=tensor.numel(),
-                                         chunk_elements=ranges[0][1] // itemsize if ranges else 1,
-                                         shuffle=host.shuffle))
+            # the sparse layout of all the tensor's chunks at once, on the executor (every tensor's is queued
+            # before the first chunk, which waits for it)
+            sparse = host.executor.submit(codec.SparseChunks, positions, values, itemsize,
+                                          elements=tensor.numel(), chunk_elements=ranges[0][1] // itemsize,
+                                          shuffle=host.shuffle) if ranges else None
             tasks.extend((index, end - start, partial(_encode_chunk, sparse, number, positions, values, start, end,
                                                       itemsize, shuffle=host.shuffle, level=host.zstd_level))
                          for number, (start, end) in enumerate(ranges))
-            costs.extend((end - start) // SPARSE_TASK_SHARE for start, end in ranges)
         return assemble_delta(plans, tasks, base.manifest, executor=host.executor, chunk_bytes=chunk_bytes,
-                              max_ratio=host.max_ratio, shuffle=host.shuffle, costs=costs)
+                              max_ratio=host.max_ratio, shuffle=host.shuffle)
 

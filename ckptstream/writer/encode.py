@@ -120,18 +120,13 @@ frame, changed elements and layout."""
 
 
 def assemble_delta(plans: list[EncodedTensor], tasks: list[ChunkTask], base: Manifest, *, executor: Executor,
-                   chunk_bytes: int, max_ratio: float, shuffle: bool,
-                   costs: list[int] | None = None) -> EncodedVersion | None:
+                   chunk_bytes: int, max_ratio: float, shuffle: bool) -> EncodedVersion | None:
     """Run the chunk tasks on ``executor`` (in order, bounded memory) and fill their tensors' plans: the
     delta on ``base``, or None as soon as the stored bytes outgrow ``max_ratio`` of the full bytes. A delta
-    plan without changes becomes ``unchanged``. Shared by the host and the device encoders.
-
-    In flight: tasks of 256 MiB in all, each costing its raw bytes (a host chunk task holds its XOR) or
-    ``costs[i]`` (what task ``i`` holds while it runs, where the caller knows better)."""
+    plan without changes becomes ``unchanged``. Shared by the host and the device encoders."""
     limit = max_ratio * sum(plan.tensor.numel() * plan.tensor.element_size() for plan in plans)
     stored = 0
-    costed = zip(tasks, costs if costs is not None else [raw for _, raw, _ in tasks])
-    results = ordered_parallel(costed, lambda item: (item[0][0], item[0][1], *item[0][2]()), lambda item: item[1],
+    results = ordered_parallel(tasks, lambda task: (task[0], task[1], *task[2]()), lambda task: task[1],
                                executor=executor, max_cost=max(chunk_bytes, 64 << 20) * 4)
     try:
         for index, raw_len, frame, changed, layout in results:
