@@ -37,6 +37,8 @@ RELAY_TOKEN_ENV = "CKPTSTREAM_RELAY_TOKEN"
 METRICS_PATH = "/metrics"
 DEFAULT_HOST = "127.0.0.1"
 START_TIMEOUT = 30.0
+STOP_TIMEOUT = 5.0
+"""Seconds a stopping relay gives the requests in flight (then they are cut)."""
 SEND_CHUNK_BYTES = 1 << 20
 """Bytes per write of a file's body (starlette's default is 64 KiB): data files are read whole or in large
 ranges, and fewer, larger writes mean fewer event-loop and thread hand-offs per byte."""
@@ -119,8 +121,9 @@ class Relay:
             raise CkptStreamError(f"the relay cannot listen on {self.host}:{self.port} ({exc.strerror})",
                                   hint="Choose another --port (or --host), or stop what uses it") from None
         self.port = listener.getsockname()[1]
+        # a bounded shutdown: uvicorn otherwise waits without limit for the tasks of open connections
         config = uvicorn.Config(self.app, interface="asgi3", lifespan="off", log_level="warning", access_log=False,
-                                proxy_headers=False)
+                                proxy_headers=False, timeout_graceful_shutdown=STOP_TIMEOUT)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [listener]},
                                         name="ckptstream-relay", daemon=True)
@@ -135,11 +138,15 @@ class Relay:
         return self
 
     def stop(self) -> None:
-        """Stop serving (open connections are closed) and wait for the thread."""
+        """Stop serving (open connections are closed; requests in flight get ``STOP_TIMEOUT`` seconds) and
+        wait for the thread."""
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=2 * STOP_TIMEOUT)
+            if self._thread.is_alive() and self._server is not None:
+                self._server.force_exit = True  # past the graceful shutdown: drop what is left
+                self._thread.join(timeout=STOP_TIMEOUT)
 
     def __enter__(self) -> Relay:
         return self.start()

@@ -29,16 +29,16 @@ def _run_recipe(work: Path, steps: int) -> str:
 
 
 def test_megatron_trainer_recipe(tmp_path: Path) -> None:
-    assert "vLLM serves version 4;" in _run_recipe(tmp_path, steps=4)
+    assert "vLLM serves version 3;" in _run_recipe(tmp_path, steps=3)
     stream = Stream(str(tmp_path / "stream"))
-    assert stream.versions() == list(range(5))
+    assert stream.versions() == list(range(4))
     manifests = [stream.manifest(v) for v in stream.versions()]
-    assert [m.kind for m in manifests] == ["keyframe"] + ["delta"] * 4
+    assert [m.kind for m in manifests] == ["keyframe"] + ["delta"] * 3
     losses = [m.metadata["loss"] for m in manifests[1:]]
     assert losses == sorted(losses, reverse=True)  # training on a fixed batch: the loss falls every step
     assert manifests[-1].metadata["parallel"]["tp"] == 2
-    stream.verify(4)
+    stream.verify(3)
 
-    assert "vLLM serves version 7;" in _run_recipe(tmp_path, steps=2)  # a restarted job: a new chain from 5
-    assert stream.versions() == list(range(8))
-    assert [stream.manifest(v).kind for v in (5, 6, 7)] == ["keyframe", "delta", "delta"]
+    assert "vLLM serves version 5;" in _run_recipe(tmp_path, steps=1)  # a restarted job: a new chain from 4
+    assert stream.versions() == list(range(6))
+    assert [stream.manifest(v).kind for v in (4, 5)] == ["keyframe", "delta"]
