@@ -37,6 +37,9 @@ def run_relay(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop: exit 0
+    # Ctrl-C raises KeyboardInterrupt (exit 130) also where the parent ignored SIGINT: Python keeps an
+    # inherited SIG_IGN (a shell's background job, or a test runner after Ray), and the relay never stopped
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with Relay(args.directory, host=args.host, port=args.port, token=args.token) as relay:
         print(relay.url, flush=True)  # the result: where followers read (scripts capture it)
         while not stop.wait(3600):  # Ctrl-C raises KeyboardInterrupt here: exit 130
