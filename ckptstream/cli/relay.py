@@ -38,7 +38,7 @@ def run_relay(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop: exit 0
     # Ctrl-C raises KeyboardInterrupt (exit 130) also where the parent ignored SIGINT: Python keeps an
-    # inherited SIG_IGN (a shell's background job, or a test runner after Ray), and the relay never stopped
+    # inherited SIG_IGN (a shell's background job, a test runner some library set so), and the relay never stopped
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with Relay(args.directory, host=args.host, port=args.port, token=args.token) as relay:
         print(relay.url, flush=True)  # the result: where followers read (scripts capture it)
