@@ -96,9 +96,14 @@ def from_bytes(data: bytes | bytearray, dtype: str, shape: tuple[int, ...]) -> t
     return byte_tensor.view(torch_dtype(dtype)).reshape(shape)
 
 
+def chunk_elements(itemsize: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Elements per chunk (all but a tensor's last): as many whole elements as fit ``chunk_bytes``, at least one."""
+    return max(1, chunk_bytes // itemsize)
+
+
 def chunk_ranges(nbytes: int, itemsize: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[int, int]]:
-    """Split ``[0, nbytes)`` into element-aligned ranges of at most ``chunk_bytes``."""
-    step = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+    """Split ``[0, nbytes)`` into element-aligned ranges of ``chunk_elements`` (the last may be shorter)."""
+    step = itemsize * chunk_elements(itemsize, chunk_bytes)
     return [(start, min(start + step, nbytes)) for start in range(0, nbytes, step)]
 
 

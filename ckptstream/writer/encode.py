@@ -158,11 +158,16 @@ class VersionEncoder:
         self.keyframe_encoder = keyframe if keyframe is not None else KeyframeEncoder()
         self.keyframe_every = keyframe_every
 
+    def allows_delta(self, base: BaseVersion | None, *, force_keyframe: bool = False) -> bool:
+        """Whether a delta against ``base`` may be tried (else the version is a keyframe)."""
+        return not force_keyframe and base is not None and base.manifest.chain_length + 1 < self.keyframe_every
+
     def try_delta(self, tensors: Snapshot, base: BaseVersion | None, *, force_keyframe: bool = False
                   ) -> EncodedVersion | None:
         """The delta against ``base``, or None where this version is to be a keyframe."""
-        if force_keyframe or base is None or base.manifest.chain_length + 1 >= self.keyframe_every:
+        if not self.allows_delta(base, force_keyframe=force_keyframe):
             return None
+        assert base is not None
         return self.delta.encode(tensors, base)
 
     def keyframe(self, tensors: Snapshot) -> EncodedVersion:

@@ -41,7 +41,7 @@ from ..reader import Stream
 from .base import BaseLookup
 from .commit import LazyStream, commit_manifest, load_assets, new_writer_id, utc_now, write_latest_hint
 from .config import PublisherConfig
-from .device_encode import DeviceCapture, DeviceDeltaEncoder, DeviceSnapshot
+from .device_encode import DeviceCapture, DeviceDeltaEncoder, DeviceSnapshot, LandedVersion
 from .encode import DeltaEncoder, EncodedVersion, VersionEncoder
 from .files import DataFileWriter
 from .snapshot import NamedTensors, SnapshotBuffers
@@ -179,7 +179,8 @@ class Publisher:
         host_delta = DeltaEncoder(self._pool, chunk_bytes=config.chunk_bytes, zstd_level=config.zstd_level,
                                   shuffle=config.shuffle, max_ratio=config.delta_max_ratio)
         self._encoder = VersionEncoder(host_delta, keyframe_every=config.keyframe_every)
-        self._device_encoder = VersionEncoder(DeviceDeltaEncoder(self._device, host_delta),
+        self._device_delta = DeviceDeltaEncoder(self._device, host_delta)
+        self._device_encoder = VersionEncoder(self._device_delta,
                                               keyframe_every=config.keyframe_every)
         self._files = DataFileWriter(self.storage, self.writer_id, config.shard_bytes)
         self._slots = threading.BoundedSemaphore(config.max_in_flight)
@@ -381,7 +382,7 @@ class Publisher:
             job.future.set_exception(error)
         finally:
             if job.capture is not None:
-                job.capture.released.set()  # also where it never landed
+                self._device.abandon(job.capture)  # where it never landed
             self._slots.release()
 
     def _write(self, job: _Job) -> Manifest:
@@ -397,15 +398,21 @@ class Publisher:
             phases[name] = phases.get(name, 0.0) + now - clock[0]
             clock[0] = now
 
+        base = self._bases.current(job.version)
+        hashes: list[Future[str]] = []  # on the host path
+        landed: LandedVersion | None = None
         if job.capture is not None:
             encoder = self._device_encoder
+            # the delta's sparse sections are built as each tensor lands, where a delta will be tried
+            prepare = self._device_delta.prepare if encoder.allows_delta(base, force_keyframe=job.keyframe) else None
             try:
-                job.tensors = self._device.land(job.capture, self._pool).mirror
+                landed = self._device.land(job.capture, self._pool, prepare)
+                job.tensors = landed.mirror
             except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
                 failure = exc
             phase("land")
-        base = self._bases.current(job.version)
-        hashes = [self._pool.submit(codec.tensor_hash, t) for _, t in job.tensors]
+        else:
+            hashes = [self._pool.submit(codec.tensor_hash, t) for _, t in job.tensors]
         try:
             if failure is None:
                 encoded = encoder.try_delta(job.tensors, base, force_keyframe=job.keyframe)
@@ -417,10 +424,12 @@ class Publisher:
         if kind is not None and failure is None:
             try:
                 if kind == KEYFRAME or encoded is None:  # the others may need a keyframe where this part was a delta
+                    if landed is not None:
+                        landed.wait()
                     encoded = encoder.keyframe(job.tensors)
                 base_manifest = encoded.base
                 phase("encode")
-                digests = [h.result() for h in hashes]
+                digests = landed.hashes() if landed is not None else [h.result() for h in hashes]
                 phase("hash")
                 part.files, part.tensors = self._files.write(job.version, encoded, digests)
                 phase("write")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ckptstream import Publisher, Stream
+from ckptstream import codec
 from ckptstream.codec import INT_OF_SIZE
 from ckptstream.testing.storage import stored_entries
 from ckptstream.writer import device_encode
@@ -160,7 +161,9 @@ def test_device_snapshot_changes_and_memory_on_cpu():
     first = snapshot.take({"x": live}, 0)
     assert first.previous is None and first.tensors[0].positions is None and not first.released.is_set()
     with ThreadPoolExecutor(1) as pool:
-        assert torch.equal(snapshot.land(first, pool).mirror[0][1], live) and first.released.is_set()
+        landed = snapshot.land(first, pool)
+        assert torch.equal(landed.mirror[0][1], live) and first.released.is_set()
+        assert landed.tensors["x"].result().changes is None and landed.compared == set()
     live.view(torch.int16)[[2, 3, 9]] = torch.tensor([1, 2, 3], dtype=torch.int16)
     second = snapshot.take({"x": live}, 1)
     assert second.previous == 0 and second.released.is_set()
@@ -172,7 +175,9 @@ def test_device_snapshot_changes_and_memory_on_cpu():
     with ThreadPoolExecutor(1) as pool:
         landed = snapshot.land(second, pool)
     assert torch.equal(landed.mirror[0][1].view(torch.int16), live.view(torch.int16))
-    assert landed.changes["x"][0].tolist() == [2, 3, 9] and landed.changes["x"][0].dtype == torch.int64
+    changes = landed.tensors["x"].result().changes
+    assert changes is not None and changes[0].tolist() == [2, 3, 9] and changes[0].dtype == torch.int64
+    assert landed.hashes() == [codec.tensor_hash(live)] and landed.compared == {"x"} and not landed.prepared
     assert snapshot.device_memory_bytes == 0 and snapshot.pinned_bytes == 0
 
 
