@@ -66,21 +66,36 @@ WHOLE_BYTES = 1 << 20
 go to the pinned block whole (two copies instead of ~12 kernels and copies, which cost ~0.15 ms of host
 time each in ``publish``), and its changes are found on the host when it lands."""
 
+HOST_COMPARED_RATIO = 0.003
+"""The smallest tensors, up to this fraction of the model's bytes (and half the ring), have no resident
+copy: staged whole every version, they are compared with the host mirror when they land. What they leave
+out of the resident copies is more than the device scratch of a capture (the block counts and their
+prefix sums, ~0.05 % of the model's bytes, and one tensor's payload: ~3 % of the largest tensor at 1 %
+changed), so that the encoder's device memory stays within 1x the model's bytes."""
+
 _ALIGN = 8
 """Payload sections in the pinned block start at multiples of this (the widest element)."""
 
 
 @dataclass
 class _TensorCapture:
-    """One tensor of a capture: its resident copy (holding this version) and its changes since the
-    previous one, span by span (``positions`` None: nothing recorded, the tensor is copied whole)."""
+    """One tensor of a capture: its resident copy (holding this version; None for a tensor compared on
+    the host) and its changes since the previous one, span by span (``positions`` None: nothing recorded,
+    the tensor is copied whole from its resident copy)."""
 
     name: str
-    resident: torch.Tensor
+    dtype: torch.dtype
+    shape: torch.Size
+    resident: torch.Tensor | None
     positions: list[torch.Tensor] | None = None  # int32 span-relative element indices, ascending, per span
     values: list[torch.Tensor] = field(default_factory=list)  # XOR values at those positions
     starts: list[int] = field(default_factory=list)  # the spans' first elements
     whole: torch.Tensor | None = None  # or: the tensor's new bytes (integer view), its changes found on landing
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's bytes."""
+        return self.shape.numel() * self.dtype.itemsize
 
     @property
     def payload_bytes(self) -> int:
@@ -97,7 +112,7 @@ class _Compared:
     capture: _TensorCapture
     live: torch.Tensor
     spans: list[tuple[int, torch.Tensor, torch.Tensor]]
-    whole: bool = False  # staged whole (see WHOLE_BYTES): no spans
+    whole: bool = False  # staged whole (see WHOLE_BYTES, HOST_COMPARED_RATIO): no spans
 
 
 @dataclass
@@ -238,6 +253,7 @@ class DeviceSnapshot:
         span_bytes: the spans' bytes (default: :data:`SPAN_BYTES` for the torch kernels, whose scratch grows
             with them; whole tensors up to ``MAX_SPAN_ELEMENTS`` for Triton's).
         whole_bytes: see :data:`WHOLE_BYTES` (the default).
+        host_compared_ratio: see :data:`HOST_COMPARED_RATIO` (the default).
         ring: the pinned block and its ring (default: 4 x 32 MiB slots; when the first CUDA capture
             lands, the block grows to the largest power of two within ``max_payload_ratio`` of the model's
             bytes, which then also bounds a version's payload).
@@ -245,11 +261,12 @@ class DeviceSnapshot:
     """
 
     def __init__(self, *, max_payload_ratio: float | None = None, span_bytes: int | None = None,
-                 whole_bytes: int | None = None, ring: PinnedRing | None = None,
-                 kernels: ChangeKernels | None = None):
+                 whole_bytes: int | None = None, host_compared_ratio: float | None = None,
+                 ring: PinnedRing | None = None, kernels: ChangeKernels | None = None):
         self.max_payload_ratio = MAX_PAYLOAD_RATIO if max_payload_ratio is None else max_payload_ratio
         self.span_bytes = span_bytes
         self.whole_bytes = WHOLE_BYTES if whole_bytes is None else whole_bytes
+        self.host_compared_ratio = HOST_COMPARED_RATIO if host_compared_ratio is None else host_compared_ratio
         self.ring = ring if ring is not None else PinnedRing()
         self._lock = threading.Lock()
         self._resident: dict[str, torch.Tensor] = {}
@@ -292,7 +309,7 @@ class DeviceSnapshot:
         stream are ordered after the capture's reads). Waits for the back half of the previous capture to
         have read what it needs. Raises as ``SnapshotBuffers.take`` does; after a failure the resident
         copies are forgotten."""
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         with self._lock:
             if self._released is not None:
                 self._released.wait()  # the back half still reads the resident copies or the pinned block
@@ -304,11 +321,19 @@ class DeviceSnapshot:
             streams: dict[torch.device, torch.cuda.Stream] = {}
             seen: set[str] = set()
             try:
+                on_host = self._host_compared(items)
                 for name, tensor in items:
                     check_tensor(name, tensor, seen)
                     live = tensor.detach()
                     with self._on_side_stream(live, streams):
                         live = live.contiguous()
+                        if name in on_host:  # staged whole: its changes are found on landing, fresh or not
+                            if live.is_cuda:
+                                self.ring.reserve(0)
+                            capture = _TensorCapture(name, live.dtype, live.shape, None, [], [])
+                            captures.append(capture)
+                            compared.append(_Compared(capture, live, [], whole=True))
+                            continue
                         buffer = old.pop(name, None)
                         if buffer is not None and (buffer.dtype, buffer.shape, buffer.device) != (
                                 live.dtype, live.shape, live.device):
@@ -317,9 +342,9 @@ class DeviceSnapshot:
                             if buffer is None:
                                 buffer = torch.empty_like(live, memory_format=torch.contiguous_format)
                             buffer.copy_(live)
-                            captures.append(_TensorCapture(name, buffer))
+                            captures.append(_TensorCapture(name, live.dtype, live.shape, buffer))
                         else:
-                            capture = _TensorCapture(name, buffer, [], [])
+                            capture = _TensorCapture(name, live.dtype, live.shape, buffer, [], [])
                             captures.append(capture)
                             if live.numel() * live.element_size() <= self.whole_bytes:
                                 compared.append(_Compared(capture, live, [], whole=True))
@@ -343,8 +368,23 @@ class DeviceSnapshot:
             self._released = capture.released
             return capture
 
+    def _host_compared(self, items: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """The names of the smallest tensors within ``host_compared_ratio`` of the model's bytes and half
+        the ring (see :data:`HOST_COMPARED_RATIO`)."""
+        sizes = sorted((t.numel() * t.element_size(), n) for n, t in items if isinstance(t, torch.Tensor))
+        budget = min(self.host_compared_ratio * sum(size for size, _ in sizes),
+                     self.ring.slot_bytes * self.ring.slots // 2)
+        names: set[str] = set()
+        for size, name in sizes:
+            budget -= size
+            if budget < 0:
+                break
+            names.add(name)
+        return names
+
     def _spans(self, capture: _TensorCapture, live: torch.Tensor) -> _Compared:
         """``live`` and its resident copy as integer views, cut in spans."""
+        assert capture.resident is not None
         ints = codec.INT_OF_SIZE[live.element_size()]
         old_ints, new_ints = capture.resident.view(-1).view(ints), live.view(-1).view(ints)
         kernels = self._kernels_for(live.device)
@@ -407,7 +447,7 @@ class DeviceSnapshot:
         counted: dict[int, list[tuple[torch.Tensor, torch.Tensor, int, int, int]]] = {}
         for device, items in by_device.items():
             kernels = self._kernels_for(device)
-            with torch.cuda.stream(streams[device]) if device in streams else contextlib.nullcontext():
+            with _on_stream(streams, device):
                 block_ranges: list[tuple[int, int]] = []
                 for item in items:
                     for _, old, _ in item.spans:
@@ -418,7 +458,7 @@ class DeviceSnapshot:
                 spans = [(old, new) for item in items for _, old, new in item.spans]
                 for (old, new), (first, _) in zip(spans, block_ranges):
                     kernels.count_blocks(old, new, counts, first)
-                ends = counts.cumsum(0)
+                ends = counts.cumsum(0, dtype=torch.int32)  # int32: a payload is far below 2**31 elements
                 last = torch.tensor([end - 1 for _, end in block_ranges], dtype=torch.int64, device=device)
                 totals = ends.index_select(0, last).tolist() if block_ranges else []  # the one wait for the device
             bases = [0] + totals[:-1]
@@ -432,15 +472,17 @@ class DeviceSnapshot:
         staged = payload + sum(_aligned(item.live.numel() * item.live.element_size()) for item in compared
                                if item.whole)
         on_cuda = any(item.live.is_cuda for item in compared)
-        if payload > limit or (on_cuda and staged > self.ring.pinned_bytes):
+        declined = payload > limit or (on_cuda and staged > self.ring.pinned_bytes)
+        if declined:  # copied whole from the resident copies; those without one are staged still (they fit)
             for item in compared:
-                with torch.cuda.stream(streams[item.live.device]) if item.live.is_cuda else contextlib.nullcontext():
-                    item.capture.resident.copy_(item.live)
-                item.capture.positions = None
-            return True
+                if item.capture.resident is not None:
+                    with _on_stream(streams, item.live.device):
+                        item.capture.resident.copy_(item.live)
+                    item.capture.positions = None
+            compared = [item for item in compared if item.capture.resident is None]
         offset = 0
         for item in compared:
-            with torch.cuda.stream(streams[item.live.device]) if item.live.is_cuda else contextlib.nullcontext():
+            with _on_stream(streams, item.live.device):
                 if item.whole:
                     offset = self._record_whole(item, offset)
                 kernels = self._kernels_for(item.live.device)
@@ -450,13 +492,14 @@ class DeviceSnapshot:
                         positions, xor_values = kernels.compact(old_span, new_span, ends, counts, first, base,
                                                                 changed)
                         offset = self._record_span(item.capture, positions, xor_values, start, offset)
-        return False
+        return declined
 
     def _record_whole(self, item: _Compared, offset: int) -> int:
         """Stage the tensor's new bytes whole (on CUDA in the pinned block at ``offset``) and update its
         resident copy. Returns the next free offset."""
         new_ints = item.live.view(-1).view(codec.INT_OF_SIZE[item.live.element_size()])
-        item.capture.resident.copy_(item.live)
+        if item.capture.resident is not None:
+            item.capture.resident.copy_(item.live)
         if item.live.is_cuda:
             assert self.ring.block is not None
             nbytes = new_ints.numel() * new_ints.element_size()
@@ -514,29 +557,34 @@ class DeviceSnapshot:
                 event.synchronize()  # the payload is in the pinned block
             mirror = self._mirror
             entries: list[tuple[_TensorCapture, torch.Tensor]] = []
+            compared: set[str] = set()  # the tensors whose changes are found (the others land whole)
             for item in capture.tensors:
                 host = mirror.get(item.name)
-                if host is not None and (host.dtype, host.shape) != (item.resident.dtype, item.resident.shape):
+                if host is not None and (host.dtype, host.shape) != (item.dtype, item.shape):
                     host = None
                 if host is None:
-                    if item.positions is not None:
+                    if item.positions is not None and item.whole is None:
                         raise PublishError("the host mirror lacks a tensor the device holds",
                                            version=capture.version, tensor=item.name,
                                            hint="Publish again: the next version is a keyframe")
-                    host = torch.empty(item.resident.shape, dtype=item.resident.dtype)
+                    host = torch.empty(item.shape, dtype=item.dtype)
+                elif item.positions is not None:
+                    compared.add(item.name)
                 entries.append((item, host))
             # the payloads first (they are in the block the ring's slots reuse)
             for item, host in entries:
                 if item.positions is not None:
-                    tensors[item.name] = executor.submit(_land_tensor, item, host, prepare)
-            whole = [(item, host) for item, host in entries if item.positions is None]
-            if whole:
+                    tensors[item.name] = executor.submit(_land_tensor, item, host, prepare
+                                                         if item.name in compared else None, item.name in compared)
+            from_resident = [(item, host) for item, host in entries if item.positions is None]
+            if from_resident:
                 _wait_all(tensors.values())
             if capture.ready:
-                model = sum(item.resident.numel() * item.resident.element_size() for item in capture.tensors)
+                model = sum(item.nbytes for item in capture.tensors)
                 # once, for the deltas; a power of two: torch's pinned allocator rounds sizes up to one
                 self.ring.reserve(1 << max(0, int(self.max_payload_ratio * model).bit_length() - 1))
-            for item, host in whole:
+            for item, host in from_resident:
+                assert item.resident is not None
                 self.ring.copy(item.resident, host, capture.ready.get(item.resident.device))
                 tensors[item.name] = executor.submit(_hash_whole, host)
         except BaseException:
@@ -545,8 +593,7 @@ class DeviceSnapshot:
             raise
         _when_all_done([tensors[item.name] for item, _ in entries if item.positions is not None],
                        capture.released.set)
-        landed = LandedVersion(capture.version, capture.previous, capture.declined,
-                               frozenset(item.name for item, _ in entries if item.positions is not None),
+        landed = LandedVersion(capture.version, capture.previous, capture.declined, frozenset(compared),
                                {item.name: tensors[item.name] for item, _ in entries},
                                [(item.name, host) for item, host in entries], prepare is not None)
         with self._lock:
@@ -561,6 +608,12 @@ class DeviceSnapshot:
         given is released when its last tensor has landed."""
         if not capture.landing:
             capture.released.set()
+
+
+def _on_stream(streams: dict[torch.device, torch.cuda.Stream], device: torch.device
+               ) -> contextlib.AbstractContextManager[object]:
+    """The capture's side stream of ``device`` where it has one (CUDA), else nothing."""
+    return torch.cuda.stream(streams[device]) if device in streams else contextlib.nullcontext()
 
 
 def _wait_all(futures: Iterable[Future[LandedTensor]]) -> None:
@@ -587,10 +640,14 @@ def _when_all_done(futures: list[Future[LandedTensor]], callback: Callable[[], N
         future.add_done_callback(one_done)
 
 
-def _land_tensor(item: _TensorCapture, host: torch.Tensor, prepare: Prepare | None) -> LandedTensor:
+def _land_tensor(item: _TensorCapture, host: torch.Tensor, prepare: Prepare | None, compared: bool) -> LandedTensor:
     """Apply one tensor's payload to its host mirror (then drop it: the pinned block is reused), hash the
-    mirror, prepare the changes."""
+    mirror, prepare the changes; a tensor new to the mirror (not ``compared``) is copied whole."""
     try:
+        if not compared:
+            assert item.whole is not None
+            host.view(-1).view(item.whole.dtype).copy_(item.whole)
+            return LandedTensor(None, codec.tensor_hash(host))
         positions, values = _apply(item, host)
     finally:
         item.values, item.whole = [], None

@@ -67,12 +67,14 @@ def _versions() -> list[dict[str, torch.Tensor]]:
     return [v0, v1, v2, v3, v4]
 
 
-@pytest.fixture(params=[0, device_encode.WHOLE_BYTES], ids=["spans", "whole"])
+@pytest.fixture(params=[(0, 0.0), (device_encode.WHOLE_BYTES, 0.0), (0, 0.5)], ids=["spans", "whole", "host"])
 def small_spans(monkeypatch, request):
     """Spans of change detection smaller than a chunk and not element-aligned in bytes, and no payload
     budget (these versions change most of their bytes); the tensors compared span by span, or (all
-    small here) staged whole and compared on the host."""
-    monkeypatch.setattr(device_encode, "WHOLE_BYTES", request.param)
+    small here) staged whole and compared on the host, or the smallest half of the bytes without a
+    resident copy (host-compared, the others in spans)."""
+    monkeypatch.setattr(device_encode, "WHOLE_BYTES", request.param[0])
+    monkeypatch.setattr(device_encode, "HOST_COMPARED_RATIO", request.param[1])
     monkeypatch.setattr(device_encode, "SPAN_BYTES", 100)
     monkeypatch.setattr(device_encode, "MAX_PAYLOAD_RATIO", 100.0)
 
@@ -217,3 +219,25 @@ def test_staged_versions_in_flight_together(tmp_path, small_spans):
     stream = Stream(url)
     for version, state in enumerate(versions):
         assert_same_tensors(dict(stream.iter_tensors(version)), state)
+
+
+def test_the_smallest_tensors_have_no_resident_copy_and_land_right():
+    """Within ``host_compared_ratio`` of the model's bytes, the smallest tensors are staged whole instead of
+    held resident: the first version lands them whole, later ones find their changes on the host."""
+    snapshot = device_encode.DeviceSnapshot(host_compared_ratio=0.2, whole_bytes=0, max_payload_ratio=100.0)
+    live = {"big": torch.zeros(1000, dtype=torch.int16), "small": torch.zeros(100, dtype=torch.int16),
+            "tiny": torch.zeros(10, dtype=torch.int16)}  # the two smallest: 220 bytes of 2220, within 20 %
+    with ThreadPoolExecutor(2) as pool:
+        first = snapshot.land(snapshot.take(live, 0), pool)
+        assert set(snapshot._resident) == {"big"} and first.compared == set()
+        assert all(first.tensors[n].result().changes is None for n in live)
+        live["small"][[4, 50]] = 3
+        live["big"][999] = 1
+        second = snapshot.land(snapshot.take(live, 1), pool)
+        assert set(snapshot._resident) == {"big"} and second.compared == {"big", "small", "tiny"}
+        changes = {n: second.tensors[n].result().changes for n in live}
+    assert {n: c[0].tolist() for n, c in changes.items() if c is not None} == {"big": [999], "small": [4, 50],
+                                                                                "tiny": []}
+    assert second.hashes() == [codec.tensor_hash(t) for t in live.values()]
+    for name, host in second.mirror:
+        assert torch.equal(host, live[name])
