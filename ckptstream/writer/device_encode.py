@@ -442,7 +442,8 @@ class DeviceSnapshot:
         was declined."""
         by_device: dict[torch.device, list[_Compared]] = {}
         for item in compared:
-            by_device.setdefault(item.live.device, []).append(item)
+            if item.spans:  # (the kernels of a device are first needed here: the first capture stages only)
+                by_device.setdefault(item.live.device, []).append(item)
         # per span: the device's blocks' inclusive prefix sums and counts, its first block, base, changed elements
         counted: dict[int, list[tuple[torch.Tensor, torch.Tensor, int, int, int]]] = {}
         for device, items in by_device.items():
@@ -485,6 +486,9 @@ class DeviceSnapshot:
             with _on_stream(streams, item.live.device):
                 if item.whole:
                     offset = self._record_whole(item, offset)
+                    continue
+                if not item.spans:  # empty
+                    continue
                 kernels = self._kernels_for(item.live.device)
                 for (start, old_span, new_span), (ends, counts, first, base, changed) in zip(item.spans,
                                                                                              counted[id(item)]):
