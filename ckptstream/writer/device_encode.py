@@ -459,9 +459,8 @@ class DeviceSnapshot:
                 spans = [(old, new) for item in items for _, old, new in item.spans]
                 for (old, new), (first, _) in zip(spans, block_ranges):
                     kernels.count_blocks(old, new, counts, first)
-                ends = counts.cumsum(0, dtype=torch.int32)  # int32: a payload is far below 2**31 elements
-                last = torch.tensor([end - 1 for _, end in block_ranges], dtype=torch.int64, device=device)
-                totals = ends.index_select(0, last).tolist() if block_ranges else []  # the one wait for the device
+                ends = device_kernels.prefix_sums(counts)
+                totals = device_kernels.span_totals(ends, [end - 1 for _, end in block_ranges])  # the one wait
             bases = [0] + totals[:-1]
             numbered = iter(zip(block_ranges, bases, totals))
             for item in items:

@@ -59,6 +59,19 @@ def blocks(elements: int) -> int:
     return -(-elements // BLOCK)
 
 
+def prefix_sums(counts: torch.Tensor) -> torch.Tensor:
+    """``ends``: the inclusive prefix sums of the block counts (int32: a payload is far below 2**31
+    elements)."""
+    return counts.cumsum(0, dtype=torch.int32)
+
+
+def span_totals(ends: torch.Tensor, last_blocks: list[int]) -> list[int]:
+    """``ends`` at each span's last block, read by the host (a sync with the device)."""
+    if not last_blocks:
+        return []
+    return ends.index_select(0, torch.tensor(last_blocks, dtype=torch.int64, device=ends.device)).tolist()
+
+
 class TorchKernels:
     """The kernels as torch ops, on any device (the reference)."""
 
@@ -112,7 +125,9 @@ class TritonKernels:
                 new = torch.ones_like(old)
                 counts = torch.zeros(blocks(old.numel()), dtype=torch.int32, device=device)
                 self.count_blocks(old, new, counts, 0)
-                self.compact(old, new, counts.cumsum(0), counts, 0, 0, old.numel())
+                ends = prefix_sums(counts)
+                span_totals(ends, [counts.numel() - 1])  # the torch ops of a capture too: their first use is slow
+                self.compact(old, new, ends, counts, 0, 0, old.numel())
         stream.synchronize()
 
 
