@@ -1,21 +1,25 @@
 """The device encoder: deltas of CUDA tensors computed where the tensors live.
 
 Front half, ``DeviceSnapshot.take`` (what ``publish`` waits for): the snapshot buffer is a device-resident
-copy of the last version (1x the model's bytes, on the tensors' devices). On a side CUDA stream, per span
-of every tensor, the number of changed elements (``resident != live`` on integer views) is counted on the
-device; ONE host sync reads all counts (per device), which decide the payload budget. Then per changed
-span, with no further sync: ``nonzero_static`` (sized by the count) gives the positions, the XOR values are
-gathered, the resident copy updated at those positions, and the span's payload (int32 span-relative
-positions, XOR values) copied at once into a pinned staging block, so that the device scratch of a span is
-freed before the next. A tensor without a resident copy (the first version, a new tensor, a payload over
-its budget) is copied device-to-device instead.
+copy of the last version (the model's bytes, on the tensors' devices, less the smallest tensors: see
+below). On a side CUDA stream, per span of every tensor (whole tensors with Triton's kernels), the number
+of changed elements (``resident != live`` on integer views) is counted block by block on the device
+(``device_kernels``); ONE host sync reads the spans' totals (per device), which decide the payload budget.
+Then per changed span, with no further sync, the compaction kernel writes the positions (int32
+span-relative) and XOR values and updates the resident copy there, and the span's payload is copied at
+once into a pinned staging block. A tensor without a resident copy yet (the first version, a new tensor,
+a payload over its budget) is copied device-to-device instead. The smallest tensors (``WHOLE_BYTES``, and
+within ``HOST_COMPARED_RATIO`` of the model's bytes none kept resident) are staged whole, their changes
+found on the host: what they leave out of the resident copies outweighs the kernels' scratch, so that
+the device memory stays within 1x the model's bytes.
 
-Back half, on the publisher's background thread: ``DeviceSnapshot.land`` reads the payload from the
-staging block and applies it to a host mirror of the last version (pageable memory; the hashes and
-keyframes are computed from it), tensors in parallel; full tensors come through a ring of slots carved
-from the same pinned block. ``DeviceDeltaEncoder`` then serializes and compresses every chunk on host
-threads with the host encoder's own function, ``codec.encode_xor_chunk``, so both encoders store the same
-bytes for the same tensors.
+Back half, on the publisher's background thread: ``DeviceSnapshot.land`` hands each tensor to the executor
+as one task: its payload read from the staging block and applied to a host mirror of the last version
+(pageable memory, from which the keyframes are encoded), its hash taken, and the delta's sparse sections
+built (``DeviceDeltaEncoder.prepare``); full tensors come through a ring of slots carved from the same
+pinned block. ``DeviceDeltaEncoder`` then serializes and compresses every chunk on host threads, each
+waiting only for its own tensor, with the host encoder's own serialization (``codec.SparseChunks``,
+``codec.encode_xor_chunk``), so both encoders store the same bytes for the same tensors.
 
 Everything is written with torch ops that run on any device: the CPU run of the same code is the reference
 tested against the host encoder (there the payload stays in CPU tensors). The CUDA-only parts (side

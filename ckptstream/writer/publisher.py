@@ -144,7 +144,8 @@ class Publisher:
             ``config``'s.
 
     CUDA tensors are encoded on their device (``device_delta``, on by default for them): the publisher
-    then holds a copy of the last version on the device (``device_memory_bytes``, 1x the model's bytes)
+    then holds a copy of the last version on the device (``device_memory_bytes``, with its scratch within
+    1x the model's bytes: ``device_encode.HOST_COMPARED_RATIO``)
     and a pinned block of at most 10 % of them (``pinned_memory_bytes``); ``device_delta=False`` keeps the host path.
 
     The stream is created (its assets, then ``stream.json``) just before the first version is committed,
