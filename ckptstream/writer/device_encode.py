@@ -29,7 +29,6 @@ streams, events, the pinned block) are guarded by ``is_cuda``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections import deque
@@ -718,13 +717,13 @@ class DeviceDeltaEncoder:
     """Deltas from the changes a :class:`DeviceSnapshot` recorded on the device and landed on the host
     (``tensors`` must be that landed version's mirror): every chunk stored as ``codec.encode_xor_chunk``
     stores it for the host encoder, from the sparse layout of each tensor serialized at once
-    (``codec.SparseChunks``, built by :meth:`prepare`, best given to ``DeviceSnapshot.land``), compressed
+    (``codec.SparseChunks``, built by :meth:`prepare`, given to ``DeviceSnapshot.land``), compressed
     on ``executor``; a chunk waits only for its own tensor to land.
 
     A version whose capture had no previous version (a fresh publisher, or one that failed) is encoded
     by ``fallback``, the host encoder, against the base decoded from the stream. Declines (None) where
-    the capture outgrew its payload budget, the base is not the version the changes are against, or the
-    stored bytes outgrow ``max_ratio`` of the full bytes.
+    the capture outgrew its payload budget, the base is not the version the changes are against, the
+    version landed without :meth:`prepare`, or the stored bytes outgrow ``max_ratio`` of the full bytes.
     """
 
     def __init__(self, snapshot: DeviceSnapshot, fallback: DeltaEncoder):
@@ -749,8 +748,8 @@ class DeviceDeltaEncoder:
             if any(id(t) in mirrored for t in base.tensors.values()):
                 return None  # the base's tensors were overwritten by this version
             return self.fallback.encode(tensors, base)
-        if landed.previous != base.manifest.version:
-            return None
+        if landed.previous != base.manifest.version or not landed.prepared:
+            return None  # (landed without this encoder's sections: the publisher lands so only keyframes)
         entries = base.manifest.tensor_map()
         chunk_bytes, host = self.fallback.chunk_bytes, self.fallback
         plans: list[EncodedTensor] = []
@@ -770,16 +769,8 @@ class DeviceDeltaEncoder:
                                                           shuffle=host.shuffle, level=host.zstd_level))
                              for start, end in ranges)
                 continue
-            ready = landed.tensors[name]
-            if not landed.prepared and ranges:  # landed without this encoder's sections: built once per tensor
-                ready = host.executor.submit(self._prepared, ready, tensor)
-            tasks.extend((index, end - start, partial(_encode_chunk, ready, number, start, end, itemsize,
+            tasks.extend((index, end - start, partial(_encode_chunk, landed.tensors[name], number, start, end, itemsize,
                                                       shuffle=host.shuffle, level=host.zstd_level))
                          for number, (start, end) in enumerate(ranges))
         return assemble_delta(plans, tasks, base.manifest, executor=host.executor, chunk_bytes=chunk_bytes,
                               max_ratio=host.max_ratio, shuffle=host.shuffle)
-
-    def _prepared(self, landed: Future[LandedTensor], mirror: torch.Tensor) -> LandedTensor:
-        tensor = landed.result()
-        assert tensor.changes is not None
-        return dataclasses.replace(tensor, prepared=self.prepare(mirror, *tensor.changes))
