@@ -7,8 +7,9 @@
 # The trainer (launch/megatron_train.py under torchrun) publishes version 0 and then one delta per
 # optimizer step; `ckptstream serve` starts vLLM on the first version and reloads each new one while it
 # keeps serving. At the end the script waits until the server reports the last version and asks it for
-# a completion. Environment: WORK (scratch directory), STREAM, NPROC, TP, STEPS, STEP_SECONDS, PORT,
-# VLLM_ARGS.
+# a completion. SERVE=0 only trains and publishes (no vLLM: e.g. a restarted trainer whose servers run
+# elsewhere) and prints the last version published. Environment: WORK (scratch directory), STREAM, NPROC,
+# TP, STEPS, STEP_SECONDS, SERVE, PORT, VLLM_ARGS.
 set -euo pipefail
 
 WORK=${WORK:-/tmp/ckptstream-megatron}
@@ -17,9 +18,12 @@ NPROC=${NPROC:-2}
 TP=${TP:-$NPROC}
 STEPS=${STEPS:-20}
 STEP_SECONDS=${STEP_SECONDS:-2}
+SERVE=${SERVE:-1}
 PORT=${PORT:-8000}
 HERE=$(cd "$(dirname "$0")" && pwd)
-if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+if [ "$SERVE" = 0 ]; then
+  VLLM_ARGS=""  # no vLLM started
+elif python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   VLLM_ARGS=${VLLM_ARGS:-"--dtype bfloat16"}
 else
   VLLM_ARGS=${VLLM_ARGS:-$(python3 -c 'from ckptstream.vllm_loader.serve import CPU_VLLM_ARGS; print(*CPU_VLLM_ARGS)')}
@@ -33,6 +37,11 @@ torchrun --standalone --nproc-per-node "$NPROC" "$HERE/megatron_train.py" --stre
   --hf-model "$WORK/hf" --tp "$TP" --steps "$STEPS" --min-step-seconds "$STEP_SECONDS" &
 trainer=$!
 pids+=($trainer)
+if [ "$SERVE" = 0 ]; then
+  wait "$trainer"
+  python3 -c 'import sys; from ckptstream import Stream; print(f"trainer published version {Stream(sys.argv[1]).latest()}")' "$STREAM"
+  exit 0
+fi
 until ckptstream ls "$STREAM" --json 2>/dev/null | grep -q '"version"'; do
   kill -0 "$trainer" 2>/dev/null || { echo "Error: the trainer exited before publishing" >&2; exit 1; }
   sleep 1
