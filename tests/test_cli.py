@@ -111,8 +111,9 @@ def test_console_script_help_and_storage_options(tmp_path, s3_endpoint):
     assert result.returncode == 0, result.stderr
     result = subprocess.run(["ckptstream", "verify", url, *options], capture_output=True, text=True, env=env)
     assert result.returncode == 0 and "version 0: ok" in result.stdout
+    # (botocore's own retries of the refused connection would take 12 s: AWS_MAX_ATTEMPTS, the AWS way, ends them)
     result = subprocess.run(["ckptstream", "verify", url], capture_output=True, text=True,
-                            env={**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+                            env={**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"})
     assert result.returncode != 0 and result.stderr.startswith("Error:") and "Traceback" not in result.stderr
 
 
