@@ -67,7 +67,7 @@ def _versions() -> list[dict[str, torch.Tensor]]:
     return [v0, v1, v2, v3, v4]
 
 
-@pytest.fixture(params=[(0, 0.0), (device_encode.WHOLE_BYTES, 0.0), (0, 0.5)], ids=["spans", "whole", "host"])
+@pytest.fixture(params=[(0, 0.0), (device_encode.WHOLE_BYTES, 0.0), (0, 0.5)], ids=["spans", "whole", "host_compared"])
 def small_spans(monkeypatch, request):
     """Spans of change detection smaller than a chunk and not element-aligned in bytes, and no payload
     budget (these versions change most of their bytes); the tensors compared span by span, or (all
