@@ -173,7 +173,8 @@ class Publisher:
         self._device = DeviceSnapshot()
         self.phase_seconds: dict[str, float] = {}
         """Where the background time of the last committed version went, in seconds per phase (``land``:
-        the device payload applied to the host mirror; ``encode``: the delta or keyframe encoded;
+        the device encoder's capture reaching the host and handed to the threads, which apply it to the
+        host mirror tensor by tensor while ``encode`` runs; ``encode``: the delta or keyframe encoded;
         ``hash``: waiting for the tensors' hashes after that; ``write``: its files; ``commit``: the rest)."""
         self._pool = ThreadPoolExecutor(config.workers or default_workers(), thread_name_prefix="ckptstream-encode",
                                         initializer=one_cpu_thread_each)
