@@ -125,8 +125,10 @@ class TritonKernels:
                 new = torch.ones_like(old)
                 counts = torch.zeros(blocks(old.numel()), dtype=torch.int32, device=device)
                 self.count_blocks(old, new, counts, 0)
+                # the capture's own ops: Triton compiles per signature (an int64 ``ends`` would be another
+                # compilation of the compaction at the first delta), and torch's ops load on first use
                 ends = prefix_sums(counts)
-                span_totals(ends, [counts.numel() - 1])  # the torch ops of a capture too: their first use is slow
+                span_totals(ends, [counts.numel() - 1])
                 self.compact(old, new, ends, counts, 0, 0, old.numel())
         stream.synchronize()
 
