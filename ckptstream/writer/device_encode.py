@@ -100,12 +100,6 @@ class _TensorCapture:
         """The tensor's bytes."""
         return self.shape.numel() * self.dtype.itemsize
 
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of the compact payload (positions and values)."""
-        parts = (self.positions or []) + self.values + ([] if self.whole is None else [self.whole])
-        return sum(p.numel() * p.element_size() for p in parts)
-
 
 @dataclass
 class _Compared:
@@ -502,7 +496,7 @@ class DeviceSnapshot:
 
     def _record_whole(self, item: _Compared, offset: int) -> int:
         """Stage the tensor's new bytes whole (on CUDA in the pinned block at ``offset``) and update its
-        resident copy. Returns the next free offset."""
+        resident copy, where it has one. Returns the next free offset."""
         new_ints = item.live.view(-1).view(codec.INT_OF_SIZE[item.live.element_size()])
         if item.capture.resident is not None:
             item.capture.resident.copy_(item.live)
@@ -607,7 +601,6 @@ class DeviceSnapshot:
             self.landed = landed
         return landed
 
-
     @staticmethod
     def abandon(capture: DeviceCapture) -> None:
         """Release a capture that will not land (the next capture waits for it); one that ``land`` was
@@ -653,7 +646,7 @@ def _land_tensor(item: _TensorCapture, host: torch.Tensor, prepare: Prepare | No
         if not compared:
             assert item.whole is not None
             host.view(-1).view(item.whole.dtype).copy_(item.whole)
-            return LandedTensor(None, codec.tensor_hash(host))
+            return _hash_whole(host)
         positions, values = _apply(item, host)
     finally:
         item.values, item.whole = [], None
@@ -663,6 +656,7 @@ def _land_tensor(item: _TensorCapture, host: torch.Tensor, prepare: Prepare | No
 
 
 def _hash_whole(host: torch.Tensor) -> LandedTensor:
+    """A tensor landed whole: its hash, no changes."""
     return LandedTensor(None, codec.tensor_hash(host))
 
 
@@ -764,7 +758,7 @@ class DeviceDeltaEncoder:
             new_bytes, itemsize = codec.as_bytes(tensor), tensor.element_size()
             ranges = codec.chunk_ranges(new_bytes.numel(), itemsize, chunk_bytes)
             if not in_base:
-                landed.tensors[name].result()  # copied whole: landed already, with the capture
+                landed.tensors[name].result()  # landed whole (most already, with the capture): its chunks read it
                 tasks.extend((index, end - start, partial(codec.encode_chunk, new_bytes[start:end], None, itemsize,
                                                           shuffle=host.shuffle, level=host.zstd_level))
                              for start, end in ranges)
