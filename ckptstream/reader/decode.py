@@ -7,6 +7,7 @@ and memory stays bounded by the tensors in flight.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -228,49 +229,168 @@ class Writer(Protocol):
 
     def __call__(self, entry: TensorEntry, data: torch.Tensor | memoryview, at: int = 0) -> int: ...
 
+
 SEGMENT_BYTES = 4 << 20
-"""A tensor applied to a base copy and written to a file goes through in segments of this size, read from
-the base, patched, hashed and written while in cache: one pass instead of a tensor-sized buffer read,
-patched (a random access per change), hashed and written (measured on this 2-core VM, 1.34 GB, one
-delta of 1 % changed: 0.66-0.80 s of CPU against 0.94-1.01 s; 256 KiB segments cost more in per-segment
-calls than they gain)."""
+"""A streamed tensor (see :func:`plan_tensor`) goes through in segments of this size, read, patched, hashed
+and written while in cache: one pass instead of a tensor-sized buffer read, patched (a random access per
+change), hashed and written (measured on this 2-core VM, 1.34 GB, one delta of 1 % changed: 0.66-0.80 s
+of CPU against 0.94-1.01 s; 256 KiB segments cost more in per-segment calls than they gain)."""
 STREAM_MAX_CHANGES_BYTES = 256 << 20
-"""Above this many bytes of decoded changes (8-byte position and the value of each, counted as they are
-decoded) a tensor is decoded whole instead: the changes of every delta are held while the segments pass."""
+"""Above this many bytes of decoded changes (8-byte position and the value of each) a tensor is decoded
+whole instead: the changes of every delta are held while the segments pass. Planned from the manifests'
+``changed`` counts, and enforced as the changes are decoded (a forged count is not trusted for memory)."""
 
 
-def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
+@dataclass(frozen=True)
+class _Segments:
+    """Where a streamed tensor's bytes before its deltas come from: segment ``i`` is the bytes
+    ``[bounds[i], bounds[i + 1])``, filled by ``fill(part, i, pool)``."""
+
+    bounds: list[int]
+    fill: Callable[[torch.Tensor, int, BufferPool | None], None]
+
+    @property
+    def largest(self) -> int:
+        return max(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How :func:`decode_tensor_to` decodes one tensor of a version (see :func:`plan_tensor`)."""
+
+    entry: TensorEntry
+    steps: list[tuple[Manifest, TensorEntry]]
+    """Its delta chain, newest first (as ``_chain_steps`` gives it)."""
+    base_entry: TensorEntry | None
+    """Its entry in the version of the base copy, where the chain stops there."""
+    segments: _Segments | None
+    """Streamed segment by segment from these, or (None) decoded whole."""
+
+    @property
+    def deltas(self) -> list[tuple[Manifest, TensorEntry]]:
+        """The entries applied on top of the segments' bytes, oldest first."""
+        applied = self.steps if self.base_entry is not None else self.steps[:-1]
+        return list(reversed(applied))
+
+    @property
+    def memory_bytes(self) -> int:
+        """The decode buffers it holds at most: a streamed tensor its segment (and a keyframe chunk's stored
+        bytes) and its deltas' changes, as their manifests count them; a tensor decoded whole its bytes."""
+        if self.segments is None:
+            return self.entry.nbytes
+        return 2 * self.segments.largest + _planned_changes_bytes(self.entry, self.deltas)
+
+
+def plan_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
+                base: BaseTensors | None = None) -> TensorPlan:
+    """Plan the decode of one tensor of ``target``: streamed in segments when every delta since its start is
+    sparse (or it is unchanged) and the start is either the ``base`` copy or, on a POSIX file system, a full
+    encoding read range by range; otherwise decoded whole (:func:`decode_tensor`).
+
+    Raises:
+        IntegrityError, MissingBaseError: the chain is broken (as :func:`decode_tensor`).
+    """
+    steps, base_entry = _chain_steps(manifests, target, entry, base)
+    plan = TensorPlan(entry, steps, base_entry, None)
+    deltas = plan.deltas
+    sparse = all(e.encoding == ENCODING_UNCHANGED
+                 or (e.encoding == ENCODING_XOR_ZSTD and all(c[2] == LAYOUT_SPARSE for c in e.chunks))
+                 for _, e in deltas)
+    if not entry.nbytes or not sparse or _planned_changes_bytes(entry, deltas) > STREAM_MAX_CHANGES_BYTES:
+        return plan
+    if base is not None and base_entry is not None:
+        segments = _base_segments(base, base_entry)
+    elif files.storage.is_posix:  # (an object store serves one tensor-sized ranged read faster than segments)
+        segments = _stored_segments(files, *steps[-1])
+    else:
+        segments = None
+    return TensorPlan(entry, steps, base_entry, segments)
+
+
+def _planned_changes_bytes(entry: TensorEntry, deltas: list[tuple[Manifest, TensorEntry]]) -> int:
+    return sum((e.changed or 0) * (8 + entry.itemsize) for _, e in deltas if e.encoding != ENCODING_UNCHANGED)
+
+
+def _fixed_bounds(nbytes: int, itemsize: int) -> list[int]:
+    segment = max(itemsize, SEGMENT_BYTES - SEGMENT_BYTES % itemsize)
+    return list(range(0, nbytes, segment)) + [nbytes]
+
+
+def _base_segments(base: BaseTensors, base_entry: TensorEntry) -> _Segments:
+    """Segments read from the base copy."""
+    bounds = _fixed_bounds(base_entry.nbytes, base_entry.itemsize)
+
+    def fill(part: torch.Tensor, index: int, pool: BufferPool | None) -> None:
+        if not base.read_into(base_entry, part, bounds[index]):
+            raise IntegrityError("the local base copy lost the tensor while it was read", version=base.version,
+                                 tensor=base_entry.name, hint="Materialize this version without the base directory")
+
+    return _Segments(bounds, fill)
+
+
+def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) -> _Segments | None:
+    """Segments of a full encoding read from storage: raw bytes in fixed segments, a chunked one chunk by
+    chunk. Their stored hash is not checked here (that takes the whole entry): the decoded hash covers
+    them, and a mismatch is diagnosed by a whole decode (see :func:`decode_tensor_to`)."""
+    if root.encoding == ENCODING_RAW:
+        bounds = _fixed_bounds(root.nbytes, root.itemsize)
+
+        def fill_raw(part: torch.Tensor, index: int, pool: BufferPool | None) -> None:
+            files.read_range(manifest, root, bounds[index], part)
+
+        return _Segments(bounds, fill_raw)
+    if root.encoding != ENCODING_ZSTD or any(layout == LAYOUT_SPARSE for *_, layout in root.chunks):
+        return None
+    bounds, stored_starts = [0], [0]
+    for raw_len, stored_len, _ in root.chunks:
+        bounds.append(bounds[-1] + raw_len)
+        stored_starts.append(stored_starts[-1] + stored_len)
+
+    def fill_chunk(part: torch.Tensor, index: int, pool: BufferPool | None) -> None:
+        _, stored_len, layout = root.chunks[index]
+        stored = _take(pool, stored_len)
+        try:
+            files.read_range(manifest, root, stored_starts[index], stored)
+            try:
+                codec.apply_chunk(part, codec.buffer_of(stored), root.itemsize, shuffle=root.shuffle, layout=layout)
+            except ValueError as exc:
+                raise _chunk_error(manifest, root, bounds[index], exc) from None
+        finally:
+            if pool is not None:
+                pool.give(stored)
+
+    return _Segments(bounds, fill_chunk)
+
+
+def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, plan: TensorPlan,
                      write: Writer, base: BaseTensors | None = None, pool: BufferPool | None = None) -> int:
-    """Decode one tensor of ``target`` as :func:`decode_tensor` does and ``write`` its bytes; returns their count.
+    """Decode one tensor of ``target`` as :func:`decode_tensor` does and ``write`` its bytes, as ``plan``
+    (:func:`plan_tensor`) says; returns their count.
 
-    A tensor started from ``base`` whose deltas since are sparse goes through in segments
-    (:data:`SEGMENT_BYTES`): each is read from the base copy, patched with every delta's changes in it,
-    added to the tensor's hash and written; others are decoded whole, checked, then written.
+    A streamed tensor goes through in segments (:data:`SEGMENT_BYTES`, or a keyframe's chunks): each is
+    read from the base copy or the stored full encoding, patched with every delta's changes in it, added to
+    the tensor's hash and written; others are decoded whole, checked, then written.
 
     In segments, the tensor's hash is checked once its bytes are written, not before: ``write`` goes to a
     directory that nobody sees until it is complete (``build_directory`` renames it into place, and
     ``write_into``'s callers do the same, the follower's cache among them) and that a failed check
     abandons. The stored bytes of every delta are checked against their stored hash before they are
-    decoded, as always; the base copy is checked through the decoded hash, as in :func:`decode_tensor`.
+    decoded, as always; a mismatch of the decoded hash is then traced to the base copy or to the stored
+    entry that differs, as :func:`decode_tensor` names it.
 
     Raises:
         IntegrityError: as :func:`decode_tensor`.
     """
-    steps, base_entry = _chain_steps(manifests, target, entry, base)
-    deltas = list(reversed(steps))
-    streams = (base is not None and base_entry is not None and entry.nbytes > 0
-               and all(e.encoding == ENCODING_UNCHANGED
-                       or (e.encoding == ENCODING_XOR_ZSTD and all(c[2] == LAYOUT_SPARSE for c in e.chunks))
-                       for _, e in deltas))
+    entry, segments = plan.entry, plan.segments
     changes: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if streams:
+    if segments is not None:
         budget = [STREAM_MAX_CHANGES_BYTES]
         try:
-            changes = [_changes(files, manifest, e, pool, budget) for manifest, e in deltas
+            changes = [_changes(files, manifest, e, pool, budget) for manifest, e in plan.deltas
                        if e.encoding == ENCODING_XOR_ZSTD]
         except _TooManyChanges:
-            streams = False
-    if not streams:
+            segments = None
+    if segments is None:
         tensor = decode_tensor(files, manifests, target, entry, base, pool)
         try:
             write(entry, tensor)
@@ -278,15 +398,17 @@ def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], tar
             if pool is not None:
                 pool.give(tensor)
         return entry.nbytes
-    assert base is not None and base_entry is not None
-    buffer = _take(pool, min(SEGMENT_BYTES, entry.nbytes))
+    buffer = _take(pool, segments.largest)
     try:
-        actual = _stream_segments(entry, changes, buffer, write, base, base_entry)
+        actual = _stream_segments(entry, changes, buffer, write, segments, pool)
     finally:
         if pool is not None:
             pool.give(buffer)
     if actual != entry.hash:
-        load_checked(base, base_entry)  # the local base copy is what differs? (raises, naming it)
+        if base is not None and plan.base_entry is not None:
+            load_checked(base, plan.base_entry)  # the local base copy is what differs? (raises, naming it)
+        else:
+            decode_tensor(files, manifests, target, entry)  # which stored entry differs? (raises, naming it)
         raise IntegrityError(f"decoded tensor hash mismatch (expected {entry.hash}, got {actual})",
                              version=target.version, tensor=entry.name,
                              hint="A version in its delta chain is corrupt; run `ckptstream verify`")
@@ -332,28 +454,22 @@ def _changes(files: DataFiles, manifest: Manifest, entry: TensorEntry, pool: Buf
 
 
 def _stream_segments(entry: TensorEntry, changes: list[tuple[torch.Tensor, torch.Tensor]], buffer: torch.Tensor,
-                     write: Writer, base: BaseTensors, base_entry: TensorEntry) -> str:
-    """Read ``entry``'s bytes from ``base`` segment by segment into ``buffer``, patch, hash and write each;
-    returns their hash."""
-    nbytes, itemsize = entry.nbytes, entry.itemsize
-    segment = buffer.numel() - buffer.numel() % itemsize
-    elements = segment // itemsize
-    # Per delta: its changes' positions inside their segment, and where each segment's changes begin.
-    starts = torch.arange(0, entry.numel + elements, elements)
-    local = [(positions.remainder(elements), values, torch.searchsorted(positions, starts).tolist())
-             for positions, values in changes]
+                     write: Writer, segments: _Segments, pool: BufferPool | None) -> str:
+    """Fill ``entry``'s bytes segment by segment into ``buffer``, patch, hash and write each; returns their
+    hash."""
+    itemsize, bounds = entry.itemsize, segments.bounds
+    # Per delta: where each segment's changes begin (the positions are ascending).
+    starts = torch.tensor([b // itemsize for b in bounds], dtype=torch.int64)
+    local = [(positions, values, torch.searchsorted(positions, starts).tolist()) for positions, values in changes]
     view = codec.buffer_of(buffer)
     hasher = Hasher()
-    for index, lo in enumerate(range(0, nbytes, segment)):
-        size = min(segment, nbytes - lo)
-        part, data = buffer[:size], view[:size]
-        if not base.read_into(base_entry, part, lo):
-            raise IntegrityError("the local base copy lost the tensor while it was read", version=base.version,
-                                 tensor=entry.name, hint="Materialize this version without the base directory")
-        for positions, values, bounds in local:
-            a, b = bounds[index], bounds[index + 1]
+    for index, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        part, data = buffer[:hi - lo], view[:hi - lo]
+        segments.fill(part, index, pool)
+        for positions, values, cuts in local:
+            a, b = cuts[index], cuts[index + 1]
             if b > a:
-                codec.xor_at(part, positions[a:b], values[a:b])
+                codec.xor_at(part, positions[a:b] - lo // itemsize, values[a:b])
         hasher.update(data)
         write(entry, data, lo)
     return hasher.digest()

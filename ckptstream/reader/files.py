@@ -11,7 +11,9 @@ manifest's tensors of that file (names, dtypes, shapes, offsets). Each file is c
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,23 +116,28 @@ class DataFiles:
         # a fraction of the link; a file system does not mind).
         spans = [(start, buffer[start - entry.offset:end - entry.offset])
                  for start, end in chunk_spans(entry.offset, entry.offset + entry.length)]
-        try:
+        with _reading(manifest, path, entry):
             if len(spans) > 1:
                 self.storage.read_ranges_into(path, spans)
             else:
                 self.storage.read_into(path, entry.offset, buffer)
-        except FileNotFoundError:
-            raise IntegrityError("data file is missing", version=manifest.version, file=path, tensor=entry.name,
-                                 hint=_DAMAGED) from None
-        except EOFError:
-            raise IntegrityError("data file is truncated", version=manifest.version, file=path, tensor=entry.name,
-                                 hint=_DAMAGED) from None
         actual = content_hash(codec.buffer_of(out))
         if actual != entry.stored_hash:
             raise IntegrityError(f"stored bytes hash mismatch (expected {entry.stored_hash}, got {actual})",
                                  version=manifest.version, file=path, tensor=entry.name,
                                  hint="The stored data is corrupt; this version cannot be used")
         return out
+
+    def read_range(self, manifest: Manifest, entry: TensorEntry, start: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (uint8, contiguous) with the stored bytes of ``entry`` from byte ``start`` on, its file
+        checked first. Not checked against ``stored_hash`` (that takes all of them): for a caller that
+        checks what it decodes from them another way."""
+        assert entry.file is not None and out.dtype == torch.uint8 and out.is_contiguous()
+        assert 0 <= start and start + out.numel() <= entry.length
+        self.check(manifest, entry.file, entry.name)
+        path = data_path(manifest.version, entry.file)
+        with _reading(manifest, path, entry):
+            self.storage.read_into(path, entry.offset + start, codec.buffer_of(out))
 
     def _header_problem(self, manifest: Manifest, file: FileEntry) -> tuple[str, str | None] | None:
         """What in a keyframe file's safetensors header disagrees with the manifest (and which tensor)."""
@@ -174,6 +181,19 @@ class DataFiles:
         raise IntegrityError(f"the keyframe's safetensors header disagrees with the manifest: {message}",
                              version=manifest.version, file=path, tensor=named or tensor,
                              hint="The manifest does not describe its data file; refusing this version")
+
+
+@contextlib.contextmanager
+def _reading(manifest: Manifest, path: str, entry: TensorEntry) -> Iterator[None]:
+    """A data file found missing or short while ``entry``'s bytes are read is an IntegrityError naming them."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise IntegrityError("data file is missing", version=manifest.version, file=path, tensor=entry.name,
+                             hint=_DAMAGED) from None
+    except EOFError:
+        raise IntegrityError("data file is truncated", version=manifest.version, file=path, tensor=entry.name,
+                             hint=_DAMAGED) from None
 
 
 def _check_file_hash(manifest: Manifest, file: FileEntry, digest: str) -> None:

@@ -22,7 +22,7 @@ from ..format import (DEFAULT_SHARD_BYTES, LATEST, MANIFESTS_DIR, MAX_VERSION, S
 from ..parallel import default_workers, ordered_parallel
 from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
 from ..storage.readahead import ChunkedReads
-from .decode import BufferPool, Writer, decode_tensor, decode_tensor_to, load_checked
+from .decode import BufferPool, Writer, decode_tensor, decode_tensor_to, load_checked, plan_tensor
 from .files import DataFiles
 from .leases import DEFAULT_LEASE_TTL, hold_lease
 from .materialize import MaterializedBase, build_directory, write_directory
@@ -319,27 +319,33 @@ class Stream:
                 sink: Callable[[TensorEntry, torch.Tensor], R] | None, *, write: Writer | None = None,
                 workers: int | None = None, max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> Iterator[R | int]:
         """``sink(entry, tensor)`` for each decoded tensor, run on the decoding threads, results in order; or,
-        without a sink, each tensor's bytes handed to ``write`` (``decode_tensor_to``), their byte counts in
-        order, the decode buffers reused from tensor to tensor."""
+        without a sink, each tensor's bytes handed to ``write`` (``decode_tensor_to``), as planned by
+        ``plan_tensor``, their byte counts in no particular order, the decode buffers reused from tensor to
+        tensor."""
         # The chain is checked now (naming a missing base) and held for every tensor's walk down it, so
         # that a chain longer than the manifest cache is not read again per tensor.
         chain = {m.version: m for m in self.chain(target.version)}
         base = MaterializedBase(base_dir, self.info().stream_id) if base_dir is not None else None
-        pool = BufferPool(max_inflight_bytes) if write is not None else None
-
-        def work(entry: TensorEntry) -> R | int:
-            if write is not None:
-                return decode_tensor_to(self._files, chain.__getitem__, target, entry, write, base, pool)
-            assert sink is not None
-            return sink(entry, decode_tensor(self._files, chain.__getitem__, target, entry, base))
-
         if workers is None and not self.storage.is_posix:
             # Each thread mostly waits for its ranged reads: enough of them to keep an object store's link
             # full (memory stays bounded by max_inflight_bytes).
             workers = max(default_workers(), MAX_CONCURRENT_READS)
         try:
-            yield from ordered_parallel(entries, work, lambda e: e.nbytes, max_cost=max_inflight_bytes,
-                                        workers=workers)
+            if write is not None:
+                pool = BufferPool(max_inflight_bytes)
+                # The largest first (their byte counts, in any order, are all the caller gets): a tensor of a
+                # fifth of the model, streamed, then runs beside the others instead of alone at the end.
+                plans = sorted((plan_tensor(self._files, chain.__getitem__, target, e, base) for e in entries),
+                               key=lambda plan: -plan.entry.nbytes)
+                yield from ordered_parallel(
+                    plans, lambda plan: decode_tensor_to(self._files, chain.__getitem__, target, plan, write, base,
+                                                         pool),
+                    lambda plan: plan.memory_bytes, max_cost=max_inflight_bytes, workers=workers)
+            else:
+                assert sink is not None
+                yield from ordered_parallel(
+                    entries, lambda e: sink(e, decode_tensor(self._files, chain.__getitem__, target, e, base)),
+                    lambda e: e.nbytes, max_cost=max_inflight_bytes, workers=workers)
         finally:
             if base is not None:
                 base.close()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptstream import Publisher, Stream
+from ckptstream import IntegrityError, Publisher, Stream
 from ckptstream.hf import iter_hf_weights
 from ckptstream.testing.models import rl_like_step
 from tests.helpers import assert_same_tensors
@@ -116,3 +116,46 @@ def test_applying_deltas_to_a_base_in_segments(model_stream, tmp_path, monkeypat
         stream.materialize(2, tmp_path / "v2b", base_dir=base)
     assert info.value.tensor == name
     assert not (tmp_path / "v2b").exists()
+
+
+def test_materialize_streams_from_the_stored_start(tmp_path, monkeypatch):
+    """A tensor whose chain starts at a keyframe (raw) or at the delta that introduced it (zstd chunks) goes
+    through in segments from storage, here far smaller than the tensors: the result is the version's. A
+    damaged keyframe byte in a late segment is refused naming the keyframe, its file and the tensor (the
+    stored hash that the segments skip is checked by the whole decode that traces the mismatch), and the
+    output never appears."""
+    from ckptstream.format import data_path
+    from ckptstream.reader import decode
+
+    monkeypatch.setattr(decode, "SEGMENT_BYTES", 4096 + 2)  # not a divisor of the tensors' sizes
+    url = str(tmp_path / "stream")
+    generator = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(30000, 7, generator=generator).to(torch.bfloat16),
+             "small": torch.randn(5, generator=generator).to(torch.bfloat16)}
+    history = []
+    with Publisher(url, keyframe_every=10, chunk_bytes=8192) as publisher:
+        for step in range(3):
+            if step == 1:  # new in a delta: stored whole there, in zstd chunks of 8 KiB
+                state["b"] = torch.randn(2000, 3, generator=generator)
+            if step:
+                rl_like_step(state, fraction=0.01, generator=generator)
+            history.append({k: v.clone() for k, v in state.items()})
+            publisher.publish(state, step=step).result()
+    stream = Stream(url)
+    chain = {m.version: m for m in stream.chain(2)}
+    plans = {e.name: decode.plan_tensor(stream._files, chain.__getitem__, chain[2], e) for e in chain[2].tensors}
+    assert [plans[n].steps[-1][1].encoding for n in ("a", "b")] == ["raw", "zstd"]
+    assert len(plans["b"].steps[-1][1].chunks) > 1 and len(plans["b"].segments.bounds) > 2
+    assert plans["a"].segments is not None  # ("small" has dense chunks: decoded whole)
+    out = stream.materialize(2, tmp_path / "v2")
+    assert_same_tensors(load_file(out / "model.safetensors"), history[2])
+
+    entry = chain[0].tensor("a")
+    path = tmp_path / "stream" / data_path(0, entry.file)
+    data = bytearray(path.read_bytes())
+    data[entry.offset + entry.length - 10] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="stored bytes hash mismatch") as info:
+        stream.materialize(2, tmp_path / "bad")
+    assert (info.value.version, info.value.tensor, info.value.file) == (0, "a", data_path(0, entry.file))
+    assert not (tmp_path / "bad").exists()
