@@ -337,6 +337,8 @@ def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) ->
 
         def fill_raw(part: torch.Tensor, index: int, pool: BufferPool | None) -> None:
             files.read_range(manifest, root, bounds[index], part)
+            if index + 2 < len(bounds):  # the next segment arrives while this one is patched and written
+                files.will_read(manifest, root, bounds[index + 1], bounds[index + 2] - bounds[index + 1])
 
         return _Segments(bounds, fill_raw)
     if root.encoding != ENCODING_ZSTD or any(layout == LAYOUT_SPARSE for *_, layout in root.chunks):
@@ -351,6 +353,8 @@ def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) ->
         stored = _take(pool, stored_len)
         try:
             files.read_range(manifest, root, stored_starts[index], stored)
+            if index + 2 < len(stored_starts):
+                files.will_read(manifest, root, stored_starts[index + 1], root.chunks[index + 1][1])
             try:
                 codec.apply_chunk(part, codec.buffer_of(stored), root.itemsize, shuffle=root.shuffle, layout=layout)
             except ValueError as exc:

@@ -139,6 +139,12 @@ class DataFiles:
         with _reading(manifest, path, entry):
             self.storage.read_into(path, entry.offset + start, codec.buffer_of(out))
 
+    def will_read(self, manifest: Manifest, entry: TensorEntry, start: int, length: int) -> None:
+        """Hint that the stored bytes ``[start, start + length)`` of ``entry`` are read soon
+        (``Storage.will_read``)."""
+        assert entry.file is not None
+        self.storage.will_read(data_path(manifest.version, entry.file), entry.offset + start, length)
+
     def _header_problem(self, manifest: Manifest, file: FileEntry) -> tuple[str, str | None] | None:
         """What in a keyframe file's safetensors header disagrees with the manifest (and which tensor)."""
         path = data_path(manifest.version, file.name)

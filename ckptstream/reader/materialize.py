@@ -12,7 +12,11 @@ that has no lock file: an older ckptstream's debris) and leaves alone those stil
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import json
+import mmap
 import os
 import re
 import shutil
@@ -99,8 +103,8 @@ def _write_weights(build: Path, manifest: Manifest, decode: Callable[[Writer], I
                    progress: Callable[[int], None] | None) -> None:
     groups = shard_groups([t.nbytes for t in manifest.tensors], shard_bytes)
     weight_map: dict[str, str] = {}
-    placement: dict[str, tuple[int, int]] = {}  # tensor -> (output file descriptor, offset)
-    descriptors = []
+    placement: dict[str, tuple[_OutputFile, int]] = {}  # tensor -> (its shard, its offset there)
+    shards: list[_OutputFile] = []
     try:
         for index, group in enumerate(groups):
             file_name = ("model.safetensors" if len(groups) == 1
@@ -108,32 +112,111 @@ def _write_weights(build: Path, manifest: Manifest, decode: Callable[[Writer], I
             entries = [manifest.tensors[i] for i in group]
             header, offsets = safetensors_header(((t.name, t.dtype, t.shape, t.nbytes) for t in entries),
                                                  {"format": "pt"})
-            fd = os.open(build / file_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            descriptors.append(fd)
-            os.pwrite(fd, header, 0)
+            shard = _OutputFile(build / file_name, header, len(header) + sum(t.nbytes for t in entries))
+            shards.append(shard)
             for entry, offset in zip(entries, offsets):
                 weight_map[entry.name] = file_name
-                placement[entry.name] = (fd, offset)
+                placement[entry.name] = (shard, offset)
 
         def write(entry: TensorEntry, data: torch.Tensor | memoryview, at: int = 0) -> int:
             # Each decoding thread writes its tensor's bytes in place: decode and write overlap.
-            fd, offset = placement[entry.name]
-            if isinstance(data, torch.Tensor):
-                data = codec.buffer_of(codec.as_bytes(data))
-            written = 0
-            while written < len(data):
-                written += os.pwrite(fd, data[written:], offset + at + written)
-            return written
+            shard, offset = placement[entry.name]
+            return shard.write(data, offset + at)
 
         for nbytes in decode(write):
             if progress:
                 progress(nbytes)
     finally:
-        for fd in descriptors:
-            os.close(fd)
+        for shard in shards:
+            shard.close()
     if len(groups) > 1:
         index_doc = {"metadata": {"total_size": manifest.full_bytes}, "weight_map": weight_map}
         (build / INDEX_FILE).write_bytes(dumps_json(index_doc, what=INDEX_FILE, indent=2))
+
+
+class _OutputFile:
+    """A safetensors shard being written by the decoding threads, each at its own offsets: through a shared
+    mapping of the file where the file system reserves blocks (Linux ``fallocate``), else with ``pwrite``.
+
+    A file system takes a file's lock for the whole of every ``pwrite``, copy included, so the threads'
+    writes into one shard ran one at a time (on a 16-core host they took 2 s of a warm materialize's
+    2.2 s); copies into the mapping run side by side. Each write first reserves its own range: a write
+    into a mapping that finds the disk full would be a SIGBUS, not an error, and nothing is reserved
+    ahead of the bytes decoded (a forged manifest's sizes reserve nothing)."""
+
+    def __init__(self, path: Path, header: bytes, size: int):
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self._map: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None
+        try:
+            os.pwrite(self._fd, header, 0)
+            if size > len(header) and _reserve(self._fd, 0, len(header)):
+                try:
+                    os.ftruncate(self._fd, size)  # (sparse: no blocks yet)
+                    self._map = mmap.mmap(self._fd, size)
+                except OSError:  # a size the file system or the address space refuses: its decode fails
+                    self._map = None
+                else:
+                    self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, data: torch.Tensor | memoryview, at: int) -> int:
+        """Write ``data`` at byte ``at`` of the file (thread-safe for disjoint ranges); returns its length.
+        Raises OSError (a full disk among them)."""
+        source = codec.as_bytes(data) if isinstance(data, torch.Tensor) else None
+        length = source.numel() if source is not None else len(data)
+        if not length:
+            return 0
+        if self._bytes is not None:
+            if not _reserve(self._fd, at, length):
+                raise OSError(errno.EOPNOTSUPP, "the file system stopped reserving blocks")
+            if source is None:
+                source = torch.frombuffer(data, dtype=torch.uint8)
+            self._bytes[at:at + length].copy_(source)
+            return length
+        view = codec.buffer_of(source) if source is not None else data
+        written = 0
+        while written < length:
+            written += os.pwrite(self._fd, view[written:], at + written)
+        return written
+
+    def close(self) -> None:
+        self._bytes = None  # (a mapping with views of it left cannot close)
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _reserve(fd: int, offset: int, length: int) -> bool:
+    """Reserve the blocks of the file's bytes ``[offset, offset + length)``; False where the file system
+    cannot (NFSv3, macOS). Raises OSError where space is short."""
+    fallocate = _fallocate()
+    if fallocate is None:
+        return False
+    if fallocate(fd, 0, offset, length) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EOPNOTSUPP, errno.ENOSYS, errno.ENODEV):
+        return False
+    raise OSError(error, os.strerror(error))
+
+
+@functools.cache
+def _fallocate() -> Any:
+    """Linux's ``fallocate(2)`` through the C library (``os.posix_fallocate`` would fall back to writing
+    zeros where the file system cannot reserve: twice the writes), or None."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return function
 
 
 def _build_dir_pattern(name: str) -> re.Pattern[str]:

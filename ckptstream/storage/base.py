@@ -168,6 +168,11 @@ class Storage(ABC):
         (at most ``MAX_CONCURRENT_READS`` at once); a short file is an EOFError."""
         concurrently(lambda target: self.read_into(path, *target), targets)
 
+    def will_read(self, path: str, offset: int, length: int) -> None:
+        """A hint that bytes ``[offset, offset + length)`` of a file are read soon: a backend that can fetch
+        them in the background starts it (POSIX: the kernel's read-ahead); the others ignore it."""
+        return None
+
     @abstractmethod
     def open_read(self, path: str) -> IO[bytes]:
         """A file object for reading a file sequentially."""

@@ -31,6 +31,9 @@ class WrapperStorage(Storage):
     def read_ranges_into(self, path: str, targets: Sequence[tuple[int, memoryview]]) -> None:
         self.inner.read_ranges_into(path, targets)
 
+    def will_read(self, path: str, offset: int, length: int) -> None:
+        self.inner.will_read(path, offset, length)
+
     def open_read(self, path: str) -> IO[bytes]:
         return self.inner.open_read(path)
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -159,3 +162,40 @@ def test_materialize_streams_from_the_stored_start(tmp_path, monkeypatch):
         stream.materialize(2, tmp_path / "bad")
     assert (info.value.version, info.value.tensor, info.value.file) == (0, "a", data_path(0, entry.file))
     assert not (tmp_path / "bad").exists()
+
+
+def test_materialize_without_reservable_blocks_writes_with_pwrite(model_stream, tmp_path, monkeypatch):
+    """Where the file system cannot reserve blocks (NFSv3, macOS: none is at hand here, so the C library's
+    ``fallocate`` is taken away), the shards are written with pwrite instead of through a mapping."""
+    from ckptstream.reader import materialize
+
+    monkeypatch.setattr(materialize, "_fallocate", lambda: None)
+    url, history = model_stream
+    out = Stream(url).materialize(4, tmp_path / "out", shard_bytes=100_000)
+    loaded = {}
+    for path in out.glob("*.safetensors"):
+        loaded.update(load_file(path))
+    assert_same_tensors(loaded, history[4])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root)")
+def test_a_full_disk_is_an_error_not_a_crash(tmp_path, tiny_model):
+    """On a real full file system (a 64 KiB tmpfs in a mount namespace of its own), materialize raises
+    ENOSPC from the write that found no space, and leaves no output: the shards' writes through a mapping
+    reserve their blocks first, so the process gets no SIGBUS."""
+    url = str(tmp_path / "stream")
+    with Publisher(url, assets=tiny_model) as publisher:
+        publisher.publish(dict(iter_hf_weights(tiny_model)), step=0).result()
+    mount = tmp_path / "small"
+    mount.mkdir()
+    script = ("import errno, sys\n"
+              "from ckptstream import Stream\n"
+              "try:\n"
+              f"    Stream({url!r}).materialize(0, {str(mount / 'out')!r})\n"
+              "except OSError as exc:\n"
+              "    print('errno', errno.errorcode.get(exc.errno))\n")
+    result = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mount} && \"$0\" -c \"$1\" && "
+         f"ls -A {mount}", sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["errno", "ENOSPC"], result.stdout  # and `ls` found nothing left
