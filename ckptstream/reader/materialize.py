@@ -139,10 +139,10 @@ class _OutputFile:
     mapping of the file where the file system reserves blocks (Linux ``fallocate``), else with ``pwrite``.
 
     A file system takes a file's lock for the whole of every ``pwrite``, copy included, so the threads'
-    writes into one shard ran one at a time (on a 16-core host they took 2 s of a warm materialize's
-    2.2 s); copies into the mapping run side by side. Each write first reserves its own range: a write
-    into a mapping that finds the disk full would be a SIGBUS, not an error, and nothing is reserved
-    ahead of the bytes decoded (a forged manifest's sizes reserve nothing)."""
+    writes into one shard ran one at a time; copies into the mapping run side by side (on a 16-core host,
+    the follower's apply-one-delta of a 4.2 GB model to tmpfs: 1.91 -> 1.38 s). Each write first reserves
+    its own range: a write into a mapping that finds the disk full would be a SIGBUS, not an error, and
+    nothing is reserved ahead of the bytes decoded (a forged manifest's sizes reserve nothing)."""
 
     def __init__(self, path: Path, header: bytes, size: int):
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
