@@ -20,6 +20,7 @@ from typing import Any
 
 from .errors import CkptStreamError, IntegrityError, VersionNotFoundError
 from .format import LATEST, MANIFESTS_DIR, manifest_path
+from .polling import poll
 from .reader import ReplicaRecord, Stream, select_versions, write_replica
 from .reader.replicas import KIND_MIRROR, replica_path
 from .storage import Storage
@@ -198,31 +199,24 @@ class Mirror:
         heartbeat = threading.Thread(target=self._heartbeat, args=(stop,), name="ckptstream-mirror-heartbeat",
                                      daemon=True)
         heartbeat.start()
-        backoff = self.config.poll_interval
+
+        def look() -> None:
+            self.run_once()
+            self._report(state="current" if not self.record.lag else "copying", last_error=None)
+
+        def failed(exc: Exception, wait: float) -> None:  # a store away or throttling: keep the copy, retry
+            if getattr(exc, "exit_code", None) == 5:  # diverged stores: copying on would be wrong
+                raise exc
+            self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
+            log.warning("%s; retrying in %.0f s", exc, wait)
+
         try:
-            while not stop.is_set():
-                try:
-                    self.run_once()
-                    backoff = self.config.poll_interval
-                    self._report(state="current" if not self.record.lag else "copying", last_error=None)
-                except (CkptStreamError, ValueError) as exc:
-                    if getattr(exc, "exit_code", None) == 5:  # diverged stores: copying on would be wrong
-                        raise
-                    backoff = self._retry(exc, backoff)
-                except OSError as exc:  # a store away or throttling: keep the copy, retry
-                    backoff = self._retry(exc, backoff)
-                wake.wait(backoff)
-                wake.clear()
+            poll(stop, wake, look, interval=self.config.poll_interval, on_error=failed,
+                 retry=(CkptStreamError, ValueError, OSError), max_backoff=60.0)
         finally:
             if watch is not None:
                 watch.stop()
             self._report(state="stopped")
-
-    def _retry(self, exc: Exception, backoff: float) -> float:
-        backoff = min(max(backoff * 2, self.config.poll_interval), 60.0)
-        self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
-        log.warning("%s; retrying in %.0f s", exc, backoff)
-        return backoff
 
     def _report(self, **changes: Any) -> None:
         """Update the mirror's record; written to the destination only when following (a one-off copy

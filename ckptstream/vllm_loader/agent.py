@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptStreamError, VersionNotFoundError
+from ..polling import poll
 from ..reader import ReplicaRecord, Stream, replica_path
 from ..reader.replicas import KIND_NODE
 from ..storage import Watch
@@ -130,19 +131,14 @@ class NodeAgent:
                                      name="ckptstream-agent-heartbeat")
         heartbeat.start()
         watcher: Watch | None = self.stream.storage.watch(MANIFESTS_DIR, self.wake.set)
-        backoff = self.config.poll_interval
+
+        def failed(exc: Exception, wait: float) -> None:  # storage away: keep what is cached, retry
+            self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
+            log.warning("%s; retrying in %.0f s", exc, wait)
+            notify(self.observers, "on_error", exc, wait)
+
         try:
-            while not stop.is_set():
-                try:
-                    self.step()
-                    backoff = self.config.poll_interval
-                except Exception as exc:  # noqa: BLE001 - storage away: keep what is cached, retry
-                    backoff = min(max(backoff * 2, self.config.poll_interval), 30.0)
-                    self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
-                    log.warning("%s; retrying in %.0f s", exc, backoff)
-                    notify(self.observers, "on_error", exc, backoff)
-                self.wake.wait(backoff)
-                self.wake.clear()
+            poll(stop, self.wake, self.step, interval=self.config.poll_interval, on_error=failed)
         finally:
             if watcher is not None:
                 watcher.stop()

@@ -40,6 +40,7 @@ from ..reader.replicas import STATE_ASIDE
 from ..storage import Watch, open_storage
 from ..storage.timing import TimedReads
 from ..locks import unlock
+from ..polling import poll
 from . import takeover
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
@@ -194,20 +195,18 @@ class Follower:
                                      daemon=True)
         heartbeat.start()
         watcher = self._watch()
-        backoff = self.poll_interval
+
+        def look() -> None:
+            self.step()
+            if self.record.state == "error":  # recovered from an outage
+                self._report(state="serving" if self.current is not None else "starting")
+
+        def failed(exc: Exception, wait: float) -> None:  # storage or servers away: keep serving, retry
+            self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
+            self._notify("on_error", exc, wait)
+
         try:
-            while not stop.is_set():
-                try:
-                    self.step()
-                    backoff = self.poll_interval
-                    if self.record.state == "error":  # recovered from an outage
-                        self._report(state="serving" if self.current is not None else "starting")
-                except Exception as exc:  # noqa: BLE001 - storage or servers away: keep serving, retry
-                    backoff = min(max(backoff * 2, self.poll_interval), 30.0)
-                    self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
-                    self._notify("on_error", exc, backoff)
-                self.wake.wait(backoff)
-                self.wake.clear()
+            poll(stop, self.wake, look, interval=self.poll_interval, on_error=failed)
         finally:
             if watcher is not None:
                 watcher.stop()
