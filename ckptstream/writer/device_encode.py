@@ -478,20 +478,24 @@ class DeviceSnapshot:
                     item.capture.positions = None
             compared = [item for item in compared if item.capture.resident is None]
         offset = 0
+        grouped: dict[torch.device, list[_Compared]] = {}
         for item in compared:
-            with _on_stream(streams, item.live.device):
-                if item.whole:
-                    offset = self._record_whole(item, offset)
-                    continue
-                if not item.spans:  # empty
-                    continue
-                kernels = self._kernels_for(item.live.device)
-                for (start, old_span, new_span), (ends, counts, first, base, changed) in zip(item.spans,
-                                                                                             counted[id(item)]):
-                    if changed:
-                        positions, xor_values = kernels.compact(old_span, new_span, ends, counts, first, base,
-                                                                changed)
-                        offset = self._record_span(item.capture, positions, xor_values, start, offset)
+            grouped.setdefault(item.live.device, []).append(item)
+        for device, items in grouped.items():  # (one stream context per device: ~10 us of host time each)
+            with _on_stream(streams, device):
+                for item in items:
+                    if item.whole:
+                        offset = self._record_whole(item, offset)
+                        continue
+                    if not item.spans:  # empty
+                        continue
+                    kernels = self._kernels_for(device)
+                    for (start, old_span, new_span), (ends, counts, first, base, changed) in zip(
+                            item.spans, counted[id(item)]):
+                        if changed:
+                            positions, xor_values = kernels.compact(old_span, new_span, ends, counts, first, base,
+                                                                    changed)
+                            offset = self._record_span(item.capture, positions, xor_values, start, offset)
         return declined
 
     def _record_whole(self, item: _Compared, offset: int) -> int:
@@ -531,16 +535,19 @@ class DeviceSnapshot:
 
     def _on_side_stream(self, live: torch.Tensor, streams: dict[torch.device, torch.cuda.Stream]
                         ) -> contextlib.AbstractContextManager[object]:
-        """For a CUDA tensor: the device's side stream, after the work queued so far on the current one
-        (``live`` is kept alive for it); for others, nothing."""
+        """For a CUDA tensor: the device's side stream, after the work queued on the current one before
+        the capture's first tensor there (the trainer's, which produced them all: one wait per device, not
+        one event per tensor), ``live`` kept alive for it; for others, nothing."""
         if not live.is_cuda:
             return contextlib.nullcontext()
-        stream = self._streams.get(live.device)
+        stream = streams.get(live.device)
         if stream is None:
-            stream = self._streams[live.device] = torch.cuda.Stream(live.device)
-        stream.wait_stream(torch.cuda.current_stream(live.device))
+            stream = self._streams.get(live.device)
+            if stream is None:
+                stream = self._streams[live.device] = torch.cuda.Stream(live.device)
+            stream.wait_stream(torch.cuda.current_stream(live.device))
+            streams[live.device] = stream
         live.record_stream(stream)
-        streams[live.device] = stream
         return torch.cuda.stream(stream)
 
     def land(self, capture: DeviceCapture, executor: Executor, prepare: Prepare | None = None) -> LandedVersion:
