@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,11 +32,37 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float) -> None:
         process.wait()
 
 
+LOWEST_PICKED_PORT = 20000
+"""``free_port`` picks from this port up to the kernel's ephemeral range."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (for a server about to start)."""
+    """A TCP port free on ``host`` now (for a server about to start), picked at random below the kernel's
+    range of ephemeral ports: an outgoing connection takes its source port from that range, and could take
+    a port picked there before the server binds it (seen as a vLLM server that did not start while others
+    started beside it). Where that range leaves no room below it, a port of the range."""
+    low = _lowest_ephemeral_port()
+    if low - LOWEST_PICKED_PORT >= 1000:
+        for _ in range(100):
+            port = random.randrange(LOWEST_PICKED_PORT, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _lowest_ephemeral_port() -> int:
+    """The start of the kernel's range of ephemeral ports (Linux's; its default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def descendants(pid: int) -> list[int]:
