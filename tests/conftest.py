@@ -30,6 +30,7 @@ LONGEST_FIRST = (POOL_GROUP, "tests.fleet.test_fleet", "tests.vllm_loader.test_s
 rather than a long group starting last."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for ``pytest -n 2 --dist loadgroup`` (the Makefile's test target): a test runs in the worker of its
     group, by default its module, so that a module-scoped fixture (a fleet, a two-node engine) is built once;
