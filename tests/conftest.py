@@ -116,9 +116,9 @@ class VllmServer:
         threading.Thread(target=lambda: (self.process.wait(), died.set()), daemon=True).start()
         try:
             self.client.wait_ready(timeout=600, abort=died)
-        except Exception:
+        except Exception as exc:  # its own log is empty when the wait, not vLLM, failed: the cause says why
             self.stop()
-            raise RuntimeError(f"vLLM did not start; see {self.log.name}") from None
+            raise RuntimeError(f"vLLM did not start ({exc!r}); see {self.log.name}") from exc
 
     def outputs(self, max_tokens: int = 8) -> list[list[int]]:
         """Greedy token ids for the fixed prompt set."""
