@@ -28,12 +28,16 @@ demo: install
 # vLLM engines spanning processes (ZMQ between engine core and workers) connect over the machine's own address
 # even when told 127.0.0.1: where unshare is permitted (root), the tests run in a network namespace that
 # holds only loopback, so that no test traffic leaves it; elsewhere plainly (the multi-node test then skips).
+# Two xdist workers: most of the suite's time is spent waiting for vLLM servers and Ray to start, so two groups
+# of tests at once keep the two cores busy; tests/conftest.py says how tests are grouped and ordered.
+PYTEST_PARALLEL = -n 2 --dist loadgroup --no-loadscope-reorder
+
 test: install-dev
 	$(PYTHON) -m ruff check .
 	if unshare --net true 2>/dev/null; then \
-	  unshare --net sh -c 'ip link set lo up && exec $(PYTHON) -m pytest -q'; \
+	  unshare --net sh -c 'ip link set lo up && exec $(PYTHON) -m pytest -q $(PYTEST_PARALLEL)'; \
 	else \
-	  $(PYTHON) -m pytest -q; \
+	  $(PYTHON) -m pytest -q $(PYTEST_PARALLEL); \
 	fi
 
 bench: install

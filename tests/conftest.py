@@ -17,6 +17,37 @@ BACKENDS = ["local", "s3"]
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
 
 
+# ------------------------------------------------------------------------------------ parallel runs (xdist)
+
+POOL_GROUP = "vllm-pool"
+"""The xdist group of every test that takes servers from ``server_pool``."""
+
+LONGEST_FIRST = (POOL_GROUP, "tests.fleet.test_fleet", "tests.vllm_loader.test_serve_replay", "tests.test_launch",
+                 "tests.vllm_loader.test_multinode", "tests.vllm_loader.test_follower", "tests.test_demo",
+                 "tests.vllm_loader.test_follow_http")
+"""The groups that start vLLM servers or a Ray cluster, longest first (one after the other: ~500, 330, 150, 100,
+100, 70, 60 and 100 s in the last serial CI): handed out first, so that the light groups fill the gaps at the end
+rather than a long group starting last."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for ``pytest -n 2 --dist loadgroup`` (the Makefile's test target): a test runs in the worker of its
+    group, by default its module, so that a module-scoped fixture (a fleet, a two-node engine) is built once;
+    the tests of the server pool share one group, so that one worker starts one pool (each worker process has
+    its own session fixtures). Groups in ``LONGEST_FIRST`` come first (a stable sort keeps each group's order)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = POOL_GROUP if "server_pool" in item.fixturenames else item.module.__name__
+            item.add_marker(pytest.mark.xdist_group(group))
+
+    def rank(item: pytest.Item) -> int:
+        group = item.get_closest_marker("xdist_group").args[0]
+        return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1, configured the standard AWS way (environment variables)."""
@@ -85,9 +116,9 @@ class VllmServer:
         threading.Thread(target=lambda: (self.process.wait(), died.set()), daemon=True).start()
         try:
             self.client.wait_ready(timeout=600, abort=died)
-        except Exception:
+        except Exception as exc:  # its own log is empty when the wait, not vLLM, failed: the cause says why
             self.stop()
-            raise RuntimeError(f"vLLM did not start; see {self.log.name}") from None
+            raise RuntimeError(f"vLLM did not start ({exc!r}); see {self.log.name}") from exc
 
     def outputs(self, max_tokens: int = 8) -> list[list[int]]:
         """Greedy token ids for the fixed prompt set."""
