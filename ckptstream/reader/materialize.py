@@ -112,7 +112,8 @@ def _write_weights(build: Path, manifest: Manifest, decode: Callable[[Writer], I
             entries = [manifest.tensors[i] for i in group]
             header, offsets = safetensors_header(((t.name, t.dtype, t.shape, t.nbytes) for t in entries),
                                                  {"format": "pt"})
-            shard = _OutputFile(build / file_name, header, len(header) + sum(t.nbytes for t in entries))
+            shard = _OutputFile(build / file_name, header, len(header) + sum(t.nbytes for t in entries),
+                                mapped=(os.cpu_count() or 1) >= MAPPED_WRITES_MIN_CORES)
             shards.append(shard)
             for entry, offset in zip(entries, offsets):
                 weight_map[entry.name] = file_name
@@ -134,23 +135,31 @@ def _write_weights(build: Path, manifest: Manifest, decode: Callable[[Writer], I
         (build / INDEX_FILE).write_bytes(dumps_json(index_doc, what=INDEX_FILE, indent=2))
 
 
+MAPPED_WRITES_MIN_CORES = 4
+"""Shards are written through a mapping (see ``_OutputFile``) on machines of at least this many cores:
+there many decoding threads wait for a file's lock under ``pwrite`` (16 cores, the follower's
+apply-one-delta of a 4.2 GB model to tmpfs: 1.91 s with ``pwrite``, 1.38 s mapped), while with two
+threads ``pwrite`` costs less than the mapping's page faults (2 cores, 1.34 GB: 0.67 s against 0.84 s)."""
+
+
 class _OutputFile:
     """A safetensors shard being written by the decoding threads, each at its own offsets: through a shared
-    mapping of the file where the file system reserves blocks (Linux ``fallocate``), else with ``pwrite``.
+    mapping of the file where asked (``mapped``) and the file system reserves blocks (Linux ``fallocate``),
+    else with ``pwrite``.
 
     A file system takes a file's lock for the whole of every ``pwrite``, copy included, so the threads'
-    writes into one shard ran one at a time; copies into the mapping run side by side (on a 16-core host,
-    the follower's apply-one-delta of a 4.2 GB model to tmpfs: 1.91 -> 1.38 s). Each write first reserves
-    its own range: a write into a mapping that finds the disk full would be a SIGBUS, not an error, and
-    nothing is reserved ahead of the bytes decoded (a forged manifest's sizes reserve nothing)."""
+    writes into one shard run one at a time; copies into the mapping run side by side
+    (:data:`MAPPED_WRITES_MIN_CORES`). Each write first reserves its own range: a write into a mapping
+    that finds the disk full would be a SIGBUS, not an error, and nothing is reserved ahead of the bytes
+    decoded (a forged manifest's sizes reserve nothing)."""
 
-    def __init__(self, path: Path, header: bytes, size: int):
+    def __init__(self, path: Path, header: bytes, size: int, *, mapped: bool):
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None
         try:
             os.pwrite(self._fd, header, 0)
-            if size > len(header) and _reserve(self._fd, 0, len(header)):
+            if mapped and size > len(header) and _reserve(self._fd, 0, len(header)):
                 try:
                     os.ftruncate(self._fd, size)  # (sparse: no blocks yet)
                     self._map = mmap.mmap(self._fd, size)

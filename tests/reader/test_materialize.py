@@ -164,12 +164,16 @@ def test_materialize_streams_from_the_stored_start(tmp_path, monkeypatch):
     assert not (tmp_path / "bad").exists()
 
 
-def test_materialize_without_reservable_blocks_writes_with_pwrite(model_stream, tmp_path, monkeypatch):
-    """Where the file system cannot reserve blocks (NFSv3, macOS: none is at hand here, so the C library's
-    ``fallocate`` is taken away), the shards are written with pwrite instead of through a mapping."""
+@pytest.mark.parametrize("writes", ["mapped", "pwrite", "unreservable"])
+def test_materialize_writes_its_shards_each_way(model_stream, tmp_path, monkeypatch, writes):
+    """The shards come out the same written through a mapping (machines of many cores; forced here), with
+    pwrite (few cores: this CI machine's way), and with pwrite where the file system cannot reserve blocks
+    (NFSv3, macOS: none is at hand here, so the C library's ``fallocate`` is taken away)."""
     from ckptstream.reader import materialize
 
-    monkeypatch.setattr(materialize, "_fallocate", lambda: None)
+    monkeypatch.setattr(materialize, "MAPPED_WRITES_MIN_CORES", 1 if writes != "pwrite" else 10**6)
+    if writes == "unreservable":
+        monkeypatch.setattr(materialize, "_fallocate", lambda: None)
     url, history = model_stream
     out = Stream(url).materialize(4, tmp_path / "out", shard_bytes=100_000)
     loaded = {}
@@ -180,9 +184,9 @@ def test_materialize_without_reservable_blocks_writes_with_pwrite(model_stream, 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root)")
 def test_a_full_disk_is_an_error_not_a_crash(tmp_path, tiny_model):
-    """On a real full file system (a 64 KiB tmpfs in a mount namespace of its own), materialize raises
-    ENOSPC from the write that found no space, and leaves no output: the shards' writes through a mapping
-    reserve their blocks first, so the process gets no SIGBUS."""
+    """On a real full file system (a 64 KiB tmpfs in a mount namespace of its own), materialize writing
+    through a mapping raises ENOSPC from the write that found no space, and leaves no output: each write
+    reserves its blocks first, so the process gets no SIGBUS."""
     url = str(tmp_path / "stream")
     with Publisher(url, assets=tiny_model) as publisher:
         publisher.publish(dict(iter_hf_weights(tiny_model)), step=0).result()
@@ -190,6 +194,8 @@ def test_a_full_disk_is_an_error_not_a_crash(tmp_path, tiny_model):
     mount.mkdir()
     script = ("import errno, sys\n"
               "from ckptstream import Stream\n"
+              "from ckptstream.reader import materialize\n"
+              "materialize.MAPPED_WRITES_MIN_CORES = 1\n"  # (the way that could meet a SIGBUS)
               "try:\n"
               f"    Stream({url!r}).materialize(0, {str(mount / 'out')!r})\n"
               "except OSError as exc:\n"
