@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import CkptStreamError, IntegrityError, VersionNotFoundError
+from .errors import EXIT_CONFLICT, CkptStreamError, IntegrityError, VersionNotFoundError
 from .format import LATEST, MANIFESTS_DIR, manifest_path
 from .polling import poll
 from .reader import ReplicaRecord, Stream, select_versions, write_replica
@@ -205,7 +205,7 @@ class Mirror:
             self._report(state="current" if not self.record.lag else "copying", last_error=None)
 
         def failed(exc: Exception, wait: float) -> None:  # a store away or throttling: keep the copy, retry
-            if getattr(exc, "exit_code", None) == 5:  # diverged stores: copying on would be wrong
+            if getattr(exc, "exit_code", None) == EXIT_CONFLICT:  # diverged stores: copying on would be wrong
                 raise exc
             self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
             log.warning("%s; retrying in %.0f s", exc, wait)

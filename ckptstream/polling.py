@@ -11,7 +11,7 @@ MAX_BACKOFF = 30.0
 
 
 def poll(stop: threading.Event, wake: threading.Event, look: Callable[[], None], *, interval: float,
-         on_error: Callable[[Exception, float], None], retry: tuple[type[Exception], ...] = (Exception,),
+         on_error: Callable[[Exception, float], None], retry: tuple[type[Exception], ...],
          max_backoff: float = MAX_BACKOFF) -> None:
     """Call ``look`` until ``stop`` is set, ``interval`` seconds apart (sooner when ``wake`` is set, by a
     watch of the source or by whoever sets ``stop``). A failure of ``look`` (one of ``retry``) is reported

@@ -34,6 +34,7 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float) -> None:
 
 LOWEST_PICKED_PORT = 20000
 """``free_port`` picks from this port up to the kernel's ephemeral range."""
+_PORTS = random.SystemRandom()  # (not the seedable module: trainers seed it alike in every process)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -44,7 +45,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     low = _lowest_ephemeral_port()
     if low - LOWEST_PICKED_PORT >= 1000:
         for _ in range(100):
-            port = random.randrange(LOWEST_PICKED_PORT, low)
+            port = _PORTS.randrange(LOWEST_PICKED_PORT, low)
             with socket.socket() as s:
                 try:
                     s.bind((host, port))

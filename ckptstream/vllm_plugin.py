@@ -10,14 +10,24 @@ nothing of ckptstream's beyond this module, and torch only where vLLM runs on th
 
 from __future__ import annotations
 
+import logging
+
 
 def request_amx() -> None:
-    """On vLLM's CPU platform, where the CPU has AMX tiles: ask Linux to let this process use them."""
-    from vllm.platforms import current_platform
+    """On vLLM's CPU platform, where the CPU has AMX tiles: ask Linux to let this process use them. Never
+    raises (it runs in every vLLM process of a machine where ckptstream is installed; ``VLLM_PLUGINS``
+    naming other plugins leaves it out)."""
+    try:
+        from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return
-    import torch
+        if not current_platform.is_cpu():
+            return
+        import torch
 
-    if torch.cpu._is_amx_tile_supported():
-        torch.cpu._init_amx()
+        # private torch functions (2.13 has them): where they are missing, nothing is asked
+        supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        request = getattr(torch.cpu, "_init_amx", None)
+        if supported is not None and request is not None and supported():
+            request()
+    except Exception as exc:  # noqa: BLE001 - a plugin's failure must not stop vLLM
+        logging.getLogger("ckptstream.vllm_plugin").warning("could not ask for the AMX state: %s", exc)

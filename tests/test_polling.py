@@ -28,7 +28,8 @@ def test_backoff_doubles_after_failures_in_a_row_and_resets_after_a_success():
     stop, wake = threading.Event(), threading.Event()
     waits: list[float] = []
     look = _Script([False, False, False, True, False, False, False, False], stop)
-    poll(stop, wake, look, interval=0.001, on_error=lambda exc, wait: waits.append(wait), max_backoff=0.005)
+    poll(stop, wake, look, interval=0.001, on_error=lambda exc, wait: waits.append(wait), retry=(OSError,),
+         max_backoff=0.005)
     assert waits == [0.002, 0.004, 0.005, 0.002, 0.004, 0.005, 0.005]
 
 
@@ -41,7 +42,7 @@ def test_an_error_outside_retry_ends_the_loop_and_on_error_may_end_it():
         raise RuntimeError("diverged") from exc
 
     with pytest.raises(RuntimeError, match="diverged"):
-        poll(stop, wake, _Script([False, True], stop), interval=0.001, on_error=give_up)
+        poll(stop, wake, _Script([False, True], stop), interval=0.001, on_error=give_up, retry=(OSError,))
 
 
 def test_a_wake_cuts_the_wait_short_and_a_set_stop_ends_the_loop():
@@ -54,5 +55,5 @@ def test_a_wake_cuts_the_wait_short_and_a_set_stop_ends_the_loop():
         if len(looks) == 2:
             stop.set()
 
-    poll(stop, wake, look, interval=60.0, on_error=lambda exc, wait: None)  # returns at once, not in 60 s
+    poll(stop, wake, look, interval=60.0, on_error=lambda exc, wait: None, retry=(OSError,))  # at once, not in 60 s
     assert len(looks) == 2

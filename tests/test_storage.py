@@ -344,3 +344,17 @@ def test_bwlimit_refuses_what_is_not_a_rate(text, capsys):
     assert main(["materialize", "/nowhere", "0", "/tmp/out", "--bwlimit", text]) == 2
     err = capsys.readouterr().err
     assert "Error: argument --bwlimit" in err
+
+
+def test_will_read_is_a_hint_that_never_fails_a_read(tmp_path):
+    """``will_read`` asks for read-ahead; a missing file or a range past the end is for the read to report."""
+    from ckptstream.storage import open_storage
+    from ckptstream.storage.timing import TimedReads
+
+    storage = open_storage(str(tmp_path))
+    storage.put("data", b"x" * 10)
+    for target in (storage, TimedReads(storage)):  # (a wrapper passes it through)
+        target.will_read("data", 0, 10)
+        target.will_read("data", 100, 10)
+        target.will_read("missing", 0, 10)
+    assert storage.read("data") == b"x" * 10

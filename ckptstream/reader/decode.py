@@ -238,16 +238,19 @@ of CPU against 0.94-1.01 s; 256 KiB segments cost more in per-segment calls than
 STREAM_MAX_CHANGES_BYTES = 256 << 20
 """Above this many bytes of decoded changes (8-byte position and the value of each) a tensor is decoded
 whole instead: the changes of every delta are held while the segments pass. Planned from the manifests'
-``changed`` counts, and enforced as the changes are decoded (a forged count is not trusted for memory)."""
+``changed`` counts (a delta without one is decoded whole), and enforced as the changes are decoded: more
+changes than counted is refused as a lying manifest."""
 
 
 @dataclass(frozen=True)
-class _Segments:
+class Segments:
     """Where a streamed tensor's bytes before its deltas come from: segment ``i`` is the bytes
-    ``[bounds[i], bounds[i + 1])``, filled by ``fill(part, i, pool)``."""
+    ``[bounds[i], bounds[i + 1])``, filled by ``fill(part, i, pool)``, which holds at most ``fill_bytes``
+    of buffers of its own meanwhile."""
 
-    bounds: list[int]
+    bounds: tuple[int, ...]
     fill: Callable[[torch.Tensor, int, BufferPool | None], None]
+    fill_bytes: int = 0
 
     @property
     def largest(self) -> int:
@@ -259,11 +262,11 @@ class TensorPlan:
     """How :func:`decode_tensor_to` decodes one tensor of a version (see :func:`plan_tensor`)."""
 
     entry: TensorEntry
-    steps: list[tuple[Manifest, TensorEntry]]
+    steps: tuple[tuple[Manifest, TensorEntry], ...]
     """Its delta chain, newest first (as ``_chain_steps`` gives it)."""
     base_entry: TensorEntry | None
     """Its entry in the version of the base copy, where the chain stops there."""
-    segments: _Segments | None
+    segments: Segments | None
     """Streamed segment by segment from these, or (None) decoded whole."""
 
     @property
@@ -274,11 +277,13 @@ class TensorPlan:
 
     @property
     def memory_bytes(self) -> int:
-        """The decode buffers it holds at most: a streamed tensor its segment (and a keyframe chunk's stored
-        bytes) and its deltas' changes, as their manifests count them; a tensor decoded whole its bytes."""
+        """The decode buffers it holds at most: a streamed tensor its segment, what filling one takes and
+        its deltas' changes, as their manifests count them (more is refused); a tensor decoded whole its
+        bytes."""
         if self.segments is None:
             return self.entry.nbytes
-        return 2 * self.segments.largest + _planned_changes_bytes(self.entry, self.deltas)
+        return (self.segments.largest + self.segments.fill_bytes
+                + _planned_changes_bytes(self.entry, self.deltas))
 
 
 def plan_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
@@ -291,10 +296,11 @@ def plan_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target: 
         IntegrityError, MissingBaseError: the chain is broken (as :func:`decode_tensor`).
     """
     steps, base_entry = _chain_steps(manifests, target, entry, base)
-    plan = TensorPlan(entry, steps, base_entry, None)
+    plan = TensorPlan(entry, tuple(steps), base_entry, None)
     deltas = plan.deltas
     sparse = all(e.encoding == ENCODING_UNCHANGED
-                 or (e.encoding == ENCODING_XOR_ZSTD and all(c[2] == LAYOUT_SPARSE for c in e.chunks))
+                 or (e.encoding == ENCODING_XOR_ZSTD and e.changed is not None
+                     and all(c[2] == LAYOUT_SPARSE for c in e.chunks))
                  for _, e in deltas)
     if not entry.nbytes or not sparse or _planned_changes_bytes(entry, deltas) > STREAM_MAX_CHANGES_BYTES:
         return plan
@@ -304,19 +310,19 @@ def plan_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target: 
         segments = _stored_segments(files, *steps[-1])
     else:
         segments = None
-    return TensorPlan(entry, steps, base_entry, segments)
+    return TensorPlan(entry, tuple(steps), base_entry, segments)
 
 
 def _planned_changes_bytes(entry: TensorEntry, deltas: list[tuple[Manifest, TensorEntry]]) -> int:
     return sum((e.changed or 0) * (8 + entry.itemsize) for _, e in deltas if e.encoding != ENCODING_UNCHANGED)
 
 
-def _fixed_bounds(nbytes: int, itemsize: int) -> list[int]:
+def _fixed_bounds(nbytes: int, itemsize: int) -> tuple[int, ...]:
     segment = max(itemsize, SEGMENT_BYTES - SEGMENT_BYTES % itemsize)
-    return list(range(0, nbytes, segment)) + [nbytes]
+    return (*range(0, nbytes, segment), nbytes)
 
 
-def _base_segments(base: BaseTensors, base_entry: TensorEntry) -> _Segments:
+def _base_segments(base: BaseTensors, base_entry: TensorEntry) -> Segments:
     """Segments read from the base copy."""
     bounds = _fixed_bounds(base_entry.nbytes, base_entry.itemsize)
 
@@ -325,10 +331,10 @@ def _base_segments(base: BaseTensors, base_entry: TensorEntry) -> _Segments:
             raise IntegrityError("the local base copy lost the tensor while it was read", version=base.version,
                                  tensor=base_entry.name, hint="Materialize this version without the base directory")
 
-    return _Segments(bounds, fill)
+    return Segments(bounds, fill)
 
 
-def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) -> _Segments | None:
+def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) -> Segments | None:
     """Segments of a full encoding read from storage: raw bytes in fixed segments, a chunked one chunk by
     chunk. Their stored hash is not checked here (that takes the whole entry): the decoded hash covers
     them, and a mismatch is diagnosed by a whole decode (see :func:`decode_tensor_to`)."""
@@ -340,8 +346,8 @@ def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) ->
             if index + 2 < len(bounds):  # the next segment arrives while this one is patched and written
                 files.will_read(manifest, root, bounds[index + 1], bounds[index + 2] - bounds[index + 1])
 
-        return _Segments(bounds, fill_raw)
-    if root.encoding != ENCODING_ZSTD or any(layout == LAYOUT_SPARSE for *_, layout in root.chunks):
+        return Segments(bounds, fill_raw)
+    if root.encoding != ENCODING_ZSTD:  # (its chunks are dense: the format allows sparse ones for XOR only)
         return None
     bounds, stored_starts = [0], [0]
     for raw_len, stored_len, _ in root.chunks:
@@ -350,6 +356,8 @@ def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) ->
 
     def fill_chunk(part: torch.Tensor, index: int, pool: BufferPool | None) -> None:
         _, stored_len, layout = root.chunks[index]
+        assert root.file is not None
+        files.check(manifest, root.file, root.name)  # before allocating what its sizes say
         stored = _take(pool, stored_len)
         try:
             files.read_range(manifest, root, stored_starts[index], stored)
@@ -363,7 +371,10 @@ def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) ->
             if pool is not None:
                 pool.give(stored)
 
-    return _Segments(bounds, fill_chunk)
+    # the stored chunk, and the decompressed and unshuffled copies of one raw chunk
+    largest_raw = max(b - a for a, b in zip(bounds, bounds[1:]))
+    return Segments(tuple(bounds), fill_chunk, max(stored_starts[i + 1] - stored_starts[i]
+                                                   for i in range(len(root.chunks))) + 2 * largest_raw)
 
 
 def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, plan: TensorPlan,
@@ -392,8 +403,11 @@ def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], tar
         try:
             changes = [_changes(files, manifest, e, pool, budget) for manifest, e in plan.deltas
                        if e.encoding == ENCODING_XOR_ZSTD]
-        except _TooManyChanges:
-            segments = None
+        except _TooManyChanges:  # planned from the manifests' counts: one of them lies
+            raise IntegrityError("the deltas change more elements than their manifests count",
+                                 version=target.version, tensor=entry.name,
+                                 hint="A version in its delta chain is forged or damaged; run `ckptstream verify`"
+                                 ) from None
     if segments is None:
         tensor = decode_tensor(files, manifests, target, entry, base, pool)
         try:
@@ -411,16 +425,18 @@ def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], tar
     if actual != entry.hash:
         if base is not None and plan.base_entry is not None:
             load_checked(base, plan.base_entry)  # the local base copy is what differs? (raises, naming it)
-        else:
-            decode_tensor(files, manifests, target, entry)  # which stored entry differs? (raises, naming it)
-        raise IntegrityError(f"decoded tensor hash mismatch (expected {entry.hash}, got {actual})",
-                             version=target.version, tensor=entry.name,
-                             hint="A version in its delta chain is corrupt; run `ckptstream verify`")
+            raise IntegrityError(f"decoded tensor hash mismatch (expected {entry.hash}, got {actual})",
+                                 version=target.version, tensor=entry.name,
+                                 hint="A version in its delta chain is corrupt; run `ckptstream verify`")
+        decode_tensor(files, manifests, target, entry)  # which stored entry differs? (raises, naming it)
+        raise IntegrityError(f"the tensor decoded in segments hashes to {actual}, decoded whole to its hash: the "
+                             "storage returned other bytes on a second read", version=target.version,
+                             tensor=entry.name, hint="Check the storage, then materialize again")
     return entry.nbytes
 
 
 class _TooManyChanges(Exception):
-    """The deltas of a tensor change more than ``STREAM_MAX_CHANGES_BYTES``: it is decoded whole instead."""
+    """The deltas of a tensor change more than ``STREAM_MAX_CHANGES_BYTES`` (more than their manifests count)."""
 
 
 def _changes(files: DataFiles, manifest: Manifest, entry: TensorEntry, pool: BufferPool | None,
@@ -458,7 +474,7 @@ def _changes(files: DataFiles, manifest: Manifest, entry: TensorEntry, pool: Buf
 
 
 def _stream_segments(entry: TensorEntry, changes: list[tuple[torch.Tensor, torch.Tensor]], buffer: torch.Tensor,
-                     write: Writer, segments: _Segments, pool: BufferPool | None) -> str:
+                     write: Writer, segments: Segments, pool: BufferPool | None) -> str:
     """Fill ``entry``'s bytes segment by segment into ``buffer``, patch, hash and write each; returns their
     hash."""
     itemsize, bounds = entry.itemsize, segments.bounds

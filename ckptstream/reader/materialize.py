@@ -12,6 +12,7 @@ that has no lock file: an older ckptstream's debris) and leaves alone those stil
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -128,8 +129,9 @@ def _write_weights(build: Path, manifest: Manifest, decode: Callable[[Writer], I
             if progress:
                 progress(nbytes)
     finally:
-        for shard in shards:
-            shard.close()
+        with contextlib.ExitStack() as closing:  # every shard closed, the first error kept
+            for shard in shards:
+                closing.callback(shard.close)
     if len(groups) > 1:
         index_doc = {"metadata": {"total_size": manifest.full_bytes}, "weight_map": weight_map}
         (build / INDEX_FILE).write_bytes(dumps_json(index_doc, what=INDEX_FILE, indent=2))
@@ -157,12 +159,14 @@ class _OutputFile:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None
+        self._map_bytes = 0
         try:
             os.pwrite(self._fd, header, 0)
             if mapped and size > len(header) and _reserve(self._fd, 0, len(header)):
                 try:
                     os.ftruncate(self._fd, size)  # (sparse: no blocks yet)
                     self._map = mmap.mmap(self._fd, size)
+                    self._map_bytes = size
                 except OSError:  # a size the file system or the address space refuses: its decode fails
                     self._map = None
                 else:
@@ -179,7 +183,10 @@ class _OutputFile:
         if not length:
             return 0
         if self._bytes is not None:
-            if not _reserve(self._fd, at, length):
+            # whole pages: a write fault allocates every block of its page (64 KiB pages on some hosts)
+            start = at - at % mmap.PAGESIZE
+            end = min(-(-(at + length) // mmap.PAGESIZE) * mmap.PAGESIZE, self._map_bytes)
+            if not _reserve(self._fd, start, end - start):
                 raise OSError(errno.EOPNOTSUPP, "the file system stopped reserving blocks")
             if source is None:
                 source = torch.frombuffer(data, dtype=torch.uint8)
@@ -192,13 +199,17 @@ class _OutputFile:
         return written
 
     def close(self) -> None:
-        self._bytes = None  # (a mapping with views of it left cannot close)
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Unmap and close the file. Only once no write runs (the decoding threads are joined before):
+        the mapping goes even while tensors view it, and a write into it then would fault."""
+        self._bytes = None
+        try:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def _reserve(fd: int, offset: int, length: int) -> bool:

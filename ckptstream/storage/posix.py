@@ -77,15 +77,16 @@ class PosixStorage(Storage):
 
     def will_read(self, path: str, offset: int, length: int) -> None:
         # Each read opens the file anew, so the kernel's read-ahead never sees a sequence: asked for, it
-        # reads these bytes while the caller works on the last ones.
-        try:
+        # reads these bytes while the caller works on the last ones. A hint: nothing here fails a read
+        # (macOS has no posix_fadvise; the read itself reports a missing file).
+        if not hasattr(os, "posix_fadvise"):
+            return
+        with contextlib.suppress(OSError):
             fd = os.open(self._abs(path), os.O_RDONLY)
-        except OSError:
-            return  # (the read itself reports it)
-        try:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
+            try:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     def open_read(self, path: str) -> IO[bytes]:
         return open(self._abs(path), "rb")

@@ -138,7 +138,9 @@ class NodeAgent:
             notify(self.observers, "on_error", exc, wait)
 
         try:
-            poll(stop, self.wake, self.step, interval=self.config.poll_interval, on_error=failed)
+            # any error: storage away must not end the agent, which keeps what is cached
+            poll(stop, self.wake, self.step, interval=self.config.poll_interval, on_error=failed,
+                 retry=(Exception,))
         finally:
             if watcher is not None:
                 watcher.stop()

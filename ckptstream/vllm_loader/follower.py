@@ -206,7 +206,8 @@ class Follower:
             self._notify("on_error", exc, wait)
 
         try:
-            poll(stop, self.wake, look, interval=self.poll_interval, on_error=failed)
+            # any error: storage or servers away must not end the follower, which keeps serving
+            poll(stop, self.wake, look, interval=self.poll_interval, on_error=failed, retry=(Exception,))
         finally:
             if watcher is not None:
                 watcher.stop()

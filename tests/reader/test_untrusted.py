@@ -27,12 +27,16 @@ SEAL_KEY = b'"manifest_hash": "xxh3-128:'
 @pytest.fixture
 def two_versions(stream_url):
     """Version 0 (a keyframe with assets) and 1 (a delta)."""
+    return _publish_two_versions(stream_url)
+
+
+def _publish_two_versions(url: str) -> str:
     state = random_state(0, scale=2)
-    with Publisher(stream_url, assets={"config.json": b'{"model_type": "x"}'}, chunk_bytes=2048) as publisher:
+    with Publisher(url, assets={"config.json": b'{"model_type": "x"}'}, chunk_bytes=2048) as publisher:
         publisher.publish(state).result()
         rl_like_step(state, fraction=0.05)
         publisher.publish(state).result()
-    return stream_url
+    return url
 
 
 def _replace(url: str, path: str, data: bytes) -> None:
@@ -400,3 +404,25 @@ def test_materialized_output_is_the_published_version(two_versions, tmp_path):
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert sorted(p.name for p in out.iterdir()) == ["ckptstream.json", "config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_a_delta_changing_more_than_its_count_says_is_refused_while_streaming(tmp_path, monkeypatch):
+    """The decode plans a tensor's memory from its deltas' ``changed`` counts: one that changes more than
+    its count says (forged) is refused naming the version and the tensor, not held. (Local storage: only
+    there do tensors stream from a stored keyframe.)"""
+    from ckptstream.reader import decode
+
+    url = _publish_two_versions(str(tmp_path / "stream"))
+    name = None
+
+    def edit(body: dict) -> None:
+        nonlocal name
+        entry = max((t for t in body["tensors"] if t["encoding"] == "xor-zstd"
+                     and all(c[2] == "sparse" for c in t["chunks"])), key=lambda t: t.get("changed") or 0)
+        entry["changed"], name = 1, entry["name"]
+    _forge(url, 1, edit)
+    monkeypatch.setattr(decode, "STREAM_MAX_CHANGES_BYTES", 1000)  # the count fits; the changes do not
+    with pytest.raises(IntegrityError, match="more elements than their manifests count") as info:
+        Stream(url).materialize(1, tmp_path / "m")
+    assert (info.value.version, info.value.tensor) == (1, name)
+    assert not (tmp_path / "m").exists()
