@@ -155,12 +155,24 @@ def test_materialize_streams_from_the_stored_start(tmp_path, monkeypatch):
 
     entry = chain[0].tensor("a")
     path = tmp_path / "stream" / data_path(0, entry.file)
-    data = bytearray(path.read_bytes())
+    original = path.read_bytes()
+    data = bytearray(original)
     data[entry.offset + entry.length - 10] ^= 0x40
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="stored bytes hash mismatch") as info:
         stream.materialize(2, tmp_path / "bad")
     assert (info.value.version, info.value.tensor, info.value.file) == (0, "a", data_path(0, entry.file))
+    assert not (tmp_path / "bad").exists()
+
+    path.write_bytes(original)  # then a damaged byte in a zstd chunk of the delta that introduced "b"
+    entry = chain[1].tensor("b")
+    path = tmp_path / "stream" / data_path(1, entry.file)
+    data = bytearray(path.read_bytes())
+    data[entry.offset + entry.chunks[0][1] + 5] ^= 0x40  # inside its second chunk
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError) as info:
+        stream.materialize(2, tmp_path / "bad")
+    assert (info.value.version, info.value.tensor, info.value.file) == (1, "b", data_path(1, entry.file))
     assert not (tmp_path / "bad").exists()
 
 
