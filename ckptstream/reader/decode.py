@@ -371,10 +371,9 @@ def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) ->
             if pool is not None:
                 pool.give(stored)
 
-    # the stored chunk, and the decompressed and unshuffled copies of one raw chunk
-    largest_raw = max(b - a for a, b in zip(bounds, bounds[1:]))
-    return Segments(tuple(bounds), fill_chunk, max(stored_starts[i + 1] - stored_starts[i]
-                                                   for i in range(len(root.chunks))) + 2 * largest_raw)
+    # what filling one holds: its stored chunk, and the decompressed and unshuffled copies of its raw bytes
+    fill_bytes = max(stored_len for _, stored_len, _ in root.chunks) + 2 * max(raw for raw, _, _ in root.chunks)
+    return Segments(tuple(bounds), fill_chunk, fill_bytes)
 
 
 def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, plan: TensorPlan,
