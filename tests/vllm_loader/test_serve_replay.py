@@ -18,6 +18,7 @@ import time
 
 from ckptstream import Publisher, Stream
 from ckptstream.hf import iter_hf_weights
+from ckptstream.reader import ReplicaRecord
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import VllmClient, default_cache_dir, free_port
 from tests.helpers import PROMPTS
@@ -100,8 +101,12 @@ def test_replay_beside_serve_takes_the_server_over_and_gives_it_back(tmp_path):
             assert seen["outputs"] == outputs  # exactly the version serve had served
 
         _wait(lambda: client.weight_version() == str(newest))  # given back: serve brings the newest version
-        record = next(r for r in Stream(url).replicas() if r.replica_id == "serving")
-        assert record.version == newest
+
+        def record() -> ReplicaRecord:
+            return next(r for r in Stream(url).replicas() if r.replica_id == "serving")
+
+        _wait(lambda: record().state != "updating")  # the record is written once the reload it reports returned
+        assert record().version == newest
         # The replay's versions are gone, serve's is intact (the cache is shared now: adapted from the
         # per-follower directories, where the replay's own was gone).
         cached = default_cache_dir() / stream_id
