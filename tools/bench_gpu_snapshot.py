@@ -17,11 +17,13 @@ from the stream and compared bit for bit with the device tensors of its step (on
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +80,30 @@ def pinned_floor(state: dict[str, torch.Tensor], device: torch.device) -> float:
     return min(times)
 
 
+class FullCollections:
+    """Python's full garbage collections (generation 2) of this process, as (start, seconds) by
+    ``perf_counter``, whichever thread ran them: one falling inside ``publish`` adds its time to it."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self._started: dict[int, float] = {}
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        now = time.perf_counter()
+        if phase == "start":
+            self._started[threading.get_ident()] = now
+        elif threading.get_ident() in self._started:
+            start = self._started.pop(threading.get_ident())
+            self.spans.append((start, now - start))
+
+    def within(self, start: float, end: float) -> list[float]:
+        """The seconds of the collections that ran (partly) between ``start`` and ``end``."""
+        return [seconds for begun, seconds in self.spans if begun < end and begun + seconds > start]
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
         a.reshape(-1).view(INT_OF_SIZE[a.element_size()]), b.reshape(-1).view(INT_OF_SIZE[b.element_size()]))
@@ -94,6 +120,9 @@ def main() -> None:
     parser.add_argument("--device-delta", choices=("auto", "off"), default="auto",
                         help="auto: the device encoder for CUDA tensors (and, with --device cpu, its CPU "
                              "reference); off: the host path")
+    parser.add_argument("--freeze-gc", choices=("auto", "off"), default="auto",
+                        help="auto: the publisher's default (the heap frozen at the first device publish); "
+                             "off: freeze_gc=False, the collector left alone")
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--dir", help="stream directory (default: a temp dir, removed afterwards)")
     parser.add_argument("--json", help="also write the figures to this file")
@@ -120,8 +149,9 @@ def main() -> None:
     rows, exact = [], []
     device_delta = None if args.device_delta == "auto" and cuda else args.device_delta == "auto"
     publisher = Publisher(str(root / "stream"), keyframe_every=args.keyframe_every, workers=args.workers,
-                          device_delta=device_delta)
+                          device_delta=device_delta, freeze_gc=None if args.freeze_gc == "auto" else False)
     stream = Stream(str(root / "stream"))
+    collections = FullCollections()
     with publisher:
         for step in range(args.steps):
             if step:
@@ -134,6 +164,7 @@ def main() -> None:
             returned = time.perf_counter() - started
             synchronize(device)  # and the device work the trainer's stream now waits for
             blocked = time.perf_counter() - started
+            full_gc = collections.within(started, started + blocked)
             manifest = future.result()
             after = time.perf_counter() - started - returned
             if cuda:
@@ -141,10 +172,12 @@ def main() -> None:
             rows.append({"version": manifest.version, "kind": manifest.kind, "stored_bytes": manifest.stored_bytes,
                          "blocked_s": blocked, "returned_s": returned, "committed_after_s": after,
                          "device_memory_bytes": publisher.device_memory_bytes,
-                         "pinned_bytes": publisher.pinned_memory_bytes, "phases_s": dict(publisher.phase_seconds)})
+                         "pinned_bytes": publisher.pinned_memory_bytes, "phases_s": dict(publisher.phase_seconds),
+                         "full_gc_in_publish_s": full_gc})
             print(f"  version {step}: {manifest.kind:8} stored {manifest.stored_bytes / 1e6:9.1f} MB "
                   f"({100 * manifest.stored_bytes / full:6.2f}%)  publish blocked {blocked:6.3f} s (returned after "
-                  f"{returned:6.3f} s), committed {after:6.2f} s after it returned", flush=True)
+                  f"{returned:6.3f} s), committed {after:6.2f} s after it returned"
+                  + (f"; full gc inside it: {', '.join(f'{x:.3f} s' for x in full_gc)}" if full_gc else ""), flush=True)
             print("    background: " + ", ".join(f"{k} {v:.3f} s" for k, v in publisher.phase_seconds.items()),
                   flush=True)
             ok = all(same_bits(state[n], t.to(device)) for n, t in stream.iter_tensors(manifest.version))
@@ -187,6 +220,9 @@ def main() -> None:
     print(f"{'peak device memory beyond it, MB':44} {(peak - resident) / 1e6:10.1f}")
     for key, value in figures["delta_phases_median_s"].items():
         print(f"{'delta background, ' + key + ' (median), s':44} {value:10.3f}")
+    print(f"{'full gc runs inside publish (all versions)':44} {sum(len(r['full_gc_in_publish_s']) for r in rows):10d}")
+    print(f"{'full gc runs in the whole run, longest, s':44} {len(collections.spans):10d} "
+          f"{max((s for _, s in collections.spans), default=0):9.3f}")
     print(f"{'delta stored (median) x model':44} {figures['delta_stored_median_bytes'] / full:10.4f}")
     print(f"device memory allocated: before {memory_before / 1e9:.2f} GB, after close {memory_after / 1e9:.2f} GB")
     print(f"every version decodes bit-exactly to the device tensors: {'ok' if all(exact) else 'NO'}")

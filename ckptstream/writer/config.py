@@ -40,6 +40,12 @@ class PublisherConfig:
             payload's staging and the ring whole tensors leave through); ``publish`` then waits only
             for the change detection on the device. False: the host path (the tensors are copied into pinned
             host buffers, and the delta is computed there). True also for CPU tensors (the reference run).
+        freeze_gc: at the first ``publish``, collect garbage once and freeze the objects alive then (the
+            trainer's model and modules: ``gc.freeze``) until the publisher closes, so that Python's full
+            collections, which otherwise walk them all (~0.1 s, holding the GIL, in whichever thread), stay
+            short enough not to double a ``publish`` they fall into (:mod:`ckptstream.writer.heap`).
+            None (default): when the version goes to the device encoder, whose ``publish`` blocks tens of
+            milliseconds. False: the collector is left as the trainer set it.
     """
 
     storage_options: Mapping[str, Any] | None = None
@@ -54,6 +60,7 @@ class PublisherConfig:
     workers: int | None = None
     base_cache_dir: str | os.PathLike[str] | None = None
     device_delta: bool | None = None
+    freeze_gc: bool | None = None
 
     def __post_init__(self) -> None:
         if self.keyframe_every < 1 or self.max_in_flight < 1 or self.shard_bytes < 1 or self.chunk_bytes < 8:

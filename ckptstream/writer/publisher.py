@@ -44,6 +44,7 @@ from .config import PublisherConfig
 from .device_encode import DeviceCapture, DeviceDeltaEncoder, DeviceSnapshot, LandedVersion
 from .encode import DeltaEncoder, EncodedVersion, VersionEncoder
 from .files import DataFileWriter
+from .heap import HeapFreeze
 from .snapshot import NamedTensors, SnapshotBuffers
 
 log = logging.getLogger("ckptstream.publish")
@@ -140,7 +141,7 @@ class Publisher:
         coordinator: how the processes writing a version agree on it (default: this process alone).
         **options: fields of :class:`PublisherConfig` (``storage_options``, ``assets``,
             ``keyframe_every``, ``delta_max_ratio``, ``shard_bytes``, ``chunk_bytes``, ``zstd_level``,
-            ``shuffle``, ``max_in_flight``, ``workers``, ``base_cache_dir``, ``device_delta``), replacing
+            ``shuffle``, ``max_in_flight``, ``workers``, ``base_cache_dir``, ``device_delta``, ``freeze_gc``), replacing
             ``config``'s.
 
     CUDA tensors are encoded on their device (``device_delta``, on by default for them): the publisher
@@ -171,6 +172,7 @@ class Publisher:
                                  config.base_cache_dir if self._coordinator.looks_up_base else None)
         self._snapshots = SnapshotBuffers()
         self._device = DeviceSnapshot()
+        self._heap = HeapFreeze()
         self.phase_seconds: dict[str, float] = {}
         """Where the background time of the last committed version went, in seconds per phase (``land``:
         the device encoder's capture reaching the host and handed to the threads, which apply it to the
@@ -277,6 +279,7 @@ class Publisher:
             self._bases.forget()
             self._snapshots.clear()
             self._device.clear()
+            self._heap.release()
 
     def __enter__(self) -> Publisher:
         return self
@@ -319,6 +322,8 @@ class Publisher:
             on_device = self.config.device_delta
             if on_device is None:
                 on_device = first is not None and isinstance(first[1], torch.Tensor) and first[1].is_cuda
+            if self.config.freeze_gc or (self.config.freeze_gc is None and on_device):
+                self._heap.hold()
             if on_device:
                 self._snapshots.clear()
                 job.capture = self._device.take(items, job.version)
