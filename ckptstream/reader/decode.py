@@ -242,6 +242,30 @@ whole instead: the changes of every delta are held while the segments pass. Plan
 changes than counted is refused as a lying manifest."""
 
 
+READ_AHEAD_BYTES = 32 << 20
+"""A streamed tensor's stored bytes are asked of the storage (``Storage.will_read``) this far beyond the
+segment being read, so that the storage reads each decoding thread's stream in pieces of that depth while
+the thread patches, hashes and writes. On a 16-core host (4.2 GB model, 5 deltas, one run, medians of 3)
+a cold materialize took 4.45 s with one segment (4 MiB) ahead, 3.89 s with 32 MiB and 128 MiB."""
+
+
+class _ReadAhead:
+    """Hints of one stored entry's bytes, ahead of its sequential reads (see :data:`READ_AHEAD_BYTES`)."""
+
+    def __init__(self, files: DataFiles, manifest: Manifest, entry: TensorEntry):
+        self._files, self._manifest, self._entry = files, manifest, entry
+        self._hinted = 0  # bytes [0, _hinted) of the entry hinted or read
+
+    def after(self, position: int) -> None:
+        """The bytes before ``position`` are being read: hint those up to ``READ_AHEAD_BYTES`` beyond it,
+        in pieces of at least a quarter of that depth (fewer calls)."""
+        self._hinted = max(self._hinted, position)
+        end = min(position + READ_AHEAD_BYTES, self._entry.length)
+        if end - self._hinted >= min(READ_AHEAD_BYTES // 4, self._entry.length - self._hinted) > 0:
+            self._files.will_read(self._manifest, self._entry, self._hinted, end - self._hinted)
+            self._hinted = end
+
+
 @dataclass(frozen=True)
 class Segments:
     """Where a streamed tensor's bytes before its deltas come from: segment ``i`` is the bytes
@@ -341,10 +365,11 @@ def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) ->
     if root.encoding == ENCODING_RAW:
         bounds = _fixed_bounds(root.nbytes, root.itemsize)
 
+        ahead = _ReadAhead(files, manifest, root)
+
         def fill_raw(part: torch.Tensor, index: int, pool: BufferPool | None) -> None:
+            ahead.after(bounds[index + 1])
             files.read_range(manifest, root, bounds[index], part)
-            if index + 2 < len(bounds):  # the next segment arrives while this one is patched and written
-                files.will_read(manifest, root, bounds[index + 1], bounds[index + 2] - bounds[index + 1])
 
         return Segments(bounds, fill_raw)
     if root.encoding != ENCODING_ZSTD:  # (its chunks are dense: the format allows sparse ones for XOR only)
@@ -354,15 +379,16 @@ def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) ->
         bounds.append(bounds[-1] + raw_len)
         stored_starts.append(stored_starts[-1] + stored_len)
 
+    ahead = _ReadAhead(files, manifest, root)
+
     def fill_chunk(part: torch.Tensor, index: int, pool: BufferPool | None) -> None:
         _, stored_len, layout = root.chunks[index]
         assert root.file is not None
         files.check(manifest, root.file, root.name)  # before allocating what its sizes say
         stored = _take(pool, stored_len)
         try:
+            ahead.after(stored_starts[index + 1])
             files.read_range(manifest, root, stored_starts[index], stored)
-            if index + 2 < len(stored_starts):
-                files.will_read(manifest, root, stored_starts[index + 1], root.chunks[index + 1][1])
             try:
                 codec.apply_chunk(part, codec.buffer_of(stored), root.itemsize, shuffle=root.shuffle, layout=layout)
             except ValueError as exc:

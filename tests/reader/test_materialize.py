@@ -217,3 +217,50 @@ def test_a_full_disk_is_an_error_not_a_crash(tmp_path, tiny_model):
          f"ls -A {mount}", sys.executable, script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["errno", "ENOSPC"], result.stdout  # and `ls` found nothing left
+
+
+def test_a_streamed_tensor_is_asked_for_ahead_of_its_reads(tmp_path, monkeypatch):
+    """Each decoding thread hints its tensor's stored bytes to the storage (``will_read``) ahead of the
+    segment it reads, up to ``READ_AHEAD_BYTES`` beyond it: every byte of the keyframe entry is hinted once,
+    before it is read, and never more than that depth ahead (the calls recorded on the real storage)."""
+    from ckptstream.reader import decode
+    from ckptstream.storage.posix import PosixStorage
+
+    monkeypatch.setattr(decode, "SEGMENT_BYTES", 4096)
+    monkeypatch.setattr(decode, "READ_AHEAD_BYTES", 4 * 4096)
+    url = str(tmp_path / "stream")
+    state = {"a": torch.randn(100_000, generator=torch.Generator().manual_seed(0))}  # 400 KB, ~98 segments
+    with Publisher(url) as publisher:
+        publisher.publish(state).result()
+    events: list[tuple[str, int, int]] = []
+    real_will_read, real_read_into = PosixStorage.will_read, PosixStorage.read_into
+
+    def will_read(self, path, offset, length):
+        events.append(("hint", offset, length))
+        return real_will_read(self, path, offset, length)
+
+    def read_into(self, path, offset, out):
+        if path.endswith(".safetensors"):
+            events.append(("read", offset, len(out)))
+        return real_read_into(self, path, offset, out)
+
+    monkeypatch.setattr(PosixStorage, "will_read", will_read)
+    monkeypatch.setattr(PosixStorage, "read_into", read_into)
+    out = Stream(url).materialize(0, tmp_path / "v0")
+    assert_same_tensors(load_file(out / "model.safetensors"), state)
+    entry = Stream(url).manifest(0).tensor("a")
+    hints = [(offset, length) for kind, offset, length in events if kind == "hint"]
+    reads = [(offset, length) for kind, offset, length in events if kind == "read" and length == 4096]
+    assert len(hints) > 5 and reads
+    covered = entry.offset + 4096  # the first segment is read at once; the rest is hinted in order
+    for offset, length in hints:
+        assert offset == covered and length > 0
+        covered += length
+    assert covered == entry.offset + entry.nbytes
+    hinted, depths = entry.offset + 4096, []
+    for kind, offset, length in events:  # never more than the depth beyond the segment being read
+        if kind == "hint":
+            hinted = offset + length
+        elif length == 4096:
+            depths.append(hinted - (offset + length))
+    assert max(depths) <= 4 * 4096 and max(depths) > 4096  # deeper than the next segment alone
