@@ -99,6 +99,9 @@ class FullCollections:
             start = self._started.pop(threading.get_ident())
             self.spans.append((start, now - start))
 
+    def close(self) -> None:
+        gc.callbacks.remove(self._note)
+
     def within(self, start: float, end: float) -> list[float]:
         """The seconds of the collections that ran (partly) between ``start`` and ``end``."""
         return [seconds for begun, seconds in self.spans if begun < end and begun + seconds > start]
@@ -151,7 +154,7 @@ def main() -> None:
     publisher = Publisher(str(root / "stream"), keyframe_every=args.keyframe_every, workers=args.workers,
                           device_delta=device_delta, freeze_gc=None if args.freeze_gc == "auto" else False)
     stream = Stream(str(root / "stream"))
-    collections = FullCollections()
+    full_collections = FullCollections()
     with publisher:
         for step in range(args.steps):
             if step:
@@ -164,7 +167,7 @@ def main() -> None:
             returned = time.perf_counter() - started
             synchronize(device)  # and the device work the trainer's stream now waits for
             blocked = time.perf_counter() - started
-            full_gc = collections.within(started, started + blocked)
+            full_gc = full_collections.within(started, started + blocked)
             manifest = future.result()
             after = time.perf_counter() - started - returned
             if cuda:
@@ -185,6 +188,7 @@ def main() -> None:
             print(f"    decodes bit-exactly to the device tensors: {'ok' if ok else 'NO'}", flush=True)
         resident = publisher.device_memory_bytes
         pinned = publisher.pinned_memory_bytes
+    full_collections.close()
     synchronize(device)
     memory_after = torch.cuda.memory_allocated(device) if cuda else 0
 
@@ -221,8 +225,8 @@ def main() -> None:
     for key, value in figures["delta_phases_median_s"].items():
         print(f"{'delta background, ' + key + ' (median), s':44} {value:10.3f}")
     print(f"{'full gc runs inside publish (all versions)':44} {sum(len(r['full_gc_in_publish_s']) for r in rows):10d}")
-    print(f"{'full gc runs in the whole run, longest, s':44} {len(collections.spans):10d} "
-          f"{max((s for _, s in collections.spans), default=0):9.3f}")
+    print(f"{'full gc runs in the whole run, longest, s':44} {len(full_collections.spans):10d} "
+          f"{max((s for _, s in full_collections.spans), default=0):9.3f}")
     print(f"{'delta stored (median) x model':44} {figures['delta_stored_median_bytes'] / full:10.4f}")
     print(f"device memory allocated: before {memory_before / 1e9:.2f} GB, after close {memory_after / 1e9:.2f} GB")
     print(f"every version decodes bit-exactly to the device tensors: {'ok' if all(exact) else 'NO'}")

@@ -243,10 +243,12 @@ changes than counted is refused as a lying manifest."""
 
 
 READ_AHEAD_BYTES = 32 << 20
-"""A streamed tensor's stored bytes are asked of the storage (``Storage.will_read``) this far beyond the
-segment being read, so that the storage reads each decoding thread's stream in pieces of that depth while
-the thread patches, hashes and writes. On a 16-core host (4.2 GB model, 5 deltas, one run, medians of 3)
-a cold materialize took 4.45 s with one segment (4 MiB) ahead, 3.89 s with 32 MiB and 128 MiB."""
+"""A streamed tensor's stored bytes are asked of the storage (``Storage.will_read``) up to this far beyond
+the segment just read (in pieces of at least a quarter of it), so that the storage has each decoding
+thread's next reads queued while the thread patches, hashes and writes. On a 16-core host (4.2 GB model,
+5 deltas, one run, medians of 3, the raw cold read varying 2.3-3.4 s within it) a cold materialize took
+4.45 s with one segment (4 MiB) ahead, 3.89 s with 32 MiB and with 128 MiB; on a 2-core VM 32 MiB was
+5-10 % slower than one segment (docs/BENCHMARKS.md, decode, fourth round)."""
 
 
 class _ReadAhead:
@@ -368,8 +370,8 @@ def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) ->
         ahead = _ReadAhead(files, manifest, root)
 
         def fill_raw(part: torch.Tensor, index: int, pool: BufferPool | None) -> None:
-            ahead.after(bounds[index + 1])
             files.read_range(manifest, root, bounds[index], part)
+            ahead.after(bounds[index + 1])  # (after the read: the first one does not queue behind its hints)
 
         return Segments(bounds, fill_raw)
     if root.encoding != ENCODING_ZSTD:  # (its chunks are dense: the format allows sparse ones for XOR only)
@@ -387,8 +389,8 @@ def _stored_segments(files: DataFiles, manifest: Manifest, root: TensorEntry) ->
         files.check(manifest, root.file, root.name)  # before allocating what its sizes say
         stored = _take(pool, stored_len)
         try:
-            ahead.after(stored_starts[index + 1])
             files.read_range(manifest, root, stored_starts[index], stored)
+            ahead.after(stored_starts[index + 1])
             try:
                 codec.apply_chunk(part, codec.buffer_of(stored), root.itemsize, shuffle=root.shuffle, layout=layout)
             except ValueError as exc:

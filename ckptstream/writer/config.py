@@ -40,12 +40,13 @@ class PublisherConfig:
             payload's staging and the ring whole tensors leave through); ``publish`` then waits only
             for the change detection on the device. False: the host path (the tensors are copied into pinned
             host buffers, and the delta is computed there). True also for CPU tensors (the reference run).
-        freeze_gc: at the first ``publish``, collect garbage once and freeze the objects alive then (the
-            trainer's model and modules: ``gc.freeze``) until the publisher closes, so that Python's full
-            collections, which otherwise walk them all (~0.1 s, holding the GIL, in whichever thread), stay
-            short enough not to double a ``publish`` they fall into (:mod:`ckptstream.writer.heap`).
-            None (default): when the version goes to the device encoder, whose ``publish`` blocks tens of
-            milliseconds. False: the collector is left as the trainer set it.
+        freeze_gc: at the first ``publish`` that uses it, collect garbage once and freeze the objects
+            alive then (the trainer's model and modules: ``gc.freeze``) until the last publisher closes (close
+            it, or use ``with``), so that Python's full collections, which otherwise walk them all (0.1-0.2 s,
+            holding the GIL, in whichever thread), stay short enough not to double a ``publish`` they fall
+            into (:mod:`ckptstream.writer.heap`; meanwhile an object of then that becomes cyclic garbage is
+            reclaimed only after the unfreeze). None (default): when the version goes to the device
+            encoder, whose ``publish`` blocks tens of milliseconds. False: the collector is left alone.
     """
 
     storage_options: Mapping[str, Any] | None = None

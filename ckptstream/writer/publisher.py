@@ -324,6 +324,8 @@ class Publisher:
                 on_device = first is not None and isinstance(first[1], torch.Tensor) and first[1].is_cuda
             if self.config.freeze_gc or (self.config.freeze_gc is None and on_device):
                 self._heap.hold()
+                if self._closed:  # closed meanwhile: its release has run
+                    self._heap.release()
             if on_device:
                 self._snapshots.clear()
                 job.capture = self._device.take(items, job.version)

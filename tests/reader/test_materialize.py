@@ -219,48 +219,59 @@ def test_a_full_disk_is_an_error_not_a_crash(tmp_path, tiny_model):
     assert result.stdout.split() == ["errno", "ENOSPC"], result.stdout  # and `ls` found nothing left
 
 
-def test_a_streamed_tensor_is_asked_for_ahead_of_its_reads(tmp_path, monkeypatch):
-    """Each decoding thread hints its tensor's stored bytes to the storage (``will_read``) ahead of the
-    segment it reads, up to ``READ_AHEAD_BYTES`` beyond it: every byte of the keyframe entry is hinted once,
-    before it is read, and never more than that depth ahead (the calls recorded on the real storage)."""
+@pytest.mark.parametrize("start", ["raw", "zstd"])
+def test_a_streamed_tensor_is_asked_for_ahead_of_its_reads(tmp_path, monkeypatch, start):
+    """Each decoding thread hints its tensor's stored bytes to the storage (``will_read``) ahead of its
+    reads, up to ``READ_AHEAD_BYTES`` beyond the segment just read: every byte of the entry after its first
+    read is hinted once, in order, before it is read, and never more than that depth ahead (the calls
+    recorded on the real storage). A keyframe's raw bytes go in fixed segments, the zstd chunks of a tensor
+    new in a delta chunk by chunk."""
     from ckptstream.reader import decode
     from ckptstream.storage.posix import PosixStorage
 
+    depth = 4 * 4096
     monkeypatch.setattr(decode, "SEGMENT_BYTES", 4096)
-    monkeypatch.setattr(decode, "READ_AHEAD_BYTES", 4 * 4096)
+    monkeypatch.setattr(decode, "READ_AHEAD_BYTES", depth)
     url = str(tmp_path / "stream")
-    state = {"a": torch.randn(100_000, generator=torch.Generator().manual_seed(0))}  # 400 KB, ~98 segments
-    with Publisher(url) as publisher:
+    state = {"a": torch.randn(100_000, generator=torch.Generator().manual_seed(0))}  # 400 KB
+    with Publisher(url, chunk_bytes=8192) as publisher:
         publisher.publish(state).result()
+        if start == "zstd":  # new in a delta: stored whole there, in zstd chunks
+            state["b"] = torch.randn(100_000, generator=torch.Generator().manual_seed(1))  # 49 chunks
+            publisher.publish(state).result()
+    version, name = (0, "a") if start == "raw" else (1, "b")
+    entry = Stream(url).manifest(version).tensor(name)
+    assert entry.encoding == start
     events: list[tuple[str, int, int]] = []
     real_will_read, real_read_into = PosixStorage.will_read, PosixStorage.read_into
 
     def will_read(self, path, offset, length):
-        events.append(("hint", offset, length))
+        if offset >= entry.offset and path.endswith(entry.file):
+            events.append(("hint", offset, length))
         return real_will_read(self, path, offset, length)
 
     def read_into(self, path, offset, out):
-        if path.endswith(".safetensors"):
+        if offset >= entry.offset and path.endswith(entry.file) and offset + len(out) <= entry.offset + entry.length:
             events.append(("read", offset, len(out)))
         return real_read_into(self, path, offset, out)
 
     monkeypatch.setattr(PosixStorage, "will_read", will_read)
     monkeypatch.setattr(PosixStorage, "read_into", read_into)
-    out = Stream(url).materialize(0, tmp_path / "v0")
+    out = Stream(url).materialize(version, tmp_path / "out")
     assert_same_tensors(load_file(out / "model.safetensors"), state)
-    entry = Stream(url).manifest(0).tensor("a")
+    reads = [(offset, length) for kind, offset, length in events if kind == "read"]
     hints = [(offset, length) for kind, offset, length in events if kind == "hint"]
-    reads = [(offset, length) for kind, offset, length in events if kind == "read" and length == 4096]
-    assert len(hints) > 5 and reads
-    covered = entry.offset + 4096  # the first segment is read at once; the rest is hinted in order
+    assert len(reads) > 20 and len(hints) > 5
+    covered = reads[0][0] + reads[0][1]  # the first read is not hinted; the rest is, in order
     for offset, length in hints:
         assert offset == covered and length > 0
         covered += length
-    assert covered == entry.offset + entry.nbytes
-    hinted, depths = entry.offset + 4096, []
-    for kind, offset, length in events:  # never more than the depth beyond the segment being read
+    assert covered == entry.offset + entry.length
+    hinted, depths = reads[0][0] + reads[0][1], []
+    for kind, offset, length in events[1:]:
         if kind == "hint":
             hinted = offset + length
-        elif length == 4096:
+        else:
             depths.append(hinted - (offset + length))
-    assert max(depths) <= 4 * 4096 and max(depths) > 4096  # deeper than the next segment alone
+    assert min(depths) >= 0  # each read was hinted before it
+    assert max(depths) <= depth and max(depths) > reads[1][1]  # deeper than the next read alone
