@@ -22,7 +22,8 @@ from ..format import (DEFAULT_SHARD_BYTES, LATEST, MANIFESTS_DIR, MAX_VERSION, S
 from ..parallel import default_workers, ordered_parallel
 from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
 from ..storage.readahead import ChunkedReads
-from .decode import BufferPool, Writer, decode_tensor, decode_tensor_to, load_checked, plan_tensor
+from .decode import (BufferPool, Writer, decode_order, decode_tensor, decode_tensor_to, load_checked,
+                     plan_tensor)
 from .files import DataFiles
 from .leases import DEFAULT_LEASE_TTL, hold_lease
 from .materialize import MaterializedBase, build_directory, write_directory
@@ -333,10 +334,8 @@ class Stream:
         try:
             if write is not None:
                 pool = BufferPool(max_inflight_bytes)
-                # The largest first (their byte counts, in any order, are all the caller gets): a tensor of a
-                # fifth of the model, streamed, then runs beside the others instead of alone at the end.
                 plans = sorted((plan_tensor(self._files, chain.__getitem__, target, e, base) for e in entries),
-                               key=lambda plan: -plan.entry.nbytes)
+                               key=decode_order)
                 yield from ordered_parallel(
                     plans, lambda plan: decode_tensor_to(self._files, chain.__getitem__, target, plan, write, base,
                                                          pool),

@@ -150,6 +150,11 @@ def test_materialize_streams_from_the_stored_start(tmp_path, monkeypatch):
     assert [plans[n].steps[-1][1].encoding for n in ("a", "b")] == ["raw", "zstd"]
     assert len(plans["b"].steps[-1][1].chunks) > 1 and len(plans["b"].segments.bounds) > 2
     assert plans["a"].segments is not None  # ("small" has dense chunks: decoded whole)
+    # Decoded whole first; then the streamed ones in the order of their stored bytes.
+    assert [plan.entry.name for plan in sorted(plans.values(), key=decode.decode_order)] == ["small", "a", "b"]
+    assert plans["small"].stored_root is None
+    a, b = chain[0].tensor("a"), chain[1].tensor("b")
+    assert (plans["a"].stored_root, plans["b"].stored_root) == ((0, a.file, a.offset), (1, b.file, b.offset))
     out = stream.materialize(2, tmp_path / "v2")
     assert_same_tensors(load_file(out / "model.safetensors"), history[2])
 
