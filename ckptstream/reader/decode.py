@@ -308,7 +308,8 @@ class TensorPlan:
         if self.segments is None or self.base_entry is not None:
             return None
         manifest, root = self.steps[-1]
-        return manifest.version, root.file or "", root.offset
+        assert root.file is not None  # (a full encoding is stored in a file)
+        return manifest.version, root.file, root.offset
 
     @property
     def memory_bytes(self) -> int:
@@ -523,17 +524,11 @@ def _changes(files: DataFiles, manifest: Manifest, entry: TensorEntry, pool: Buf
 def _stream_segments(entry: TensorEntry, changes: list[tuple[torch.Tensor, torch.Tensor]], buffer: torch.Tensor,
                      write: Writer, segments: Segments, pool: BufferPool | None) -> str:
     """Fill ``entry``'s bytes segment by segment into ``buffer``, patch, hash and write each; returns their
-    hash. The positions of ``changes`` (its own, as ``_changes`` gives them) are changed in place."""
+    hash."""
     itemsize, bounds = entry.itemsize, segments.bounds
+    # Per delta: where each segment's changes begin (the positions are ascending).
     starts = torch.tensor([b // itemsize for b in bounds], dtype=torch.int64)
-    local = []
-    for positions, values in changes:
-        # Where each segment's changes begin (the positions are ascending), and each change's position made
-        # relative to its segment's start, in place: a few ops per delta instead of one per segment (each
-        # op releases and retakes the GIL, which the decoding threads share).
-        cuts = torch.searchsorted(positions, starts)
-        positions.sub_(torch.repeat_interleave(starts[:-1], cuts.diff()))
-        local.append((positions, values, cuts.tolist()))
+    local = [(positions, values, torch.searchsorted(positions, starts).tolist()) for positions, values in changes]
     view = codec.buffer_of(buffer)
     hasher = Hasher()
     for index, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
@@ -542,7 +537,7 @@ def _stream_segments(entry: TensorEntry, changes: list[tuple[torch.Tensor, torch
         for positions, values, cuts in local:
             a, b = cuts[index], cuts[index + 1]
             if b > a:
-                codec.xor_at(part, positions[a:b], values[a:b])
+                codec.xor_at(part, positions[a:b] - lo // itemsize, values[a:b])
         hasher.update(data)
         write(entry, data, lo)
     return hasher.digest()

@@ -133,7 +133,8 @@ def test_materialize_streams_from_the_stored_start(tmp_path, monkeypatch):
     monkeypatch.setattr(decode, "SEGMENT_BYTES", 4096 + 2)  # not a divisor of the tensors' sizes
     url = str(tmp_path / "stream")
     generator = torch.Generator().manual_seed(0)
-    state = {"a": torch.randn(30000, 7, generator=generator).to(torch.bfloat16),
+    state = {"c": torch.randn(3000, 7, generator=generator).to(torch.bfloat16),  # stored before the larger "a"
+             "a": torch.randn(30000, 7, generator=generator).to(torch.bfloat16),
              "small": torch.randn(5, generator=generator).to(torch.bfloat16)}
     history = []
     with Publisher(url, keyframe_every=10, chunk_bytes=8192) as publisher:
@@ -150,8 +151,8 @@ def test_materialize_streams_from_the_stored_start(tmp_path, monkeypatch):
     assert [plans[n].steps[-1][1].encoding for n in ("a", "b")] == ["raw", "zstd"]
     assert len(plans["b"].steps[-1][1].chunks) > 1 and len(plans["b"].segments.bounds) > 2
     assert plans["a"].segments is not None  # ("small" has dense chunks: decoded whole)
-    # Decoded whole first; then the streamed ones in the order of their stored bytes.
-    assert [plan.entry.name for plan in sorted(plans.values(), key=decode.decode_order)] == ["small", "a", "b"]
+    # Decoded whole first; then the streamed ones in the order of their stored bytes, not of their sizes.
+    assert [plan.entry.name for plan in sorted(plans.values(), key=decode.decode_order)] == ["small", "c", "a", "b"]
     assert plans["small"].stored_root is None
     a, b = chain[0].tensor("a"), chain[1].tensor("b")
     assert (plans["a"].stored_root, plans["b"].stored_root) == ((0, a.file, a.offset), (1, b.file, b.offset))

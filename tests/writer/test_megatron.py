@@ -212,24 +212,24 @@ def test_publish_matches_hf(layout: dict[str, int], models: list[str], checkpoin
             torch.testing.assert_close(torch.load(path), expected, rtol=0, atol=1e-4)
 
 
-def _dying_worker(rank: int, world_size: int, port: int, workdir: str) -> None:
-    """Pipeline-parallel ranks publish version 0, then rank 1 is SIGKILLed after writing its data files of
-    version 1 (the kill is real; the patch only decides when it happens). Rank 0 records what it saw."""
+def _dying_worker(rank: int, world_size: int, port: int, workdir: str, layout: dict[str, int], label: str) -> None:
+    """The ranks publish version 0, then the last rank is SIGKILLed after writing its first data file of
+    version 1 (the kill is real; the patch only decides when it happens). The others record what they saw."""
     import signal
 
     from ckptstream.testing.megatron import build_gpt_model
     from ckptstream.writer.files import DataFileWriter
     from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
 
-    _init_parallel(rank, world_size, port, {"pp": 2})
-    model_dir = Path(workdir) / "qwen3"
+    _init_parallel(rank, world_size, port, layout)
+    model_dir = Path(workdir) / label
     v0, v1 = _load_versions(model_dir)
     model = build_gpt_model(model_dir / "hf")
     load_hf_weights(model, v0, model_dir / "hf")
     publisher = MegatronPublisher(str(model_dir / "stream"), model, model_dir / "hf",
                                   timeout=datetime.timedelta(seconds=60))
     publisher.publish(0).result()
-    if rank == 1:
+    if rank == world_size - 1:
         write_data = DataFileWriter.write
 
         def write_then_die(self, *args, **kwargs):
@@ -244,23 +244,51 @@ def _dying_worker(rank: int, world_size: int, port: int, workdir: str) -> None:
         outcome = "committed"
     except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
         outcome = f"{type(exc).__name__}: {exc}"
-    (model_dir / "rank0.json").write_text(json.dumps({"outcome": outcome}))
+    (model_dir / f"rank{rank}.json").write_text(json.dumps({"outcome": outcome}))
 
 
-def test_rank_killed_mid_publish_leaves_no_version(hf_versions: dict, tmp_path: Path) -> None:
+def _restarted_worker(rank: int, world_size: int, port: int, workdir: str, layout: dict[str, int],
+                      label: str) -> None:
+    """The job restarted after the kill: a new process group and publisher publish version 1 again."""
+    from ckptstream.testing.megatron import build_gpt_model
+    from ckptstream.writer.megatron import MegatronPublisher, load_hf_weights
+
+    _init_parallel(rank, world_size, port, layout)
+    model_dir = Path(workdir) / label
+    _, v1 = _load_versions(model_dir)
+    model = build_gpt_model(model_dir / "hf")
+    load_hf_weights(model, v1, model_dir / "hf")
+    with MegatronPublisher(str(model_dir / "stream"), model, model_dir / "hf",
+                           timeout=datetime.timedelta(seconds=60)) as publisher:
+        publisher.publish(1).result()
+
+
+@pytest.mark.parametrize("layout,label", [({"pp": 2}, "qwen3"), ({"tp": 2, "pp": 2}, "qwen2")],
+                         ids=["pp2", "tp2-pp2"])
+def test_rank_killed_mid_publish_leaves_no_version(layout: dict[str, int], label: str, hf_versions: dict,
+                                                   tmp_path: Path) -> None:
+    """One rank SIGKILLed mid-publish: no version becomes visible, every other rank's future raises
+    naming the version, the restarted job commits it, and gc removes what the killed attempt left."""
     from ckptstream.writer import collect_garbage
 
-    _prepare(tmp_path, ["qwen3"], hf_versions)
-    codes = run_ranks(_dying_worker, 2, str(tmp_path), timeout=240)
-    assert codes[1] == -9 and codes[0] == 0
-    outcome = json.loads((tmp_path / "qwen3" / "rank0.json").read_text())["outcome"]
-    assert outcome.startswith("PublishError") and "version 1" in outcome
-    stream = Stream(str(tmp_path / "qwen3" / "stream"))
+    world_size = layout.get("tp", 1) * layout.get("pp", 1)
+    _prepare(tmp_path, [label], hf_versions)
+    codes = run_ranks(_dying_worker, world_size, str(tmp_path), layout, label, timeout=240)
+    assert codes == [0] * (world_size - 1) + [-9]
+    for rank in range(world_size - 1):
+        outcome = json.loads((tmp_path / label / f"rank{rank}.json").read_text())["outcome"]
+        assert outcome.startswith("PublishError") and "version 1" in outcome, (rank, outcome)
+    stream = Stream(str(tmp_path / label / "stream"))
     assert stream.versions() == [0]
     stream.verify(0)  # raises if version 0 was damaged
+
+    assert run_ranks(_restarted_worker, world_size, str(tmp_path), layout, label, timeout=240) == [0] * world_size
+    assert stream.versions() == [0, 1]
+    assert_same_tensors(dict(stream.iter_tensors(1)), hf_versions[label][2])
     report = collect_garbage(stream, keep_last=5, grace_seconds=0)
-    assert report.debris  # the dead rank's (and the survivor's) files of version 1
-    assert stream.versions() == [0]
+    assert report.debris  # the files of the killed attempt at version 1
+    assert stream.versions() == [0, 1]
+    stream.verify(1)
 
 
 class _RunsCode:
