@@ -194,6 +194,9 @@ class ServerPool:
 
     def _reset(self, server: VllmServer) -> bool:
         """Put a server back into the state of a fresh start; a server that cannot be is stopped."""
+        from ckptstream.httpjson import request_json
+        from ckptstream.vllm_loader.worker import SET_LABEL_METHOD
+
         client = server.client
         try:
             client.pause()
@@ -201,6 +204,8 @@ class ServerPool:
             client.reset_prefix_cache()
             client.resume()
             client.set_weight_version("default")
+            request_json(server.url + "/collective_rpc", "POST",  # the label a test without native ones left
+                         {"method": SET_LABEL_METHOD, "kwargs": {"label": "default"}}, timeout=30)
             client.probe()
             return True
         except Exception:  # noqa: BLE001 - a server a test left broken is replaced, not reused

@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pin", type=version_number, metavar="VERSION", help="serve exactly this version, do not follow")
     p.add_argument("--nodes-ready-timeout", type=float, metavar="S",
                    help="the servers are engines spanning nodes, started with --worker-extension-cls "
-                        "ckptstream.vllm_loader.worker.CacheReport and a node agent on each other node: reload a "
+                        "ckptstream.vllm_loader.worker.WorkerExtension and a node agent on each other node: reload a "
                         "version only once every rank holds it; wait S seconds for them, then retry later")
 
     p = add_command(sub, "serve", run_serve, "start vLLM on a version of a stream and keep it on the newest "

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from ..errors import VllmError, VllmUnreachable
 from ..format import MARKER_FILE
-from ..vllm_loader.worker import CacheReport
+from ..vllm_loader.worker import WorkerExtension
 
 
 @dataclass
@@ -172,7 +172,7 @@ class FakeVllmClient:
             raise VllmError(f"{self.url} has no ckptstream worker extension (a fake without nodes)")
         reports = []
         for rank, node in enumerate(self.nodes):
-            report = CacheReport().ckptstream_cache_report(node.sees(versions_dir))
+            report = WorkerExtension().ckptstream_cache_report(node.sees(versions_dir))
             reports.append({**report, "host": node.host, "node_rank": node.node_rank, "rank": rank})
         return reports
 

@@ -7,6 +7,12 @@ then retries the request. For tests of code that commits to object stores::
     with LossyProxy("http://127.0.0.1:5000", r"/manifests/[0-9]{12}\.json$") as proxy:
         publisher = Publisher(url, storage_options={"endpoint_url": proxy.url})
 
+With ``missing``, it stands in for an older server instead: the routes matching it answer 404 (e.g. a vLLM
+before 0.25, which has no ``/update_weight_version`` nor ``/weight_info``)::
+
+    with LossyProxy(server.url, "$^", losses=0, missing=r"^/(update_weight_version|weight_info)$") as old:
+        follower = Follower(url, [old.url])
+
 Only the standard library is used.
 """
 
@@ -26,14 +32,16 @@ _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encodin
 class LossyProxy:
     """Forwards every request to ``upstream``; the first ``losses`` PUTs whose path matches ``pattern`` are
     forwarded (not with ``forward=False``: then they never reach the server), and then answered with a 500
-    (``mode="500"``) or a closed connection (``mode="reset"``).
+    (``mode="500"``) or a closed connection (``mode="reset"``). Requests whose path matches ``missing`` are
+    answered 404 without reaching the server.
 
     Attributes:
         lost: paths of the requests whose response was lost, in order.
         seen: (method, path, status returned) of every request.
     """
 
-    def __init__(self, upstream: str, pattern: str, *, mode: str = "500", losses: int = 1, forward: bool = True):
+    def __init__(self, upstream: str, pattern: str, *, mode: str = "500", losses: int = 1, forward: bool = True,
+                 missing: str | None = None):
         if mode not in ("500", "reset"):
             raise ValueError(f"unknown mode {mode!r}")
         target = urlsplit(upstream)
@@ -42,6 +50,7 @@ class LossyProxy:
         self.mode = mode
         self.losses = losses
         self.forward = forward
+        self.missing = re.compile(missing) if missing is not None else None
         self.lost: list[str] = []
         self.seen: list[tuple[str, str, int | None]] = []
         self._lock = threading.Lock()
@@ -55,6 +64,14 @@ class LossyProxy:
 
             def _forward(self) -> None:
                 body = self._body()
+                if proxy.missing is not None and proxy.missing.search(self.path.split("?")[0]):
+                    proxy.seen.append((self.command, self.path, 404))
+                    self.send_response(404)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "22")
+                    self.end_headers()
+                    self.wfile.write(b'{"detail":"Not Found"}')
+                    return
                 if self.command == "PUT" and not proxy.forward and proxy._take_loss(self.path):
                     self._lose()
                     return

@@ -3,7 +3,7 @@ this node's cache, at the path the head will name in ``reload_weights``.
 
 vLLM's workers read ``weights_path`` on their own node, so the head (a ``Follower`` with
 ``nodes_ready_timeout``) reloads a version only once every rank reports it complete there
-(``worker.CacheReport``). The agent drives no server: it discovers, decodes (a delta applied to its newest
+(``worker.WorkerExtension``). The agent drives no server: it discovers, decodes (a delta applied to its newest
 cached version, as the follower does: ``prepare_version``) and reports, in a replica record of kind
 ``node`` naming its engine and node rank. It keeps the newest version and the one the head's record says
 the engine serves (every rank reloads that one if an update fails on any rank).

@@ -2,6 +2,10 @@
 
 vLLM routes can answer 200 while ignoring what was asked, so each control call is followed by a check:
 ``/weight_info`` shows the new version, ``/is_paused`` the new state, a one-token generation succeeds.
+
+What differs between vLLM builds is found out once per client, without side effects: vLLM from 0.25 labels
+versions itself (``/update_weight_version``, ``/weight_info``); before, the label is kept by ckptstream's
+worker extension on every rank (``worker.WorkerExtension``, through ``/collective_rpc``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any, Protocol
 
 from ..errors import VllmError, VllmUnreachable
 from ..httpjson import request_json
+from .worker import EXTENSION_CLASS
 
 
 class VllmControl(Protocol):
@@ -59,7 +64,7 @@ class VllmControl(Protocol):
 
     def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
         """Per rank of the engine (every node): host, node rank, rank and the complete versions under
-        ``versions_dir`` on that rank's node with their manifest hashes (``worker.CacheReport``)."""
+        ``versions_dir`` on that rank's node with their manifest hashes (``worker.WorkerExtension``)."""
 
 
 class VllmClient:
@@ -78,6 +83,7 @@ class VllmClient:
         self.timeout = timeout
         self.reload_timeout = reload_timeout
         self._model: str | None = None
+        self._native_labels: bool | None = None
 
     def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
         try:
@@ -132,12 +138,36 @@ class VllmClient:
         except (TypeError, KeyError, IndexError, AttributeError):
             return None
 
+    def native_labels(self) -> bool:
+        """Whether vLLM labels versions itself (``/update_weight_version``: vLLM 0.25 on), found by a GET
+        that route refuses (405) where it exists and a router lacking it answers 404; else the worker
+        extension keeps the label."""
+        if self._native_labels is None:
+            try:
+                request_json(self.url + "/update_weight_version", "GET", api_key=self.api_key,
+                             timeout=self.timeout)
+                self._native_labels = True
+            except urllib.error.HTTPError as exc:
+                if exc.code not in (404, 405):
+                    raise VllmError(f"GET {self.url}/update_weight_version answered {exc.code}") from None
+                self._native_labels = exc.code == 405
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+                raise VllmUnreachable(f"GET {self.url}/update_weight_version failed: {exc}") from None
+        return self._native_labels
+
     def weight_version(self) -> str:
-        info = self._request("GET", "/weight_info")
-        if not isinstance(info, dict) or "weight_version" not in info:
-            raise VllmError(f"{self.url}/weight_info answered {info!r}",
-                            hint="Start vLLM with VLLM_SERVER_DEV_MODE=1")
-        return str(info["weight_version"])
+        """The served version's label: vLLM's own, else the worker extension's (``UNLABELLED`` after a
+        start; ``MIXED_LABELS`` where ranks disagree, which no version equals)."""
+        if self.native_labels():
+            info = self._request("GET", "/weight_info")
+            if not isinstance(info, dict) or "weight_version" not in info:
+                raise VllmError(f"{self.url}/weight_info answered {info!r}",
+                                hint="Start vLLM with VLLM_SERVER_DEV_MODE=1")
+            return str(info["weight_version"])
+        from .worker import LABEL_METHOD
+
+        labels = set(self._extension_call(LABEL_METHOD, {}))
+        return labels.pop() if len(labels) == 1 else MIXED_LABELS
 
     def is_paused(self) -> bool:
         return bool(self._request("GET", "/is_paused").get("is_paused"))
@@ -196,24 +226,45 @@ class VllmClient:
 
     def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
         """Ask every rank what its node's cache holds (the server must have been started with
-        ``--worker-extension-cls ckptstream.vllm_loader.worker.CacheReport``)."""
+        ``--worker-extension-cls ckptstream.vllm_loader.worker.WorkerExtension``)."""
         from .worker import REPORT_METHOD
 
-        answer = self._request("POST", "/collective_rpc",
-                               {"method": REPORT_METHOD, "kwargs": {"versions_dir": str(versions_dir)}})
+        results = self._extension_call(REPORT_METHOD, {"versions_dir": str(versions_dir)})
+        if not all(isinstance(r, dict) for r in results):
+            raise VllmError(f"{self.url}/collective_rpc {REPORT_METHOD} answered {str(results)[:300]}")
+        return results
+
+    def _extension_call(self, method: str, kwargs: dict[str, Any], timeout: float | None = None) -> list[Any]:
+        """Call a method of ckptstream's worker extension on every rank; its results, one per rank."""
+        try:
+            answer = self._request("POST", "/collective_rpc", {"method": method, "kwargs": kwargs}, timeout=timeout)
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            raise VllmError(f"{exc} (calling ckptstream's worker extension)", hint=_EXTENSION_HINT) from None
         results = answer.get("results") if isinstance(answer, dict) else None
-        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
-            raise VllmError(f"{self.url}/collective_rpc {REPORT_METHOD} answered {str(answer)[:300]}",
-                            hint="Start vLLM with --worker-extension-cls "
-                                 "ckptstream.vllm_loader.worker.CacheReport (ckptstream serve passes it)")
+        if not isinstance(results, list) or not results:
+            raise VllmError(f"{self.url}/collective_rpc {method} answered {str(answer)[:300]}", hint=_EXTENSION_HINT)
         return results
 
     def set_weight_version(self, version: str, check: bool = True) -> None:
         """Label the served weights; ``check=False`` leaves the check to the caller (``check_weight_version``)."""
-        self._request("POST", "/update_weight_version", {"new_version": version})
+        if self.native_labels():
+            self._request("POST", "/update_weight_version", {"new_version": version})
+        else:
+            from .worker import SET_LABEL_METHOD
+
+            self._extension_call(SET_LABEL_METHOD, {"label": version})
         if check:
             self.check_weight_version(version)
 
     def check_weight_version(self, version: str) -> None:
-        if self.weight_version() != version:
-            raise VllmError(f"{self.url}/update_weight_version answered but /weight_info does not show {version}")
+        served = self.weight_version()
+        if served != version:
+            raise VllmError(f"{self.url} was labelled {version} but reports {served}")
+
+
+MIXED_LABELS = "mixed"
+"""``weight_version()`` of an engine whose ranks are labelled differently."""
+_EXTENSION_HINT = (f"This vLLM has no /update_weight_version (before 0.25): start it with VLLM_SERVER_DEV_MODE=1 "
+                   f"and --worker-extension-cls {EXTENSION_CLASS} (ckptstream serve passes both)")

