@@ -51,6 +51,11 @@ assert DEFAULT_CHUNK_BYTES <= MAX_CHUNK_BYTES
 _local = threading.local()
 
 
+def bit_pattern(values: torch.Tensor) -> torch.Tensor:
+    """``values`` viewed as same-width integers (floats compared bit for bit: NaN equals itself, -0.0 not 0.0)."""
+    return values.view(INT_OF_SIZE[values.element_size()]) if values.is_floating_point() else values
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The safetensors name of a torch dtype; TypeError for dtypes the format cannot hold."""
     try:

@@ -31,8 +31,9 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..format import MARKER_FILE, parse_version_name, version_name
 from ..locks import LOCK_FILE, lock_file, try_lock, unlock
@@ -46,6 +47,8 @@ LOCKS_DIR = ".locks"
 """The versions' lock files (kept apart so that a version's directory appears and goes in one rename)."""
 PREPARE_SUFFIX = ".prepare"
 """A version's prepare lock file: its use lock file's name with this suffix."""
+CHANGES_DIR = ".changes"
+"""The changes between cached versions applied in place (``<base>-<version>.safetensors``, ``change.py``)."""
 
 
 class Prepared(NamedTuple):
@@ -95,6 +98,20 @@ class VersionCache:
     def path(self, version: int) -> Path:
         """Where ``version`` is (or would be) materialized: the same for every follower of the root."""
         return self.stream_dir / version_name(version)
+
+    def change(self, base: int, version: int, build: Callable[[Path], None]) -> Path:
+        """The file of the change from ``base`` to ``version`` (``change.py``), built once per host by
+        ``build(path)`` into a temporary name renamed into place; deleted with either version."""
+        path = self.stream_dir / CHANGES_DIR / f"{version_name(base)}-{version_name(version)}.safetensors"
+        if not path.is_file():
+            path.parent.mkdir(exist_ok=True)
+            incoming = path.with_name(f"{INCOMING_PREFIX}{os.getpid()}-{threading.get_ident()}-{path.name}")
+            try:
+                build(incoming)
+                os.replace(incoming, path)
+            finally:
+                incoming.unlink(missing_ok=True)
+        return path
 
     def versions(self) -> list[int]:
         """Complete cached versions (a materialized directory has its marker; partial ones have none).
@@ -225,6 +242,8 @@ class VersionCache:
                 shutil.rmtree(target, ignore_errors=True)
                 shutil.rmtree(self._incoming(version), ignore_errors=True)
                 self._lock_path(version, PREPARE_SUFFIX).unlink(missing_ok=True)
+                for change in (self.stream_dir / CHANGES_DIR).glob(f"*{version_name(version)}*"):
+                    change.unlink(missing_ok=True)
             finally:
                 unlock(prepare)
             self._lock_path(version).unlink(missing_ok=True)  # while locked: see locks.lock_file

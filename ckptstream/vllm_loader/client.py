@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from ..errors import VllmError, VllmUnreachable
 from ..httpjson import request_json
-from .worker import EXTENSION_CLASS
+from .worker import APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, STAGE_METHOD, STAGED_METHOD
 
 
 class VllmControl(Protocol):
@@ -61,6 +61,19 @@ class VllmControl(Protocol):
 
     def check_weight_version(self, version: str) -> None:
         """Raise unless ``weight_version()`` is ``version``."""
+
+    def stage_change(self, path: str) -> list[dict[str, Any]]:
+        """Have every worker map the change file ``path`` onto its parameters while the engine generates;
+        per rank: ``unpatchable`` ({tensor: reason}), ``elements`` staged, or ``error``."""
+
+    def apply_change(self) -> list[dict[str, Any]]:
+        """Inside the pause: every worker writes its staged change; per rank ``applied`` or ``error``."""
+
+    def discard_change(self) -> None:
+        """Drop a staged change."""
+
+    def parameter_hashes(self) -> list[dict[str, str]]:
+        """Per rank: the hash of every runtime parameter."""
 
     def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
         """Per rank of the engine (every node): host, node rank, rank and the complete versions under
@@ -233,6 +246,25 @@ class VllmClient:
         if not all(isinstance(r, dict) for r in results):
             raise VllmError(f"{self.url}/collective_rpc {REPORT_METHOD} answered {str(results)[:300]}")
         return results
+
+    def stage_change(self, path: str, poll_interval: float = 0.02) -> list[dict[str, Any]]:
+        """Stage the change in the background on every rank, then poll (each poll a short RPC, so the engine
+        keeps generating between them) until every rank is done."""
+        self._extension_call(STAGE_METHOD, {"path": str(path)})
+        while True:
+            results = self._extension_call(STAGED_METHOD, {"wait": False})
+            if all(isinstance(r, dict) for r in results):
+                return results
+            time.sleep(poll_interval)
+
+    def apply_change(self) -> list[dict[str, Any]]:
+        return self._extension_call(APPLY_METHOD, {}, timeout=self.reload_timeout)
+
+    def discard_change(self) -> None:
+        self._extension_call(DISCARD_METHOD, {})
+
+    def parameter_hashes(self) -> list[dict[str, str]]:
+        return self._extension_call(HASHES_METHOD, {}, timeout=self.reload_timeout)
 
     def _extension_call(self, method: str, kwargs: dict[str, Any], timeout: float | None = None) -> list[Any]:
         """Call a method of ckptstream's worker extension on every rank; its results, one per rank."""

@@ -9,7 +9,10 @@ and answers ``{"results": [one per rank]}``. They are:
   engine loop while it runs, so the report is cheap: it lists one directory and reads each version's small
   marker file (``ckptstream.json``), never a tensor;
 - the version label, for vLLM builds without ``/update_weight_version`` (before 0.25): kept by the worker, so
-  it is gone when the engine restarts, as vLLM's own label is.
+  it is gone when the engine restarts, as vLLM's own label is;
+- the in-place apply of a change (``apply.py``, imported on first use: it needs torch): stage it in the
+  background while the engine generates, poll until staged, apply it inside the pause; and the hash of every
+  runtime parameter, to prove a patched model equal to a full reload.
 
 This module imports only the standard library at import time (vLLM imports it in every worker process).
 """
@@ -26,6 +29,9 @@ REPORT_METHOD = "ckptstream_cache_report"
 LABEL_METHOD = "ckptstream_label"
 SET_LABEL_METHOD = "ckptstream_set_label"
 """The names ``/collective_rpc`` calls for the version label (``VllmClient`` where vLLM has no label routes)."""
+STAGE_METHOD, STAGED_METHOD, APPLY_METHOD, DISCARD_METHOD, HASHES_METHOD = (
+    "ckptstream_stage", "ckptstream_staged", "ckptstream_apply", "ckptstream_discard", "ckptstream_parameter_hashes")
+"""The names ``/collective_rpc`` calls for the in-place apply."""
 EXTENSION_CLASS = "ckptstream.vllm_loader.worker.WorkerExtension"
 """What ``serve`` passes vLLM as ``--worker-extension-cls``."""
 UNLABELLED = "default"
@@ -43,6 +49,38 @@ class WorkerExtension:
     def ckptstream_label(self) -> str:
         """The label of the weights this rank serves (``UNLABELLED`` since the engine started)."""
         return getattr(self, "_ckptstream_label", UNLABELLED)
+
+    def ckptstream_stage(self, path: str) -> bool:
+        """Start mapping the change file at ``path`` onto this rank's parameters (in a background thread)."""
+        self._ckptstream_applier().stage(path)
+        return True
+
+    def ckptstream_staged(self, wait: bool = False) -> dict[str, Any] | None:
+        """The staging's result once done (``unpatchable``, ``elements``, ``error``); None while it runs."""
+        return self._ckptstream_applier().staged(wait)
+
+    def ckptstream_apply(self) -> dict[str, Any]:
+        """Write the staged change (``{"applied": n}``), or nothing (``{"error": ...}``)."""
+        return self._ckptstream_applier().apply()
+
+    def ckptstream_discard(self) -> bool:
+        self._ckptstream_applier().discard()
+        return True
+
+    def ckptstream_parameter_hashes(self) -> dict[str, str]:
+        """xxh3-128 of every runtime parameter of this rank, by name."""
+        from .apply import parameter_hashes
+
+        return parameter_hashes(self.model_runner.get_model())
+
+    def _ckptstream_applier(self) -> Any:
+        applier = getattr(self, "_ckptstream_in_place", None)
+        if applier is None:
+            from .apply import InPlaceApplier
+
+            model = self.model_runner.get_model()
+            applier = self._ckptstream_in_place = InPlaceApplier(model, next(model.parameters()).device)
+        return applier
 
     def ckptstream_cache_report(self, versions_dir: str) -> dict[str, Any]:
         """This rank's host, node rank, rank, and the complete versions under ``versions_dir`` (the

