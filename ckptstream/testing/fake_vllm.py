@@ -176,6 +176,21 @@ class FakeVllmClient:
             reports.append({**report, "host": node.host, "node_rank": node.node_rank, "rank": rank})
         return reports
 
+    def stage_change(self, path: str) -> list[dict[str, Any]]:
+        self._call("stage_change", path)
+        raise VllmError(f"{self.url} holds no parameters to patch (a fake server): it reloads whole versions")
+
+    def apply_change(self) -> list[dict[str, Any]]:
+        self._call("apply_change")
+        raise VllmError(f"{self.url} has nothing staged (a fake server)")
+
+    def discard_change(self) -> None:
+        self._call("discard_change")
+
+    def parameter_hashes(self) -> list[dict[str, str]]:
+        self._call("parameter_hashes")
+        raise VllmError(f"{self.url} holds no parameters (a fake server)")
+
     def set_weight_version(self, version: str, check: bool = True) -> None:
         self._call("set_weight_version", version)
         self.weight_version_label = version

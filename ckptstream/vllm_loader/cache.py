@@ -99,15 +99,18 @@ class VersionCache:
         """Where ``version`` is (or would be) materialized: the same for every follower of the root."""
         return self.stream_dir / version_name(version)
 
-    def change(self, base: int, version: int, build: Callable[[Path], None]) -> Path:
+    def change(self, base: int, version: int, build: Callable[[Path], None]) -> Path | None:
         """The file of the change from ``base`` to ``version`` (``change.py``), built once per host by
-        ``build(path)`` into a temporary name renamed into place; deleted with either version."""
+        ``build(path)`` into a temporary name renamed into place (None where it wrote nothing); deleted with
+        either version."""
         path = self.stream_dir / CHANGES_DIR / f"{version_name(base)}-{version_name(version)}.safetensors"
         if not path.is_file():
             path.parent.mkdir(exist_ok=True)
             incoming = path.with_name(f"{INCOMING_PREFIX}{os.getpid()}-{threading.get_ident()}-{path.name}")
             try:
                 build(incoming)
+                if not incoming.is_file():
+                    return None
                 os.replace(incoming, path)
             finally:
                 incoming.unlink(missing_ok=True)

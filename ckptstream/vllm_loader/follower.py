@@ -4,6 +4,11 @@ Per new version: discover it (a cheap probe of the next manifest; a listing now 
 a local cache directory while the servers keep generating (a delta is applied to the cached current
 version), check it against the served model (names, dtypes, shapes) and against its hashes, then per
 server: pause → ``reload_weights`` → reset prefix cache → set weight version → resume → one-token probe.
+Where the server serves the version the new one changes (and ckptstream's worker extension runs in it), the
+update is applied in place instead: the change between the two (``change.py``, built once per host in the
+cache) is staged by every worker while the server generates, and the pause holds only its writes
+(``apply.py``); any reason against it, or any failure of it on any rank, ends in the full reload of the
+version, counted by reason (``observe.FALLBACK_REASONS``).
 A version that fails any check is refused and recorded; the servers keep the last good version. Every
 report (log lines, the replica record, ``--json`` lines, metrics) goes through the follower's observers
 (``observe.py``).
@@ -43,6 +48,7 @@ from ..locks import unlock
 from ..polling import poll
 from . import takeover
 from .cache import VersionCache, default_cache_dir, safe_owner
+from .change import ChangeSummary, build_change
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from .gate import UpdateGate
 from .observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, attach_metrics, notify,
@@ -52,6 +58,8 @@ log = logging.getLogger("ckptstream.follow")
 
 REFUSED_KEPT = 100
 """Refused versions a follower remembers (and reports in its replica record), newest last."""
+MAX_CHANGE_FRACTION = 0.25
+"""Above this fraction of the elements changed, an update is reloaded fully (cheaper than indexed writes)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,10 @@ class FollowerConfig:
         nnodes: nodes of the engine, for the replica record (None: one node).
         update_gate: entered around each server's update (``gate.UpdateGate``), e.g. a rolling update's
             ``ckptstream.fleet.rolling.RouterGate`` taking it out of a router meanwhile; None: none.
+        apply_in_place: apply an update in place where it can be (see above); False: always reload.
+        verify_apply: every this many updates applied in place on a server, reload the version fully there
+            too and compare every runtime parameter's hash with the patched one: a mismatch stops in-place
+            updates for good, loudly. None: never.
     """
 
     storage_options: Mapping[str, Any] | None = None
@@ -112,6 +124,8 @@ class FollowerConfig:
     nodes_ready_timeout: float | None = None
     nnodes: int | None = None
     update_gate: UpdateGate | None = None
+    apply_in_place: bool = True
+    verify_apply: int | None = None
 
     def with_options(self, **options: Any) -> FollowerConfig:
         """A copy with ``options`` (field names; TypeError for any other) replaced."""
@@ -163,6 +177,9 @@ class Follower:
         self._polls = 0
         self._lock = threading.Lock()
         self._aside: set[str] = set()  # URLs of servers another process has taken over
+        self._in_place_off: str | None = None  # why in-place updates stopped (a --verify-apply mismatch)
+        self._in_place_count: dict[str, int] = collections.Counter()  # per server URL
+        self._explained: set[str] = set()  # fallback explanations logged (each once)
         self.record = ReplicaRecord(replica_id=replica_id, urls=[c.url for c in self.clients],
                                     host=socket.gethostname(), pid=os.getpid(), pin=config.pin,
                                     engine=replica_id if config.nnodes else None,
@@ -281,15 +298,19 @@ class Follower:
         restore = self.cache.path(self.current) if self.current is not None and self.current != version else None
         if restore is not None and not (restore / MARKER_FILE).is_file():
             restore = None  # gone: _revert decodes it again, outside the pause
+        change, why_not = self._change(version, path)
         pause_s = reload_s = 0.0
+        in_place = 0
+        fallbacks: collections.Counter[str] = collections.Counter()
         done: list[VllmControl] = []
         for client in targets:
             restored: list[VllmControl] = []
+            staged, fallback = self._stage(client, change) if change is not None else (None, why_not)
             try:
                 with self._gate(client.url, version):
                     try:
-                        paused, reloaded = self._load_into(client, version, path, restore=restore,
-                                                           restored=restored)
+                        paused, reloaded, failed = self._load_into(client, version, path, restore=restore,
+                                                                   restored=restored, change=staged)
                     except VllmError:
                         # A server whose reload failed got the last good version back inside its pause,
                         # else gets it now, before the gate lets it serve again.
@@ -304,10 +325,18 @@ class Follower:
             pause_s += paused
             reload_s += reloaded
             done.append(client)
+            fallback = fallback or failed
+            if fallback is not None:
+                fallbacks[fallback] += 1
+            else:
+                in_place += 1
+                if self._verify_due(client) and not self._verify(client, version, path):
+                    fallbacks["verify"] += 1
         self.current = version
         self.cache.prune({version})
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, _age(manifest.created),
-                              decoded, fetch_s=fetch_s, decode_s=prepare_s - fetch_s)
+                              decoded, fetch_s=fetch_s, decode_s=prepare_s - fetch_s, applied_in_place=in_place,
+                              fallbacks=dict(fallbacks))
         self._notify("on_update", update)
         self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
         return update
@@ -324,11 +353,14 @@ class Follower:
         return self.prepare(self.current)[0]
 
     def _load_into(self, client: VllmControl, version: int, path: Path, restore: Path | None = None,
-                   restored: list[VllmControl] | None = None) -> tuple[float, float]:
-        """Pause, reload ``path``, label, resume, check. If the reload fails and ``restore`` (the current
-        version's directory) is given, it is reloaded before ``/resume`` (a rank whose reload failed
-        half-way holds placeholders, and ranks that succeeded hold the new version); then the client is
-        appended to ``restored``."""
+                   restored: list[VllmControl] | None = None,
+                   change: Path | None = None) -> tuple[float, float, str | None]:
+        """Pause, reload ``path`` (or apply the ``change`` staged on every rank), label, resume, check;
+        (seconds paused, seconds reloading or applying, the fallback reason where the apply failed and
+        ``path`` was reloaded instead). If the reload fails and ``restore`` (the current version's
+        directory) is given, it is reloaded before ``/resume`` (a rank whose reload failed half-way holds
+        placeholders, and ranks that succeeded hold the new version); then the client is appended to
+        ``restored``."""
         if not (path / MARKER_FILE).is_file():
             # vLLM treats a missing directory as a hub repository id and its engine dies of it.
             raise CkptStreamError(f"{path} is not a complete materialized directory; not handing it to vLLM",
@@ -337,8 +369,12 @@ class Follower:
         client.pause(self.pause_mode)
         try:
             reload_started = time.perf_counter()
+            failed = None
             try:
-                client.reload_weights(str(path))
+                if change is not None:
+                    failed = self._apply_paused(client, version)
+                if change is None or failed is not None:
+                    client.reload_weights(str(path))  # a half-applied change is overwritten on every rank
                 reload_s = time.perf_counter() - reload_started
                 client.reset_prefix_cache()
                 client.set_weight_version(str(version), check=False)
@@ -353,7 +389,109 @@ class Follower:
         client.check_resumed()
         client.check_weight_version(str(version))
         client.probe()
-        return paused, reload_s
+        return paused, reload_s, failed
+
+    # ----------------------------------------------------------------------------------- in place
+
+    def _change(self, version: int, path: Path) -> tuple[Path | None, str | None]:
+        """The change from the served version to ``version`` in the cache, or why there is none
+        (``observe.FALLBACK_REASONS``)."""
+        if not self.config.apply_in_place or self._in_place_off is not None:
+            return None, "disabled"
+        if self.current is None or not (self.cache.path(self.current) / MARKER_FILE).is_file():
+            return None, "first_version"
+        if self.config.nodes_ready_timeout is not None:
+            return None, "multi_node"  # the change file would have to reach every node's cache
+        built: list[ChangeSummary] = []
+        base = self.current
+
+        def build(out: Path) -> None:
+            built.append(build_change(self.cache.path(base), path, out, stream_id=self.stream.info().stream_id,
+                                      base=base, version=version, max_fraction=MAX_CHANGE_FRACTION))
+
+        change = self.cache.change(base, version, build)
+        if change is None:  # too many elements changed (some counted), or the versions do not compare
+            reason = "large_change" if built and built[0].changed else "no_change"
+            self._explain(reason, f"version {version} on {base}: {built[0].problem if built else 'not built'}")
+            return None, reason
+        if built:
+            log.info("version %d: %d of %d elements changed since version %d, in %d tensors", version,
+                     built[0].changed, built[0].total, base, built[0].tensors)
+        return change, None
+
+    def _stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
+        """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change, or
+        None and why it will be reloaded fully instead."""
+        try:
+            results = client.stage_change(str(change))
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            self._explain("no_extension", f"{client.url}: {exc}")
+            return None, "no_extension"
+        errors = [str(r["error"]) for r in results if r.get("error")]
+        unpatchable = {name: why for r in results for name, why in (r.get("unpatchable") or {}).items()}
+        if errors or unpatchable:
+            with contextlib.suppress(VllmError):
+                client.discard_change()
+        if errors:
+            self._explain("apply_failed", f"{client.url}: staging failed on a rank: {errors[0]}")
+            return None, "apply_failed"
+        if unpatchable:
+            name, why = next(iter(sorted(unpatchable.items())))
+            self._explain("unpatchable", f"{client.url}: {len(unpatchable)} changed tensor(s) cannot be written "
+                                         f"in place, e.g. {name}: {why}")
+            return None, "unpatchable"
+        return change, None
+
+    def _apply_paused(self, client: VllmControl, version: int) -> str | None:
+        """Inside the pause: every rank writes its staged change; None, or the fallback reason (the caller
+        then reloads the version fully on every rank)."""
+        try:
+            results = client.apply_change()
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            results = [{"error": str(exc)}]
+        errors = [str(r.get("error")) for r in results if not isinstance(r, dict) or r.get("error")]
+        if errors:
+            log.warning("version %d: the in-place apply failed on %s (%s); reloading it fully on every rank",
+                        version, client.url, errors[0])
+            return "apply_failed"
+        return None
+
+    def _verify_due(self, client: VllmControl) -> bool:
+        self._in_place_count[client.url] += 1
+        every = self.config.verify_apply
+        return every is not None and self._in_place_count[client.url] % max(1, every) == 0
+
+    def _verify(self, client: VllmControl, version: int, path: Path) -> bool:
+        """Compare the patched parameters with a full reload of the same version (which then serves);
+        a mismatch stops in-place updates. Whether they were equal."""
+        patched = client.parameter_hashes()
+        client.pause(self.pause_mode)
+        try:
+            client.reload_weights(str(path))
+            client.reset_prefix_cache()
+        finally:
+            client.resume()
+        reloaded = client.parameter_hashes()
+        differing = sorted({name for p, r in zip(patched, reloaded) for name in set(p) | set(r)
+                            if p.get(name) != r.get(name)})
+        if not differing:
+            log.info("version %d on %s: the in-place update equals a full reload, every parameter bit for bit",
+                     version, client.url)
+            return True
+        self._in_place_off = (f"version {version} applied in place on {client.url} differed from a full reload "
+                              f"in {len(differing)} parameter(s), e.g. {differing[0]}")
+        log.error("%s: in-place updates are off from now on (full reloads)", self._in_place_off)
+        return False
+
+    def _explain(self, reason: str, detail: str) -> None:
+        """Say once why updates are reloaded fully."""
+        if detail not in self._explained:
+            self._explained.add(detail)
+            log.warning("full reload instead of in place (%s): %s", reason, detail)
 
     def _gate(self, url: str, version: int) -> contextlib.AbstractContextManager[None]:
         gate = self.config.update_gate

@@ -68,7 +68,12 @@ class FollowerMetrics(FollowerObserver):
                                "read in flight")
         self.decode = histogram("ckptstream_decode_seconds", "Seconds of an update's preparation spent decoding "
                                 "with no read outstanding")
-        self.reload = histogram("ckptstream_reload_seconds", "Seconds inside vLLM's reload_weights per update")
+        self.reload = histogram("ckptstream_reload_seconds", "Seconds inside vLLM's reload_weights (or the "
+                                "in-place apply) per update")
+        self.in_place = counter("ckptstream_in_place_updates_total", "Server updates applied in place")
+        self.fallbacks = Counter("ckptstream_full_reload_fallbacks_total", "Server updates reloaded fully instead "
+                                 "of in place, by reason (see observe.FALLBACK_REASONS)", (*LABELS, "reason"),
+                                 registry=self.registry)
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
         """Serve these metrics at ``http://host:port/metrics`` (port 0: a free one) until the server's
@@ -94,6 +99,9 @@ class FollowerMetrics(FollowerObserver):
         self.fetch.observe(update.fetch_s)
         self.decode.observe(update.decode_s)
         self.reload.observe(update.reload_s)
+        self.in_place.inc(update.applied_in_place)
+        for reason, servers in update.fallbacks.items():
+            self.fallbacks.labels(**self._labels, reason=reason).inc(servers)
 
     def on_refused(self, version: int, reason: str, error: BaseException) -> None:
         self.refused.labels(**self._labels, reason=reason).inc()

