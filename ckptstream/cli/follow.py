@@ -45,9 +45,26 @@ def _metrics_options() -> argparse.ArgumentParser:
     return options
 
 
+def _update_options() -> argparse.ArgumentParser:
+    """How follow and serve bring a new version into the servers."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--reload-only", action="store_true",
+                         help="always reload whole versions (default: apply a delta on the served version in "
+                              "place, inside vLLM's workers, where it can be; else reload, saying why)")
+    options.add_argument("--verify-apply", type=positive_int, metavar="N",
+                         help="every Nth update applied in place, also reload it fully and compare every runtime "
+                              "parameter's hash: a mismatch turns in-place updates off, loudly")
+    return options
+
+
+def _update_config(args: argparse.Namespace) -> dict[str, object]:
+    return {"apply_in_place": not args.reload_only, "verify_apply": args.verify_apply}
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     follower_options = _follower_options()
     metrics_options = _metrics_options()
+    update_options = _update_options()
     p = add_command(sub, "follow", run_follow, "keep running vLLM servers on the newest version of a stream", """
         VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model ./v0 --port 8000 &
         ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000
@@ -55,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000 --pin 12     # evaluate version 12
         ckptstream follow /mnt/nfs/run1 --vllm-url http://head:8000 --nodes-ready-timeout 60  # multi-node engine
         ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000 --metrics-port 9400  # curl :9400/metrics
-        """, parents=[follower_options, metrics_options])
+        ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000 --verify-apply 10  # prove in-place updates
+        """, parents=[follower_options, metrics_options, update_options])
     add_url(p)
     p.add_argument("--vllm-url", action="append", required=True, metavar="URL",
                    help="a vLLM server started with VLLM_SERVER_DEV_MODE=1 (repeatable: one fetch, many servers)")
@@ -75,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream serve /mnt/nfs/run1 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- --tensor-parallel-size 16
         ckptstream serve /mnt/nfs/run1 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 -- --tensor-parallel-size 16
         ckptstream serve /mnt/nfs/run1 --metrics-port 9400 --json -- --max-model-len 8192  # Prometheus, JSON lines
-        """, parents=[follower_options, metrics_options])
+        """, parents=[follower_options, metrics_options, update_options])
     add_url(p)
     p.add_argument("--version", dest="ref", default=LATEST, type=version_ref,
                    help=f"version to start with (default {LATEST})")
@@ -152,7 +170,7 @@ def run_follow(args: argparse.Namespace) -> int:
                         pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
                         pause_mode=args.pause_mode, api_key=args.api_key, observers=_observers(args),
                         lease_ttl=args.lease_ttl, nodes_ready_timeout=args.nodes_ready_timeout,
-                        metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                        metrics_port=args.metrics_port, metrics_host=args.metrics_host, **_update_config(args))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -175,7 +193,7 @@ def run_serve(args: argparse.Namespace) -> int:
                  observers=_observers(args), lease_ttl=args.lease_ttl, nnodes=args.nnodes,
                  node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
                  nodes_ready_timeout=args.nodes_ready_timeout, metrics_port=args.metrics_port,
-                 metrics_host=args.metrics_host)
+                 metrics_host=args.metrics_host, **_update_config(args))
 
 
 def run_node_agent(args: argparse.Namespace) -> int:
