@@ -38,6 +38,9 @@ from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_mo
 from ckptstream.vllm_loader import BackgroundServe, VllmClient  # noqa: E402
 
 
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
 def timed_reload(client: VllmClient, path: Path) -> tuple[float, float]:
     """(pause duration, reload duration) of a bare pause → reload → resume of ``path``."""
     start = time.perf_counter()
@@ -54,6 +57,9 @@ def main() -> None:
     parser.add_argument("--size", type=parse_bytes, default=parse_bytes("512MB"))
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--dir", help="work directory (default: a temp dir)")
+    parser.add_argument("--vllm-args", default=None,
+                        help="vLLM's arguments, one string (default: serve's, e.g. on a GPU '--enforce-eager "
+                             "--skip-tokenizer-init --gpu-memory-utilization 0.4')")
     args = parser.parse_args()
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckptstream-bench-follow-"))
@@ -69,7 +75,8 @@ def main() -> None:
     publisher = Publisher(url, assets=model, keyframe_every=args.updates + 1)
     publisher.publish(state).result()
 
-    server = BackgroundServe(url, root, replica_id="bench", poll_interval=0.05)
+    server = BackgroundServe(url, root, replica_id="bench", poll_interval=0.05,
+                             vllm_args=args.vllm_args.split() if args.vllm_args is not None else None)
     updates, client = server.updates, server.client
     stream = Stream(url)
     rows = []
@@ -85,6 +92,8 @@ def main() -> None:
             manifest = publisher.publish(state).result()
             stream.wait_for_version(manifest.version, timeout=300, poll_interval=0.02)
             update = updates[manifest.version]
+            # What the follower left (applied in place or reloaded), to compare with the bare reload's.
+            served_hashes, served_tokens = client.parameter_hashes(), client.generate(PROMPT, 8)
             # The naive path on the same server: full save to the shared directory, then reload it.
             started = time.perf_counter()
             save_file(state, str(naive_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -97,18 +106,20 @@ def main() -> None:
             shutil.copytree(root / "cache" / stream.info().stream_id / version_name(manifest.version), bare_dir)
             bare_pause, bare_reload = timed_reload(client, bare_dir)
             shutil.rmtree(bare_dir)
+            equal = client.parameter_hashes() == served_hashes and client.generate(PROMPT, 8) == served_tokens
             client.set_weight_version(str(manifest.version))
             rows.append(dict(version=manifest.version, stored=manifest.stored_bytes, lag=update.lag_s,
                              prepare=update.prepare_s, pause=update.pause_s, reload=update.reload_s,
                              how="in place" if update.applied_in_place else
                              f"reload ({', '.join(update.fallbacks) or '-'})",
-                             bare_pause=bare_pause, bare_reload=bare_reload, naive_save=save_s,
+                             equal=equal, bare_pause=bare_pause, bare_reload=bare_reload, naive_save=save_s,
                              naive_pause=naive_pause, naive_total=save_s + naive_pause))
             r = rows[-1]
             print(f"  version {r['version']}: delta {r['stored'] / 1e6:6.2f} MB | ckptstream commit->serving "
                   f"{r['lag']:5.2f} s (fetch+decode {r['prepare']:4.2f} s, pause {r['pause']:4.2f} s, {r['how']} "
                   f"{r['reload']:4.2f} s) | bare reload {r['bare_pause']:4.2f} s | naive save {r['naive_save']:4.2f} s "
-                  f"+ pause {r['naive_pause']:4.2f} s = {r['naive_total']:4.2f} s", flush=True)
+                  f"+ pause {r['naive_pause']:4.2f} s = {r['naive_total']:4.2f} s | parameters and tokens equal a bare "
+                  f"reload: {r['equal']}", flush=True)
     finally:
         server.close()
         publisher.close()
@@ -125,6 +136,8 @@ def main() -> None:
     print(f"{'naive commit->serving (save + reload)':38} {med('naive_total'):8.3f}   ckptstream is "
           f"{med('naive_total') / med('lag'):.1f}x faster")
     print(f"{'naive pause':38} {med('naive_pause'):8.3f}")
+    print(f"every update equal to a bare reload (hashes of all parameters, greedy tokens): "
+          f"{all(r['equal'] for r in rows)}")
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
 
