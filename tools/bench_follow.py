@@ -100,6 +100,7 @@ def main() -> None:
             fsync_path(naive_dir / "model.safetensors")
             save_s = time.perf_counter() - started
             naive_pause, naive_reload = timed_reload(client, naive_dir)
+            (naive_dir / "model.safetensors").unlink()  # a model's size less on disk for the copy below
             # Bare reload: a fresh copy of the version's materialized directory (files vLLM has not
             # mapped before, like the follower's), with nothing else in the pause.
             bare_dir = root / f"bare-{manifest.version}"
