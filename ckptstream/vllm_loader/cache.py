@@ -105,12 +105,12 @@ class VersionCache:
         either version."""
         path = self.stream_dir / CHANGES_DIR / f"{version_name(base)}-{version_name(version)}.safetensors"
         if not path.is_file():
-            path.parent.mkdir(exist_ok=True)
-            incoming = path.with_name(f"{INCOMING_PREFIX}{os.getpid()}-{threading.get_ident()}-{path.name}")
+            incoming = self.stream_dir / f"{INCOMING_PREFIX}{os.getpid()}-{threading.get_ident()}-{path.name}"
             try:
                 build(incoming)
                 if not incoming.is_file():
                     return None
+                path.parent.mkdir(exist_ok=True)
                 os.replace(incoming, path)
             finally:
                 incoming.unlink(missing_ok=True)
@@ -245,8 +245,9 @@ class VersionCache:
                 shutil.rmtree(target, ignore_errors=True)
                 shutil.rmtree(self._incoming(version), ignore_errors=True)
                 self._lock_path(version, PREPARE_SUFFIX).unlink(missing_ok=True)
-                for change in (self.stream_dir / CHANGES_DIR).glob(f"*{version_name(version)}*"):
-                    change.unlink(missing_ok=True)
+                for change in [*(self.stream_dir / CHANGES_DIR).glob(f"*{version_name(version)}*"),
+                               *self.stream_dir.glob(f"{INCOMING_PREFIX}*-*{version_name(version)}*.safetensors")]:
+                    change.unlink(missing_ok=True)  # with what a killed builder left
             finally:
                 unlock(prepare)
             self._lock_path(version).unlink(missing_ok=True)  # while locked: see locks.lock_file

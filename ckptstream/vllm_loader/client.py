@@ -251,11 +251,15 @@ class VllmClient:
         """Stage the change in the background on every rank, then poll (each poll a short RPC, so the engine
         keeps generating between them) until every rank is done."""
         self._extension_call(STAGE_METHOD, {"path": str(path)})
+        deadline = time.monotonic() + self.reload_timeout
         while True:
             results = self._extension_call(STAGED_METHOD, {"wait": False})
             if all(isinstance(r, dict) for r in results):
                 return results
+            if time.monotonic() > deadline:
+                raise VllmError(f"{self.url}: staging {path} did not end within {self.reload_timeout:.0f} s")
             time.sleep(poll_interval)
+            poll_interval = min(poll_interval * 1.5, 0.5)  # each poll holds the engine loop for a moment
 
     def apply_change(self) -> list[dict[str, Any]]:
         return self._extension_call(APPLY_METHOD, {}, timeout=self.reload_timeout)

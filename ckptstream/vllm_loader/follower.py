@@ -58,8 +58,9 @@ log = logging.getLogger("ckptstream.follow")
 
 REFUSED_KEPT = 100
 """Refused versions a follower remembers (and reports in its replica record), newest last."""
-MAX_CHANGE_FRACTION = 0.25
-"""Above this fraction of the elements changed, an update is reloaded fully (cheaper than indexed writes)."""
+MAX_CHANGE_FRACTION = 0.05
+"""Above this fraction of the elements changed, an update is reloaded fully: the staged positions and values
+(12 bytes per bf16 element changed, on the device) would cost more memory than a reload saves time."""
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,11 @@ class Follower:
         done: list[VllmControl] = []
         for client in targets:
             restored: list[VllmControl] = []
-            staged, fallback = self._stage(client, change) if change is not None else (None, why_not)
+            if change is not None and self._in_place_off is None:
+                staged, fallback = self._stage(client, change)
+            else:
+                staged, fallback = None, why_not or "disabled"
+            loaded = False
             try:
                 with self._gate(client.url, version):
                     try:
@@ -317,11 +322,16 @@ class Follower:
                         if not restored:
                             self._revert([client])
                         raise
+                loaded = True
             except VllmError:
                 for other in done:
                     with self._gate(other.url, version):
                         self._revert([other])
                 raise
+            finally:
+                if staged is not None and not loaded:
+                    with contextlib.suppress(VllmError):
+                        client.discard_change()  # what a failed update staged on the device
             pause_s += paused
             reload_s += reloaded
             done.append(client)
@@ -330,7 +340,9 @@ class Follower:
                 fallbacks[fallback] += 1
             else:
                 in_place += 1
-                if self._verify_due(client) and not self._verify(client, version, path):
+                if self._verify_due(client):
+                    with self._gate(client.url, version):
+                        self._verify(client, version, path)
                     fallbacks["verify"] += 1
         self.current = version
         self.cache.prune({version})
@@ -409,7 +421,11 @@ class Follower:
             built.append(build_change(self.cache.path(base), path, out, stream_id=self.stream.info().stream_id,
                                       base=base, version=version, max_fraction=MAX_CHANGE_FRACTION))
 
-        change = self.cache.change(base, version, build)
+        try:
+            change = self.cache.change(base, version, build)
+        except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the version is still reloaded
+            self._explain("no_change", f"version {version} on {base}: building the change failed: {exc}")
+            return None, "no_change"
         if change is None:  # too many elements changed (some counted), or the versions do not compare
             reason = "large_change" if built and built[0].changed else "no_change"
             self._explain(reason, f"version {version} on {base}: {built[0].problem if built else 'not built'}")
@@ -431,6 +447,17 @@ class Follower:
             return None, "no_extension"
         errors = [str(r["error"]) for r in results if r.get("error")]
         unpatchable = {name: why for r in results for name, why in (r.get("unpatchable") or {}).items()}
+        # Every changed position of a tensor the model loads must be written by some rank (a rank writes
+        # its TP slice; the slices add up): a loader that returned without copying leaves it stale.
+        covered: collections.Counter[str] = collections.Counter()
+        changed: dict[str, int] = {}
+        for r in results:
+            for name, (written, positions) in (r.get("coverage") or {}).items():
+                covered[name] += written
+                changed[name] = positions
+        unpatchable.update({name: f"{positions - covered[name]} of its {positions} changed positions are written by "
+                                  f"no rank's loader" for name, positions in changed.items()
+                            if covered[name] < positions and name not in unpatchable})
         if errors or unpatchable:
             with contextlib.suppress(VllmError):
                 client.discard_change()
@@ -467,15 +494,23 @@ class Follower:
 
     def _verify(self, client: VllmControl, version: int, path: Path) -> bool:
         """Compare the patched parameters with a full reload of the same version (which then serves);
-        a mismatch stops in-place updates. Whether they were equal."""
-        patched = client.parameter_hashes()
-        client.pause(self.pause_mode)
+        a mismatch, or a check that could not be made, stops in-place updates. Whether they were equal."""
         try:
-            client.reload_weights(str(path))
-            client.reset_prefix_cache()
-        finally:
-            client.resume()
-        reloaded = client.parameter_hashes()
+            patched = client.parameter_hashes()
+            client.pause(self.pause_mode)
+            try:
+                client.reload_weights(str(path))
+                client.reset_prefix_cache()
+            finally:
+                client.resume()
+            reloaded = client.parameter_hashes()
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            self._in_place_off = (f"the in-place update of version {version} on {client.url} could not be "
+                                  f"verified: {exc}")
+            log.error("%s: in-place updates are off from now on (full reloads)", self._in_place_off)
+            return False
         differing = sorted({name for p, r in zip(patched, reloaded) for name in set(p) | set(r)
                             if p.get(name) != r.get(name)})
         if not differing:

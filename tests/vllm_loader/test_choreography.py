@@ -64,6 +64,28 @@ def test_follower_takes_fake_clients_and_a_config(stream, tmp_path):
         Follower(url, [server], cache_dir=tmp_path / "cache", polling=3)
 
 
+def test_the_change_is_offered_to_the_servers_unless_reload_only(stream, tmp_path):
+    url, publisher = stream
+    offered, reloading = FakeVllmClient(), FakeVllmClient()
+    with Follower(url, [offered], cache_dir=tmp_path / "a", replica_id="offered") as follower, \
+            Follower(url, [reloading], cache_dir=tmp_path / "b", replica_id="reloading", apply_in_place=False) as other:
+        assert follower.step().fallbacks == {"first_version": 1} and other.step().fallbacks == {"disabled": 1}
+        state = _state(2)
+        state["w"][0] = 7.0  # one element of 20
+        publisher.publish(state).result()
+        update, plain = follower.step(), other.step()
+    # The fake has no parameters: it refuses the staging, and the version is reloaded; said once, counted.
+    (change,) = offered.calls_of("stage_change")
+    assert Path(change).name == "000000000002-000000000003.safetensors"
+    assert update.fallbacks == {"no_extension": 1} and update.applied_in_place == 0 and offered.loaded_version == 3
+    assert reloading.calls_of("stage_change") == [] and plain.fallbacks == {"disabled": 1}
+    assert reloading.loaded_version == 3
+    with Follower(url, [offered], cache_dir=tmp_path / "a", replica_id="offered") as follower:
+        follower.adopt(3)
+        publisher.publish(_state(9)).result()  # 7 of 20 elements: more than a patch is worth
+        assert follower.step().fallbacks == {"large_change": 1} and len(offered.calls_of("stage_change")) == 1
+
+
 def test_failed_reload_on_one_server_reverts_both_and_refuses_the_version(stream, tmp_path):
     """A reload that fails half-way cannot be caused safely on a real server (its engine may die)."""
     url, publisher = stream

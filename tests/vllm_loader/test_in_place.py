@@ -72,9 +72,13 @@ def test_changes_outside_the_packed_linears_are_applied_in_place_bit_for_bit(run
         run.publish(linears=False)
         newest = run.publish(linears=False)
         update = follower.step()
-        assert update.version == newest and update.applied_in_place == 1 and update.fallbacks == {}
+        # The second update in place is verified (verify_apply=2): reloaded fully too, hashes compared.
+        assert update.version == newest and update.applied_in_place == 1 and update.fallbacks == {"verify": 1}
         assert run.server.client.weight_version() == str(newest)
         run.full_reload_agrees(newest)
+        after = run.publish(linears=False)  # in place still: the verification found them equal
+        assert follower.step().applied_in_place == 1
+        run.full_reload_agrees(after)
         # The change is deleted with the version it was built on.
         assert not (follower.cache.stream_dir / ".changes" / f"{version:012d}-{newest:012d}.safetensors").exists()
 
