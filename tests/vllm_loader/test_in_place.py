@@ -110,3 +110,20 @@ def test_an_apply_that_finds_other_values_writes_nothing_and_reloads_the_version
         assert update.version == version and update.fallbacks == {"apply_failed": 1}
         assert "differ from the base version" in caplog.text
         run.full_reload_agrees(version)
+
+
+def test_tensor_parallel_ranks_each_write_their_slices(tmp_path, vllm_servers):
+    """TP=2: the embedding is split by vocabulary rows and the qkv biases by heads; norms are replicated."""
+    run = Run(tmp_path, None)
+    run.server = vllm_servers(run.model, tensor_parallel=2)
+    try:
+        with Follower(run.url, [run.server.url], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+            follower.step()
+            version = run.publish(linears=False)
+            update = follower.step()
+            assert update.version == version and update.applied_in_place == 1 and update.fallbacks == {}
+            assert len(run.server.client.parameter_hashes()) == 2
+            run.full_reload_agrees(version)  # on both ranks
+    finally:
+        run.server.stop()
+        run.publisher.close()
