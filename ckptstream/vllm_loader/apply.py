@@ -67,7 +67,6 @@ class _CopyRecorder(TorchDispatchMode):
     def __init__(self, probe: torch.Tensor, storages: dict[tuple[str, int], str]):
         super().__init__()
         self.probe_key = _storage_key(probe)
-        self.probe_dtype = probe.dtype
         self.storages = storages
         self.copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self.problems: list[str] = []
@@ -127,9 +126,9 @@ def plan_tensor(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype
     for param, dst, src in recorder.copies:
         if param not in params:
             return TensorPlan(problem=f"its loader writes buffer {param}")
-        target, problem = _target(param, dst, src, params[param], dtype)
-        if problem is not None:
-            return TensorPlan(problem=problem)
+        target = _target(param, dst, src, params[param], dtype)
+        if isinstance(target, str):
+            return TensorPlan(problem=target)
         plan.targets.append(target)
     return plan
 
@@ -140,23 +139,23 @@ def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _target(param: str, dst: torch.Tensor, src: torch.Tensor, runtime: torch.Tensor,
-            dtype: torch.dtype) -> tuple[Target, str | None]:
-    none = Target(param, (), 0, (), 0, ())
+            dtype: torch.dtype) -> Target | str:
+    """The recorded copy ``src`` → ``dst`` as a ``Target``, or why it is not a plain one."""
     if tuple(dst.shape) != tuple(src.shape):
-        return none, f"{param} is filled by a broadcasting copy"
+        return f"{param} is filled by a broadcasting copy"
     if src.dtype != dtype or dst.dtype != runtime.dtype:
-        return none, f"{param} is filled through a reinterpreting view"
+        return f"{param} is filled through a reinterpreting view"
     dims = sorted(((size, s, d) for size, s, d in zip(src.shape, src.stride(), dst.stride()) if size != 1),
                   key=lambda dim: -dim[1])
     reach = 0  # the largest offset the smaller source dimensions reach: each stride must pass it
     for size, src_stride, _ in reversed(dims):
         if src_stride <= reach:
-            return none, f"{param} is filled from an overlapping view of the checkpoint tensor"
+            return f"{param} is filled from an overlapping view of the checkpoint tensor"
         reach += (size - 1) * src_stride
     if any(d == 0 for _, _, d in dims):
-        return none, f"{param} is filled through a broadcast view"
+        return f"{param} is filled through a broadcast view"
     return Target(param, tuple(d[0] for d in dims), src.storage_offset(), tuple(d[1] for d in dims),
-                  dst.storage_offset(), tuple(d[2] for d in dims)), None
+                  dst.storage_offset(), tuple(d[2] for d in dims))
 
 
 def map_positions(target: Target, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,16 +261,15 @@ class InPlaceApplier:
                     if plan.problem is not None:
                         unpatchable[name] = plan.problem
                         continue
-                    if plan.targets:
-                        coverage[name] = [0, positions.numel()]
+                    if not plan.targets:
+                        continue
+                    coverage[name] = [0, positions.numel()]
+                    positions, old, new = (t.to(self.device) for t in (positions, old, new))  # once per tensor
                     for target in plan.targets:
-                        runtime = params[target.param]
-                        on_device = positions.to(runtime.device)
-                        covered, index = map_positions(target, on_device)
+                        dtype = params[target.param].dtype
+                        covered, index = map_positions(target, positions)
                         coverage[name][0] += index.numel()
-                        writes.append(_Write(target.param, index,
-                                             old.to(runtime.device)[covered].to(runtime.dtype),
-                                             new.to(runtime.device)[covered].to(runtime.dtype)))
+                        writes.append(_Write(target.param, index, old[covered].to(dtype), new[covered].to(dtype)))
             if stream is not None:
                 stream.synchronize()
             self._writes = writes

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from ..errors import VllmError, VllmUnreachable
 from ..httpjson import request_json
-from .worker import APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, STAGE_METHOD, STAGED_METHOD
+from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, LABEL_METHOD, REPORT_METHOD,
+                     SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD)
 
 
 class VllmControl(Protocol):
@@ -177,8 +178,6 @@ class VllmClient:
                 raise VllmError(f"{self.url}/weight_info answered {info!r}",
                                 hint="Start vLLM with VLLM_SERVER_DEV_MODE=1")
             return str(info["weight_version"])
-        from .worker import LABEL_METHOD
-
         labels = set(self._extension_call(LABEL_METHOD, {}))
         return labels.pop() if len(labels) == 1 else MIXED_LABELS
 
@@ -240,8 +239,6 @@ class VllmClient:
     def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
         """Ask every rank what its node's cache holds (the server must have been started with
         ``--worker-extension-cls ckptstream.vllm_loader.worker.WorkerExtension``)."""
-        from .worker import REPORT_METHOD
-
         results = self._extension_call(REPORT_METHOD, {"versions_dir": str(versions_dir)})
         if not all(isinstance(r, dict) for r in results):
             raise VllmError(f"{self.url}/collective_rpc {REPORT_METHOD} answered {str(results)[:300]}")
@@ -288,8 +285,6 @@ class VllmClient:
         if self.native_labels():
             self._request("POST", "/update_weight_version", {"new_version": version})
         else:
-            from .worker import SET_LABEL_METHOD
-
             self._extension_call(SET_LABEL_METHOD, {"label": version})
         if check:
             self.check_weight_version(version)

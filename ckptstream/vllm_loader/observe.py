@@ -41,9 +41,10 @@ class UpdateRecord:
     fallbacks: dict[str, int] = field(default_factory=dict)  # servers reloaded fully instead, by FALLBACK_REASONS
 
     def log_line(self) -> str:
-        how = (f"in place on {self.applied_in_place}" if self.applied_in_place else "reload")
-        if self.fallbacks:
-            how += f", full reload ({', '.join(f'{k}: {v}' for k, v in sorted(self.fallbacks.items()))})"
+        parts = [f"in place on {self.applied_in_place}"] if self.applied_in_place else []
+        if self.fallbacks or not parts:
+            parts.append(f"reload ({', '.join(f'{k}: {v}' for k, v in sorted(self.fallbacks.items()))})")
+        how = ", ".join(parts)
         return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB"
                 f"{_base_text(self.version, self.base_version)}, "
                 f"fetch {self.fetch_s:.2f} s + decode {self.decode_s:.2f} s, pause {self.pause_s:.2f} s, "

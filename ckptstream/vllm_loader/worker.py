@@ -52,19 +52,19 @@ class WorkerExtension:
 
     def ckptstream_stage(self, path: str) -> bool:
         """Start mapping the change file at ``path`` onto this rank's parameters (in a background thread)."""
-        self._ckptstream_applier().stage(path)
+        _applier(self).stage(path)
         return True
 
     def ckptstream_staged(self, wait: bool = False) -> dict[str, Any] | None:
         """The staging's result once done (``unpatchable``, ``elements``, ``error``); None while it runs."""
-        return self._ckptstream_applier().staged(wait)
+        return _applier(self).staged(wait)
 
     def ckptstream_apply(self) -> dict[str, Any]:
         """Write the staged change (``{"applied": n}``), or nothing (``{"error": ...}``)."""
-        return self._ckptstream_applier().apply()
+        return _applier(self).apply()
 
     def ckptstream_discard(self) -> bool:
-        self._ckptstream_applier().discard()
+        _applier(self).discard()
         return True
 
     def ckptstream_parameter_hashes(self) -> dict[str, str]:
@@ -72,15 +72,6 @@ class WorkerExtension:
         from .apply import parameter_hashes
 
         return parameter_hashes(self.model_runner.get_model())
-
-    def _ckptstream_applier(self) -> Any:
-        applier = getattr(self, "_ckptstream_in_place", None)
-        if applier is None:
-            from .apply import InPlaceApplier
-
-            model = self.model_runner.get_model()
-            applier = self._ckptstream_in_place = InPlaceApplier(model, next(model.parameters()).device)
-        return applier
 
     def ckptstream_cache_report(self, versions_dir: str) -> dict[str, Any]:
         """This rank's host, node rank, rank, and the complete versions under ``versions_dir`` (the
@@ -109,6 +100,18 @@ class WorkerExtension:
         return {"host": socket.gethostname(), "node_rank": getattr(parallel, "node_rank", None),
                 "rank": getattr(self, "rank", None), "local_rank": getattr(self, "local_rank", None),
                 "pid": os.getpid(), "versions": versions}
+
+
+def _applier(worker: Any) -> Any:
+    """The worker's ``apply.InPlaceApplier``, made on first use (a function, not a method: vLLM offers every
+    method of the extension to ``/collective_rpc``)."""
+    applier = getattr(worker, "_ckptstream_in_place", None)
+    if applier is None:
+        from .apply import InPlaceApplier
+
+        model = worker.model_runner.get_model()
+        applier = worker._ckptstream_in_place = InPlaceApplier(model, next(model.parameters()).device)
+    return applier
 
 
 CacheReport = WorkerExtension
