@@ -366,18 +366,36 @@ def apply_chunk(target: torch.Tensor, stored: bytes | memoryview, itemsize: int,
             raise ValueError("the sparse layout is only valid for XOR chunks")
         xor_at(target, *sparse_changes([(0, raw_bytes, stored)], itemsize, shuffle))
         return
-    data = _decompress(stored, raw_bytes, exact=True)
-    if len(data) != raw_bytes:  # zstd checks the declared size; kept as the invariant the copy relies on
-        raise ValueError(f"chunk decoded to {len(data)} bytes, expected {raw_bytes}")
+    chunk = _dense_chunk(stored, raw_bytes, itemsize, shuffle=shuffle)
     if not raw_bytes:
         return
-    chunk = torch.frombuffer(data, dtype=torch.uint8)
-    if shuffle:
-        chunk = _unshuffle(chunk, itemsize)
     if xor:
         xor_into(target, chunk)
     else:
         target.copy_(chunk)
+
+
+def _dense_chunk(stored: bytes | memoryview, raw_bytes: int, itemsize: int, *, shuffle: bool) -> torch.Tensor:
+    """The uint8 bytes a dense chunk's frame decodes to (ValueError if malformed or not ``raw_bytes`` long)."""
+    data = _decompress(stored, raw_bytes, exact=True)
+    if len(data) != raw_bytes:  # zstd checks the declared size; kept as the invariant the copy relies on
+        raise ValueError(f"chunk decoded to {len(data)} bytes, expected {raw_bytes}")
+    if not raw_bytes:
+        return torch.empty(0, dtype=torch.uint8)
+    chunk = torch.frombuffer(data, dtype=torch.uint8)
+    return _unshuffle(chunk, itemsize) if shuffle else chunk
+
+
+def dense_xor_changes(stored: bytes | memoryview, raw_bytes: int, itemsize: int, *,
+                      shuffle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changed elements of one dense XOR chunk: ascending int64 element indices within the chunk and
+    their XOR values (the integer dtype of ``itemsize``), as :func:`sparse_changes` gives a sparse chunk's.
+    Raises ValueError if the frame is malformed."""
+    chunk = _dense_chunk(stored, raw_bytes, itemsize, shuffle=shuffle)
+    if raw_bytes % itemsize:
+        raise ValueError(f"chunk of {raw_bytes} bytes is not a whole number of {itemsize}-byte elements")
+    positions = _changed_positions(chunk, itemsize)
+    return positions, chunk.view(INT_OF_SIZE[itemsize])[positions]
 
 
 def _sparse_payload(stored: bytes | memoryview, raw_bytes: int, itemsize: int) -> tuple[bytearray, int, int]:

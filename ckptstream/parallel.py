@@ -7,7 +7,7 @@ import ctypes
 import os
 import sys
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Generator, Iterable, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -38,7 +38,7 @@ def one_cpu_thread_each() -> None:
 
 
 def ordered_parallel(items: Iterable[T], work: Callable[[T], R], cost: Callable[[T], int], *, max_cost: int,
-                     executor: Executor | None = None, workers: int | None = None) -> Iterator[R]:
+                     executor: Executor | None = None, workers: int | None = None) -> Generator[R, None, None]:
     """``map(work, items)`` on threads, yielding results in order, with the summed ``cost`` of the items
     in flight (submitted but not yet yielded) at most ``max_cost`` (one item always runs).
 

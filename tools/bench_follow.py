@@ -91,6 +91,8 @@ def main() -> None:
             rl_like_step(state, fraction=0.01, generator=generator)
             manifest = publisher.publish(state).result()
             stream.wait_for_version(manifest.version, timeout=300, poll_interval=0.02)
+            while manifest.version not in updates:  # (serving before its decode into the cache ends)
+                time.sleep(0.01)
             update = updates[manifest.version]
             # What the follower left (applied in place or reloaded), to compare with the bare reload's.
             served_hashes, served_tokens = client.parameter_hashes(), client.generate(PROMPT, 8)
@@ -111,15 +113,18 @@ def main() -> None:
             client.set_weight_version(str(manifest.version))
             rows.append(dict(version=manifest.version, stored=manifest.stored_bytes, lag=update.lag_s,
                              prepare=update.prepare_s, pause=update.pause_s, reload=update.reload_s,
+                             cache=update.cache_s,
                              how="in place" if update.applied_in_place else
                              f"reload ({', '.join(update.fallbacks) or '-'})",
                              equal=equal, bare_pause=bare_pause, bare_reload=bare_reload, naive_save=save_s,
                              naive_pause=naive_pause, naive_total=save_s + naive_pause))
             r = rows[-1]
+            prepared = "change" if r["cache"] else "decode"  # (in place: the change built from the deltas)
             print(f"  version {r['version']}: delta {r['stored'] / 1e6:6.2f} MB | ckptstream commit->serving "
-                  f"{r['lag']:5.2f} s (fetch+decode {r['prepare']:4.2f} s, pause {r['pause']:4.2f} s, {r['how']} "
-                  f"{r['reload']:4.2f} s) | bare reload {r['bare_pause']:4.2f} s | naive save {r['naive_save']:4.2f} s "
-                  f"+ pause {r['naive_pause']:4.2f} s = {r['naive_total']:4.2f} s | parameters and tokens equal a bare "
+                  f"{r['lag']:5.2f} s (fetch+{prepared} {r['prepare']:4.2f} s, pause {r['pause']:4.2f} s, "
+                  f"{r['how']} {r['reload']:4.2f} s; decoded into the cache {r['cache']:4.2f} s after) | bare "
+                  f"reload {r['bare_pause']:4.2f} s | naive save {r['naive_save']:4.2f} s + pause "
+                  f"{r['naive_pause']:4.2f} s = {r['naive_total']:4.2f} s | parameters and tokens equal a bare "
                   f"reload: {r['equal']}", flush=True)
     finally:
         server.close()

@@ -152,20 +152,28 @@ def _chain_steps(manifests: Callable[[int], Manifest], target: Manifest, entry: 
         steps.append((manifest, current))
         if current.encoding in (ENCODING_RAW, ENCODING_ZSTD):
             return steps, None
-        assert manifest.base_version is not None
-        base_manifest = manifests(manifest.base_version)
-        try:
-            previous = base_manifest.tensor(current.name)
-        except KeyError:
-            raise IntegrityError(f"delta refers to tensor missing from its base version {base_manifest.version}",
-                                 version=manifest.version, tensor=current.name) from None
-        if (previous.dtype, previous.shape) != (current.dtype, current.shape):
-            raise IntegrityError(f"delta has dtype/shape {current.dtype}{list(current.shape)} but its base "
-                                 f"version {base_manifest.version} has {previous.dtype}{list(previous.shape)}",
-                                 version=manifest.version, tensor=current.name)
+        base_manifest, previous = _step_down(manifests, manifest, current)
         if base is not None and base.version == base_manifest.version and base.read_into(previous, nothing):
             return steps, previous  # (an empty read: does the base hold it, with this dtype and shape?)
         manifest, current = base_manifest, previous
+
+
+def _step_down(manifests: Callable[[int], Manifest], manifest: Manifest,
+               entry: TensorEntry) -> tuple[Manifest, TensorEntry]:
+    """The base version of the delta ``manifest`` and its entry of the tensor ``entry`` (of ``manifest``),
+    checked to exist with the same dtype and shape."""
+    assert manifest.base_version is not None
+    base_manifest = manifests(manifest.base_version)
+    try:
+        previous = base_manifest.tensor(entry.name)
+    except KeyError:
+        raise IntegrityError(f"delta refers to tensor missing from its base version {base_manifest.version}",
+                             version=manifest.version, tensor=entry.name) from None
+    if (previous.dtype, previous.shape) != (entry.dtype, entry.shape):
+        raise IntegrityError(f"delta has dtype/shape {entry.dtype}{list(entry.shape)} but its base "
+                             f"version {base_manifest.version} has {previous.dtype}{list(previous.shape)}",
+                             version=manifest.version, tensor=entry.name)
+    return base_manifest, previous
 
 
 def decode_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
@@ -451,7 +459,7 @@ def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], tar
         try:
             changes = [_changes(files, manifest, e, pool, budget) for manifest, e in plan.deltas
                        if e.encoding == ENCODING_XOR_ZSTD]
-        except _TooManyChanges:  # planned from the manifests' counts: one of them lies
+        except TooManyChanges:  # planned from the manifests' counts: one of them lies
             raise IntegrityError("the deltas change more elements than their manifests count",
                                  version=target.version, tensor=entry.name,
                                  hint="A version in its delta chain is forged or damaged; run `ckptstream verify`"
@@ -483,41 +491,104 @@ def decode_tensor_to(files: DataFiles, manifests: Callable[[int], Manifest], tar
     return entry.nbytes
 
 
-class _TooManyChanges(Exception):
-    """The deltas of a tensor change more than ``STREAM_MAX_CHANGES_BYTES`` (more than their manifests count)."""
+class TooManyChanges(Exception):
+    """A tensor's deltas change more bytes (8-byte position and value per element) than the budget given."""
+
+
+def changes_since(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
+                  base_version: int, budget: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The elements of ``entry`` (a tensor of ``target``) whose bits differ from those of version
+    ``base_version`` (an older version of ``target``'s delta chain), read from the deltas between them
+    without decoding the tensor: ascending int64 positions and XOR values (the integer dtype of its
+    itemsize), folded across the deltas (an element changed and changed back is no change). None where a
+    version between them stores the tensor whole (only a decode tells what changed).
+
+    The stored bytes are checked against their stored hashes; the tensor's own hash needs all its bytes and
+    is not checked here.
+
+    Raises:
+        TooManyChanges: the changes of its deltas outgrow ``budget`` bytes together.
+        IntegrityError, MissingBaseError: a chunk cannot be decoded, or the chain is broken.
+    """
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    manifest, current = target, entry
+    left = [budget]
+    while manifest.version != base_version:
+        if current.encoding in (ENCODING_RAW, ENCODING_ZSTD):
+            return None
+        if current.encoding == ENCODING_XOR_ZSTD:
+            found.append(_changes(files, manifest, current, None, left))
+        manifest, current = _step_down(manifests, manifest, current)
+    int_dtype = codec.INT_OF_SIZE[entry.itemsize]
+    if not found:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=int_dtype)
+    if len(found) == 1:
+        positions, values = found[0]
+    else:
+        positions, inverse = torch.unique(torch.cat([p for p, _ in found]), sorted=True, return_inverse=True)
+        values = torch.zeros(positions.numel(), dtype=int_dtype)
+        start = 0
+        for p, v in found:  # (a delta's positions are distinct: no two of its values meet in one element)
+            where = inverse[start:start + p.numel()]
+            values[where] = values[where].bitwise_xor_(v)
+            start += p.numel()
+    kept = values != 0
+    return positions[kept], values[kept]
 
 
 def _changes(files: DataFiles, manifest: Manifest, entry: TensorEntry, pool: BufferPool | None,
              budget: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The changed elements (positions, XOR values) of a delta entry whose chunks are all sparse, decoded in
-    batches of ``SPARSE_BATCH_BYTES``; raises _TooManyChanges once they outgrow ``budget[0]`` bytes (what the
+    """The changed elements (positions, XOR values) of a delta entry, its sparse chunks decoded together in
+    batches of ``SPARSE_BATCH_BYTES``; raises TooManyChanges once they outgrow ``budget[0]`` bytes (what the
     manifest's ``changed`` promised is not trusted for memory)."""
     stored = files.read(manifest, entry, out=_take(pool, entry.length))
+    itemsize = entry.itemsize
     try:
         view = codec.buffer_of(stored)
         batches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        chunks: list[tuple[int, int, memoryview]] = []
-        raw_pos = stored_pos = batch_bytes = 0
-        for index, (raw_len, stored_len, _) in enumerate(entry.chunks):
-            chunks.append((raw_pos, raw_len, view[stored_pos:stored_pos + stored_len]))
-            raw_pos += raw_len
-            stored_pos += stored_len
-            batch_bytes += raw_len
-            if batch_bytes >= SPARSE_BATCH_BYTES or index == len(entry.chunks) - 1:
+        chunks: list[tuple[int, int, memoryview]] = []  # sparse chunks waiting to be decoded together
+        batch_bytes = 0
+
+        def add(positions: torch.Tensor, values: torch.Tensor) -> None:
+            budget[0] -= positions.numel() * (8 + itemsize)
+            if budget[0] < 0:
+                raise TooManyChanges
+            batches.append((positions, values))
+
+        def flush() -> None:
+            nonlocal chunks, batch_bytes
+            if chunks:
                 try:
-                    positions, values = codec.sparse_changes(chunks, entry.itemsize, entry.shuffle)
+                    add(*codec.sparse_changes(chunks, itemsize, entry.shuffle))
                 except codec.ChunkError as exc:
                     raise _chunk_error(manifest, entry, chunks[exc.index][0], exc) from None
-                budget[0] -= positions.numel() * (8 + entry.itemsize)
-                if budget[0] < 0:
-                    raise _TooManyChanges
-                batches.append((positions, values))
-                chunks, batch_bytes = [], 0
+            chunks, batch_bytes = [], 0
+
+        raw_pos = stored_pos = 0
+        for raw_len, stored_len, layout in entry.chunks:
+            frame = view[stored_pos:stored_pos + stored_len]
+            if layout == LAYOUT_SPARSE:
+                chunks.append((raw_pos, raw_len, frame))
+                batch_bytes += raw_len
+                if batch_bytes >= SPARSE_BATCH_BYTES:
+                    flush()
+            else:
+                flush()  # (the batches stay in ascending order of position)
+                try:
+                    positions, values = codec.dense_xor_changes(frame, raw_len, itemsize, shuffle=entry.shuffle)
+                except ValueError as exc:
+                    raise _chunk_error(manifest, entry, raw_pos, exc) from None
+                add(positions.add_(raw_pos // itemsize), values)
+            raw_pos += raw_len
+            stored_pos += stored_len
+        flush()
     finally:
         if pool is not None:
             pool.give(stored)
     if len(batches) == 1:
         return batches[0]
+    if not batches:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=codec.INT_OF_SIZE[itemsize])
     return torch.cat([p for p, _ in batches]), torch.cat([v for _, v in batches])
 
 

@@ -21,6 +21,7 @@ import mmap
 import os
 import re
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -28,7 +29,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from .. import codec
-from ..errors import CkptStreamError, IntegrityError, NotADirectoryOutputError, UnsafeManifestError
+from ..errors import (CkptStreamError, IntegrityError, NotADirectoryOutputError, TensorNotFoundError,
+                      UnsafeManifestError)
 from ..locks import LOCK_FILE, try_lock, unlock
 from ..format import (INDEX_FILE, MARKER_FILE, SAFETENSORS_LENGTH, TEMP_PREFIX, Manifest, TensorEntry, asset_path,
                       dumps_json, is_reserved_asset_name, loads_json, safetensors_header, shard_groups)
@@ -328,6 +330,8 @@ class MaterializedBase(BaseTensors):
         # headers: offsets inside the file, sizes matching dtype and shape).
         self._spans: dict[str, tuple[int, int, str, tuple[int, ...]]] = {}
         self._fds: list[int] = []
+        self._maps: dict[int, mmap.mmap] = {}  # descriptor -> its file mapped, once gathered from
+        self._map_lock = threading.Lock()
         for path in sorted(self.directory.glob("*.safetensors")):
             fd = os.open(path, os.O_RDONLY)
             self._fds.append(fd)
@@ -366,7 +370,36 @@ class MaterializedBase(BaseTensors):
             done += n
         return True
 
+    def gather(self, entry: TensorEntry, positions: torch.Tensor) -> torch.Tensor:
+        """The elements at the flat ``positions`` (int64, each below its size) of the tensor ``entry``
+        names, as integers of its width, read through a memory map of its file (only the pages holding
+        them are touched). Raises TensorNotFoundError if it lacks it, IntegrityError as :meth:`read_into`."""
+        span = self._spans.get(entry.name)
+        if span is None:
+            raise TensorNotFoundError("the local copy lacks this tensor", version=self.version, tensor=entry.name,
+                                      hint="The local base directory is stale or foreign; materialize it again")
+        fd, start, dtype, shape = span
+        if (dtype, shape) != (entry.dtype, entry.shape):
+            self.read_into(entry, torch.empty(0, dtype=torch.uint8))  # (raises, naming both)
+        int_dtype = codec.INT_OF_SIZE[entry.itemsize]
+        if start % entry.itemsize:  # (no aligned view: read it whole)
+            whole = torch.empty(entry.nbytes, dtype=torch.uint8)
+            self.read_into(entry, whole)
+            return whole.view(int_dtype)[positions]
+        with self._map_lock:
+            if fd not in self._maps:
+                self._maps[fd] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # (private: never writes the file)
+        mapped = self._maps[fd]
+        if start + entry.nbytes > len(mapped):
+            raise IntegrityError("the local copy is truncated", version=self.version, tensor=entry.name,
+                                 hint="Materialize this version without the base directory, or delete the directory")
+        elements = torch.frombuffer(mapped, dtype=int_dtype, count=entry.numel, offset=start)
+        return elements[positions]
+
     def close(self) -> None:
+        for mapped in self._maps.values():
+            mapped.close()  # (no view outlives gather)
+        self._maps.clear()
         self._files.clear()
         self._where.clear()
         self._spans.clear()

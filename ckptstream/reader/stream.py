@@ -9,20 +9,20 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 
 from ..codec import INT_OF_SIZE
 from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, ReplicaRefused, StreamNotFoundError,
                       TensorNotFoundError, VersionNotFoundError)
-from ..format import (DEFAULT_SHARD_BYTES, LATEST, MANIFESTS_DIR, MAX_VERSION, STREAM_FILE, FileEntry, Manifest,
-                      StreamInfo, TensorEntry, asset_path, content_hash, manifest_path,
-                      parse_version_name)
+from ..format import (DEFAULT_SHARD_BYTES, ENCODING_RAW, ENCODING_ZSTD, LATEST, MANIFESTS_DIR, MAX_VERSION,
+                      STREAM_FILE, FileEntry, Manifest, StreamInfo, TensorEntry, asset_path, content_hash,
+                      manifest_path, parse_version_name)
 from ..parallel import default_workers, ordered_parallel
 from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
 from ..storage.readahead import ChunkedReads
-from .decode import (BufferPool, Writer, decode_order, decode_tensor, decode_tensor_to, load_checked,
+from .decode import (BufferPool, Writer, changes_since, decode_order, decode_tensor, decode_tensor_to, load_checked,
                      plan_tensor)
 from .files import DataFiles
 from .leases import DEFAULT_LEASE_TTL, hold_lease
@@ -350,6 +350,40 @@ class Stream:
                 base.close()
             if self._chunked is not None:
                 self._chunked.clear()
+
+    def changes_since(self, version: int, base: int,
+                      sink: Callable[[TensorEntry, torch.Tensor, torch.Tensor], R], *,
+                      max_tensor_bytes: int, workers: int | None = None) -> Generator[R, None, None] | None:
+        """``sink(entry, positions, xor values)`` per tensor of ``version``: its elements whose bits differ
+        from ``base``'s (``decode.changes_since``), read from the deltas between the two without decoding
+        either version; run on reading threads, results in manifest order. None (nothing read) unless
+        every version after ``base`` up to ``version`` is a delta on its predecessor storing no tensor
+        whole (a keyframe, a tensor written whole: only a decode tells what changed).
+
+        The stored bytes are checked against their stored hashes as they are read; the tensors' hashes
+        need all their bytes: a decode of ``version`` checks them.
+
+        Raises:
+            TooManyChanges: a tensor changed more than ``max_tensor_bytes`` (8-byte position and value per
+                element), read on the way.
+            IntegrityError, MissingBaseError: a delta cannot be decoded, or the chain is broken.
+        """
+        chain = {m.version: m for m in self.chain(version)}
+        if base not in chain or any(t.encoding in (ENCODING_RAW, ENCODING_ZSTD)
+                                    for v, m in chain.items() if v > base for t in m.tensors):
+            return None
+        target = chain[version]
+        if workers is None and not self.storage.is_posix:
+            workers = max(default_workers(), MAX_CONCURRENT_READS)  # (as _decode: waiting on ranged reads)
+
+        def changes(entry: TensorEntry) -> R:
+            found = changes_since(self._files, chain.__getitem__, target, entry, base, max_tensor_bytes)
+            assert found is not None  # (every step is a delta: checked above)
+            return sink(entry, *found)
+
+        # In flight: each tensor's stored delta and what its sink holds (positions and two values per change).
+        return ordered_parallel(target.tensors, changes, lambda e: e.length + (e.changed or 0) * (8 + 2 * e.itemsize),
+                                max_cost=DEFAULT_INFLIGHT_BYTES, workers=workers)
 
     def read_tensor(self, version: int, name: str) -> torch.Tensor:
         """One tensor of a version, decoded and checked (TensorNotFoundError, a KeyError, if it lacks it)."""

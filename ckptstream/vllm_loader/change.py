@@ -1,4 +1,8 @@
-"""The change between two cached versions, in checkpoint names and coordinates: what workers apply in place.
+"""The change between two versions, in checkpoint names and coordinates: what workers apply in place.
+
+Built from the stored deltas between them and the cached older version (``build_change_from_deltas``:
+before the newer one is decoded), or by comparing both cached versions (``build_change``: across a
+keyframe).
 
 Per checkpoint tensor that differs: the flat positions of the differing elements (int64, ascending) and
 their old and new values in the checkpoint's dtype, compared bit for bit (a NaN that stays NaN is no
@@ -17,11 +21,16 @@ from typing import Any, Iterator
 
 import torch
 
-from ..codec import bit_pattern
+from ..codec import bit_pattern, torch_dtype
+from ..format import TensorEntry
 from ..hf import tensor_specs
+from ..reader.decode import TooManyChanges
 from ..reader.materialize import MaterializedBase
+from ..reader.stream import Stream
 
 _POSITIONS, _OLD, _NEW = "::positions", "::old", "::new"
+TOO_MANY = "too many elements changed"
+WHOLE = "a version since the served one stores tensors whole"
 
 
 @dataclass(frozen=True)
@@ -45,9 +54,7 @@ def build_change(base_dir: Path, target_dir: Path, out: Path, *, stream_id: str,
         if sorted(names) != sorted(old_tensors.names()):
             return ChangeSummary(0, 0, 0, problem="the versions hold different tensors")
         total = sum(math.prod(shape) for _, shape in tensor_specs(target_dir).values())
-        tensors: dict[str, torch.Tensor] = {}
-        shapes: dict[str, list[int]] = {}
-        changed = 0
+        change = _Change(max_fraction * total)
         for name in names:
             old, new = old_tensors.load(name), new_tensors.load(name)
             assert old is not None and new is not None
@@ -55,23 +62,87 @@ def build_change(base_dir: Path, target_dir: Path, out: Path, *, stream_id: str,
                 return ChangeSummary(0, 0, 0, problem=f"{name} changed its dtype or shape")
             flat_old, flat_new = old.reshape(-1), new.reshape(-1)
             positions = torch.nonzero(bit_pattern(flat_old) != bit_pattern(flat_new)).reshape(-1)
-            if not positions.numel():
-                continue
-            changed += positions.numel()
-            if changed > max_fraction * total:
-                return ChangeSummary(changed, total, len(shapes), problem="too many elements changed")
-            tensors[name + _POSITIONS] = positions
-            tensors[name + _OLD] = flat_old[positions].contiguous()
-            tensors[name + _NEW] = flat_new[positions].contiguous()
-            shapes[name] = list(new.shape)
+            if not change.add(name, tuple(new.shape), positions, flat_old[positions], flat_new[positions]):
+                return ChangeSummary(change.changed, total, len(change.shapes), problem=TOO_MANY)
     finally:
         old_tensors.close()
         new_tensors.close()
-    from safetensors.torch import save_file
+    return change.write(out, total, stream_id=stream_id, base=base, version=version)
 
-    metadata = {"stream_id": stream_id, "base": str(base), "version": str(version), "shapes": json.dumps(shapes)}
-    save_file(tensors, str(out), metadata=metadata)
-    return ChangeSummary(changed, total, len(shapes))
+
+def build_change_from_deltas(stream: Stream, base_dir: Path, out: Path, *, base: int, version: int,
+                             max_fraction: float) -> ChangeSummary:
+    """Write the change from ``base`` (materialized in ``base_dir``) to ``version`` to ``out`` from the
+    stored deltas between them (``Stream.changes_since``), without decoding ``version``: the old values
+    are read from ``base_dir`` at the changed positions, the new ones are the old XOR the deltas. None
+    (``problem`` set, nothing written) where a version between them stores a tensor whole, their tensors
+    differ, or more than ``max_fraction`` of the elements changed.
+
+    The stored bytes of the deltas are checked against their stored hashes; the new tensors' hashes are
+    not (that needs all their bytes): a decode of ``version`` checks them.
+    """
+    manifest = stream.manifest(version)
+    total = sum(e.numel for e in manifest.tensors)
+    base_tensors = MaterializedBase(base_dir, stream.info().stream_id)
+    try:
+        if sorted(e.name for e in manifest.tensors) != sorted(base_tensors.names()):
+            return ChangeSummary(0, 0, 0, problem="the versions hold different tensors")
+        budget = int(max_fraction * total)
+
+        def gathered(entry: TensorEntry, positions: torch.Tensor,
+                     xors: torch.Tensor) -> tuple[TensorEntry, torch.Tensor, torch.Tensor, torch.Tensor]:
+            old = base_tensors.gather(entry, positions) if positions.numel() else xors
+            return entry, positions, old, old ^ xors
+
+        # (a tensor's changes cost 8 bytes of position and at most 8 of value each while they are read)
+        changes = stream.changes_since(version, base, gathered, max_tensor_bytes=(budget + 1) * 16)
+        if changes is None:
+            return ChangeSummary(0, 0, 0, problem=WHOLE)
+        change = _Change(max_fraction * total)
+        try:
+            for entry, positions, old, new in changes:
+                dtype = torch_dtype(entry.dtype)
+                if not change.add(entry.name, entry.shape, positions, old.view(dtype), new.view(dtype)):
+                    return ChangeSummary(change.changed, total, len(change.shapes), problem=TOO_MANY)
+        except TooManyChanges:
+            return ChangeSummary(budget + 1, total, len(change.shapes), problem=TOO_MANY)
+        finally:
+            changes.close()  # (what has not started is cancelled)
+    finally:
+        base_tensors.close()
+    return change.write(out, total, stream_id=stream.info().stream_id, base=base, version=version)
+
+
+class _Change:
+    """The changed tensors of a change being built, up to a number of changed elements."""
+
+    def __init__(self, max_changed: float):
+        self.max_changed = max_changed
+        self.changed = 0
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.shapes: dict[str, list[int]] = {}
+
+    def add(self, name: str, shape: tuple[int, ...], positions: torch.Tensor, old: torch.Tensor,
+            new: torch.Tensor) -> bool:
+        """Add a tensor's changed elements (none: nothing); False once the change holds too many."""
+        if not positions.numel():
+            return True
+        self.changed += positions.numel()
+        if self.changed > self.max_changed:
+            return False
+        self.tensors[name + _POSITIONS] = positions
+        self.tensors[name + _OLD] = old.contiguous()
+        self.tensors[name + _NEW] = new.contiguous()
+        self.shapes[name] = list(shape)
+        return True
+
+    def write(self, out: Path, total: int, *, stream_id: str, base: int, version: int) -> ChangeSummary:
+        from safetensors.torch import save_file
+
+        metadata = {"stream_id": stream_id, "base": str(base), "version": str(version),
+                    "shapes": json.dumps(self.shapes, sort_keys=True)}
+        save_file(self.tensors, str(out), metadata=metadata)
+        return ChangeSummary(self.changed, total, len(self.shapes))
 
 
 def read_change(handle: Any) -> Iterator[tuple[str, tuple[tuple[int, ...], torch.Tensor, torch.Tensor,

@@ -48,7 +48,7 @@ from ..locks import unlock
 from ..polling import poll
 from . import takeover
 from .cache import VersionCache, default_cache_dir, safe_owner
-from .change import ChangeSummary, build_change
+from .change import WHOLE, ChangeSummary, build_change, build_change_from_deltas
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from .gate import UpdateGate
 from .observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, attach_metrics, notify,
@@ -280,8 +280,14 @@ class Follower:
     def load(self, version: int, clients: Sequence[VllmControl] | None = None) -> UpdateRecord:
         """Prepare ``version`` in the cache, check it, and load it into every server (or ``clients``).
 
+        Where the servers take it in place and it is a delta chain on the version they serve, the change
+        is built from the fetched deltas and applied before ``version`` is decoded into the cache: servers
+        serve it sooner. The decode then checks every tensor's hash; a mismatch brings every server back
+        to the version it served (and ``version`` is refused).
+
         Raises:
-            IntegrityError / CkptStreamError: the version is refused (servers untouched).
+            IntegrityError / CkptStreamError: the version is refused (servers untouched, or back on the
+                version they served).
             NodesNotReady: a node of an engine lacks it after ``nodes_ready_timeout`` (servers untouched).
             VllmError: a server failed to load it (servers reverted to the current version).
         """
@@ -289,69 +295,119 @@ class Follower:
         self._check_against_served(manifest)  # before fetching anything
         self._report(state="updating")
         started, read_before = time.perf_counter(), self._reads.read_seconds()
-        path, base, fetched, decoded = self.prepare(version)
+        path: Path | None = None
+        change, why_not = self._change(version, None)  # from the fetched deltas, before any decode
+        if change is not None:
+            assert self.current is not None
+            base, decoded = self.current, False
+            fetched = sum(m.stored_bytes for m in self.stream.chain(version) if m.version > self.current)
+        else:
+            path, base, fetched, decoded = self.prepare(version)
         prepare_s = time.perf_counter() - started
         fetch_s = min(prepare_s, self._reads.read_seconds() - read_before)
         targets = list(self.clients if clients is None else clients)
-        if self.config.nodes_ready_timeout is not None:
+        if path is not None and self.config.nodes_ready_timeout is not None:
             for client in targets:
                 self._wait_for_nodes(client, manifest, path)
         restore = self.cache.path(self.current) if self.current is not None and self.current != version else None
         if restore is not None and not (restore / MARKER_FILE).is_file():
             restore = None  # gone: _revert decodes it again, outside the pause
-        change, why_not = self._change(version, path)
+        if path is not None and change is None and why_not is None:
+            change, why_not = self._change(version, path)  # e.g. across a keyframe: both versions compared
         pause_s = reload_s = 0.0
         in_place = 0
         fallbacks: collections.Counter[str] = collections.Counter()
         done: list[VllmControl] = []
+        waiting: list[tuple[VllmControl, str]] = []  # to reload fully once decoded, and why
+        verify: list[VllmControl] = []
         for client in targets:
-            restored: list[VllmControl] = []
             if change is not None and self._in_place_off is None:
                 staged, fallback = self._stage(client, change)
             else:
                 staged, fallback = None, why_not or "disabled"
-            loaded = False
-            try:
-                with self._gate(client.url, version):
-                    try:
-                        paused, reloaded, failed = self._load_into(client, version, path, restore=restore,
-                                                                   restored=restored, change=staged)
-                    except VllmError:
-                        # A server whose reload failed got the last good version back inside its pause,
-                        # else gets it now, before the gate lets it serve again.
-                        if not restored:
-                            self._revert([client])
-                        raise
-                loaded = True
-            except VllmError:
-                for other in done:
-                    with self._gate(other.url, version):
-                        self._revert([other])
-                raise
-            finally:
-                if staged is not None and not loaded:
-                    with contextlib.suppress(VllmError):
-                        client.discard_change()  # what a failed update staged on the device
+            if staged is None and path is None:
+                waiting.append((client, fallback or "disabled"))
+                continue
+            paused, reloaded, failed = self._update_server(client, version, path, restore, staged, done)
             pause_s += paused
             reload_s += reloaded
-            done.append(client)
             fallback = fallback or failed
+            if fallback is not None and path is None:
+                waiting.append((client, fallback))  # back on the served version, every rank
+                continue
+            done.append(client)
             if fallback is not None:
                 fallbacks[fallback] += 1
             else:
                 in_place += 1
                 if self._verify_due(client):
+                    verify.append(client)
+        lag_s = _age(manifest.created)
+        cache_s = 0.0
+        if path is None:
+            if not waiting:
+                self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
+            cache_started = time.perf_counter()
+            try:
+                path, _, _, decoded = self.prepare(version)
+            except CkptStreamError:
+                log.error("version %d, applied in place, failed its decode; every server goes back to version %s",
+                          version, self.current)
+                for client in done:
                     with self._gate(client.url, version):
-                        self._verify(client, version, path)
-                    fallbacks["verify"] += 1
+                        self._revert([client])
+                self._report(version=self.current, state="serving")
+                raise
+            cache_s = time.perf_counter() - cache_started
+            for client, fallback in waiting:
+                paused, reloaded, _ = self._update_server(client, version, path, restore, None, done)
+                pause_s += paused
+                reload_s += reloaded
+                done.append(client)
+                fallbacks[fallback] += 1
+            if waiting:
+                lag_s = _age(manifest.created)
+        for client in verify:
+            with self._gate(client.url, version):
+                self._verify(client, version, path)
+            fallbacks["verify"] += 1
         self.current = version
         self.cache.prune({version})
-        update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, _age(manifest.created),
-                              decoded, fetch_s=fetch_s, decode_s=prepare_s - fetch_s, applied_in_place=in_place,
-                              fallbacks=dict(fallbacks))
+        update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
+                              fetch_s=fetch_s, decode_s=prepare_s - fetch_s, applied_in_place=in_place,
+                              fallbacks=dict(fallbacks), cache_s=cache_s)
         self._notify("on_update", update)
         self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
         return update
+
+    def _update_server(self, client: VllmControl, version: int, path: Path | None, restore: Path | None,
+                       staged: Path | None, done: list[VllmControl]) -> tuple[float, float, str | None]:
+        """``_load_into`` one server under the update gate; if it fails, the servers ``done`` before it go
+        back to the current version too. What a failed update staged is discarded."""
+        restored: list[VllmControl] = []
+        loaded = False
+        try:
+            with self._gate(client.url, version):
+                try:
+                    result = self._load_into(client, version, path, restore=restore, restored=restored,
+                                             change=staged)
+                except VllmError:
+                    # A server whose reload failed got the last good version back inside its pause,
+                    # else gets it now, before the gate lets it serve again.
+                    if not restored:
+                        self._revert([client])
+                    raise
+            loaded = True
+            return result
+        except VllmError:
+            for other in done:
+                with self._gate(other.url, version):
+                    self._revert([other])
+            raise
+        finally:
+            if staged is not None and not loaded:
+                with contextlib.suppress(VllmError):
+                    client.discard_change()  # what a failed update staged on the device
 
     def prepare(self, version: int) -> tuple[Path, int | None, int, bool]:
         """Have ``version`` in the cache, held (see ``prepare_version``); returns (path, base version used:
@@ -364,20 +420,22 @@ class Follower:
         assert self.current is not None
         return self.prepare(self.current)[0]
 
-    def _load_into(self, client: VllmControl, version: int, path: Path, restore: Path | None = None,
+    def _load_into(self, client: VllmControl, version: int, path: Path | None, restore: Path | None = None,
                    restored: list[VllmControl] | None = None,
                    change: Path | None = None) -> tuple[float, float, str | None]:
         """Pause, reload ``path`` (or apply the ``change`` staged on every rank), label, resume, check;
         (seconds paused, seconds reloading or applying, the fallback reason where the apply failed and
-        ``path`` was reloaded instead). If the reload fails and ``restore`` (the current version's
-        directory) is given, it is reloaded before ``/resume`` (a rank whose reload failed half-way holds
-        placeholders, and ranks that succeeded hold the new version); then the client is appended to
-        ``restored``."""
-        if not (path / MARKER_FILE).is_file():
-            # vLLM treats a missing directory as a hub repository id and its engine dies of it.
-            raise CkptStreamError(f"{path} is not a complete materialized directory; not handing it to vLLM",
-                                  version=version)
+        ``path`` was reloaded instead, or, with no ``path`` yet, ``restore``: the server then serves the
+        current version again). If the reload fails and ``restore`` (the current version's directory) is
+        given, it is reloaded before ``/resume`` (a rank whose reload failed half-way holds placeholders,
+        and ranks that succeeded hold the new version); then the client is appended to ``restored``."""
+        for directory in (path,) if path is not None else (restore,):
+            if directory is None or not (directory / MARKER_FILE).is_file():
+                # vLLM treats a missing directory as a hub repository id and its engine dies of it.
+                raise CkptStreamError(f"{directory} is not a complete materialized directory; not handing it to "
+                                      "vLLM", version=version)
         started = time.perf_counter()
+        serves = version
         client.pause(self.pause_mode)
         try:
             reload_started = time.perf_counter()
@@ -386,10 +444,16 @@ class Follower:
                 if change is not None:
                     failed = self._apply_paused(client, version)
                 if change is None or failed is not None:
-                    client.reload_weights(str(path))  # a half-applied change is overwritten on every rank
+                    # A half-applied change is overwritten on every rank.
+                    if path is None:
+                        assert restore is not None and self.current is not None
+                        client.reload_weights(str(restore))
+                        serves = self.current
+                    else:
+                        client.reload_weights(str(path))
                 reload_s = time.perf_counter() - reload_started
                 client.reset_prefix_cache()
-                client.set_weight_version(str(version), check=False)
+                client.set_weight_version(str(serves), check=False)
             except VllmError:
                 if restore is not None and self._restore_paused(client, restore) and restored is not None:
                     restored.append(client)
@@ -399,15 +463,17 @@ class Follower:
         paused = time.perf_counter() - started
         # The effects are checked once generation runs again: none of these needs the pause.
         client.check_resumed()
-        client.check_weight_version(str(version))
+        client.check_weight_version(str(serves))
         client.probe()
         return paused, reload_s, failed
 
     # ----------------------------------------------------------------------------------- in place
 
-    def _change(self, version: int, path: Path) -> tuple[Path | None, str | None]:
+    def _change(self, version: int, path: Path | None) -> tuple[Path | None, str | None]:
         """The change from the served version to ``version`` in the cache, or why there is none
-        (``observe.FALLBACK_REASONS``)."""
+        (``observe.FALLBACK_REASONS``): built from the stored deltas between them (``path`` None), else by
+        comparing the cached ``path`` with the served version's. (None, None): none from the deltas (a
+        version between stores tensors whole), the comparison may find one."""
         if not self.config.apply_in_place or self._in_place_off is not None:
             return None, "disabled"
         if self.current is None or not (self.cache.path(self.current) / MARKER_FILE).is_file():
@@ -415,18 +481,24 @@ class Follower:
         if self.config.nodes_ready_timeout is not None:
             return None, "multi_node"  # the change file would have to reach every node's cache
         built: list[ChangeSummary] = []
-        base = self.current
+        base, stream_id = self.current, self.stream.info().stream_id
 
         def build(out: Path) -> None:
-            built.append(build_change(self.cache.path(base), path, out, stream_id=self.stream.info().stream_id,
-                                      base=base, version=version, max_fraction=MAX_CHANGE_FRACTION))
+            if path is None:
+                built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
+                                                      version=version, max_fraction=MAX_CHANGE_FRACTION))
+            else:
+                built.append(build_change(self.cache.path(base), path, out, stream_id=stream_id, base=base,
+                                          version=version, max_fraction=MAX_CHANGE_FRACTION))
 
         try:
             change = self.cache.change(base, version, build)
-        except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the version is still reloaded
+        except Exception as exc:  # noqa: BLE001 - e.g. a full disk, a corrupt delta: the decode refuses that
             self._explain("no_change", f"version {version} on {base}: building the change failed: {exc}")
             return None, "no_change"
         if change is None:  # too many elements changed (some counted), or the versions do not compare
+            if path is None and built and built[0].problem == WHOLE:
+                return None, None
             reason = "large_change" if built and built[0].changed else "no_change"
             self._explain(reason, f"version {version} on {base}: {built[0].problem if built else 'not built'}")
             return None, reason

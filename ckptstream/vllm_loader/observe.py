@@ -30,7 +30,8 @@ class UpdateRecord:
     version: int
     base_version: int | None  # the cached version the delta was applied to (None: from the keyframe)
     bytes_fetched: int
-    prepare_s: float  # fetch + decode + hash checks, while the servers kept generating (fetch_s + decode_s)
+    prepare_s: float  # fetch + decode + hash checks (or the change built from the fetched deltas), while the
+    # servers kept generating (fetch_s + decode_s)
     pause_s: float  # servers paused (all of them, one after the other)
     reload_s: float  # inside reload_weights
     lag_s: float  # from the version's commit to serving it
@@ -39,6 +40,7 @@ class UpdateRecord:
     decode_s: float = 0.0  # of prepare_s: the rest (decoding, hashing, writing with no read outstanding)
     applied_in_place: int = 0  # servers that took it in place (only the changed elements written)
     fallbacks: dict[str, int] = field(default_factory=dict)  # servers reloaded fully instead, by FALLBACK_REASONS
+    cache_s: float = 0.0  # decoding into the cache after serving it (a change applied from the fetched deltas)
 
     def log_line(self) -> str:
         parts = [f"in place on {self.applied_in_place}"] if self.applied_in_place else []
@@ -48,7 +50,8 @@ class UpdateRecord:
         return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB"
                 f"{_base_text(self.version, self.base_version)}, "
                 f"fetch {self.fetch_s:.2f} s + decode {self.decode_s:.2f} s, pause {self.pause_s:.2f} s, "
-                f"{how} {self.reload_s:.2f} s, lag {self.lag_s:.2f} s after commit")
+                f"{how} {self.reload_s:.2f} s, lag {self.lag_s:.2f} s after commit"
+                + (f", decoded into the cache {self.cache_s:.2f} s after" if self.cache_s else ""))
 
 
 FALLBACK_REASONS = ("disabled", "first_version", "multi_node", "no_change", "large_change", "no_extension",

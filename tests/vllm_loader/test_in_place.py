@@ -9,15 +9,19 @@ outputs must be equal, bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from ckptstream import Publisher, Stream
+from ckptstream.format import MARKER_FILE, manifest_path
 from ckptstream.hf import iter_hf_weights
+from ckptstream.storage import open_storage
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
-from ckptstream.vllm_loader import Follower
+from ckptstream.vllm_loader import Follower, VllmClient
 
 
 class Run:
@@ -81,6 +85,54 @@ def test_changes_outside_the_packed_linears_are_applied_in_place_bit_for_bit(run
         run.full_reload_agrees(after)
         # The change is deleted with the version it was built on.
         assert not (follower.cache.stream_dir / ".changes" / f"{version:012d}-{newest:012d}.safetensors").exists()
+
+
+class _SeesTheCache:
+    """A server's client that notes, at each apply, whether the version applied was in the cache yet."""
+
+    def __init__(self, client: VllmClient, cache_dir: Path):
+        self._client, self._cache_dir = client, cache_dir
+        self.decoded_at_apply: list[bool] = []
+
+    def apply_change(self) -> Any:
+        staged = next(Path(self._cache_dir).glob("*/.changes/*.safetensors"))
+        version = staged.stem.split("-")[1]
+        self.decoded_at_apply.append((next(Path(self._cache_dir).glob("*")) / version / MARKER_FILE).is_file())
+        return self._client.apply_change()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_a_delta_is_applied_from_its_fetched_bytes_before_it_is_decoded(run):
+    client = _SeesTheCache(run.server.client, run.root / "cache")
+    with Follower(run.url, [client], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+        follower.step()
+        version = run.publish(linears=False)
+        update = follower.step()
+        assert update.version == version and update.applied_in_place == 1 and update.fallbacks == {}
+        assert client.decoded_at_apply == [False] and update.cache_s > 0  # decoded after serving it
+        assert (follower.cache.path(version) / MARKER_FILE).is_file()
+        run.full_reload_agrees(version)
+
+
+def test_a_version_applied_in_place_whose_decode_fails_is_taken_back_on_every_server(run, caplog):
+    with Follower(run.url, [run.server.url], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+        follower.step()
+        version = run.publish(linears=False)
+        # A forged manifest: its deltas are intact (their stored hashes hold), one tensor's hash lies.
+        storage = open_storage(run.url)
+        manifest = Stream(run.url).manifest(version)
+        lying = [dataclasses.replace(t, hash="xxh3-128:" + "0" * 32) if t.name == "model.norm.weight" else t
+                 for t in manifest.tensors]
+        storage.delete(manifest_path(version))
+        storage.put(manifest_path(version), dataclasses.replace(manifest, tensors=tuple(lying)).to_bytes())
+        assert follower.step() is None
+        assert "model.norm.weight" in follower.refused[version] and "hash" in follower.refused[version]
+        assert "goes back to version 0" in caplog.text
+        assert run.server.client.weight_version() == "0" and follower.current == 0
+        run.full_reload_agrees(0)
+        assert not (follower.cache.path(version) / MARKER_FILE).exists()
 
 
 def test_packed_linears_reload_fully_and_say_why(run, caplog):

@@ -1,0 +1,122 @@
+"""The change between two versions (what workers apply in place), built from the stored deltas and from two
+decoded versions, against full decodes, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ckptstream import Publisher, Stream
+from ckptstream.codec import bit_pattern
+from ckptstream.errors import IntegrityError
+from ckptstream.format import data_path
+from ckptstream.testing.models import rl_like_step
+from ckptstream.vllm_loader.change import TOO_MANY, build_change, build_change_from_deltas, read_change
+from tests.helpers import random_state
+
+
+def _apply(tensors: dict[str, torch.Tensor], change: Path) -> dict[str, torch.Tensor]:
+    """``tensors`` with ``change`` written into copies of them, the old values checked on the way."""
+    patched = {name: t.clone() for name, t in tensors.items()}
+    with safe_open(str(change), framework="pt") as handle:
+        for name, (shape, positions, old, new) in read_change(handle):
+            flat = patched[name].view(-1)
+            assert tuple(patched[name].shape) == shape
+            assert torch.equal(bit_pattern(flat[positions]), bit_pattern(old)), name
+            flat[positions] = new
+    return patched
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(bit_pattern(a[n].reshape(-1)), bit_pattern(b[n].reshape(-1)))
+                                        for n in a)
+
+
+def _file_tensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
+
+
+@pytest.fixture
+def chain(tmp_path):
+    """Version 0 a keyframe, 1-3 deltas: small changes everywhere, one tensor changed densely in 1 (a dense
+    XOR chunk), one element changed in 2 and changed back in 3 (no change across them)."""
+    url = str(tmp_path / "stream")
+    state = random_state(0, scale=4)
+    generator = torch.Generator().manual_seed(1)
+    states = [{k: v.clone() for k, v in state.items()}]
+    with Publisher(url, keyframe_every=100) as publisher:
+        publisher.publish(state).result()
+        for step in range(1, 4):
+            rl_like_step(state, fraction=0.02, generator=generator)
+            if step == 1:
+                state["layer.0.b"].add_(1.0)  # every element: a dense chunk
+            norm = state["layer.0.norm"]
+            norm[3] = 2.0 if step == 2 else 1.0
+            publisher.publish(state).result()
+            states.append({k: v.clone() for k, v in state.items()})
+    stream = Stream(url)
+    for version in (0, 3):
+        stream.materialize(version, tmp_path / f"v{version}")
+    return stream, states, tmp_path
+
+
+def test_the_change_from_the_deltas_equals_the_change_from_the_decoded_versions(chain):
+    stream, states, tmp = chain
+    chunks = {c[2] for m in stream.chain(3)[1:] for t in m.tensors for c in t.chunks}
+    assert chunks == {"sparse", "dense"}  # both layouts are read
+    stream_id = stream.info().stream_id
+    from_deltas, from_dirs = tmp / "deltas.safetensors", tmp / "dirs.safetensors"
+    summary = build_change_from_deltas(stream, tmp / "v0", from_deltas, base=0, version=3, max_fraction=0.5)
+    assert summary.problem is None and summary.changed > 0
+    assert build_change(tmp / "v0", tmp / "v3", from_dirs, stream_id=stream_id, base=0, version=3,
+                        max_fraction=0.5) == summary
+    (meta_a, tensors_a), (meta_b, tensors_b) = _file_tensors(from_deltas), _file_tensors(from_dirs)
+    assert meta_a == meta_b and _same(tensors_a, tensors_b)
+    assert "layer.0.norm::positions" in tensors_a  # its other changes stay, the reverted element does not
+    assert 3 not in tensors_a["layer.0.norm::positions"].tolist()
+    assert _same(_apply(states[0], from_deltas), states[3])
+
+
+def test_one_delta_and_a_version_on_itself(chain):
+    stream, states, tmp = chain
+    stream.materialize(2, tmp / "v2")
+    out = tmp / "one.safetensors"
+    assert build_change_from_deltas(stream, tmp / "v2", out, base=2, version=3, max_fraction=0.5).problem is None
+    assert _same(_apply(states[2], out), states[3])
+    nothing = build_change_from_deltas(stream, tmp / "v3", tmp / "none.safetensors", base=3, version=3,
+                                       max_fraction=0.5)
+    assert nothing.changed == 0 and _file_tensors(tmp / "none.safetensors")[1] == {}
+
+
+def test_no_change_from_the_deltas_across_a_keyframe_or_beyond_the_limit(tmp_path, chain):
+    stream, _, tmp = chain
+    out = tmp / "c.safetensors"
+    too_many = build_change_from_deltas(stream, tmp / "v0", out, base=0, version=3, max_fraction=0.001)
+    assert too_many.problem == TOO_MANY and not out.exists()
+    url = str(tmp_path / "keyframes")
+    with Publisher(url, keyframe_every=1) as publisher:
+        publisher.publish(random_state(0)).result()
+        publisher.publish(random_state(0)).result()
+    keyframes = Stream(url)
+    keyframes.materialize(0, tmp_path / "k0")
+    across = build_change_from_deltas(keyframes, tmp_path / "k0", out, base=0, version=1, max_fraction=0.5)
+    assert across.problem is not None and "whole" in across.problem and not out.exists()
+
+
+def test_a_corrupt_delta_is_refused_naming_version_file_and_tensor(chain):
+    stream, _, tmp = chain
+    manifest = stream.manifest(2)
+    entry = next(t for t in manifest.tensors if t.encoding == "xor-zstd" and t.name == "layer.0.w")
+    path = Path(stream.url) / data_path(2, entry.file)
+    data = bytearray(path.read_bytes())
+    data[entry.offset + entry.length // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError) as refused:
+        build_change_from_deltas(stream, tmp / "v0", tmp / "c.safetensors", base=0, version=3, max_fraction=0.5)
+    assert refused.value.version == 2 and refused.value.tensor == "layer.0.w"
+    assert data_path(2, entry.file) in str(refused.value)
+    assert not (tmp / "c.safetensors").exists()
