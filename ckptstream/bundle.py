@@ -35,7 +35,7 @@ from .format import (ASSETS_DIR, BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_BUNDLE_IN
                      StreamInfo, asset_path, content_hash, data_path, manifest_path, parse_version_name)
 from .reader import Stream
 from .storage import RANGE_CHUNK_BYTES, Storage, temp_name
-from .transfer import Destination, holds_file, versions_to_carry, write_verified
+from .transfer import Destination, versions_to_carry, write_verified
 from .writer.commit import adopt_stream, read_stream_info
 
 log = logging.getLogger("ckptstream.bundle")
@@ -434,6 +434,11 @@ class _Importer:
         self._spool = _Spool()
         self._size: int | None = None  # the bundle's bytes, where it is a regular file
         self._written: dict[int, list[str]] = {}  # per version not committed yet, the data files this import wrote
+        # At the destination, from its first member to the end, a lease on each version carried (so a gc there
+        # keeps its files while uncommitted) and on each base there a carried delta needs.
+        self._holder = f"import {os.getpid()}"
+        self._leases = self.dst.leases(self._holder)
+        self._bases = contextlib.ExitStack()
 
     def run(self, raw: IO[bytes]) -> tuple[list[int], list[int]]:
         """Read and check the whole bundle, then commit; returns (committed, skipped) versions. A refusal (or
@@ -445,6 +450,8 @@ class _Importer:
             raise
         finally:
             self._spool.close()
+            self._bases.close()
+            self._leases.close()
 
     def _run(self, raw: IO[bytes]) -> tuple[list[int], list[int]]:
         self._size = _bytes_left(raw)
@@ -469,10 +476,12 @@ class _Importer:
                     self.check_stream_info(raw_info, index)
                 elif directory == MANIFESTS_DIR:
                     version = parse_version_name(rest)
+                    self._leases.add(version)
                     manifests.append(self.read_manifest(tar, member, entry, version, index,
                                                         data_entries[version]))
                 elif directory == VERSIONS_DIR:
                     version = parse_version_name(rest.partition("/")[0])
+                    self._leases.add(version)  # before any of its data is written
                     self.read_data(tar, member, entry, version, index.stream_id)
                     data_entries[version].append(FileEntry(rest.partition("/")[2], entry.size, entry.hash))
                 else:  # an asset: listed in stream.json with this size and hash (check_stream_info)
@@ -638,7 +647,7 @@ class _Importer:
             raise VersionConflictError("the destination holds a different version of this number (its files "
                                        "differ from the bundle's)", version=version, file=path,
                                        hint="The two stores hold diverged streams; import into an empty location")
-        if committed is not None or holds_file(self.dst.storage, path, entry):
+        if committed is not None or self.dst.reuses(version, FileEntry(name, entry.size, entry.hash)):
             hasher = Hasher()  # the destination's copy stays; the bundle's must still be the index's
             for chunk in self.chunks(tar, member):
                 hasher.update(chunk)
@@ -676,10 +685,12 @@ class _Importer:
             raise self.refuse("the manifest lists other data files than the bundle carries", member.name, version)
         self.dst.check_same(version, raw)  # a different version of this number there: refuse now, exit 5
         base = manifest.base_version
-        if base is not None and base not in index.versions and self.dst.committed(base) is None:
-            raise MissingBaseError(f"the bundle carries delta version {version} without this base, and the "
-                                   f"destination lacks it", version=base, file=manifest_path(base),
-                                   hint="Export the versions with their bases (ckptstream export brings them)")
+        if base is not None and base not in index.versions:
+            if self.dst.committed(base) is None:
+                raise MissingBaseError(f"the bundle carries delta version {version} without this base, and the "
+                                       f"destination lacks it", version=base, file=manifest_path(base),
+                                       hint="Export the versions with their bases (ckptstream export brings them)")
+            self._bases.enter_context(self.dst.lease_base(manifest, self._holder))  # kept there until the commit
         return _HeldManifest(dataclasses.replace(manifest, tensors=()), self._spool.add([raw]))
 
     def check_end(self, tar: tarfile.TarFile) -> None:

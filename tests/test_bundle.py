@@ -26,13 +26,16 @@ import torch
 from ckptstream import Publisher, Stream
 from ckptstream.bundle import export_bundle, import_bundle
 from ckptstream.cli import main
-from ckptstream.errors import (EXIT_CONFLICT, EXIT_INCOMPATIBLE, EXIT_INTEGRITY, EXIT_NOT_FOUND, ForeignStreamError,
-                               IncompatibleStreamError, IntegrityError, MissingBaseError, VersionConflictError)
-from ckptstream.format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_ASSET_BYTES, STREAM_FILE, BundleIndex, FileEntry,
-                               StreamInfo, content_hash, data_path, manifest_path)
+from ckptstream.errors import (EXIT_CONFLICT, EXIT_INCOMPATIBLE, EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_OK,
+                               ForeignStreamError, IncompatibleStreamError, IntegrityError, MissingBaseError,
+                               VersionConflictError)
+from ckptstream.format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_ASSET_BYTES, STREAM_FILE, VERSIONS_DIR,
+                               BundleIndex, FileEntry, StreamInfo, content_hash, data_path, manifest_path)
 from ckptstream.reader import read_leases
 from ckptstream.storage import RANGE_CHUNK_BYTES, open_storage
-from tests.helpers import assert_same_tensors, new_bucket, random_state
+from ckptstream.writer import collect_garbage
+from tests.helpers import (HookedStorage, assert_same_tensors, backdate, gc_paused_at_its_data, new_bucket,
+                           once_before, random_state)
 
 ASSETS = {"config.json": b'{"model_type": "tiny"}', "tokenizer.json": b'{"vocab": {}}'}
 
@@ -720,6 +723,46 @@ def test_memory_stays_bounded_for_a_file_much_larger_than_a_chunk(tmp_path):
     print(f"tracemalloc peaks for a {size} B file: export {export_peak} B, import {import_peak} B")
     assert export_peak < size / 3 and import_peak < size / 3, (export_peak, import_peak)
     Stream(str(tmp_path / "dst")).verify(0)
+
+
+# --------------------------------------------------------------------------- gc at the destination
+
+@pytest.mark.parametrize("at", [0, 3])
+def test_gc_just_before_a_commit_keeps_what_the_import_wrote(bundle, tmp_path, at):
+    """gc at the destination without grace, run for real at the moment the import commits version ``at``
+    (the import's storage calls it just before that manifest's put): the import holds a lease there on every
+    version it carries, so gc keeps their data, and every version imported verifies."""
+    dst = str(tmp_path / "dst")
+    reports = []
+    collect = lambda: reports.append(collect_garbage(Stream(dst), keep_last=1, grace_seconds=0))  # noqa: E731
+    imported = import_bundle(bundle, HookedStorage(open_storage(dst), once_before("put", manifest_path(at), collect)))
+    assert reports and imported.versions == (0, 1, 2, 3)
+    assert not [path for path in reports[0].debris if path.startswith(VERSIONS_DIR)]
+    assert main(["verify", dst]) == EXIT_OK
+    assert read_leases(open_storage(dst)).records == []  # released at the end
+
+
+def test_a_resumed_import_refreshes_the_files_it_reuses(bundle, tmp_path):
+    """Run again after an interruption hours ago, the import reuses the data files it wrote then. A gc that
+    read the leases before the import began and reaches those files while the import commits keeps them:
+    reused, they count as written now (their modification time is refreshed)."""
+    dst = tmp_path / "dst"
+    import_bundle(bundle, open_storage(str(dst)))
+    for version in (2, 3):  # as if killed before these two commits
+        (dst / manifest_path(version)).unlink()
+    backdate(dst / VERSIONS_DIR, 7200)
+    reports: list = []
+    gc, resume = gc_paused_at_its_data(str(dst), reports)
+
+    def let_gc_run() -> None:
+        resume.set()
+        gc.join(60)
+
+    hooked = HookedStorage(open_storage(str(dst)), once_before("put", manifest_path(2), let_gc_run))
+    again = import_bundle(bundle, hooked)
+    assert reports and not [path for path in reports[0].debris if path.startswith(VERSIONS_DIR)]
+    assert again.versions == (2, 3) and again.bytes_written == 0
+    assert main(["verify", str(dst)]) == EXIT_OK
 
 
 def test_help_has_examples_and_imports_no_torch():
