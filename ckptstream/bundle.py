@@ -33,7 +33,7 @@ from .errors import (CommitOutcomeUnknownError, ForeignStreamError, IntegrityErr
 from .format import (ASSETS_DIR, BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_BUNDLE_INDEX_BYTES, MAX_MANIFEST_BYTES,
                      MAX_STREAM_FILE_BYTES, STREAM_FILE, VERSIONS_DIR, BundleIndex, FileEntry, Hasher, Manifest,
                      StreamInfo, asset_path, content_hash, data_path, manifest_path, parse_version_name)
-from .reader import Stream
+from .reader import Stream, check_base
 from .storage import RANGE_CHUNK_BYTES, Storage, temp_name
 from .transfer import Destination, versions_to_carry, write_verified
 from .writer.commit import adopt_stream, read_stream_info
@@ -466,7 +466,7 @@ class _Importer:
             self.check_destination(index)
             raw_info = b""
             assets: dict[str, tuple[int, int]] = {}
-            manifests: list[_HeldManifest] = []
+            manifests: dict[int, _HeldManifest] = {}  # in archive order: ascending
             data_entries: dict[int, list[FileEntry]] = {v: [] for v in index.versions}
             for entry in index.members:
                 member = self.next_member(tar, entry.name, entry.size)
@@ -477,8 +477,8 @@ class _Importer:
                 elif directory == MANIFESTS_DIR:
                     version = parse_version_name(rest)
                     self._leases.add(version)
-                    manifests.append(self.read_manifest(tar, member, entry, version, index,
-                                                        data_entries[version]))
+                    manifests[version] = self.read_manifest(tar, member, entry, version, index,
+                                                            data_entries[version], manifests)
                 elif directory == VERSIONS_DIR:
                     version = parse_version_name(rest.partition("/")[0])
                     self._leases.add(version)  # before any of its data is written
@@ -490,8 +490,7 @@ class _Importer:
         # Everything verified: now, and only now, the stream and its versions appear at the destination.
         adopt_stream(self.dst.storage, raw_info, _HeldAssets(self._spool, assets))
         committed, skipped = [], []
-        for held in manifests:
-            version = held.header.version
+        for version, held in manifests.items():
             raw_manifest = self._spool.get(held.span)
             if self.dst.check_same(version, raw_manifest):  # committed meanwhile, maybe with the files written
                 self._written.pop(version, None)
@@ -673,9 +672,10 @@ class _Importer:
         return self._committed[version]
 
     def read_manifest(self, tar: tarfile.TarFile, member: tarfile.TarInfo, entry: FileEntry, version: int,
-                      index: BundleIndex, data: list[FileEntry]) -> _HeldManifest:
-        """A manifest, checked against the index, its data members and the destination's copy if any; held
-        in the spool until the commit."""
+                      index: BundleIndex, data: list[FileEntry],
+                      held: Mapping[int, _HeldManifest]) -> _HeldManifest:
+        """A manifest, checked against the index, its data members, the destination's copy if any and its
+        base (``held``: the manifests read before it); held in the spool until the commit."""
         raw = self.read_small(tar, member, entry, MAX_MANIFEST_BYTES, version)
         try:
             manifest = Manifest.from_bytes(raw, version=version, stream_id=index.stream_id)
@@ -684,14 +684,30 @@ class _Importer:
         if sorted(manifest.files, key=lambda f: f.name) != data:
             raise self.refuse("the manifest lists other data files than the bundle carries", member.name, version)
         self.dst.check_same(version, raw)  # a different version of this number there: refuse now, exit 5
-        base = manifest.base_version
-        if base is not None and base not in index.versions:
-            if self.dst.committed(base) is None:
-                raise MissingBaseError(f"the bundle carries delta version {version} without this base, and the "
-                                       f"destination lacks it", version=base, file=manifest_path(base),
-                                       hint="Export the versions with their bases (ckptstream export brings them)")
-            self._bases.enter_context(self.dst.lease_base(manifest, self._holder))  # kept there until the commit
+        self.check_chain(manifest, index, held)
         return _HeldManifest(dataclasses.replace(manifest, tensors=()), self._spool.add([raw]))
+
+    def check_chain(self, manifest: Manifest, index: BundleIndex, held: Mapping[int, _HeldManifest]) -> None:
+        """A delta's base is carried (``held``, read earlier: bases come first) or at the destination, where
+        it is leased until the end (its chain checked there), and the delta agrees with it (reader obligation
+        5: keyframe and chain length), all before anything is committed."""
+        base = manifest.base_version
+        if base is None:
+            return
+        if base in index.versions:
+            base_manifest = held[base].header
+        elif self.dst.committed(base) is None:
+            raise MissingBaseError(f"the bundle carries delta version {manifest.version} without this base, and "
+                                   f"the destination lacks it", version=base, file=manifest_path(base),
+                                   hint="Export the versions with their bases (ckptstream export brings them)")
+        else:
+            self._bases.enter_context(self.dst.lease_base(manifest, self._holder))  # kept there until the commit
+            base_manifest = self.dst.stream.manifest(base)
+        try:
+            check_base(manifest, base_manifest)
+        except IntegrityError as exc:
+            raise self.refuse(f"the delta contradicts its base ({exc})", manifest_path(manifest.version),
+                              manifest.version) from None
 
     def check_end(self, tar: tarfile.TarFile) -> None:
         """After the last member only the end-of-archive marker (two zero blocks) and zero padding may follow.

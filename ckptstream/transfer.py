@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .errors import CkptStreamError, IntegrityError, MissingBaseError, VersionConflictError, VersionNotFoundError
 from .format import STREAM_FILE, FileEntry, Hasher, Manifest, data_path, manifest_path
-from .reader import Stream
+from .reader import Stream, check_base
 from .reader.files import file_hash
 from .reader.leases import DEFAULT_LEASE_TTL, LeaseSet
 from .storage import MAX_CONCURRENT_READS, Storage, chunk_spans
@@ -214,16 +214,23 @@ class Destination:
                               version=manifest.version, source=source, progress=progress)
 
     def require_base(self, manifest: Manifest) -> None:
-        """Refuse a delta whose base version the destination lacks: committed, it would be a version no
-        reader there can decode.
+        """Refuse a delta whose base version the destination lacks, or that contradicts that base (reader
+        obligation 5: its keyframe and chain length): committed, it would be a version no reader there can
+        decode.
 
         Raises:
             MissingBaseError: naming the delta and its base.
+            IntegrityError: the delta contradicts its base, naming the delta.
         """
-        if manifest.base_version is not None and self.committed(manifest.base_version) is None:
+        if manifest.base_version is None:
+            return
+        raw = self.committed(manifest.base_version)
+        if raw is None:
             raise MissingBaseError(f"its base version {manifest.base_version} is not at the destination "
                                    "(refused or gone at the source)", version=manifest.version,
                                    hint="Copy the base first, or copy from a newer keyframe")
+        check_base(manifest, Manifest.from_bytes(raw, version=manifest.base_version,
+                                                 stream_id=manifest.stream_id))
 
     def check_files(self, manifest: Manifest) -> None:
         """Check, asking the storage now, that every data file of ``manifest`` is at the destination with its

@@ -16,7 +16,7 @@ from typing import IO, Callable, Sequence
 import torch
 
 from ckptstream.codec import tensor_hash
-from ckptstream.format import VERSIONS_DIR
+from ckptstream.format import VERSIONS_DIR, content_hash
 from ckptstream.reader import Stream
 from ckptstream.storage import Entry, Storage, open_storage
 from ckptstream.storage.wrapper import WrapperStorage
@@ -39,6 +39,15 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert got[name].dtype == tensor.dtype, name
         assert got[name].shape == tensor.shape, name
         assert tensor_hash(got[name]) == tensor_hash(tensor), name
+
+
+def reseal(raw: bytes) -> bytes:
+    """Manifest bytes sealed again after a change, as a malicious or buggy writer would (FORMAT.md, "Manifest
+    seal")."""
+    key = b'"manifest_hash": "xxh3-128:'
+    start = raw.rfind(key) + len(key)
+    zeroed = raw[:start] + b"0" * 32 + raw[start + 32:]
+    return raw[:start] + content_hash(zeroed)[len("xxh3-128:"):].encode() + raw[start + 32:]
 
 
 def random_state(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:

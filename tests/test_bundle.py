@@ -35,7 +35,7 @@ from ckptstream.reader import read_leases
 from ckptstream.storage import RANGE_CHUNK_BYTES, open_storage
 from ckptstream.writer import collect_garbage
 from tests.helpers import (HookedStorage, assert_same_tensors, backdate, gc_paused_at_its_data, new_bucket,
-                           once_before, random_state)
+                           once_before, random_state, reseal)
 
 ASSETS = {"config.json": b'{"model_type": "tiny"}', "tokenizer.json": b'{"vocab": {}}'}
 
@@ -646,6 +646,47 @@ def test_export_of_a_corrupt_source_leaves_no_bundle(source, tmp_path, capsys):
     assert list(out.iterdir()) == []  # neither the bundle nor its temporary file
     assert main(["export", src.url, str(out / "b.tar")]) == EXIT_INTEGRITY
     assert entry.name in capsys.readouterr().err and list(out.iterdir()) == []
+
+
+def with_chain_length(bundle: Path, path: Path, version: int, chain_length: int) -> Path:
+    """The bundle with ``version``'s manifest claiming ``chain_length``, resealed and reindexed (as a forger
+    who knows the format writes it): every seal and hash holds, only the chain contradicts its base."""
+    good = members_of(bundle)
+    name = manifest_path(version)
+    raw = next(d for m, d in good if m.name == name)
+    body = json.loads(raw)
+    forged = reseal(raw.replace(f'"chain_length": {body["chain_length"]},'.encode(),
+                                f'"chain_length": {chain_length},'.encode()))
+    assert forged != raw and json.loads(forged)["chain_length"] == chain_length
+    index = BundleIndex.from_bytes(good[0][1])
+    entries = tuple(FileEntry(e.name, len(forged), content_hash(forged)) if e.name == name else e
+                    for e in index.members)
+    reindexed = BundleIndex(index.stream_id, index.versions, entries, index.since, index.requires)
+    return write_tar(path, [regular(BUNDLE_INDEX_FILE, reindexed.to_bytes()),
+                            *[regular(m.name, forged) if m.name == name else (m, d) for m, d in good[1:]]])
+
+
+def test_a_delta_whose_chain_contradicts_its_base_is_refused(source, tmp_path, capsys):
+    """Delta 1 resealed with chain_length 7 on keyframe 0 (chain 0): refused before anything is committed
+    (exit 3, naming version 1), whether its base comes in the bundle or is at the destination already."""
+    src, _ = source
+    export_bundle(src, tmp_path / "01.tar", versions=[0, 1])
+    forged = with_chain_length(tmp_path / "01.tar", tmp_path / "forged.tar", 1, 7)
+    dst = tmp_path / "dst"
+    error = refused(forged, str(dst), member=manifest_path(1))
+    assert error.version == 1 and "chain length 7" in str(error)
+    assert not dst.exists() or files_under(dst) == {}
+    assert main(["import", str(forged), str(dst)]) == EXIT_INTEGRITY
+    assert "version 1" in capsys.readouterr().err
+    export_bundle(src, tmp_path / "0.tar", versions=[0])  # the base at the destination, the delta in a bundle
+    import_bundle(tmp_path / "0.tar", open_storage(str(dst)))
+    before = files_under(dst)
+    export_bundle(src, tmp_path / "since0.tar", since=0, versions=[1])
+    incremental = with_chain_length(tmp_path / "since0.tar", tmp_path / "forged-since0.tar", 1, 7)
+    with pytest.raises(IntegrityError, match="chain length 7") as caught:
+        import_bundle(incremental, open_storage(str(dst)))
+    assert caught.value.version == 1 and files_under(dst) == before
+    assert Stream(str(dst)).versions() == [0]
 
 
 # ------------------------------------------------------------------------------- pipes, kills, memory

@@ -13,14 +13,14 @@ import time
 import pytest
 import torch
 
-from ckptstream.errors import ForeignStreamError, VersionConflictError
+from ckptstream.errors import ForeignStreamError, IntegrityError, VersionConflictError
 from ckptstream.format import VERSIONS_DIR, data_path, manifest_path, version_dir
 from ckptstream.mirror import Mirror, MirrorConfig
 from ckptstream.reader import Stream, read_leases
 from ckptstream.storage import PosixStorage, open_storage, register_backend
 from ckptstream.writer import Publisher, collect_garbage
 from tests.helpers import (HookedStorage, assert_same_tensors, backdate, gc_paused_at_its_data, new_bucket, once_before,
-                           random_state)
+                           random_state, reseal)
 
 CLI = [sys.executable, "-m", "ckptstream.cli"]
 
@@ -189,6 +189,21 @@ def test_a_resumed_mirror_refreshes_the_files_it_reuses(tmp_path):
     assert (result.version, result.status, result.copied_bytes) == (2, "present", 0)
     done = run_cli("verify", str(dst))
     assert done.returncode == 0, done.stderr
+
+
+def test_a_delta_contradicting_its_base_at_the_destination_is_not_committed(tmp_path):
+    """copy_version of a delta resealed with chain_length 7 on keyframe 0 (which the destination holds): the
+    destination's check of the base (reader obligation 5) refuses it before its commit, naming the version."""
+    from ckptstream.transfer import Destination, copy_version
+
+    src, dst = tmp_path / "src", str(tmp_path / "dst")
+    publish_versions(str(src), 2, keyframe_every=10)
+    Mirror(Stream(str(src)), open_storage(dst), MirrorConfig(versions="0:0")).run_once()
+    path = src / manifest_path(1)
+    path.write_bytes(reseal(path.read_bytes().replace(b'"chain_length": 1,', b'"chain_length": 7,')))
+    with pytest.raises(IntegrityError, match="chain length 7") as caught:
+        copy_version(Stream(str(src)), Destination(open_storage(dst)), 1)
+    assert caught.value.version == 1 and Stream(dst).versions() == [0]
 
 
 class DamagingStorage(PosixStorage):

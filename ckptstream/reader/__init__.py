@@ -11,7 +11,7 @@ from .._lazy import lazy_face
 
 _LAZY_NAMES = {
     **dict.fromkeys(("ReplicaRecord", "read_replicas", "replica_path", "write_replica"), ".replicas"),
-    **dict.fromkeys(("Stream", "TensorDiff", "VerifyReport"), ".stream"),
+    **dict.fromkeys(("Stream", "TensorDiff", "VerifyReport", "check_base"), ".stream"),
     **dict.fromkeys(("DEFAULT_LEASE_TTL", "Lease", "LeaseListing", "LeaseRecord", "LeaseSet", "hold_lease",
                      "read_leases"), ".leases"),
     "MaterializedBase": ".materialize",
@@ -25,10 +25,10 @@ if TYPE_CHECKING:
     from .materialize import MaterializedBase
     from .replicas import ReplicaRecord, read_replicas, replica_path, write_replica
     from .selection import select_versions
-    from .stream import Stream, TensorDiff, VerifyReport
+    from .stream import Stream, TensorDiff, VerifyReport, check_base
 
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
 __all__ = ["DEFAULT_LEASE_TTL", "MARKER_FILE", "Lease", "LeaseListing", "LeaseRecord", "LeaseSet", "MaterializedBase",
-           "ReplicaRecord", "Stream", "TensorDiff", "VerifyReport", "hold_lease", "read_leases", "read_replicas",
-           "replica_path", "select_versions", "write_replica"]
+           "ReplicaRecord", "Stream", "TensorDiff", "VerifyReport", "check_base", "hold_lease", "read_leases",
+           "read_replicas", "replica_path", "select_versions", "write_replica"]
