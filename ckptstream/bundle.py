@@ -3,33 +3,39 @@
 ``export_bundle`` writes the versions asked for, every base their chains need, ``stream.json`` and the
 assets, in a fixed member order with fixed metadata (the same stream and versions give the same bytes),
 after an index listing every member's size and hash. ``import_bundle`` reads a bundle sequentially (a pipe
-will do), checks every member against the index as it passes, writes data files at the destination only
-under verified names (invisible without their manifests), and commits the manifests, in order and through
-put-if-absent, only once the whole archive has verified. Both stream with bounded memory: a file moves in
-pieces (``RANGE_CHUNK_BYTES`` read from the source, ``_TAR_READ_BUFFER`` from the archive), never whole.
+will do; a plain tar, never a compressed one), checks every member against the index as it passes, writes
+data files at the destination only under verified names (invisible without their manifests, and removed
+again if the bundle is refused), and commits the manifests, in order and through put-if-absent, only once
+the whole archive has verified. Both stream with bounded memory: a file moves in pieces
+(``RANGE_CHUNK_BYTES`` read from the source, ``_TAR_READ_BUFFER`` from the archive), never whole, and what an
+import holds until its commit (manifests, assets) waits in a local temporary file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
+import stat
 import sys
 import tarfile
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Union
 
-from .errors import ForeignStreamError, IntegrityError, MissingBaseError, VersionConflictError, VersionNotFoundError
-from .format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_BUNDLE_INDEX_BYTES, MAX_FILE_BYTES, MAX_MANIFEST_BYTES,
+from .errors import (CommitOutcomeUnknownError, ForeignStreamError, IntegrityError, MissingBaseError,
+                     VersionConflictError, VersionNotFoundError)
+from .format import (ASSETS_DIR, BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_BUNDLE_INDEX_BYTES, MAX_MANIFEST_BYTES,
                      MAX_STREAM_FILE_BYTES, STREAM_FILE, VERSIONS_DIR, BundleIndex, FileEntry, Hasher, Manifest,
                      StreamInfo, asset_path, content_hash, data_path, manifest_path, parse_version_name)
-from .reader import Stream
+from .reader import Stream, check_base
 from .storage import RANGE_CHUNK_BYTES, Storage, temp_name
-from .transfer import Destination, holds_file, versions_to_carry, write_verified
+from .transfer import Destination, versions_to_carry, write_verified
 from .writer.commit import adopt_stream, read_stream_info
 
 log = logging.getLogger("ckptstream.bundle")
@@ -41,6 +47,12 @@ BundleFile = Union[str, "os.PathLike[str]", IO[bytes]]
 _TAR_READ_BUFFER = 1 << 20
 """Bytes an import reads from the archive at once (tarfile's default, 10 KiB, is slow), and the piece of a
 member it checks and writes at once: the input is sequential, so larger pieces would buy nothing but memory."""
+
+_COMPRESSIONS = ((b"\x1f\x8b", "gzip", "gzip -dc"), (b"BZh", "bzip2", "bzip2 -dc"), (b"\xfd7zXZ\x00", "xz", "xz -dc"),
+                 (b"\x28\xb5\x2f\xfd", "zstd", "zstd -dc"), (b"\x04\x22\x4d\x18", "lz4", "lz4 -dc"))
+"""The magic number that begins a compressed file, the compression's name and the command that undoes it: a
+compressed bundle is refused, naming them."""
+_SNIFF_BYTES = max(len(magic) for magic, _, _ in _COMPRESSIONS)
 
 
 @dataclass(frozen=True)
@@ -271,11 +283,11 @@ def import_bundle(bundle: BundleFile, dst_storage: Storage, *, progress: Progres
     """Verify a bundle and commit its versions at ``dst_storage``.
 
     Every member is checked against the index as it is read; data files are written under their final
-    names only once verified (invisible without their manifests); ``stream.json``, the assets and the
-    manifests are held until the archive has been read to its end, then the stream is adopted and the
-    manifests committed in order through put-if-absent. Run again after an interruption, it keeps the data
-    files the destination holds (checked by size and hash) and skips versions it holds with the same
-    manifest bytes.
+    names only once verified (invisible without their manifests), and removed again if the import refuses
+    the bundle; ``stream.json``, the assets and the manifests are held (in a local temporary file) until the
+    archive has been read to its end, then the stream is adopted and the manifests committed in order
+    through put-if-absent. Run again after an interruption, it keeps the data files the destination holds
+    (checked by size and hash) and skips versions it holds with the same manifest bytes.
 
     Args:
         bundle: a path, ``-`` for stdin, or a binary file object (read sequentially; a pipe will do).
@@ -283,7 +295,8 @@ def import_bundle(bundle: BundleFile, dst_storage: Storage, *, progress: Progres
         progress: called with the number of member bytes as they are read.
 
     Raises:
-        IntegrityError: a truncated, reordered or tampered bundle, naming the member; nothing committed.
+        IntegrityError: a compressed, truncated, reordered or tampered bundle, an asset stream.json does not
+            list, naming the member; nothing committed, and the data files this import wrote removed.
         ForeignStreamError: the destination holds another stream.
         MissingBaseError: an incremental bundle whose chain the destination lacks, naming the version.
         VersionConflictError: the destination holds a different version of a number the bundle carries.
@@ -308,22 +321,46 @@ def _input(bundle: BundleFile) -> Iterator[IO[bytes]]:
         yield bundle
 
 
+def _bytes_left(raw: IO[bytes]) -> int | None:
+    """The bytes of the bundle from where it is read if it is a regular file (a path, or stdin redirected
+    from one); None for a pipe or a file object without a descriptor."""
+    try:
+        status = os.fstat(raw.fileno())
+        position = raw.tell()
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+    return status.st_size - position if stat.S_ISREG(status.st_mode) else None
+
+
 class _Arriving(io.RawIOBase):
     """The bundle's input as tarfile reads it: a read returns what has arrived (a block at least, until the
-    end), not a full buffer, so that a bundle coming through a slow pipe is checked and written as it comes."""
+    end), not a full buffer, so that a bundle coming through a slow pipe is checked and written as it comes.
+    ``head`` looks at the first bytes before tarfile does (they are read again)."""
 
     def __init__(self, raw: IO[bytes]):
         super().__init__()
         self._raw = raw
         self._read1 = getattr(raw, "read1", raw.read)
+        self._pending = b""
 
     def readable(self) -> bool:
         return True
 
+    def head(self, size: int) -> bytes:
+        """The first ``size`` bytes of the input (fewer if it is shorter), left to be read."""
+        while len(self._pending) < size and (part := self._read1(size - len(self._pending))):
+            self._pending += part
+        return self._pending[:size]
+
     def read(self, size: int = -1) -> bytes:
         if size < 0:
-            return self._raw.read()
+            data, self._pending = self._pending + self._raw.read(), b""
+            return data
         parts, got = [], 0
+        if self._pending:
+            parts.append(self._pending[:size])
+            self._pending = self._pending[size:]
+            got = len(parts[0])
         while got < min(size, tarfile.BLOCKSIZE):
             part = self._read1(size - got)
             if not part:
@@ -331,6 +368,57 @@ class _Arriving(io.RawIOBase):
             parts.append(part)
             got += len(part)
         return b"".join(parts)
+
+
+class _Spool:
+    """What an import holds until its commit (manifests, assets), in a local temporary file rather than in
+    memory: a bundle of many versions or large assets costs disk, not memory."""
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile(prefix="ckptstream-import-")
+        self._end = 0
+
+    def add(self, chunks: Iterable[bytes]) -> tuple[int, int]:
+        """Append ``chunks``; returns where they are (offset, length)."""
+        start = self._end
+        self._file.seek(start)
+        for chunk in chunks:
+            self._file.write(chunk)
+            self._end += len(chunk)
+        return start, self._end - start
+
+    def get(self, span: tuple[int, int]) -> bytes:
+        self._file.seek(span[0])
+        return self._file.read(span[1])
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _HeldAssets(Mapping[str, bytes]):
+    """The assets an import holds, by name, read back from its spool one at a time (what ``adopt_stream``
+    takes)."""
+
+    def __init__(self, spool: _Spool, spans: dict[str, tuple[int, int]]):
+        self._spool, self._spans = spool, spans
+
+    def __getitem__(self, name: str) -> bytes:
+        return self._spool.get(self._spans[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._spans)
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+
+@dataclass(frozen=True)
+class _HeldManifest:
+    """A verified manifest the import will commit: its bytes in the spool, and the manifest without its
+    tensors (what the checks of later members need; the whole manifest is parsed again to commit it)."""
+
+    header: Manifest
+    span: tuple[int, int]
 
 
 class _Importer:
@@ -343,56 +431,135 @@ class _Importer:
         self.bytes_read = 0
         self.bytes_written = 0
         self._committed: dict[int, Manifest | None] = {}
+        self._spool = _Spool()
+        self._size: int | None = None  # the bundle's bytes, where it is a regular file
+        self._written: dict[int, list[str]] = {}  # per version not committed yet, the data files this import wrote
+        # At the destination, from its first member to the end, a lease on each version carried (so a gc there
+        # keeps its files while uncommitted) and on each base there a carried delta needs.
+        self._holder = f"import {os.getpid()}"
+        self._leases = self.dst.leases(self._holder)
+        self._bases = contextlib.ExitStack()
 
     def run(self, raw: IO[bytes]) -> tuple[list[int], list[int]]:
-        """Read and check the whole bundle, then commit; returns (committed, skipped) versions."""
+        """Read and check the whole bundle, then commit; returns (committed, skipped) versions. A refusal (or
+        any failure) removes the data files this import wrote for versions it has not committed."""
         try:
-            tar = tarfile.open(fileobj=_Arriving(raw), mode="r|*", bufsize=_TAR_READ_BUFFER)
+            return self._run(raw)
+        except BaseException:
+            self._discard()
+            raise
+        finally:
+            self._spool.close()
+            self._bases.close()
+            self._leases.close()
+
+    def _run(self, raw: IO[bytes]) -> tuple[list[int], list[int]]:
+        self._size = _bytes_left(raw)
+        source = _Arriving(raw)
+        self.check_plain(source.head(_SNIFF_BYTES))
+        try:
+            tar = tarfile.open(fileobj=source, mode="r|", bufsize=_TAR_READ_BUFFER)
         except (tarfile.TarError, EOFError, OSError) as exc:
             raise self.refuse(f"not a tar archive ({exc})", BUNDLE_INDEX_FILE) from None
         with tar:
             index = self.read_index(tar)
             self.check_destination(index)
             raw_info = b""
-            assets: dict[str, bytes] = {}
-            manifests: list[tuple[Manifest, bytes]] = []
+            assets: dict[str, tuple[int, int]] = {}
+            manifests: dict[int, _HeldManifest] = {}  # in archive order: ascending
             data_entries: dict[int, list[FileEntry]] = {v: [] for v in index.versions}
             for entry in index.members:
                 member = self.next_member(tar, entry.name, entry.size)
                 directory, _, rest = entry.name.partition("/")
                 if entry.name == STREAM_FILE:
                     raw_info = self.read_small(tar, member, entry, MAX_STREAM_FILE_BYTES)
-                    if StreamInfo.from_bytes(raw_info).stream_id != index.stream_id:
-                        raise self.refuse("stream.json is of another stream than the index says", entry.name)
+                    self.check_stream_info(raw_info, index)
                 elif directory == MANIFESTS_DIR:
                     version = parse_version_name(rest)
-                    manifests.append(self.read_manifest(tar, member, entry, version, index,
-                                                        data_entries[version]))
+                    self._leases.add(version)
+                    manifests[version] = self.read_manifest(tar, member, entry, version, index,
+                                                            data_entries[version], manifests)
                 elif directory == VERSIONS_DIR:
                     version = parse_version_name(rest.partition("/")[0])
+                    self._leases.add(version)  # before any of its data is written
                     self.read_data(tar, member, entry, version, index.stream_id)
                     data_entries[version].append(FileEntry(rest.partition("/")[2], entry.size, entry.hash))
-                else:  # an asset: small by nature (config, tokenizer), no limit of its own in the format
-                    assets[rest] = self.read_small(tar, member, entry, MAX_FILE_BYTES)
+                else:  # an asset: listed in stream.json with this size and hash (check_stream_info)
+                    assets[rest] = self.read_asset(tar, member, entry)
             self.check_end(tar)
         # Everything verified: now, and only now, the stream and its versions appear at the destination.
-        adopt_stream(self.dst.storage, raw_info, assets)
+        adopt_stream(self.dst.storage, raw_info, _HeldAssets(self._spool, assets))
         committed, skipped = [], []
-        for manifest, raw_manifest in manifests:
-            if self.dst.check_same(manifest.version, raw_manifest):
-                skipped.append(manifest.version)
+        for version, held in manifests.items():
+            raw_manifest = self._spool.get(held.span)
+            if self.dst.check_same(version, raw_manifest):  # committed meanwhile, maybe with the files written
+                self._written.pop(version, None)
+                skipped.append(version)
                 continue
-            self.dst.commit(manifest, raw_manifest)
-            committed.append(manifest.version)
+            manifest = Manifest.from_bytes(raw_manifest, version=version, stream_id=index.stream_id)
+            try:
+                self.dst.commit(manifest, raw_manifest)
+            except CommitOutcomeUnknownError:
+                self._written.pop(version, None)  # maybe committed: its data files MUST stay (FORMAT.md)
+                raise
+            self._written.pop(version, None)
+            committed.append(version)
         log.info("imported %s into %s: committed %s, already there %s", self.name, self.dst.storage.url,
                  committed, skipped)
         return committed, skipped
 
-    def refuse(self, message: str, member: str | None, version: int | None = None) -> IntegrityError:
+    def _discard(self) -> None:
+        """Remove the data files this import wrote for versions it did not commit (the destination is left as
+        it was; files it found there stay)."""
+        paths = [path for version, written in self._written.items() for path in written
+                 if self.dst.committed(version) is None]  # another copy may have committed it with them
+        for path in paths:
+            try:
+                self.dst.storage.delete(path)
+            except Exception as exc:  # noqa: BLE001 - the refusal is the error to report; this one is logged
+                log.warning("could not remove %s, written by the refused import (%s); gc removes it as debris",
+                            path, exc)
+        if paths:
+            log.info("removed the %d data file(s) the refused import had written to %s", len(paths),
+                     self.dst.storage.url)
+        self._written.clear()
+
+    def refuse(self, message: str, member: str | None, version: int | None = None, *,
+               hint: str = "The bundle is truncated, damaged or tampered with: export it again") -> IntegrityError:
         return IntegrityError(f"bundle {self.name}: {message}; nothing was committed", version=version, file=member,
-                              hint="The bundle is truncated, damaged or tampered with: export it again")
+                              hint=hint)
 
     # ------------------------------------------------------------------------------------------ members
+
+    def check_plain(self, head: bytes) -> None:
+        """Refuse a compressed archive at its first bytes: a bundle is a plain tar (FORMAT.md, "Bundles"),
+        whose every declared byte is a byte that came, while a few bytes of gzip can stand for any number."""
+        for magic, compression, command in _COMPRESSIONS:
+            if head.startswith(magic):
+                raise self.refuse(f"the bundle is compressed ({compression}), not a plain tar archive",
+                                  BUNDLE_INDEX_FILE, hint=f"Decompress it first and import the tar, e.g. "
+                                                          f"`{command} BUNDLE | ckptstream import - DST`")
+
+    def check_stream_info(self, raw_info: bytes, index: BundleIndex) -> None:
+        """``stream.json`` is the index's stream, and the bundle carries exactly its assets, each with the size
+        and hash it lists (so that no asset is read that the stream does not have)."""
+        try:
+            info = StreamInfo.from_bytes(raw_info)
+        except IntegrityError as exc:
+            raise self.refuse(f"stream.json is invalid ({exc})", STREAM_FILE) from None
+        if info.stream_id != index.stream_id:
+            raise self.refuse("stream.json is of another stream than the index says", STREAM_FILE)
+        listed = {asset_path(a.name): a for a in info.assets}
+        carried = [e for e in index.members if e.name.partition("/")[0] == ASSETS_DIR]
+        for entry in carried:
+            asset = listed.get(entry.name)
+            if asset is None:
+                raise self.refuse("this asset is not listed in stream.json", entry.name)
+            if (asset.size, asset.hash) != (entry.size, entry.hash):
+                raise self.refuse("the index gives this asset another size or hash than stream.json", entry.name)
+        missing = sorted(set(listed) - {e.name for e in carried})
+        if missing:
+            raise self.refuse("stream.json lists this asset and the bundle does not carry it", missing[0])
 
     def read_index(self, tar: tarfile.TarFile) -> BundleIndex:
         member = self.next_member(tar, BUNDLE_INDEX_FILE)
@@ -414,6 +581,10 @@ class _Importer:
                               f"order or not in the bundle", member.name)
         if size is not None and member.size != size:
             raise self.refuse(f"member has {member.size} bytes, the index says {size}", member.name)
+        if self._size is not None and member.offset_data + member.size > self._size:
+            # A plain tar holds every byte it declares: refused before any of them is read or written.
+            raise self.refuse(f"the archive is truncated inside this member: it declares {member.size} bytes, the "
+                              f"bundle ends {max(0, self._size - member.offset_data)} bytes into them", member.name)
         return member
 
     def chunks(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> Iterator[bytes]:
@@ -442,11 +613,26 @@ class _Importer:
 
     def read_small(self, tar: tarfile.TarFile, member: tarfile.TarInfo, entry: FileEntry, limit: int,
                    version: int | None = None) -> bytes:
-        """A small member whole (stream.json, an asset, a manifest), checked against the index."""
+        """A small member whole (stream.json, a manifest), checked against the index."""
         data = self.read_member(tar, member, limit)
         if content_hash(data) != entry.hash:
             raise self.refuse("member does not match the index's hash", member.name, version)
         return data
+
+    def read_asset(self, tar: tarfile.TarFile, member: tarfile.TarInfo, entry: FileEntry) -> tuple[int, int]:
+        """An asset, checked against the index as it passes into the spool (its size is stream.json's, within
+        ``MAX_ASSET_BYTES``); returns where it is held."""
+        hasher = Hasher()
+
+        def hashed() -> Iterator[bytes]:
+            for chunk in self.chunks(tar, member):
+                hasher.update(chunk)
+                yield chunk
+
+        span = self._spool.add(hashed())
+        if hasher.digest() != entry.hash:
+            raise self.refuse("member does not match the index's hash", member.name)
+        return span
 
     def read_data(self, tar: tarfile.TarFile, member: tarfile.TarInfo, entry: FileEntry, version: int,
                   stream_id: str) -> None:
@@ -460,7 +646,7 @@ class _Importer:
             raise VersionConflictError("the destination holds a different version of this number (its files "
                                        "differ from the bundle's)", version=version, file=path,
                                        hint="The two stores hold diverged streams; import into an empty location")
-        if committed is not None or holds_file(self.dst.storage, path, entry):
+        if committed is not None or self.dst.reuses(version, FileEntry(name, entry.size, entry.hash)):
             hasher = Hasher()  # the destination's copy stays; the bundle's must still be the index's
             for chunk in self.chunks(tar, member):
                 hasher.update(chunk)
@@ -475,6 +661,7 @@ class _Importer:
             if exc.file != source:  # a refusal of the archive itself (truncated), worded for the bundle already
                 raise
             raise self.refuse("member does not match the index's size and hash", member.name, version) from None
+        self._written.setdefault(version, []).append(path)
 
     def committed_manifest(self, version: int, stream_id: str) -> Manifest | None:
         """The destination's manifest of ``version``, if it has committed one (read once per version)."""
@@ -485,8 +672,10 @@ class _Importer:
         return self._committed[version]
 
     def read_manifest(self, tar: tarfile.TarFile, member: tarfile.TarInfo, entry: FileEntry, version: int,
-                      index: BundleIndex, data: list[FileEntry]) -> tuple[Manifest, bytes]:
-        """A manifest, checked against the index, its data members and the destination's copy if any."""
+                      index: BundleIndex, data: list[FileEntry],
+                      held: Mapping[int, _HeldManifest]) -> _HeldManifest:
+        """A manifest, checked against the index, its data members, the destination's copy if any and its
+        base (``held``: the manifests read before it); held in the spool until the commit."""
         raw = self.read_small(tar, member, entry, MAX_MANIFEST_BYTES, version)
         try:
             manifest = Manifest.from_bytes(raw, version=version, stream_id=index.stream_id)
@@ -495,12 +684,30 @@ class _Importer:
         if sorted(manifest.files, key=lambda f: f.name) != data:
             raise self.refuse("the manifest lists other data files than the bundle carries", member.name, version)
         self.dst.check_same(version, raw)  # a different version of this number there: refuse now, exit 5
+        self.check_chain(manifest, index, held)
+        return _HeldManifest(dataclasses.replace(manifest, tensors=()), self._spool.add([raw]))
+
+    def check_chain(self, manifest: Manifest, index: BundleIndex, held: Mapping[int, _HeldManifest]) -> None:
+        """A delta's base is carried (``held``, read earlier: bases come first) or at the destination, where
+        it is leased until the end (its chain checked there), and the delta agrees with it (reader obligation
+        5: keyframe and chain length), all before anything is committed."""
         base = manifest.base_version
-        if base is not None and base not in index.versions and self.dst.committed(base) is None:
-            raise MissingBaseError(f"the bundle carries delta version {version} without this base, and the "
-                                   f"destination lacks it", version=base, file=manifest_path(base),
+        if base is None:
+            return
+        if base in index.versions:
+            base_manifest = held[base].header
+        elif self.dst.committed(base) is None:
+            raise MissingBaseError(f"the bundle carries delta version {manifest.version} without this base, and "
+                                   f"the destination lacks it", version=base, file=manifest_path(base),
                                    hint="Export the versions with their bases (ckptstream export brings them)")
-        return manifest, raw
+        else:
+            self._bases.enter_context(self.dst.lease_base(manifest, self._holder))  # kept there until the commit
+            base_manifest = self.dst.stream.manifest(base)
+        try:
+            check_base(manifest, base_manifest)
+        except IntegrityError as exc:
+            raise self.refuse(f"the delta contradicts its base ({exc})", manifest_path(manifest.version),
+                              manifest.version) from None
 
     def check_end(self, tar: tarfile.TarFile) -> None:
         """After the last member only the end-of-archive marker (two zero blocks) and zero padding may follow.

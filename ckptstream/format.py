@@ -55,6 +55,8 @@ VERSION_DIGITS = 12
 MAX_VERSION = 10**VERSION_DIGITS - 1
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_STREAM_FILE_BYTES = 16 << 20
+MAX_ASSET_BYTES = 256 << 20
+"""Upper bound on one asset file (config, tokenizer): readers and importers hold an asset whole."""
 MAX_BUNDLE_INDEX_BYTES = 64 << 20
 MAX_REPLICA_RECORD_BYTES = 1 << 20
 """Replica records larger than this are skipped unread (they are reports, not data)."""
@@ -675,6 +677,9 @@ class StreamInfo:
         reserved = [a.name for a in self.assets if is_reserved_asset_name(a.name)]
         if reserved:
             raise ValueError(f"asset names {reserved} are reserved for weights, their index or the marker")
+        large = [a.name for a in self.assets if a.size > MAX_ASSET_BYTES]
+        if large:
+            raise ValueError(f"assets {large} are over the {MAX_ASSET_BYTES}-byte limit of an asset")
         return dumps_json({"format": FORMAT_NAME, "format_version": self.format_version,
                            "stream_id": self.stream_id, "created": self.created,
                            "assets": [a.to_json() for a in self.assets]}, what=STREAM_FILE)
@@ -692,6 +697,9 @@ class StreamInfo:
             if is_reserved_asset_name(asset.name):
                 raise c.fail(f"asset {asset.name!r} has a name reserved for weights, their index or the "
                              f"materialization marker: it would replace the published weights")
+            if asset.size > MAX_ASSET_BYTES:
+                raise c.fail(f"asset {asset.name!r} declares {asset.size} bytes, over the {MAX_ASSET_BYTES}-byte "
+                             f"limit of an asset")
         return cls(stream_id=c.get(body, "stream_id", str), created=c.get(body, "created", str),
                    assets=assets, format_version=body["format_version"])
 

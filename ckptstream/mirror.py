@@ -98,8 +98,7 @@ class Mirror:
 
     def __init__(self, src: Stream, dst: Storage, config: MirrorConfig | None = None):
         self.src = src
-        self.dst = Destination(dst)
-        self.dst_stream = Stream(dst.url, storage=dst)
+        self.dst = Destination(dst, lease_ttl=src.lease_ttl)
         self.config = config or MirrorConfig()
         self.refused: dict[int, str] = {}
         self._checked: set[int] = set()  # versions found at the destination identical to the source's
@@ -136,7 +135,7 @@ class Mirror:
         self.src.info()
         self.dst.adopt(self.src)
         wanted = self.selected()
-        held = set(self.dst_stream.versions())
+        held = set(self.dst.stream.versions())
         for version in sorted(v for v in wanted if v in held and v not in self._checked):
             # Present at the destination: byte for byte the source's, or the two stores have diverged.
             self.dst.check_same(version, self.src.storage.read(manifest_path(version)))
@@ -180,10 +179,11 @@ class Mirror:
                             copied.stored_bytes, seconds)
 
     def _copy(self, version: int, total: int) -> CopiedVersion:
+        holder = f"mirror {self.record.replica_id}"  # its leases at the destination (gc there keeps the copy)
         if self.config.progress is None:
-            return copy_version(self.src, self.dst, version)
+            return copy_version(self.src, self.dst, version, holder=holder)
         with self.config.progress(total, f"version {version}") as progress:
-            return copy_version(self.src, self.dst, version, progress=progress)
+            return copy_version(self.src, self.dst, version, holder=holder, progress=progress)
 
     # ---------------------------------------------------------------------------------------- following
 

@@ -6,19 +6,25 @@ checked against the source manifest's size and hash while it is written, and app
 only once checked; the manifest comes last, through the destination's put-if-absent
 (:func:`ckptstream.writer.commit.commit_manifest`, shared with the publisher). So a copy interrupted at any
 moment leaves no visible partial version, and a copy run again moves only what is missing.
+
+A gc may run at the destination meanwhile: the copy holds a lease there on the version before any of its
+data is written (and on a delta's base), a file it reuses from an earlier run is touched (it counts as
+written now for gc's grace period), and just before the commit every data file is checked to be there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .errors import IntegrityError, MissingBaseError, VersionConflictError
+from .errors import CkptStreamError, IntegrityError, MissingBaseError, VersionConflictError, VersionNotFoundError
 from .format import STREAM_FILE, FileEntry, Hasher, Manifest, data_path, manifest_path
-from .reader import Stream
+from .reader import Stream, check_base
 from .reader.files import file_hash
+from .reader.leases import DEFAULT_LEASE_TTL, LeaseSet
 from .storage import MAX_CONCURRENT_READS, Storage, chunk_spans
 from .writer.commit import adopt_stream, commit_manifest, write_latest_hint
 
@@ -114,10 +120,15 @@ class CopiedVersion:
 
 class Destination:
     """The store a stream is copied into: the copy of ``stream.json`` and its assets, and per-version
-    commits of the source's exact manifest bytes."""
+    commits of the source's exact manifest bytes, under leases there (``lease_ttl``: their time to live).
 
-    def __init__(self, storage: Storage):
+    Attributes:
+        stream: the destination read as a stream (its committed versions and chains).
+    """
+
+    def __init__(self, storage: Storage, *, lease_ttl: float = DEFAULT_LEASE_TTL):
         self.storage = storage
+        self.stream = Stream(storage.url, storage=storage, lease_ttl=lease_ttl)
         self._adopted = False
 
     def adopt(self, src: Stream) -> None:
@@ -155,47 +166,112 @@ class Destination:
                                        hint="The two stores hold diverged streams; copy into an empty location")
         return True
 
+    def leases(self, holder: str) -> LeaseSet:
+        """Leases at the destination on the versions being carried into it, each to be added before any of
+        its data is written (FORMAT.md, "Leases"): a gc there keeps the files of an uncommitted version that
+        a live lease names."""
+        return LeaseSet(self.storage, holder=holder, ttl=self.stream.lease_ttl)
+
+    @contextlib.contextmanager
+    def lease_base(self, manifest: Manifest, holder: str) -> Iterator[None]:
+        """For a delta, a lease at the destination on its base, taken and then checked to be still committed
+        with its chain (``Stream.lease``), held for the block: a gc there keeps what the version needs until
+        it is committed.
+
+        Raises:
+            MissingBaseError: the base (or a version of its chain) is gone from the destination.
+        """
+        if manifest.base_version is None:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self.stream.lease(manifest.base_version, holder=holder))
+            except VersionNotFoundError:  # MissingBaseError included: retired by a gc there
+                raise MissingBaseError(f"its base version {manifest.base_version} (or a base of its chain) is "
+                                       "gone from the destination", version=manifest.version,
+                                       hint="Copy the base again, or copy from a newer keyframe") from None
+            yield
+
+    def reuses(self, version: int, entry: FileEntry) -> bool:
+        """Whether the destination holds data file ``entry`` of ``version`` already (by size and hash); a file
+        it holds is touched, so that a gc there counts it as written now, not when an earlier run wrote it."""
+        path = data_path(version, entry.name)
+        if not holds_file(self.storage, path, entry):
+            return False
+        self.storage.touch(path)
+        return True
+
     def copy_file(self, manifest: Manifest, entry: FileEntry, chunks: Callable[[], Iterable[bytes]], *,
                   source: str, progress: Progress | None = None) -> int:
-        """Put data file ``entry`` of ``manifest`` at the destination unless it holds it already; ``chunks()``
-        gives its bytes. Returns the bytes moved (0 if it was there)."""
-        path = data_path(manifest.version, entry.name)
-        if holds_file(self.storage, path, entry):
+        """Put data file ``entry`` of ``manifest`` at the destination unless it holds it already (``reuses``);
+        ``chunks()`` gives its bytes. Returns the bytes moved (0 if it was there)."""
+        if self.reuses(manifest.version, entry):
             if progress:
                 progress(entry.size)
             return 0
-        return write_verified(self.storage, path, chunks(), entry, version=manifest.version, source=source,
-                              progress=progress)
+        return write_verified(self.storage, data_path(manifest.version, entry.name), chunks(), entry,
+                              version=manifest.version, source=source, progress=progress)
 
     def require_base(self, manifest: Manifest) -> None:
-        """Refuse a delta whose base version the destination lacks: committed, it would be a version no
-        reader there can decode.
+        """Refuse a delta whose base version the destination lacks, or that contradicts that base (reader
+        obligation 5: its keyframe and chain length): committed, it would be a version no reader there can
+        decode.
 
         Raises:
             MissingBaseError: naming the delta and its base.
+            IntegrityError: the delta contradicts its base, naming the delta.
         """
-        if manifest.base_version is not None and self.committed(manifest.base_version) is None:
+        if manifest.base_version is None:
+            return
+        raw = self.committed(manifest.base_version)
+        if raw is None:
             raise MissingBaseError(f"its base version {manifest.base_version} is not at the destination "
                                    "(refused or gone at the source)", version=manifest.version,
                                    hint="Copy the base first, or copy from a newer keyframe")
+        check_base(manifest, Manifest.from_bytes(raw, version=manifest.base_version,
+                                                 stream_id=manifest.stream_id))
+
+    def check_files(self, manifest: Manifest) -> None:
+        """Check, asking the storage now, that every data file of ``manifest`` is at the destination with its
+        size: what was written or found earlier may have been removed since (a gc there).
+
+        Raises:
+            CkptStreamError: a file is missing or of another size, naming it (nothing is committed).
+        """
+        for entry in manifest.files:
+            path = data_path(manifest.version, entry.name)
+            try:
+                size: int | None = self.storage.size(path)
+            except FileNotFoundError:
+                size = None
+            if size != entry.size:
+                raise CkptStreamError(f"this data file is {'gone' if size is None else f'of {size} bytes'} at the "
+                                      "destination just before the commit; the version is not committed",
+                                      version=manifest.version, file=path,
+                                      hint="Copy it again (a gc at the destination may have removed it)")
 
     def commit(self, manifest: Manifest, raw: bytes) -> None:
-        """Commit the source's manifest bytes (put-if-absent); its data files must be in place and its
-        base committed (MissingBaseError otherwise)."""
+        """Commit the source's manifest bytes (put-if-absent) once its data files are checked to be in place
+        (``check_files``) and its base to be committed (MissingBaseError otherwise)."""
         self.require_base(manifest)
+        self.check_files(manifest)
         commit_manifest(self.storage, manifest, raw)
         write_latest_hint(self.storage, manifest.version)  # readers that cannot list start there
 
 
-def copy_version(src: Stream, dst: Destination, version: int, *, progress: Progress | None = None) -> CopiedVersion:
-    """Carry one version from ``src`` to ``dst``: data files first, each verified, then the manifest.
-    Its delta base must be at the destination already (``versions_to_carry`` orders them so).
+def copy_version(src: Stream, dst: Destination, version: int, *, holder: str = "copy",
+                 progress: Progress | None = None) -> CopiedVersion:
+    """Carry one version from ``src`` to ``dst``: data files first, each verified, then the manifest, all
+    under leases at the destination (``holder``: who holds them) on the version and its base. Its delta base
+    must be at the destination already (``versions_to_carry`` orders them so).
 
     Raises:
         IntegrityError: a source file is missing, truncated or corrupt (the destination is unchanged: no
             file of it appears, nothing is committed).
         MissingBaseError: the destination lacks the delta's base version.
         VersionConflictError: the destination holds a different version of this number.
+        CkptStreamError: a data file is gone from the destination before the commit (nothing committed).
     """
     raw = src.storage.read(manifest_path(version))
     manifest = Manifest.from_bytes(raw, version=version, stream_id=src.info().stream_id)
@@ -204,18 +280,21 @@ def copy_version(src: Stream, dst: Destination, version: int, *, progress: Progr
                              manifest.stored_bytes)
     dst.require_base(manifest)
     moved = 0
-    for entry in manifest.files:
-        path = data_path(version, entry.name)
-        try:
-            moved += dst.copy_file(manifest, entry, lambda p=path, e=entry: verified_chunks(src.storage, p, e.size),
-                                   source=f"{src.url}/{path}", progress=progress)
-        except FileNotFoundError:
-            raise IntegrityError("data file is missing at the source; not copied", version=version,
-                                 file=f"{src.url}/{path}", hint="Repair or re-publish it at the source") from None
-        except EOFError:
-            raise IntegrityError("data file is truncated at the source; not copied", version=version,
-                                 file=f"{src.url}/{path}", hint="Repair or re-publish it at the source") from None
-    dst.commit(manifest, raw)
+    with dst.leases(holder) as leases, dst.lease_base(manifest, holder):
+        leases.add(version)
+        for entry in manifest.files:
+            path = data_path(version, entry.name)
+            try:
+                moved += dst.copy_file(manifest, entry,
+                                       lambda p=path, e=entry: verified_chunks(src.storage, p, e.size),
+                                       source=f"{src.url}/{path}", progress=progress)
+            except FileNotFoundError:
+                raise IntegrityError("data file is missing at the source; not copied", version=version,
+                                     file=f"{src.url}/{path}", hint="Repair or re-publish it at the source") from None
+            except EOFError:
+                raise IntegrityError("data file is truncated at the source; not copied", version=version,
+                                     file=f"{src.url}/{path}", hint="Repair or re-publish it at the source") from None
+        dst.commit(manifest, raw)
     log.info("copied version %d (%s): %d bytes moved of %d stored", version, manifest.kind, moved,
              manifest.stored_bytes)
     return CopiedVersion(version, manifest.kind, len(manifest.files), moved, manifest.stored_bytes - moved,

@@ -7,14 +7,20 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.process
 import os
+import threading
+import time
 import uuid
+from pathlib import Path
 from typing import IO, Callable, Sequence
 
 import torch
 
 from ckptstream.codec import tensor_hash
-from ckptstream.storage import Entry, Storage
+from ckptstream.format import VERSIONS_DIR, content_hash
+from ckptstream.reader import Stream
+from ckptstream.storage import Entry, Storage, open_storage
 from ckptstream.storage.wrapper import WrapperStorage
+from ckptstream.writer import collect_garbage
 
 
 def new_bucket(endpoint: str) -> str:
@@ -33,6 +39,15 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert got[name].dtype == tensor.dtype, name
         assert got[name].shape == tensor.shape, name
         assert tensor_hash(got[name]) == tensor_hash(tensor), name
+
+
+def reseal(raw: bytes) -> bytes:
+    """Manifest bytes sealed again after a change, as a malicious or buggy writer would (FORMAT.md, "Manifest
+    seal")."""
+    key = b'"manifest_hash": "xxh3-128:'
+    start = raw.rfind(key) + len(key)
+    zeroed = raw[:start] + b"0" * 32 + raw[start + 32:]
+    return raw[:start] + content_hash(zeroed)[len("xxh3-128:"):].encode() + raw[start + 32:]
 
 
 def random_state(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
@@ -160,3 +175,42 @@ class HookedStorage(WrapperStorage):
     def delete_tree(self, path: str) -> None:
         self.hook("delete", path)
         self.inner.delete_tree(path)
+
+
+def once_before(operation: str, path: str, action: Callable[[], None]) -> Callable[[str, str], None]:
+    """A ``HookedStorage`` hook that runs ``action()`` just before the first ``operation`` on ``path`` (another
+    process's step at an exact point of the code under test, e.g. a gc just before a commit), and nothing at
+    the other operations."""
+    done = []
+
+    def hook(op: str, at: str) -> None:
+        if op == operation and at == path and not done:
+            done.append(True)
+            action()
+
+    return hook
+
+
+def backdate(root: Path, seconds: float) -> None:
+    """Make every file under ``root`` look written ``seconds`` ago (what an interrupted run left long ago)."""
+    then = time.time() - seconds
+    for path in root.rglob("*"):
+        os.utime(path, (then, then))
+
+
+def gc_paused_at_its_data(url: str, reports: list) -> tuple[threading.Thread, threading.Event]:
+    """A gc of ``url`` (keeping the last 10 versions, the default grace) on a thread, paused once it has read
+    the leases and is about to list the version directories; returns the thread and the event that resumes
+    it. Its report is appended to ``reports``."""
+    paused, resume = threading.Event(), threading.Event()
+
+    def pause(operation: str, path: str) -> None:
+        if operation == "list" and path == VERSIONS_DIR and not paused.is_set():
+            paused.set()
+            assert resume.wait(60)
+
+    gc_stream = Stream(url, storage=HookedStorage(open_storage(url), pause))
+    thread = threading.Thread(target=lambda: reports.append(collect_garbage(gc_stream, keep_last=10)))
+    thread.start()
+    assert paused.wait(60)
+    return thread, resume

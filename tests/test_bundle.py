@@ -1,6 +1,7 @@
 """Air-gapped bundles: export/import round trips (full and incremental, local and S3 destinations),
-determinism, refusal of truncated, tampered, reordered and malicious bundles (the destination unchanged),
-an import SIGKILLed part-way and run again, and bounded memory."""
+determinism, refusal of truncated, tampered, reordered, compressed and malicious bundles (the destination
+unchanged: no data file left behind, nothing read past what a member declares or stream.json lists), an
+import SIGKILLed part-way and run again, and bounded memory (assets held on disk)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import tarfile
 import time
 import tracemalloc
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -24,13 +26,16 @@ import torch
 from ckptstream import Publisher, Stream
 from ckptstream.bundle import export_bundle, import_bundle
 from ckptstream.cli import main
-from ckptstream.errors import (EXIT_CONFLICT, EXIT_INCOMPATIBLE, EXIT_INTEGRITY, EXIT_NOT_FOUND, ForeignStreamError,
-                               IncompatibleStreamError, IntegrityError, MissingBaseError, VersionConflictError)
-from ckptstream.format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, STREAM_FILE, BundleIndex, FileEntry, content_hash,
-                               data_path, manifest_path)
+from ckptstream.errors import (EXIT_CONFLICT, EXIT_INCOMPATIBLE, EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_OK,
+                               ForeignStreamError, IncompatibleStreamError, IntegrityError, MissingBaseError,
+                               VersionConflictError)
+from ckptstream.format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_ASSET_BYTES, STREAM_FILE, VERSIONS_DIR,
+                               BundleIndex, FileEntry, StreamInfo, content_hash, data_path, manifest_path)
 from ckptstream.reader import read_leases
 from ckptstream.storage import RANGE_CHUNK_BYTES, open_storage
-from tests.helpers import assert_same_tensors, new_bucket, random_state
+from ckptstream.writer import collect_garbage
+from tests.helpers import (HookedStorage, assert_same_tensors, backdate, gc_paused_at_its_data, new_bucket,
+                           once_before, random_state, reseal)
 
 ASSETS = {"config.json": b'{"model_type": "tiny"}', "tokenizer.json": b'{"vocab": {}}'}
 
@@ -388,12 +393,231 @@ def test_foreign_and_newer_indexes_are_refused(bundle, tmp_path, capsys):
     assert untouched(dst)
 
 
-def test_a_compressed_bundle_imports(source, bundle, tmp_path):
-    """`gzip run1.tar` on the way: tarfile's stream reader decompresses as it reads."""
+class Zeros(io.RawIOBase):
+    """``size`` zero bytes, read in pieces: a large member of a hostile bundle without holding it."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self.left)
+        buffer[:n] = bytes(n)
+        self.left -= n
+        return n
+
+
+class Counted(io.RawIOBase):
+    """A bundle read through a file object that counts the bytes the importer took from it."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.file, self.count = open(path, "rb"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self.file.readinto(buffer)
+        self.count += n
+        return n
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
+def add_member(tar: tarfile.TarFile, name: str, source: bytes | IO[bytes], size: int | None = None) -> None:
+    """Add a regular member of ``source``'s bytes (or ``size`` bytes read from a file object)."""
+    info = tarfile.TarInfo(name)
+    info.size = len(source) if isinstance(source, bytes) else size
+    tar.addfile(info, io.BytesIO(source) if isinstance(source, bytes) else source)
+
+
+def stream_members(good: Path) -> list[tuple[tarfile.TarInfo, bytes]]:
+    """stream.json and the assets of a bundle (the members before its first version)."""
+    return [(m, d) for m, d in members_of(good)[1:] if not m.name.startswith(("versions/", "manifests/"))]
+
+
+def hostile_version(good: Path, path: Path, *, data_bytes: int, version: int = 0) -> Path:
+    """A bundle of the good one's stream.json and assets, then ``version`` with one data file of
+    ``data_bytes`` zeros and a manifest that is not one, the index listing every member with its true size
+    and hash (as an attacker writes it)."""
+    head = stream_members(good)
+    data_name = data_path(version, "model-0123456789ab-00001-of-00001.safetensors")
+    manifest = b"not a manifest"
+    index = BundleIndex(BundleIndex.from_bytes(members_of(good)[0][1]).stream_id, (version,), (
+        *(FileEntry(m.name, len(d), content_hash(d)) for m, d in head),
+        FileEntry(data_name, data_bytes, content_hash(bytes(data_bytes))),
+        FileEntry(manifest_path(version), len(manifest), content_hash(manifest))))
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        add_member(tar, BUNDLE_INDEX_FILE, index.to_bytes())
+        for info, data in head:
+            add_member(tar, info.name, data)
+        add_member(tar, data_name, Zeros(data_bytes), data_bytes)
+        add_member(tar, manifest_path(version), manifest)
+    return path
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (a local stream) with its bytes: what an import may have left there."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_bundle_leaves_the_destination_as_it_was(source, bundle, tmp_path, capsys):
+    """An invalid manifest after a data file that verified against the index: refused (exit 3), and the data
+    file the import wrote is gone again, at an empty destination and at one holding the stream."""
     src, _ = source
-    (tmp_path / "b.tar.gz").write_bytes(gzip.compress(bundle.read_bytes()))
-    import_bundle(tmp_path / "b.tar.gz", open_storage(str(tmp_path / "dst")))
-    assert_same_stream(src, str(tmp_path / "dst"))
+    hostile = hostile_version(bundle, tmp_path / "hostile.tar", data_bytes=4 << 20)
+    empty = tmp_path / "empty"
+    refused(hostile, str(empty), member=manifest_path(0))
+    assert files_under(empty) == {}
+    assert main(["import", str(hostile), str(empty)]) == EXIT_INTEGRITY
+    assert "the manifest is invalid" in capsys.readouterr().err and files_under(empty) == {}
+    held = tmp_path / "held"
+    export_bundle(src, tmp_path / "01.tar", versions=[0, 1])
+    import_bundle(tmp_path / "01.tar", open_storage(str(held)))
+    before = files_under(held)
+    hostile = hostile_version(bundle, tmp_path / "hostile2.tar", data_bytes=1 << 20, version=2)
+    with pytest.raises(IntegrityError, match="the manifest is invalid"):
+        import_bundle(hostile, open_storage(str(held)))
+    assert files_under(held) == before
+
+
+@pytest.mark.parametrize("compression", ["gzip", "bzip2", "xz"])
+def test_a_compressed_bundle_is_refused_before_it_is_expanded(bundle, tmp_path, compression, capsys):
+    """A bundle is a plain tar (FORMAT.md): a few KB of gzip can stand for any number of bytes. A gzipped
+    bundle declaring 64 MiB of zeros is refused at its first bytes, naming the compression; nothing is written."""
+    import bz2
+    import lzma
+
+    opener = {"gzip": lambda f: gzip.GzipFile(fileobj=f, mode="wb", compresslevel=1),
+              "bzip2": lambda f: bz2.BZ2File(f, "wb", compresslevel=1),
+              "xz": lambda f: lzma.LZMAFile(f, "wb", preset=0)}[compression]
+    plain = hostile_version(bundle, tmp_path / "plain.tar", data_bytes=64 << 20)
+    packed = tmp_path / "packed.tar.z"
+    with open(plain, "rb") as raw, open(packed, "wb") as out, opener(out) as compressed:
+        while chunk := raw.read(1 << 20):
+            compressed.write(chunk)
+    assert packed.stat().st_size < (1 << 20) < plain.stat().st_size
+    dst = tmp_path / "dst"
+    counted = Counted(packed)
+    with pytest.raises(IntegrityError, match=f"compressed \\({compression}\\)") as caught:
+        import_bundle(counted, open_storage(str(dst)))
+    assert counted.count <= packed.stat().st_size and "decompress" in str(caught.value).lower()
+    assert not dst.exists() or files_under(dst) == {}
+    assert main(["import", str(packed), str(dst)]) == EXIT_INTEGRITY
+    assert f"compressed ({compression})" in capsys.readouterr().err
+
+
+def test_a_member_declaring_more_bytes_than_the_bundle_holds_is_refused_at_its_header(bundle, tmp_path):
+    """A data member declared at 2^40 bytes in a bundle of a few KB: refused at its header, before any of its
+    bytes is read or written."""
+    head = stream_members(bundle)
+    data_name = data_path(0, "model-0123456789ab-00001-of-00001.safetensors")
+    index = BundleIndex(BundleIndex.from_bytes(members_of(bundle)[0][1]).stream_id, (0,), (
+        *(FileEntry(m.name, len(d), content_hash(d)) for m, d in head),
+        FileEntry(data_name, 1 << 40, content_hash(b"")), FileEntry(manifest_path(0), 2, content_hash(b"{}"))))
+    hostile = tmp_path / "tib.tar"
+    with open(hostile, "wb") as out:
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            add_member(tar, BUNDLE_INDEX_FILE, index.to_bytes())
+            for info, data in head:
+                add_member(tar, info.name, data)
+            info = tarfile.TarInfo(data_name)
+            info.size = 1 << 40
+            out.write(info.tobuf(tarfile.PAX_FORMAT, tar.encoding, tar.errors) + bytes(4 << 20))  # then it ends
+            tar.closed = True  # no end marker either
+    dst = tmp_path / "dst"
+    counted = Counted(hostile)
+    with pytest.raises(IntegrityError, match="truncated inside this member: it declares 1099511627776 bytes") as caught:
+        import_bundle(counted, open_storage(str(dst)))
+    assert caught.value.file == data_name and counted.count < 2 << 20 < hostile.stat().st_size
+    assert not dst.exists() or files_under(dst) == {}
+
+
+def test_an_asset_stream_json_does_not_list_is_refused_before_it_is_read(bundle, tmp_path):
+    """An asset member of 32 MiB that stream.json does not list (it would be read, held and dropped): refused
+    at stream.json, having read little more of the bundle than the index and stream.json."""
+    good = members_of(bundle)
+    index = BundleIndex.from_bytes(good[0][1])
+    extra = FileEntry("assets/zzz-extra.dat", 32 << 20, content_hash(bytes(32 << 20)))
+    position = next(i for i, e in enumerate(index.members) if e.name.startswith("versions/"))
+    forged = BundleIndex(index.stream_id, index.versions, (*index.members[:position], extra,
+                                                            *index.members[position:]))
+    path = tmp_path / "extra.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        add_member(tar, BUNDLE_INDEX_FILE, forged.to_bytes())
+        for i, (info, data) in enumerate(good[1:]):
+            if i == position:
+                add_member(tar, extra.name, Zeros(extra.size), extra.size)
+            add_member(tar, info.name, data)
+    dst = tmp_path / "dst"
+    counted = Counted(path)
+    with pytest.raises(IntegrityError, match="not listed in stream.json") as caught:
+        import_bundle(counted, open_storage(str(dst)))
+    assert caught.value.file == extra.name
+    assert counted.count < 4 << 20 < path.stat().st_size
+    assert untouched(str(dst))
+
+
+def test_an_asset_over_the_limit_is_refused_before_it_is_read(source, tmp_path):
+    """stream.json listing an asset one byte over MAX_ASSET_BYTES: refused at stream.json, the asset unread."""
+    src, _ = source
+    body = json.loads(src.storage.read(STREAM_FILE))
+    body["assets"].append({"name": "zz-big.dat", "size": MAX_ASSET_BYTES + 1, "hash": content_hash(b"")})
+    raw_info = json.dumps(body).encode()
+    with pytest.raises(IntegrityError, match="over the"):
+        StreamInfo.from_bytes(raw_info)
+    manifest = src.storage.read(manifest_path(0))
+    data = {f.name: src.storage.read(data_path(0, f.name)) for f in src.manifest(0).files}
+    index = BundleIndex(src.info().stream_id, (0,), (
+        FileEntry(STREAM_FILE, len(raw_info), content_hash(raw_info)),
+        *(FileEntry(f"assets/{a['name']}", a["size"], a["hash"]) for a in body["assets"]),
+        *(FileEntry(data_path(0, n), len(d), content_hash(d)) for n, d in sorted(data.items())),
+        FileEntry(manifest_path(0), len(manifest), content_hash(manifest))))
+    path = tmp_path / "big-asset.tar"
+    with open(path, "wb") as out:
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            add_member(tar, BUNDLE_INDEX_FILE, index.to_bytes())
+            add_member(tar, STREAM_FILE, raw_info)
+            for asset in body["assets"][:-1]:
+                add_member(tar, f"assets/{asset['name']}", src.storage.read(f"assets/{asset['name']}"))
+            info = tarfile.TarInfo("assets/zz-big.dat")
+            info.size = MAX_ASSET_BYTES + 1
+            out.write(info.tobuf(tarfile.PAX_FORMAT, tar.encoding, tar.errors))  # its bytes never come
+            tar.closed = True
+    error = refused(path, str(tmp_path / "dst"), member=STREAM_FILE)
+    assert "zz-big.dat" in str(error)
+
+
+def test_assets_are_held_on_disk_not_in_memory(tmp_path):
+    """Eight assets of 8 MiB: the import's memory peak stays well under their total (they wait for the commit
+    in a local temporary file, not in memory)."""
+    assets = {f"asset-{i}.dat": os.urandom(8 << 20) for i in range(8)}
+    with Publisher(str(tmp_path / "src"), assets=assets) as publisher:
+        publisher.publish(random_state(0)).result()
+    total = sum(len(a) for a in assets.values())
+    del assets
+    export_bundle(Stream(str(tmp_path / "src")), tmp_path / "assets.tar")
+    tracemalloc.start()
+    try:
+        import_bundle(tmp_path / "assets.tar", open_storage(str(tmp_path / "dst")))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    print(f"tracemalloc peak importing {total} B of assets: {peak} B")
+    assert peak < total / 3, peak
+    assert_same_stream(Stream(str(tmp_path / "src")), str(tmp_path / "dst"))
 
 
 def test_import_cli_reports_a_tampered_bundle_with_exit_3(bundle, tmp_path, capsys):
@@ -422,6 +646,47 @@ def test_export_of_a_corrupt_source_leaves_no_bundle(source, tmp_path, capsys):
     assert list(out.iterdir()) == []  # neither the bundle nor its temporary file
     assert main(["export", src.url, str(out / "b.tar")]) == EXIT_INTEGRITY
     assert entry.name in capsys.readouterr().err and list(out.iterdir()) == []
+
+
+def with_chain_length(bundle: Path, path: Path, version: int, chain_length: int) -> Path:
+    """The bundle with ``version``'s manifest claiming ``chain_length``, resealed and reindexed (as a forger
+    who knows the format writes it): every seal and hash holds, only the chain contradicts its base."""
+    good = members_of(bundle)
+    name = manifest_path(version)
+    raw = next(d for m, d in good if m.name == name)
+    body = json.loads(raw)
+    forged = reseal(raw.replace(f'"chain_length": {body["chain_length"]},'.encode(),
+                                f'"chain_length": {chain_length},'.encode()))
+    assert forged != raw and json.loads(forged)["chain_length"] == chain_length
+    index = BundleIndex.from_bytes(good[0][1])
+    entries = tuple(FileEntry(e.name, len(forged), content_hash(forged)) if e.name == name else e
+                    for e in index.members)
+    reindexed = BundleIndex(index.stream_id, index.versions, entries, index.since, index.requires)
+    return write_tar(path, [regular(BUNDLE_INDEX_FILE, reindexed.to_bytes()),
+                            *[regular(m.name, forged) if m.name == name else (m, d) for m, d in good[1:]]])
+
+
+def test_a_delta_whose_chain_contradicts_its_base_is_refused(source, tmp_path, capsys):
+    """Delta 1 resealed with chain_length 7 on keyframe 0 (chain 0): refused before anything is committed
+    (exit 3, naming version 1), whether its base comes in the bundle or is at the destination already."""
+    src, _ = source
+    export_bundle(src, tmp_path / "01.tar", versions=[0, 1])
+    forged = with_chain_length(tmp_path / "01.tar", tmp_path / "forged.tar", 1, 7)
+    dst = tmp_path / "dst"
+    error = refused(forged, str(dst), member=manifest_path(1))
+    assert error.version == 1 and "chain length 7" in str(error)
+    assert not dst.exists() or files_under(dst) == {}
+    assert main(["import", str(forged), str(dst)]) == EXIT_INTEGRITY
+    assert "version 1" in capsys.readouterr().err
+    export_bundle(src, tmp_path / "0.tar", versions=[0])  # the base at the destination, the delta in a bundle
+    import_bundle(tmp_path / "0.tar", open_storage(str(dst)))
+    before = files_under(dst)
+    export_bundle(src, tmp_path / "since0.tar", since=0, versions=[1])
+    incremental = with_chain_length(tmp_path / "since0.tar", tmp_path / "forged-since0.tar", 1, 7)
+    with pytest.raises(IntegrityError, match="chain length 7") as caught:
+        import_bundle(incremental, open_storage(str(dst)))
+    assert caught.value.version == 1 and files_under(dst) == before
+    assert Stream(str(dst)).versions() == [0]
 
 
 # ------------------------------------------------------------------------------- pipes, kills, memory
@@ -499,6 +764,46 @@ def test_memory_stays_bounded_for_a_file_much_larger_than_a_chunk(tmp_path):
     print(f"tracemalloc peaks for a {size} B file: export {export_peak} B, import {import_peak} B")
     assert export_peak < size / 3 and import_peak < size / 3, (export_peak, import_peak)
     Stream(str(tmp_path / "dst")).verify(0)
+
+
+# --------------------------------------------------------------------------- gc at the destination
+
+@pytest.mark.parametrize("at", [0, 3])
+def test_gc_just_before_a_commit_keeps_what_the_import_wrote(bundle, tmp_path, at):
+    """gc at the destination without grace, run for real at the moment the import commits version ``at``
+    (the import's storage calls it just before that manifest's put): the import holds a lease there on every
+    version it carries, so gc keeps their data, and every version imported verifies."""
+    dst = str(tmp_path / "dst")
+    reports = []
+    collect = lambda: reports.append(collect_garbage(Stream(dst), keep_last=1, grace_seconds=0))  # noqa: E731
+    imported = import_bundle(bundle, HookedStorage(open_storage(dst), once_before("put", manifest_path(at), collect)))
+    assert reports and imported.versions == (0, 1, 2, 3)
+    assert not [path for path in reports[0].debris if path.startswith(VERSIONS_DIR)]
+    assert main(["verify", dst]) == EXIT_OK
+    assert read_leases(open_storage(dst)).records == []  # released at the end
+
+
+def test_a_resumed_import_refreshes_the_files_it_reuses(bundle, tmp_path):
+    """Run again after an interruption hours ago, the import reuses the data files it wrote then. A gc that
+    read the leases before the import began and reaches those files while the import commits keeps them:
+    reused, they count as written now (their modification time is refreshed)."""
+    dst = tmp_path / "dst"
+    import_bundle(bundle, open_storage(str(dst)))
+    for version in (2, 3):  # as if killed before these two commits
+        (dst / manifest_path(version)).unlink()
+    backdate(dst / VERSIONS_DIR, 7200)
+    reports: list = []
+    gc, resume = gc_paused_at_its_data(str(dst), reports)
+
+    def let_gc_run() -> None:
+        resume.set()
+        gc.join(60)
+
+    hooked = HookedStorage(open_storage(str(dst)), once_before("put", manifest_path(2), let_gc_run))
+    again = import_bundle(bundle, hooked)
+    assert reports and not [path for path in reports[0].debris if path.startswith(VERSIONS_DIR)]
+    assert again.versions == (2, 3) and again.bytes_written == 0
+    assert main(["verify", str(dst)]) == EXIT_OK
 
 
 def test_help_has_examples_and_imports_no_torch():

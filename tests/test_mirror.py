@@ -13,13 +13,14 @@ import time
 import pytest
 import torch
 
-from ckptstream.errors import ForeignStreamError, VersionConflictError
-from ckptstream.format import data_path, manifest_path, version_dir
+from ckptstream.errors import ForeignStreamError, IntegrityError, VersionConflictError
+from ckptstream.format import VERSIONS_DIR, data_path, manifest_path, version_dir
 from ckptstream.mirror import Mirror, MirrorConfig
 from ckptstream.reader import Stream, read_leases
 from ckptstream.storage import PosixStorage, open_storage, register_backend
-from ckptstream.writer import Publisher
-from tests.helpers import assert_same_tensors, new_bucket, random_state
+from ckptstream.writer import Publisher, collect_garbage
+from tests.helpers import (HookedStorage, assert_same_tensors, backdate, gc_paused_at_its_data, new_bucket, once_before,
+                           random_state, reseal)
 
 CLI = [sys.executable, "-m", "ckptstream.cli"]
 
@@ -146,6 +147,63 @@ def test_a_corrupt_source_version_is_refused_and_later_versions_go_on(tmp_path):
     assert not (tmp_path / "dst" / data_path(1, Stream(src).manifest(1).files[0].name)).exists()
     for version in (0, 3, 4, 5):
         assert_same_tensors(dict(Stream(dst).iter_tensors(version)), published[version])
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_gc_just_before_a_commit_keeps_what_the_mirror_wrote(tmp_path, at):
+    """gc at the destination without grace, run for real just before the mirror commits version ``at``: the
+    mirror holds a lease there on the version it copies (and its base), so gc keeps its data and the copy
+    verifies."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    publish_versions(src, 3, keyframe_every=10)
+    reports = []
+    collect = lambda: reports.append(collect_garbage(Stream(dst), keep_last=1, grace_seconds=0))  # noqa: E731
+    results = Mirror(Stream(src), HookedStorage(open_storage(dst), once_before("put", manifest_path(at), collect))
+                     ).run_once()
+    assert reports and [r.status for r in results] == ["copied"] * 3
+    assert not [path for path in reports[0].debris if path.startswith(VERSIONS_DIR)]
+    done = run_cli("verify", dst)
+    assert done.returncode == 0, done.stderr
+    assert read_leases(open_storage(dst)).records == []
+
+
+def test_a_resumed_mirror_refreshes_the_files_it_reuses(tmp_path):
+    """Run again after an interruption hours ago, the mirror reuses the data files it copied then; a gc that
+    read the leases before the mirror began and reaches those files while the mirror commits keeps them
+    (reused, they count as written now)."""
+    src, dst = str(tmp_path / "src"), tmp_path / "dst"
+    publish_versions(src, 3, keyframe_every=10)
+    Mirror(Stream(src), open_storage(str(dst))).run_once()
+    (dst / manifest_path(2)).unlink()  # as if killed before this commit
+    backdate(dst / VERSIONS_DIR, 7200)
+    reports: list = []
+    gc, resume = gc_paused_at_its_data(str(dst), reports)
+
+    def let_gc_run() -> None:
+        resume.set()
+        gc.join(60)
+
+    hooked = HookedStorage(open_storage(str(dst)), once_before("put", manifest_path(2), let_gc_run))
+    (result,) = Mirror(Stream(src), hooked).run_once()
+    assert reports and not [path for path in reports[0].debris if path.startswith(VERSIONS_DIR)]
+    assert (result.version, result.status, result.copied_bytes) == (2, "present", 0)
+    done = run_cli("verify", str(dst))
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_delta_contradicting_its_base_at_the_destination_is_not_committed(tmp_path):
+    """copy_version of a delta resealed with chain_length 7 on keyframe 0 (which the destination holds): the
+    destination's check of the base (reader obligation 5) refuses it before its commit, naming the version."""
+    from ckptstream.transfer import Destination, copy_version
+
+    src, dst = tmp_path / "src", str(tmp_path / "dst")
+    publish_versions(str(src), 2, keyframe_every=10)
+    Mirror(Stream(str(src)), open_storage(dst), MirrorConfig(versions="0:0")).run_once()
+    path = src / manifest_path(1)
+    path.write_bytes(reseal(path.read_bytes().replace(b'"chain_length": 1,', b'"chain_length": 7,')))
+    with pytest.raises(IntegrityError, match="chain length 7") as caught:
+        copy_version(Stream(str(src)), Destination(open_storage(dst)), 1)
+    assert caught.value.version == 1 and Stream(dst).versions() == [0]
 
 
 class DamagingStorage(PosixStorage):

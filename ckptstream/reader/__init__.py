@@ -11,9 +11,9 @@ from .._lazy import lazy_face
 
 _LAZY_NAMES = {
     **dict.fromkeys(("ReplicaRecord", "read_replicas", "replica_path", "write_replica"), ".replicas"),
-    **dict.fromkeys(("Stream", "TensorDiff", "VerifyReport"), ".stream"),
-    **dict.fromkeys(("DEFAULT_LEASE_TTL", "Lease", "LeaseListing", "LeaseRecord", "hold_lease", "read_leases"),
-                    ".leases"),
+    **dict.fromkeys(("Stream", "TensorDiff", "VerifyReport", "check_base"), ".stream"),
+    **dict.fromkeys(("DEFAULT_LEASE_TTL", "Lease", "LeaseListing", "LeaseRecord", "LeaseSet", "hold_lease",
+                     "read_leases"), ".leases"),
     "MaterializedBase": ".materialize",
     "select_versions": ".selection",
     "MARKER_FILE": "..format",
@@ -21,14 +21,14 @@ _LAZY_NAMES = {
 
 if TYPE_CHECKING:
     from ..format import MARKER_FILE
-    from .leases import DEFAULT_LEASE_TTL, Lease, LeaseListing, LeaseRecord, hold_lease, read_leases
+    from .leases import DEFAULT_LEASE_TTL, Lease, LeaseListing, LeaseRecord, LeaseSet, hold_lease, read_leases
     from .materialize import MaterializedBase
     from .replicas import ReplicaRecord, read_replicas, replica_path, write_replica
     from .selection import select_versions
-    from .stream import Stream, TensorDiff, VerifyReport
+    from .stream import Stream, TensorDiff, VerifyReport, check_base
 
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
-__all__ = ["DEFAULT_LEASE_TTL", "MARKER_FILE", "Lease", "LeaseListing", "LeaseRecord", "MaterializedBase",
-           "ReplicaRecord", "Stream", "TensorDiff", "VerifyReport", "hold_lease", "read_leases", "read_replicas",
-           "replica_path", "select_versions", "write_replica"]
+__all__ = ["DEFAULT_LEASE_TTL", "MARKER_FILE", "Lease", "LeaseListing", "LeaseRecord", "LeaseSet", "MaterializedBase",
+           "ReplicaRecord", "Stream", "TensorDiff", "VerifyReport", "check_base", "hold_lease", "read_leases",
+           "read_replicas", "replica_path", "select_versions", "write_replica"]

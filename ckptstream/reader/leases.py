@@ -1,9 +1,10 @@
 """Leases (``leases/<version>-<token>.json``): a reader pulling a version holds it, so that gc keeps the
 version and its chain until the pull ends (FORMAT.md, "Leases").
 
-``hold_lease`` is the holder's side (write, renew on a daemon thread, delete); ``read_leases`` is what a
-collector reads. The order of operations that makes a lease honoured (write the lease, then check the
-chain's manifests) is ``Stream.lease``'s; gc's side is in ``writer/gc.py``.
+``hold_lease`` is the holder's side (write, renew on a daemon thread, delete; ``LeaseSet`` holds several
+versions at once); ``read_leases`` is what a collector reads. The order of operations that makes a lease
+honoured (write the lease, then check the chain's manifests) is ``Stream.lease``'s; gc's side is in
+``writer/gc.py``.
 """
 
 from __future__ import annotations
@@ -168,44 +169,81 @@ class Lease:
         self.storage.delete(self.record.path)
 
 
+class LeaseSet:
+    """Leases this process holds on versions of one stream, renewed together every ``ttl / 3`` by one daemon
+    thread (a renewal that fails is retried at the next tick, and logged), all deleted by ``close``. An import
+    holds one per version it carries; ``hold_lease`` holds one.
+
+    On storage this process cannot write (``not storage.capabilities.writable``: a stream over HTTP; or
+    credentials that may only read, a PermissionError, logged once) no lease is taken: ``add`` returns None.
+    """
+
+    def __init__(self, storage: Storage, *, holder: str, ttl: float = DEFAULT_LEASE_TTL):
+        self.storage = storage
+        self.holder = holder
+        self.ttl = ttl
+        self._writable = storage.capabilities.writable
+        self._leases: dict[int, Lease] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def add(self, version: int) -> Lease | None:
+        """Hold a lease on ``version`` from now until ``close`` (the one held already, if any)."""
+        with self._lock:
+            if version in self._leases or not self._writable:
+                return self._leases.get(version)
+            try:
+                lease = self._leases[version] = Lease(self.storage, version, holder=self.holder, ttl=self.ttl)
+            except PermissionError as exc:
+                self._writable = False
+                log.warning("cannot write a lease on version %d in %s (%s): pulling it without one, so gc may "
+                            "retire it meanwhile", version, self.storage.url, exc)
+                return None
+            if self._renewer is None:
+                self._renewer = threading.Thread(target=self._renew, name=f"ckptstream-lease-{version}", daemon=True)
+                self._renewer.start()
+            return lease
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            with self._lock:
+                leases = list(self._leases.values())
+            for lease in leases:
+                try:
+                    lease.renew()
+                except Exception as exc:  # noqa: BLE001 - a storage hiccup: the next tick tries again
+                    log.warning("could not renew the lease on version %d (%s): %s", lease.record.version,
+                                lease.record.path, exc)
+
+    def close(self) -> None:
+        """Stop renewing and delete every lease (one that cannot be deleted expires by itself, logged)."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        with self._lock:
+            leases, self._leases = list(self._leases.values()), {}
+        for lease in leases:
+            try:
+                lease.release()
+            except Exception as exc:  # noqa: BLE001 - the lease expires by itself; do not hide the caller's error
+                log.warning("could not release the lease %s (%s); it expires by itself", lease.record.path, exc)
+
+    def __enter__(self) -> LeaseSet:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
 @contextlib.contextmanager
 def hold_lease(storage: Storage, version: int, *, holder: str,
                ttl: float = DEFAULT_LEASE_TTL) -> Iterator[Lease | None]:
-    """Hold a lease on ``version`` for the block: written now, renewed every ``ttl / 3`` on a daemon thread
-    (a renewal that fails is retried at the next tick, and logged), deleted when the block exits, also on
-    error. On storage this process cannot write (``not storage.capabilities.writable``: a stream over HTTP;
-    or credentials that may only read, a PermissionError, logged) no lease is taken and the block gets
-    None.
+    """Hold a lease on ``version`` for the block: written now, renewed every ``ttl / 3`` on a daemon thread,
+    deleted when the block exits, also on error (a ``LeaseSet`` of one). On storage this process cannot
+    write the block gets None.
 
     This is only the record's life; ``Stream.lease`` adds the check that makes it honoured.
     """
-    if not storage.capabilities.writable:
-        yield None
-        return
-    try:
-        lease = Lease(storage, version, holder=holder, ttl=ttl)
-    except PermissionError as exc:
-        log.warning("cannot write a lease on version %d in %s (%s): pulling it without one, so gc may retire it "
-                    "meanwhile", version, storage.url, exc)
-        yield None
-        return
-    stop = threading.Event()
-
-    def renew() -> None:
-        while not stop.wait(ttl / 3):
-            try:
-                lease.renew()
-            except Exception as exc:  # noqa: BLE001 - a storage hiccup: the next tick tries again
-                log.warning("could not renew the lease on version %d (%s): %s", version, lease.record.path, exc)
-
-    renewer = threading.Thread(target=renew, name=f"ckptstream-lease-{version}", daemon=True)
-    renewer.start()
-    try:
-        yield lease
-    finally:
-        stop.set()
-        renewer.join()
-        try:
-            lease.release()
-        except Exception as exc:  # noqa: BLE001 - the lease expires by itself; do not hide the block's error
-            log.warning("could not release the lease %s (%s); it expires by itself", lease.record.path, exc)
+    with LeaseSet(storage, holder=holder, ttl=ttl) as leases:
+        yield leases.add(version)

@@ -191,14 +191,8 @@ class Stream:
         """
         chain = [self.manifest(version)]
         while chain[-1].base_version is not None:
-            delta = chain[-1]
-            base = self._base_manifest(delta.base_version)
-            if base.keyframe_version != delta.keyframe_version or base.chain_length + 1 != delta.chain_length:
-                raise IntegrityError(
-                    f"the delta claims keyframe {delta.keyframe_version} and chain length {delta.chain_length}, "
-                    f"but its base version {base.version} has keyframe {base.keyframe_version} and chain length "
-                    f"{base.chain_length}", version=delta.version, file=manifest_path(delta.version),
-                    hint="The manifests of this chain contradict each other; refusing the version")
+            base = self._base_manifest(chain[-1].base_version)
+            check_base(chain[-1], base)
             chain.append(base)
         return list(reversed(chain))
 
@@ -529,6 +523,21 @@ class Stream:
                 delta = None if ta.dtype == torch.bool else (tb.double() - ta.double()).abs().max().item()
                 out.append(TensorDiff(name, "changed", ea.numel, changed, delta))
         return out
+
+
+def check_base(delta: Manifest, base: Manifest) -> None:
+    """Refuse a delta that contradicts its base (FORMAT.md, "Reader obligations" 5): its ``keyframe_version``
+    must be its base's and its ``chain_length`` its base's plus one.
+
+    Raises:
+        IntegrityError: naming the delta.
+    """
+    if base.keyframe_version != delta.keyframe_version or base.chain_length + 1 != delta.chain_length:
+        raise IntegrityError(
+            f"the delta claims keyframe {delta.keyframe_version} and chain length {delta.chain_length}, "
+            f"but its base version {base.version} has keyframe {base.keyframe_version} and chain length "
+            f"{base.chain_length}", version=delta.version, file=manifest_path(delta.version),
+            hint="The manifests of this chain contradict each other; refusing the version")
 
 
 def _count_bit_changes(a: torch.Tensor, b: torch.Tensor) -> int:

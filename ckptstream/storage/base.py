@@ -10,6 +10,7 @@ leaves a partial file under a final name. Storage never sees tensors.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -192,6 +193,16 @@ class Storage(ABC):
         with self.open_write(path) as f:
             f.write(data)
 
+    def touch(self, path: str) -> None:
+        """Make a file's modification time (what ``list`` reports, what gc's grace period counts from) now,
+        its bytes unchanged: a writer that reuses a file written long ago makes it count as written now.
+        Raises FileNotFoundError.
+
+        This default writes the file again (read back in pieces of ``RANGE_CHUNK_BYTES``); backends with a
+        cheaper way override it."""
+        with self.open_read(path) as source, self.open_write(path) as out:
+            shutil.copyfileobj(source, out, RANGE_CHUNK_BYTES)
+
     # ------------------------------------------------------------------------------------------ metadata
 
     @abstractmethod
@@ -242,6 +253,9 @@ class RefusesWrites:
 
     def put(self, path: str, data: bytes) -> None:
         raise capability_error(self, "write a file", path)  # type: ignore[arg-type]
+
+    def touch(self, path: str) -> None:
+        raise capability_error(self, "touch a file", path)  # type: ignore[arg-type]
 
     def delete(self, path: str) -> None:
         raise capability_error(self, "delete a file", path)  # type: ignore[arg-type]

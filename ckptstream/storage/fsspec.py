@@ -18,6 +18,8 @@ from .base import MAX_CONCURRENT_READS, Capabilities, Entry, Storage, check_rang
 # with If-None-Match: *), and whose objects appear only when their (multipart) upload completes, so a
 # file can be written under its final name directly.
 _CONDITIONAL_PUT_PROTOCOLS = ("s3", "s3a")
+_MAX_COPY_OBJECT_BYTES = 5 << 30
+"""The largest object S3 copies in one CopyObject request; larger ones are copied part by part."""
 
 
 class FsspecStorage(Storage):
@@ -118,6 +120,20 @@ class FsspecStorage(Storage):
                 file=path, hint="Use a POSIX path or an S3-compatible object store")
         with self.fs.open(self._abs(path), "xb") as f:  # s3fs: PUT with If-None-Match: *
             f.write(data)
+
+    def touch(self, path: str) -> None:
+        if not self._object_store:
+            super().touch(path)  # written again, aside and moved into place
+            return
+        # An object's LastModified is its last write, and S3 has no utime: the object is copied onto itself
+        # on the server (its bytes never travel), in one CopyObject with its metadata replaced (S3 refuses
+        # a copy onto itself that changes nothing), or, above 5 GiB, part by part (s3fs's managed copy).
+        full = self._abs(path)
+        if self.size(path) <= _MAX_COPY_OBJECT_BYTES:
+            self.fs.setxattr(full)
+        else:
+            self.fs.copy(full, full)
+        self.fs.invalidate_cache(full)
 
     # ------------------------------------------------------------------------------------------ metadata
 

@@ -162,6 +162,9 @@ class PosixStorage(Storage):
     def exists(self, path: str) -> bool:
         return os.path.isfile(self._abs(path))
 
+    def touch(self, path: str) -> None:
+        os.utime(self._abs(path))
+
     def delete(self, path: str) -> None:
         _remove_quietly(self._abs(path))
 

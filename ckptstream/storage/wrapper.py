@@ -46,6 +46,9 @@ class WrapperStorage(Storage):
     def put(self, path: str, data: bytes) -> None:
         self.inner.put(path, data)
 
+    def touch(self, path: str) -> None:
+        self.inner.touch(path)
+
     def list(self, path: str) -> list[Entry]:
         return self.inner.list(path)
 

@@ -262,6 +262,20 @@ class WritableStorageSuite(StorageSuite):
         assert len(winners) == 1 and sorted(outcomes.values()) == ["lost"] * (writers - 1) + ["won"], outcomes
         assert storage.read("manifests/race.json") == f"writer {winners[0]}".encode()
 
+    def test_touch_refreshes_the_modification_time(self, storage: Storage) -> None:
+        storage.put(FILE, DATA)
+        written = _mtime(storage, FILE)
+        if written is not None:  # object stores keep whole seconds: wait until the clock shows a later one
+            while time.time() < written + 1.5:
+                time.sleep(0.05)
+        storage.touch(FILE)
+        assert storage.read(FILE) == DATA
+        if written is not None:
+            touched = _mtime(storage, FILE)
+            assert touched is not None and touched > written, (written, touched)
+        with pytest.raises(FileNotFoundError):
+            storage.touch("never/was")
+
     def test_delete_is_idempotent(self, storage: Storage) -> None:
         storage.put("d/one", b"1")
         storage.delete("d/one")
@@ -298,6 +312,8 @@ class ReadOnlyStorageSuite(StorageSuite):
         with pytest.raises(StorageCapabilityError):
             storage.delete(FILE)
         with pytest.raises(StorageCapabilityError):
+            storage.touch(FILE)
+        with pytest.raises(StorageCapabilityError):
             storage.delete_tree("d")
         assert storage.read(FILE) == DATA
         assert not storage.exists("manifests/a.json")
@@ -316,3 +332,11 @@ def stored_entries(stream: Any, version: int) -> list[tuple[dict, bytes | None]]
                                                                    entry.offset + entry.length)
         out.append(({k: v for k, v in dataclasses.asdict(entry).items() if k != "file"}, data))
     return out
+
+
+def _mtime(storage: Storage, path: str) -> float | None:
+    """The modification time ``list`` reports for a file (None where the backend cannot list)."""
+    if not storage.capabilities.listing:
+        return None
+    directory, _, name = path.rpartition("/")
+    return next(e.mtime for e in storage.list(directory) if e.name == name)

@@ -17,9 +17,9 @@ from typing import Mapping
 
 from ..errors import (CkptStreamError, CommitOutcomeUnknownError, ForeignStreamError, IncompatibleStreamError,
                       IntegrityError, PublishError, VersionConflictError)
-from ..format import (DELTA, KEYFRAME, LATEST_HINT_FILE, STREAM_FILE, FileEntry, Manifest, StreamInfo, asset_path,
-                      content_hash, is_reserved_asset_name, is_safe_file_name, latest_hint_bytes, manifest_path,
-                      parse_latest_hint)
+from ..format import (DELTA, KEYFRAME, LATEST_HINT_FILE, MAX_ASSET_BYTES, STREAM_FILE, FileEntry, Manifest,
+                      StreamInfo, asset_path, content_hash, is_reserved_asset_name, is_safe_file_name,
+                      latest_hint_bytes, manifest_path, parse_latest_hint)
 from ..storage import Storage
 
 log = logging.getLogger("ckptstream.publish")
@@ -61,8 +61,9 @@ def load_assets(assets: Assets) -> dict[str, bytes]:
 
 
 def check_assets(assets: Mapping[str, bytes]) -> dict[str, bytes]:
-    """Refuse asset names that are not plain file names, and names that would replace or shadow the
-    weights of a materialized directory (weight files, indexes, the ``ckptstream.json`` marker)."""
+    """Refuse asset names that are not plain file names, names that would replace or shadow the weights
+    of a materialized directory (weight files, indexes, the ``ckptstream.json`` marker), and assets over
+    ``MAX_ASSET_BYTES``."""
     for name in assets:
         if not is_safe_file_name(name):
             raise IncompatibleStreamError(f"asset name {name!r} is not a plain file name", file=STREAM_FILE,
@@ -72,6 +73,11 @@ def check_assets(assets: Mapping[str, bytes]) -> dict[str, bytes]:
                 f"asset {name!r} would replace or shadow the published weights in a materialized directory",
                 file=asset_path(name), hint="Weights are published as versions: leave weight files, "
                                             "their indexes and ckptstream.json out of the assets")
+        if len(assets[name]) > MAX_ASSET_BYTES:
+            raise IncompatibleStreamError(f"asset {name!r} has {len(assets[name])} bytes, over the "
+                                          f"{MAX_ASSET_BYTES}-byte limit of an asset", file=asset_path(name),
+                                          hint="Assets are a model's small non-weight files (config, tokenizer); "
+                                               "leave larger files out of the model directory")
     return dict(assets)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from ckptstream import IncompatibleStreamError, Publisher, PublishError, Stream, VersionConflictError
 from ckptstream.cli import main
-from ckptstream.format import MAX_JSON_DEPTH, STREAM_FILE
+from ckptstream.format import MAX_ASSET_BYTES, MAX_JSON_DEPTH, STREAM_FILE, FileEntry, StreamInfo, content_hash
 from ckptstream.storage import PosixStorage, open_storage
 from ckptstream.writer import PublisherConfig, open_or_create_stream
 from ckptstream.writer.commit import commit_manifest
@@ -133,6 +133,18 @@ def test_an_asset_cannot_replace_the_weights(local_url, name):
     with pytest.raises(IncompatibleStreamError, match=re.escape(name)):
         Publisher(local_url, assets=assets)
     assert not Path(local_url).exists()  # nothing was created
+
+
+def test_an_asset_over_the_limit_is_refused_before_anything_is_written(local_url):
+    """Readers hold an asset whole, so the format bounds it (MAX_ASSET_BYTES): refused at the publisher,
+    and a stream.json listing one is refused by readers."""
+    assets = {"config.json": b"{}", "huge.dat": bytes(MAX_ASSET_BYTES + 1)}
+    with pytest.raises(IncompatibleStreamError, match="huge.dat.* over the"):
+        Publisher(local_url, assets=assets)
+    assert not Path(local_url).exists()
+    info = StreamInfo("s", "2026-01-01T00:00:00Z", (FileEntry("huge.dat", MAX_ASSET_BYTES + 1, content_hash(b"")),))
+    with pytest.raises(ValueError, match="limit of an asset"):
+        info.to_bytes()
 
 
 @pytest.mark.parametrize("name", ["__metadata__", "bad\x00name", "tab\tname", "x" * 1025, ""])
