@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from ckptstream import Publisher, Stream
 from ckptstream.format import MARKER_FILE, manifest_path
@@ -87,25 +88,28 @@ def test_changes_outside_the_packed_linears_are_applied_in_place_bit_for_bit(run
         assert not (follower.cache.stream_dir / ".changes" / f"{version:012d}-{newest:012d}.safetensors").exists()
 
 
-class _SeesTheCache:
-    """A server's client that notes, at each apply, whether the version applied was in the cache yet."""
+class _WatchesApplies:
+    """A server's client that notes, at each apply, whether the version applied was in the cache yet, and
+    what each rank answered."""
 
     def __init__(self, client: VllmClient, cache_dir: Path):
         self._client, self._cache_dir = client, cache_dir
         self.decoded_at_apply: list[bool] = []
+        self.answers: list[list[dict]] = []
 
     def apply_change(self) -> Any:
         staged = next(Path(self._cache_dir).glob("*/.changes/*.safetensors"))
         version = staged.stem.split("-")[1]
         self.decoded_at_apply.append((next(Path(self._cache_dir).glob("*")) / version / MARKER_FILE).is_file())
-        return self._client.apply_change()
+        self.answers.append(self._client.apply_change())
+        return self.answers[-1]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
 
 def test_a_delta_is_applied_from_its_fetched_bytes_before_it_is_decoded(run):
-    client = _SeesTheCache(run.server.client, run.root / "cache")
+    client = _WatchesApplies(run.server.client, run.root / "cache")
     with Follower(run.url, [client], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
         follower.step()
         version = run.publish(linears=False)
@@ -176,6 +180,28 @@ def test_tensor_parallel_ranks_each_write_their_slices(tmp_path, vllm_servers):
             assert update.version == version and update.applied_in_place == 1 and update.fallbacks == {}
             assert len(run.server.client.parameter_hashes()) == 2
             run.full_reload_agrees(version)  # on both ranks
+        # Rank 1's half of the embedding (vocabulary rows 256-511) no longer holds the served values, rank
+        # 0's does: rank 0 writes its part of the next change, rank 1 refuses its part.
+        path = Stream(run.url).materialize(version, run.root / "skewed")
+        weights = load_file(path / "model.safetensors")
+        rows = weights["model.embed_tokens.weight"].view(torch.int16)
+        rows[rows.shape[0] // 2:] += 1
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+        client = run.server.client
+        client.pause()
+        client.reload_weights(str(path))
+        client.resume()
+        watched = _WatchesApplies(client, run.root / "cache")
+        with Follower(run.url, [watched], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+            follower.adopt(version)
+            newest = run.publish(linears=False)
+            update = follower.step()
+            assert update.version == newest and update.fallbacks == {"apply_failed": 1}
+            (answers,) = watched.answers
+            assert [bool(a.get("error")) for a in answers] == [False, True]
+            assert "embed_tokens" in answers[1]["error"]
+            assert client.weight_version() == str(newest)
+            run.full_reload_agrees(newest)  # every rank reloaded it: rank 0's patch was overwritten too
     finally:
         run.server.stop()
         run.publisher.close()
