@@ -19,8 +19,9 @@ from .output import print_json, table
 def _follower_options() -> argparse.ArgumentParser:
     """The options follow, serve and replay share: cache, replica record, polling, pausing, API key."""
     options = argparse.ArgumentParser(add_help=False)
-    options.add_argument("--cache-dir", help="decoded versions (default /dev/shm/ckptstream when it has "
-                                             "room, else ~/.cache/ckptstream/follow)")
+    options.add_argument("--cache-dir", help="decoded versions, a directory private to this user (default "
+                                             "/dev/shm/ckptstream-UID when it has room, else "
+                                             "~/.cache/ckptstream/follow)")
     options.add_argument("--replica-id", help="name of this follower's record in the stream (default HOST-PORT)")
     options.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
                          help="seconds between checks for a new version (default 1)")
@@ -113,8 +114,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "node-agent", run_node_agent, "keep this node's cache on the newest version for a vLLM "
                     "engine spanning nodes, started elsewhere (every node but the head)", """
         # the head: ckptstream follow /mnt/nfs/run1 --vllm-url http://head:8000 --replica-id eng \
-        #     --cache-dir /dev/shm/ckptstream --nodes-ready-timeout 60
-        ckptstream node-agent /mnt/nfs/run1 --engine eng --node-rank 1 --nnodes 2 --cache-dir /dev/shm/ckptstream
+        #     --cache-dir /dev/shm/ckpt-cache --nodes-ready-timeout 60
+        ckptstream node-agent /mnt/nfs/run1 --engine eng --node-rank 1 --nnodes 2 --cache-dir /dev/shm/ckpt-cache
         ckptstream node-agent /mnt/nfs/run1 --engine eng --node-rank 1 --nnodes 2 --metrics-port 9401
         """, parents=[metrics_options])
     add_url(p)

@@ -21,20 +21,29 @@ process dies (SIGKILL included): a killed follower blocks nobody, and the ``.inc
 killed preparer left is removed by the next preparer of that version (or by a pruner).
 
 A version is written by the reader (``Stream.write_into``) into the ``.incoming-*`` directory this module
-made, then renamed into place here. A complete directory is reused without checking its hashes again: its
-preparer checked every one while decoding it, and a damaged base is refused by the decoder anyway.
+made, with a proof file (``.proof.json``: the manifest hash and each file's size, modification time and
+inode), then renamed into place here. A complete directory is reused once proven against its manifest
+(``proven``): its marker names the stream, version and manifest hash, and its files are those its preparer
+wrote (a stat each), or, where the proof is missing or stale, every tensor's hash is checked (then the proof
+is written again). A directory that fails is decoded again, never handed to vLLM.
+
+The root is private to its user (created 0700; one owned by another user, or that others may write to, is
+refused): no other user can plant a version that followers would reuse.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
+import stat
 import threading
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from ..errors import CkptStreamError
 from ..format import MARKER_FILE, parse_version_name, version_name
 from ..locks import LOCK_FILE, lock_file, try_lock, unlock
 from ..reader import Stream
@@ -58,12 +67,30 @@ class Prepared(NamedTuple):
     decoded: bool
 
 
+PROOF_FILE = ".proof.json"
+"""In a cached version's directory: what its preparer wrote (see the module docstring)."""
+
+
 def default_cache_dir(expected_bytes: int = 0) -> Path:
-    """/dev/shm/ckptstream when it has room for three copies of the model, else ~/.cache/ckptstream/follow."""
+    """/dev/shm/ckptstream-<uid> when it has room for three copies of the model, else
+    ~/.cache/ckptstream/follow (private to the user either way: see ``private_root``)."""
     shm = Path("/dev/shm")
     if shm.is_dir() and shutil.disk_usage(shm).free > 3 * expected_bytes + (256 << 20):
-        return shm / "ckptstream"
+        return shm / f"ckptstream-{os.getuid()}"
     return Path.home() / ".cache" / "ckptstream" / "follow"
+
+
+def private_root(root: str | os.PathLike[str]) -> Path:
+    """``root`` as an absolute path, created 0700 if missing; CkptStreamError if it is not a directory of
+    this user's that nobody else may write to (another user could plant versions there)."""
+    path = Path(root).expanduser().absolute()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    status = path.lstat()
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o022:
+        raise CkptStreamError(f"the cache root {path} must be a directory of this user's that no other user may "
+                              f"write to (it is {stat.filemode(status.st_mode)}, owner uid {status.st_uid})",
+                              hint="Remove it, or pass --cache-dir a directory of your own (mode 0700)")
+    return path
 
 
 def safe_owner(name: str) -> str:
@@ -86,9 +113,9 @@ class VersionCache:
 
     def __init__(self, root: str | os.PathLike[str], stream_id: str, owner: str = "follower", *,
                  ephemeral: bool = False):
-        self.stream_dir = Path(root).expanduser().absolute() / stream_id
+        self.stream_dir = private_root(root) / stream_id
         self._locks = self.stream_dir / LOCKS_DIR
-        self._locks.mkdir(parents=True, exist_ok=True)
+        self._locks.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.owner = safe_owner(owner)
         self.ephemeral = ephemeral
         self._holds: dict[int, int] = {}  # version -> descriptor of its use lock, held shared
@@ -115,6 +142,33 @@ class VersionCache:
             finally:
                 incoming.unlink(missing_ok=True)
         return path
+
+    def proven(self, stream: Stream, version: int) -> bool:
+        """Whether the complete directory of ``version`` is what its manifest describes (see the module
+        docstring): cheaply where its proof holds, else by every tensor's hash (the proof then written).
+        Hold it first."""
+        directory = self.path(version)
+        manifest_hash = stream.manifest(version).manifest_hash
+        try:
+            marker = json.loads((directory / MARKER_FILE).read_bytes())
+            if (marker.get("stream_id"), marker.get("version"), marker.get("manifest_hash")) != (
+                    stream.info().stream_id, version, manifest_hash):
+                log.warning("%s is not version %d of this stream as committed (its marker differs)", directory,
+                            version)
+                return False
+            proof = json.loads((directory / PROOF_FILE).read_bytes())
+            if proof == {"manifest_hash": manifest_hash, "files": _file_stats(directory)}:
+                return True
+        except (OSError, ValueError, AttributeError):
+            pass  # no proof, or an unreadable one: check the tensors
+        try:
+            stream.check_materialized(directory, version)
+        except CkptStreamError as exc:
+            log.warning("the cached copy of version %d is not the committed version (%s); decoding it again",
+                        version, exc)
+            return False
+        _write_proof(directory, manifest_hash)
+        return True
 
     def versions(self) -> list[int]:
         """Complete cached versions (a materialized directory has its marker; partial ones have none).
@@ -212,17 +266,18 @@ class VersionCache:
         return (self.path(version) / MARKER_FILE).is_file()
 
     def _write(self, stream: Stream, version: int, base: int | None, holder: str) -> bool:
-        """Under the version's prepare lock: write it unless complete; whether it was written."""
-        if self._complete(version):
+        """Under the version's prepare lock: write it unless complete and proven; whether it was written."""
+        if self._complete(version) and self.proven(stream, version):
             return False
         incoming, target = self._incoming(version), self.path(version)
         shutil.rmtree(incoming, ignore_errors=True)  # a killed or failed earlier preparer's leftovers
-        if target.exists():  # no marker: not one of ours (renamed complete), e.g. a copy interrupted by hand
+        if target.exists():  # not complete or not proven: not what the manifest says (a copy interrupted...)
             shutil.rmtree(target)
         incoming.mkdir()
         try:
             stream.write_into(version, incoming, base_dir=self.path(base) if base is not None else None,
                               holder=holder)
+            _write_proof(incoming, stream.manifest(version).manifest_hash)  # (renaming keeps the stats)
             os.rename(incoming, target)
         finally:
             shutil.rmtree(incoming, ignore_errors=True)
@@ -269,3 +324,23 @@ class VersionCache:
                 shutil.rmtree(child, ignore_errors=True)
             finally:
                 unlock(fd)
+
+
+def _file_stats(directory: Path) -> dict[str, list[int]]:
+    """Per entry of ``directory`` but the proof: [size, modification time (ns), inode] of a regular file,
+    [-1] for anything else (never equal to a proof's)."""
+    stats: dict[str, list[int]] = {}
+    for child in sorted(directory.iterdir()):
+        if child.name != PROOF_FILE:
+            status = child.lstat()
+            stats[child.name] = ([status.st_size, status.st_mtime_ns, status.st_ino]
+                                 if stat.S_ISREG(status.st_mode) else [-1])
+    return stats
+
+
+def _write_proof(directory: Path, manifest_hash: str | None) -> None:
+    """Record what ``directory`` holds now as the proof of a version with ``manifest_hash``."""
+    proof = json.dumps({"manifest_hash": manifest_hash, "files": _file_stats(directory)})
+    temporary = directory / f"{PROOF_FILE}.{os.getpid()}-{threading.get_ident()}"
+    temporary.write_text(proof)
+    os.replace(temporary, directory / PROOF_FILE)

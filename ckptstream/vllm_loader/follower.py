@@ -715,10 +715,8 @@ class Follower:
             if version is not None:
                 self.cache.release(version)
             return
-        try:
-            self.stream.check_materialized(self.cache.path(version), version)
-        except CkptStreamError as exc:
-            log.warning("servers report version %d but its cached copy is unusable: %s", version, exc)
+        if not self.cache.proven(self.stream, version):
+            log.warning("servers report version %d but its cached copy is not that version", version)
             self.cache.release(version)
             return
         log.info("servers already serve version %d (cached); resuming from it", version)
@@ -813,17 +811,18 @@ class Follower:
 
 def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: set[int],
                     holder: str) -> tuple[Path, int | None, int, bool]:
-    """Have ``version`` in ``cache``, held: reused when complete (another follower's decode, or an earlier
-    one), else decoded here by applying its delta to the newest cached version of its chain (waiting instead
-    if another follower is decoding it). Every other version but those in ``keep`` (which the caller still
-    uses) is released and pruned. Returns (path, base version used: the version itself when reused, bytes
-    fetched, whether it was decoded here). Shared by the follower and the node agent."""
-    if cache.hold(version):
+    """Have ``version`` in ``cache``, held: reused when complete and proven (another follower's decode, or an
+    earlier one: ``VersionCache.proven``), else decoded here by applying its delta to the newest cached and
+    proven version of its chain (waiting instead if another follower is decoding it). Every other version
+    but those in ``keep`` (which the caller still uses) is released and pruned. Returns (path, base version
+    used: the version itself when reused, bytes fetched, whether it was decoded here). Shared by the
+    follower and the node agent."""
+    if cache.hold(version) and cache.proven(stream, version):
         return cache.path(version), version, 0, False
     chain = stream.chain(version)
     chain_versions = {m.version for m in chain}
     base = next((v for v in reversed(cache.versions())
-                 if v in chain_versions and v != version and _hold_base(cache, v)), None)
+                 if v in chain_versions and v != version and _hold_base(stream, cache, v)), None)
     cache.prune(keep | {v for v in (base, version) if v is not None})
     try:
         path, decoded = cache.materialize(stream, version, base, holder=holder)
@@ -839,11 +838,14 @@ def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: 
     return path, base, fetched, decoded
 
 
-def _hold_base(cache: VersionCache, version: int) -> bool:
-    """Hold ``version`` as the base of a delta if it is still complete (a pruner may have deleted it)."""
-    if version in cache.held() or cache.hold(version):
+def _hold_base(stream: Stream, cache: VersionCache, version: int) -> bool:
+    """Hold ``version`` as the base of a delta if it is still complete (a pruner may have deleted it) and
+    proven."""
+    held = version in cache.held()
+    if (held or cache.hold(version)) and cache.proven(stream, version):
         return True
-    cache.release(version)
+    if not held:
+        cache.release(version)
     return False
 
 

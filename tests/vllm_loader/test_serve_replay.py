@@ -70,9 +70,10 @@ def test_replay_beside_serve_takes_the_server_over_and_gives_it_back(tmp_path):
     log_path = tmp_path / "serve.log"
     log = open(log_path, "wb")
     # No vLLM arguments and no VLLM_CPU_KVCACHE_SPACE: serve sizes them for the CPU itself.
+    cache = str(tmp_path / "cache")  # (shared by serve and the replay, as on a host)
     serve = subprocess.Popen(["ckptstream", "serve", url, "--port", str(port), "--poll-interval", "0.2",
-                              "--replica-id", "serving"], env=_env_without_vllm_settings(), stdout=log,
-                             stderr=subprocess.STDOUT)
+                              "--replica-id", "serving", "--cache-dir", cache], env=_env_without_vllm_settings(),
+                             stdout=log, stderr=subprocess.STDOUT)
     client = VllmClient(f"http://127.0.0.1:{port}")
     try:
         Stream(url).wait_for_version(0, timeout=600, poll_interval=0.5)
@@ -87,7 +88,8 @@ def test_replay_beside_serve_takes_the_server_over_and_gives_it_back(tmp_path):
         out = tmp_path / "replayed"
         out.mkdir()
         replay = subprocess.Popen(["ckptstream", "replay", url, "--versions", "0:2", "--vllm-url", client.url,
-                                   "--json", "--", sys.executable, "-c", CHECK, str(out), json.dumps(PROMPTS)],
+                                   "--cache-dir", cache, "--json", "--", sys.executable, "-c", CHECK, str(out),
+                                   json.dumps(PROMPTS)],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         _wait(lambda: (out / "started").exists() or replay.poll() is not None, timeout=120)
         rl_like_step(state, fraction=0.2, max_ulps=40)
