@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -20,7 +20,7 @@ from ckptstream import Publisher, Stream
 from ckptstream.hf import iter_hf_weights
 from ckptstream.reader import ReplicaRecord
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
-from ckptstream.vllm_loader import VllmClient, default_cache_dir, free_port
+from ckptstream.vllm_loader import VllmClient, free_port
 from tests.helpers import PROMPTS
 
 # The replay's evaluation command: what the server serves before and after a pause long enough for
@@ -111,14 +111,13 @@ def test_replay_beside_serve_takes_the_server_over_and_gives_it_back(tmp_path):
         assert record().version == newest
         # The replay's versions are gone, serve's is intact (the cache is shared now: adapted from the
         # per-follower directories, where the replay's own was gone).
-        cached = default_cache_dir() / stream_id
+        cached = Path(cache) / stream_id
         _wait(lambda: sorted(p.name for p in cached.iterdir()) == [".locks", f"{newest:012d}"], timeout=30)
     finally:
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(timeout=120)
         log.close()
         publisher.close()
-        shutil.rmtree(default_cache_dir() / stream_id, ignore_errors=True)
     text = log_path.read_text()
     assert code == 0, text[-3000:]
     assert "passing vLLM VLLM_CPU_KVCACHE_SPACE=1, --gpu-memory-utilization 0.3, --skip-tokenizer-init" in text
