@@ -3,7 +3,9 @@ and the relay (with a token), and what is particular to HTTP: auth, retries, dir
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -12,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from ckptstream.relay import Relay
-from ckptstream.errors import StorageAccessError, StorageCapabilityError
+from ckptstream.errors import IntegrityError, StorageAccessError, StorageCapabilityError
+from ckptstream.format import LATEST_HINT_FILE, MAX_LATEST_HINT_BYTES
+from ckptstream.reader.probe import read_latest_hint
 from ckptstream.storage import Storage, open_storage
 from ckptstream.storage.http import HttpStorage
 from ckptstream.testing.http import ResettingProxy, StaticHttpServer
@@ -140,6 +144,40 @@ def test_server_errors_are_retried_then_reported(tmp_path):
         plan.extend([503] * 10)
         with pytest.raises(StorageAccessError, match=r"failed after 3 attempts \(HTTP 503\)"):
             open_storage(url, {"retries": 2}).read("f")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_endless_latest_hint_is_read_no_further_than_its_limit():
+    """A server whose ``latest.json`` never ends (it ignores ``Range``; capped here so that reading it whole
+    ends too): the hint is read to just past its limit, the connection dropped, probing starts from 0."""
+    cap = 64 << 20
+    sent: queue.Queue[int] = queue.Queue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)  # no Content-Length: the body ends when the connection closes
+            self.end_headers()
+            block, total = b" " * (64 << 10), 0
+            with contextlib.suppress(OSError):  # the reader hung up
+                while total < cap:
+                    self.wfile.write(block)
+                    total += len(block)
+            sent.put(total)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        storage = open_storage(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(IntegrityError, match=f"file {LATEST_HINT_FILE}: over the {MAX_LATEST_HINT_BYTES}-byte"):
+            storage.read_small(LATEST_HINT_FILE, MAX_LATEST_HINT_BYTES)
+        assert read_latest_hint(storage) is None
+        # What the server got out before the reader hung up is what the sockets' buffers hold, not the body.
+        assert max(sent.get(timeout=60) for _ in range(2)) < cap // 2
     finally:
         server.shutdown()
         server.server_close()

@@ -126,12 +126,10 @@ def read_leases(storage: Storage) -> LeaseListing:
         if entry.size > MAX_LEASE_RECORD_BYTES or not entry.name.endswith(".json"):
             malformed.append((path, entry.mtime))
             continue
-        try:
-            raw = storage.read(path)
+        try:  # bounded and never blocking: a record too long, or not a regular file, is malformed
+            records.append(LeaseRecord.from_bytes(storage.read_small(path, MAX_LEASE_RECORD_BYTES), path=path))
         except FileNotFoundError:
             continue  # released meanwhile
-        try:
-            records.append(LeaseRecord.from_bytes(raw, path=path))
         except (ValueError, TypeError) as exc:
             log.warning("ignoring malformed lease record %s: %s", path, exc)
             malformed.append((path, entry.mtime))

@@ -16,9 +16,9 @@ import torch
 from ..codec import INT_OF_SIZE
 from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, ReplicaRefused, StreamNotFoundError,
                       TensorNotFoundError, VersionNotFoundError)
-from ..format import (DEFAULT_SHARD_BYTES, LATEST, MANIFESTS_DIR, MAX_VERSION, STREAM_FILE, FileEntry, Manifest,
-                      StreamInfo, TensorEntry, asset_path, content_hash, manifest_path,
-                      parse_version_name)
+from ..format import (DEFAULT_SHARD_BYTES, LATEST, MANIFESTS_DIR, MAX_MANIFEST_BYTES, MAX_STREAM_FILE_BYTES,
+                      MAX_VERSION, STREAM_FILE, FileEntry, Manifest, StreamInfo, TensorEntry, asset_path,
+                      content_hash, manifest_path, parse_version_name)
 from ..parallel import default_workers, ordered_parallel
 from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
 from ..storage.readahead import ChunkedReads
@@ -102,7 +102,7 @@ class Stream:
         """The stream's metadata (identity, format version, asset files)."""
         if self._info is None:
             try:
-                raw = self.storage.read(STREAM_FILE)
+                raw = self.storage.read_small(STREAM_FILE, MAX_STREAM_FILE_BYTES)
             except FileNotFoundError:
                 raise StreamNotFoundError(f"no stream at {self.url} ({STREAM_FILE} is missing)",
                                           hint="Check the URL, or publish a first version to create it") from None
@@ -162,7 +162,7 @@ class Stream:
                 self._manifests.move_to_end(version)
                 return cached
         try:
-            raw = self.storage.read(manifest_path(version))
+            raw = self.storage.read_small(manifest_path(version), MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise VersionNotFoundError("no such version in the stream", version=version,
                                        hint=f"`ckptstream ls {self.url}` lists the committed versions") from None

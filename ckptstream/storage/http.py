@@ -23,7 +23,8 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 from ..errors import StorageAccessError, StorageCapabilityError
-from .base import MAX_CONCURRENT_READS, Capabilities, Entry, RefusesWrites, Storage
+from .base import (MAX_CONCURRENT_READS, SMALL_READ_BLOCK, Capabilities, Entry, RefusesWrites, Storage,
+                   checked_small)
 
 if TYPE_CHECKING:
     import urllib3
@@ -103,6 +104,13 @@ class HttpStorage(RefusesWrites, Storage):
         last = "" if end is None else str(end - 1)
         return self._request("GET", path, {"Range": f"bytes={start}-{last}"},
                              lambda response: _range_body(response, self.file_url(path), start, end))
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        # One ranged GET, its body read in blocks up to just past the limit: a server that ignores the range,
+        # or whose body never ends, is read no further (and urllib3 would allocate a whole read's size at once).
+        body = self._request("GET", path, {"Range": f"bytes=0-{limit}"},
+                             lambda response: _small_body(response, self.file_url(path), limit + 1))
+        return checked_small(path, body, limit)
 
     def open_read(self, path: str) -> IO[bytes]:
         return io.BufferedReader(_HttpReader(self, path), buffer_size=_DISCARD_BLOCK)
@@ -270,6 +278,18 @@ def _range_body(response: urllib3.BaseHTTPResponse, url: str, start: int, end: i
         return b""
     _discard(response, _range_start(response, url, start))
     return response.read() if end is None else response.read(end - start)
+
+
+def _small_body(response: urllib3.BaseHTTPResponse, url: str, wanted: int) -> bytes:
+    """At most ``wanted`` bytes from the start of the answer to ``Range: bytes=0-...``, read in blocks."""
+    if response.status == 416:  # an empty file
+        return b""
+    _range_start(response, url, 0)
+    chunks = []
+    while wanted > 0 and (chunk := response.read(min(wanted, SMALL_READ_BLOCK))):
+        chunks.append(chunk)
+        wanted -= len(chunk)
+    return b"".join(chunks)
 
 
 def _discard(response: urllib3.BaseHTTPResponse, count: int) -> None:
