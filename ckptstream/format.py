@@ -107,8 +107,9 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 HASH_PREFIX = "xxh3-128:"
-_HASH_RE = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
-_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# Both used with fullmatch: ``match`` with a ``$`` anchor would also take the string followed by "\n".
+_HASH_RE = re.compile(r"xxh3-128:[0-9a-f]{32}")
+_FILE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _MANIFEST_HASH_KEY = b'"manifest_hash": "' + HASH_PREFIX.encode()
 _ZERO_HASH = HASH_PREFIX + "0" * 32
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -289,7 +290,7 @@ def is_reserved_asset_name(name: str) -> bool:
 
 def is_safe_file_name(name: object) -> bool:
     """True for a plain relative name inside one directory: no separators, no leading dot, bounded."""
-    return isinstance(name, str) and bool(_FILE_NAME_RE.match(name)) and name not in (".", "..")
+    return isinstance(name, str) and bool(_FILE_NAME_RE.fullmatch(name)) and name not in (".", "..")
 
 
 # ----------------------------------------------------------------------------------------- safetensors
@@ -543,7 +544,7 @@ class _Checker:
 
     def hash(self, obj: Any, key: str, tensor: str | None = None, optional: bool = False) -> str | None:
         value = self.get(obj, key, str, tensor, optional)
-        if value is not None and not _HASH_RE.match(value):
+        if value is not None and not _HASH_RE.fullmatch(value):
             raise self.fail(f"field {key!r} is not an {HASH_PREFIX} hash", tensor)
         return value
 
