@@ -61,8 +61,12 @@ MAX_REPLICA_RECORD_BYTES = 1 << 20
 MAX_LEASE_RECORD_BYTES = 64 << 10
 """Lease records larger than this are malformed: ignored by gc, skipped unread."""
 LEASE_CLOCK_SKEW_SECONDS = 5.0
-"""A lease counts as live until this long after its ``expires``: the holder's and the collector's clocks
-may differ by that much."""
+"""A lease counts as live until this long after its ``expires`` (or after its storage time plus its TTL):
+clocks may differ by that much."""
+MAX_LEASE_TTL = 86400.0
+"""Seconds a lease may live at most past its last write (a day): a record whose TTL (``expires -
+heartbeat``) is longer, or whose ``expires`` is further from its storage time, is malformed, so that no
+record protects a version for ever."""
 MAX_FILE_BYTES = 1 << 50
 """Upper bound on every size, offset, length, count and dimension a manifest declares."""
 MAX_CHUNK_BYTES = 1 << 30

@@ -25,7 +25,7 @@ from ..storage.readahead import ChunkedReads
 from .decode import (BufferPool, Writer, decode_order, decode_tensor, decode_tensor_to, load_checked,
                      plan_tensor)
 from .files import DataFiles
-from .leases import DEFAULT_LEASE_TTL, hold_lease
+from .leases import DEFAULT_LEASE_TTL, check_lease_ttl, hold_lease
 from .materialize import MaterializedBase, build_directory, write_directory
 from .probe import probe_versions
 from .replicas import KIND_FOLLOWER, NOT_SERVING_STATES, ReplicaRecord, read_replicas
@@ -79,11 +79,9 @@ class Stream:
 
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
                  storage: Storage | None = None, lease_ttl: float = DEFAULT_LEASE_TTL):
-        if not lease_ttl > 0:
-            raise ValueError(f"lease_ttl must be positive, got {lease_ttl!r}")
+        self.lease_ttl = check_lease_ttl(lease_ttl)
         self.url = url
         self.storage = storage or open_storage(url, storage_options)
-        self.lease_ttl = lease_ttl
         self._info: StreamInfo | None = None
         self._manifests: collections.OrderedDict[int, Manifest] = collections.OrderedDict()
         self._lock = threading.Lock()
