@@ -101,13 +101,13 @@ def export_bundle(stream: Stream, out: BundleFile, *, versions: list[int] | None
     """
     start = time.perf_counter()
     info = stream.info()
-    raw_info = stream.storage.read(STREAM_FILE)
+    raw_info = stream.storage.read_small(STREAM_FILE, MAX_STREAM_FILE_BYTES)
     carried, requires = _plan(stream, versions, since)
     # The index comes first, so its hashes come from stream.json and the manifests: no second pass over data.
     members = [FileEntry(STREAM_FILE, len(raw_info), content_hash(raw_info))]
     members += [FileEntry(asset_path(a.name), a.size, a.hash) for a in sorted(info.assets, key=lambda a: a.name)]
     for version in carried:
-        raw = stream.storage.read(manifest_path(version))
+        raw = stream.storage.read_small(manifest_path(version), MAX_MANIFEST_BYTES)
         manifest = Manifest.from_bytes(raw, version=version, stream_id=info.stream_id)
         members += [FileEntry(data_path(version, f.name), f.size, f.hash)
                     for f in sorted(manifest.files, key=lambda f: f.name)]
@@ -148,7 +148,7 @@ def _plan(stream: Stream, versions: list[int] | None,
     if not newer:
         raise VersionNotFoundError(f"no version to export after version {since}", version=since,
                                    hint=f"`ckptstream ls {stream.url}` lists the committed versions")
-    requires = tuple((v, content_hash(stream.storage.read(manifest_path(v)))) for v in chain)
+    requires = tuple((v, content_hash(stream.storage.read_small(manifest_path(v), MAX_MANIFEST_BYTES))) for v in chain)
     return versions_to_carry(stream, newer, set(chain).__contains__), requires
 
 
@@ -167,11 +167,13 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def _source_file(stream: Stream, info: StreamInfo, entry: FileEntry, progress: Progress | None) -> IO[bytes]:
     """A file object over one member's bytes at the source, checked against ``entry``."""
     if entry.name == STREAM_FILE:
-        return _Checked(io.BytesIO(stream.storage.read(STREAM_FILE)), entry, None, progress)
+        raw = stream.storage.read_small(STREAM_FILE, MAX_STREAM_FILE_BYTES)
+        return _Checked(io.BytesIO(raw), entry, None, progress)
     directory, _, rest = entry.name.partition("/")
     if directory == MANIFESTS_DIR:
         version = parse_version_name(rest)
-        return _Checked(io.BytesIO(stream.storage.read(entry.name)), entry, version, progress)
+        raw = stream.storage.read_small(entry.name, MAX_MANIFEST_BYTES)
+        return _Checked(io.BytesIO(raw), entry, version, progress)
     if directory != VERSIONS_DIR:  # an asset: small, read whole and checked by Stream.asset
         asset = next(a for a in info.assets if asset_path(a.name) == entry.name)
         return _Checked(io.BytesIO(stream.asset(asset)), entry, None, progress)

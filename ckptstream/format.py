@@ -63,8 +63,12 @@ MAX_REPLICA_RECORD_BYTES = 1 << 20
 MAX_LEASE_RECORD_BYTES = 64 << 10
 """Lease records larger than this are malformed: ignored by gc, skipped unread."""
 LEASE_CLOCK_SKEW_SECONDS = 5.0
-"""A lease counts as live until this long after its ``expires``: the holder's and the collector's clocks
-may differ by that much."""
+"""A lease counts as live until this long after its ``expires`` (or after its storage time plus its TTL):
+clocks may differ by that much."""
+MAX_LEASE_TTL = 86400.0
+"""Seconds a lease may live at most past its last write (a day): a record whose TTL (``expires -
+heartbeat``) is longer, or whose ``expires`` is further from its storage time, is malformed, so that no
+record protects a version for ever."""
 MAX_FILE_BYTES = 1 << 50
 """Upper bound on every size, offset, length, count and dimension a manifest declares."""
 MAX_CHUNK_BYTES = 1 << 30
@@ -109,8 +113,9 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 HASH_PREFIX = "xxh3-128:"
-_HASH_RE = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
-_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# Both used with fullmatch: ``match`` with a ``$`` anchor would also take the string followed by "\n".
+_HASH_RE = re.compile(r"xxh3-128:[0-9a-f]{32}")
+_FILE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _MANIFEST_HASH_KEY = b'"manifest_hash": "' + HASH_PREFIX.encode()
 _ZERO_HASH = HASH_PREFIX + "0" * 32
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -291,7 +296,7 @@ def is_reserved_asset_name(name: str) -> bool:
 
 def is_safe_file_name(name: object) -> bool:
     """True for a plain relative name inside one directory: no separators, no leading dot, bounded."""
-    return isinstance(name, str) and bool(_FILE_NAME_RE.match(name)) and name not in (".", "..")
+    return isinstance(name, str) and bool(_FILE_NAME_RE.fullmatch(name)) and name not in (".", "..")
 
 
 # ----------------------------------------------------------------------------------------- safetensors
@@ -545,7 +550,7 @@ class _Checker:
 
     def hash(self, obj: Any, key: str, tensor: str | None = None, optional: bool = False) -> str | None:
         value = self.get(obj, key, str, tensor, optional)
-        if value is not None and not _HASH_RE.match(value):
+        if value is not None and not _HASH_RE.fullmatch(value):
             raise self.fail(f"field {key!r} is not an {HASH_PREFIX} hash", tensor)
         return value
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import EXIT_CONFLICT, CkptStreamError, IntegrityError, VersionNotFoundError
-from .format import LATEST, MANIFESTS_DIR, manifest_path
+from .format import LATEST, MANIFESTS_DIR, MAX_MANIFEST_BYTES, manifest_path
 from .polling import poll
 from .reader import ReplicaRecord, Stream, select_versions, write_replica
 from .reader.replicas import KIND_MIRROR, replica_path
@@ -138,7 +138,7 @@ class Mirror:
         held = set(self.dst.stream.versions())
         for version in sorted(v for v in wanted if v in held and v not in self._checked):
             # Present at the destination: byte for byte the source's, or the two stores have diverged.
-            self.dst.check_same(version, self.src.storage.read(manifest_path(version)))
+            self.dst.check_same(version, self.src.storage.read_small(manifest_path(version), MAX_MANIFEST_BYTES))
             self._checked.add(version)
         results = []
         try:

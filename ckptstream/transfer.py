@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import CkptStreamError, IntegrityError, MissingBaseError, VersionConflictError, VersionNotFoundError
-from .format import STREAM_FILE, FileEntry, Hasher, Manifest, data_path, manifest_path
+from .format import (MAX_MANIFEST_BYTES, MAX_STREAM_FILE_BYTES, STREAM_FILE, FileEntry, Hasher, Manifest, data_path,
+                     manifest_path)
 from .reader import Stream, check_base
 from .reader.files import file_hash
 from .reader.leases import DEFAULT_LEASE_TTL, LeaseSet
@@ -140,13 +141,13 @@ class Destination:
         if self._adopted:
             return
         assets = {entry.name: src.asset(entry) for entry in src.info().assets}
-        adopt_stream(self.storage, src.storage.read(STREAM_FILE), assets)
+        adopt_stream(self.storage, src.storage.read_small(STREAM_FILE, MAX_STREAM_FILE_BYTES), assets)
         self._adopted = True
 
     def committed(self, version: int) -> bytes | None:
         """The manifest bytes the destination holds for ``version``, or None."""
         try:
-            return self.storage.read(manifest_path(version))
+            return self.storage.read_small(manifest_path(version), MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             return None
 
@@ -273,7 +274,7 @@ def copy_version(src: Stream, dst: Destination, version: int, *, holder: str = "
         VersionConflictError: the destination holds a different version of this number.
         CkptStreamError: a data file is gone from the destination before the commit (nothing committed).
     """
-    raw = src.storage.read(manifest_path(version))
+    raw = src.storage.read_small(manifest_path(version), MAX_MANIFEST_BYTES)
     manifest = Manifest.from_bytes(raw, version=version, stream_id=src.info().stream_id)
     if dst.check_same(version, raw):
         return CopiedVersion(version, manifest.kind, len(manifest.files), 0, manifest.stored_bytes,

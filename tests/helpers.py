@@ -136,6 +136,10 @@ class HookedStorage(WrapperStorage):
         self.hook("read", path)
         return self.inner.read(path, start, end)
 
+    def read_small(self, path: str, limit: int) -> bytes:
+        self.hook("read", path)
+        return self.inner.read_small(path, limit)
+
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         self.hook("read", path)
         self.inner.read_into(path, offset, buffer)

@@ -59,6 +59,17 @@ def test_unsafe_names_and_ranges_are_refused():
         Manifest.from_bytes(bad.to_bytes(), version=3)
 
 
+def test_names_and_hashes_with_a_trailing_newline_are_refused():
+    """``$`` matches before a final newline: each whole name and hash must match its rule."""
+    assert is_safe_file_name("a.safetensors") and not is_safe_file_name("a.safetensors\n")
+    newline_name = _manifest(files=(FileEntry("a.safetensors\n", 100, content_hash(b"x")),))
+    with pytest.raises(UnsafeManifestError, match="file name"):
+        Manifest.from_bytes(newline_name.to_bytes(), version=3)
+    newline_hash = _manifest(files=(FileEntry("a.safetensors", 100, content_hash(b"x") + "\n"),))
+    with pytest.raises(IntegrityError, match="is not an xxh3-128: hash"):
+        Manifest.from_bytes(newline_hash.to_bytes(), version=3)
+
+
 def test_newer_format_version_is_refused():
     with pytest.raises(IncompatibleStreamError, match="format version 2 is not supported"):
         Manifest.from_bytes(_manifest(format_version=2).to_bytes(), version=3)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ckptstream.cli import main
-from ckptstream.errors import EXIT_INCOMPATIBLE, StorageCapabilityError
+from ckptstream.errors import EXIT_INCOMPATIBLE, IntegrityError, StorageCapabilityError
 from ckptstream.storage import (MAX_CONCURRENT_READS, Capabilities, FsspecStorage, PosixStorage, ReadOnlyStorage,
                                 Storage, ThrottledStorage, open_storage, register_backend, registered_schemes, throttle)
 from ckptstream.storage.base import concurrently
@@ -191,6 +191,21 @@ def test_posix_capabilities(tmp_path):
     assert isinstance(storage, PosixStorage) and storage.root == f"{tmp_path}/stream"
     assert storage.is_posix and storage.atomic_create
     assert storage.capabilities == Capabilities(posix=True, notifications=True)  # watchdog is installed here
+
+
+@pytest.mark.timeout(60)  # before the fix, opening the FIFO blocked for ever
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_posix_read_small_refuses_what_is_not_a_regular_file_without_blocking(tmp_path, kind):
+    storage = PosixStorage(str(tmp_path))
+    target = tmp_path / "small.json"
+    if kind == "fifo":
+        os.mkfifo(target)  # a reader opening it blocks until a writer comes: none ever does
+    elif kind == "device":
+        target.symlink_to("/dev/zero")  # endless: read whole, it fills the memory
+    else:
+        target.mkdir()
+    with pytest.raises(IntegrityError, match="file small.json: not a regular file"):
+        storage.read_small("small.json", 4096)
 
 
 def test_capabilities_are_consistent():

@@ -3,16 +3,20 @@ and the relay (with a token), and what is particular to HTTP: auth, retries, dir
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 from ckptstream.relay import Relay
-from ckptstream.errors import StorageAccessError, StorageCapabilityError
+from ckptstream.errors import IntegrityError, StorageAccessError, StorageCapabilityError
+from ckptstream.format import LATEST_HINT_FILE, MAX_LATEST_HINT_BYTES
+from ckptstream.reader.probe import read_latest_hint
 from ckptstream.storage import Storage, open_storage
 from ckptstream.storage.http import HttpStorage
 from ckptstream.testing.http import ResettingProxy, StaticHttpServer
@@ -26,6 +30,43 @@ def _write_files(root: Path, files: Mapping[str, bytes]) -> None:
         target = root.joinpath(*path.split("/"))
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
+
+
+@contextlib.contextmanager
+def _answering(answer: Callable[[http.server.BaseHTTPRequestHandler], None]) -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 (its URL) that answers every GET and HEAD by ``answer(handler)``."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            answer(self)
+
+        do_HEAD = do_GET
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _redirect(handler: http.server.BaseHTTPRequestHandler, location: str) -> None:
+    handler.send_response(302)
+    handler.send_header("Location", location)
+    handler.send_header("Content-Length", "0")
+    handler.end_headers()
+
+
+def _ok(handler: http.server.BaseHTTPRequestHandler, body: bytes) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    if handler.command == "GET":
+        handler.wfile.write(body)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +184,65 @@ def test_server_errors_are_retried_then_reported(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_endless_latest_hint_is_read_no_further_than_its_limit():
+    """A server whose ``latest.json`` never ends (it ignores ``Range``; capped here so that reading it whole
+    ends too): the hint is read to just past its limit, the connection dropped, probing starts from 0."""
+    cap = 64 << 20
+    sent: queue.Queue[int] = queue.Queue()
+
+    def endless(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)  # no Content-Length: the body ends when the connection closes
+        handler.end_headers()
+        block, total = b" " * (64 << 10), 0
+        with contextlib.suppress(OSError):  # the reader hung up
+            while total < cap:
+                handler.wfile.write(block)
+                total += len(block)
+        sent.put(total)
+
+    with _answering(endless) as url:
+        storage = open_storage(url)
+        with pytest.raises(IntegrityError, match=f"file {LATEST_HINT_FILE}: over the {MAX_LATEST_HINT_BYTES}-byte"):
+            storage.read_small(LATEST_HINT_FILE, MAX_LATEST_HINT_BYTES)
+        assert read_latest_hint(storage) is None
+        # What the server got out before the reader hung up is what the sockets' buffers hold, not the body.
+        assert max(sent.get(timeout=60) for _ in range(2)) < cap // 2
+
+
+def test_a_redirect_to_another_origin_is_refused_and_the_headers_stay_home():
+    """The stream's server redirects to another origin (another port of the same host): refused, naming
+    the URL, and the other server gets no request, so neither the `headers` option nor the token reach it."""
+    elsewhere_got: list[str] = []
+
+    def elsewhere(handler: http.server.BaseHTTPRequestHandler) -> None:
+        elsewhere_got.append(f"{handler.command} {handler.path} {handler.headers.get('X-Api-Key')}")
+        _ok(handler, b"not the stream's")
+
+    with _answering(elsewhere) as other, _answering(lambda h: _redirect(h, f"{other}{h.path}")) as url:
+        storage = open_storage(f"{url}/run", {"headers": {"X-Api-Key": "k3y"}, "token": TOKEN})
+        for read in (lambda: storage.read("stream.json"), lambda: storage.exists("stream.json"),
+                     lambda: storage.read_small("stream.json", 100)):
+            with pytest.raises(StorageAccessError, match=f"redirects to {other}/run/stream.json, another origin"):
+                read()
+    assert elsewhere_got == []
+
+
+def test_a_redirect_within_the_origin_is_followed_with_the_headers():
+    got: list[str | None] = []
+
+    def moved(handler: http.server.BaseHTTPRequestHandler) -> None:
+        if handler.path.startswith("/old/"):
+            _redirect(handler, handler.path.replace("/old/", "/new/"))  # relative: the same origin
+            return
+        got.append(handler.headers.get("X-Api-Key"))
+        _ok(handler, b"moved here")
+
+    with _answering(moved) as url:
+        storage = open_storage(f"{url}/old", {"headers": {"X-Api-Key": "k3y"}})
+        assert storage.read("f") == b"moved here" and storage.exists("f")
+    assert got == ["k3y", "k3y"]
 
 
 def test_unauthorized_names_the_token(relay):

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import EXIT_ERROR, EXIT_OK
-from .options import (DEFAULT_LEASE_TTL, LATEST, UsageError, add_command, add_url, positive_int, positive_seconds,
+from .options import (DEFAULT_LEASE_TTL, LATEST, UsageError, add_command, add_url, lease_seconds, positive_int,
                       storage_options,
                       version_number, version_ref)
 from .output import print_json, table
@@ -29,7 +29,7 @@ def _follower_options() -> argparse.ArgumentParser:
                          help="what /pause does with in-flight requests (default keep)")
     options.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                          help="vLLM API key (default $VLLM_API_KEY)")
-    options.add_argument("--lease-ttl", type=positive_seconds, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
+    options.add_argument("--lease-ttl", type=lease_seconds, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
                          help="time to live of the lease held on a version while it is fetched, renewed every third "
                               f"of it (default {DEFAULT_LEASE_TTL:g}; gc keeps a leased version)")
     return options

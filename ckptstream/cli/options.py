@@ -11,7 +11,7 @@ import textwrap
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from ..format import LATEST
-from ..reader.leases import DEFAULT_LEASE_TTL
+from ..reader.leases import DEFAULT_LEASE_TTL, check_lease_ttl
 from ..errors import (
     EXIT_CONFLICT,
     EXIT_ERROR,
@@ -145,6 +145,14 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def lease_seconds(text: str) -> float:
+    """A lease's time to live in seconds (``--lease-ttl``): positive, at most ``MAX_LEASE_TTL``."""
+    try:
+        return check_lease_ttl(positive_seconds(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def storage_option(text: str) -> tuple[str, Any]:
     """One ``--storage-option KEY=VALUE``; the value is parsed as JSON when it is JSON."""
     key, sep, value = text.partition("=")
@@ -195,7 +203,7 @@ def add_url(parser: argparse.ArgumentParser) -> None:
 def add_pull_options(parser: argparse.ArgumentParser) -> None:
     """``--bwlimit`` and ``--lease-ttl``: the options of a command that pulls versions' data."""
     parser.add_argument("--bwlimit", type=rate, metavar="RATE", help=BWLIMIT_HELP)
-    parser.add_argument("--lease-ttl", type=positive_seconds, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
+    parser.add_argument("--lease-ttl", type=lease_seconds, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
                         help="time to live of the lease held on each version pulled, renewed every third of it "
                              f"(default {DEFAULT_LEASE_TTL:g}; gc keeps a leased version)")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import threading
@@ -19,15 +20,24 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from ..format import (LEASE_CLOCK_SKEW_SECONDS, LEASES_DIR, MAX_LEASE_RECORD_BYTES, MAX_VERSION, dumps_json,
-                      lease_path, loads_json)
+from ..format import (LEASE_CLOCK_SKEW_SECONDS, LEASES_DIR, MAX_LEASE_RECORD_BYTES, MAX_LEASE_TTL, MAX_VERSION,
+                      dumps_json, lease_path, loads_json)
 from ..storage import Storage
 
 log = logging.getLogger("ckptstream.leases")
 
 DEFAULT_LEASE_TTL = 120.0
 """Seconds a lease lives unless renewed; holders renew every third of it, so a holder that dies stops
-protecting its version this long (plus the clock-skew margin) after its last renewal."""
+protecting its version this long (plus the clock-skew margin) after its last renewal. At most
+``MAX_LEASE_TTL``."""
+
+
+def check_lease_ttl(ttl: float) -> float:
+    """``ttl`` if it is a lease's time to live that collectors honour (``0 < ttl <= MAX_LEASE_TTL``), else
+    ValueError."""
+    if not 0 < ttl <= MAX_LEASE_TTL:
+        raise ValueError(f"a lease's ttl must be positive and at most {MAX_LEASE_TTL:g} seconds, got {ttl!r}")
+    return ttl
 
 
 @dataclass(frozen=True)
@@ -38,9 +48,11 @@ class LeaseRecord:
         holder: free-form name of who pulls (``follower <replica id>``, ``mirror``, ``materialize``, ...).
         version: the leased version (its delta chain is leased with it).
         heartbeat: seconds since the epoch of the record's last write.
-        expires: seconds since the epoch after which the lease lapses unless renewed.
+        expires: seconds since the epoch after which the lease lapses unless renewed (by the holder's clock).
         host, pid: where the holder runs (informative).
         path: where the record is stored (not part of the record's bytes).
+        stored: when the storage last wrote the record (its modification time, seconds since the epoch, by
+            the storage's clock), where it says (not part of the record's bytes).
     """
 
     holder: str
@@ -50,20 +62,31 @@ class LeaseRecord:
     host: str = ""
     pid: int = 0
     path: str = ""
+    stored: float | None = None
+
+    @property
+    def ttl(self) -> float:
+        """The time to live the holder gave the lease at its last write."""
+        return self.expires - self.heartbeat
 
     def is_live(self, now: float | None = None) -> bool:
-        """True until ``LEASE_CLOCK_SKEW_SECONDS`` after ``expires`` (``now``: the reader's clock)."""
-        return (time.time() if now is None else now) <= self.expires + LEASE_CLOCK_SKEW_SECONDS
+        """True until ``LEASE_CLOCK_SKEW_SECONDS`` after ``expires``, or after ``stored`` plus the TTL,
+        whichever is later (``now``: the collector's clock): a holder whose clock is behind keeps its lease
+        by the storage's."""
+        now = time.time() if now is None else now
+        by_storage = self.stored + self.ttl if self.stored is not None else self.expires
+        return now <= max(self.expires, by_storage) + LEASE_CLOCK_SKEW_SECONDS
 
     def to_bytes(self) -> bytes:
-        body = {k: v for k, v in asdict(self).items() if k != "path"}
+        body = {k: v for k, v in asdict(self).items() if k not in ("path", "stored")}
         return dumps_json(body, what=f"lease record of version {self.version}", indent=None)
 
     @classmethod
-    def from_bytes(cls, raw: bytes, *, path: str) -> LeaseRecord:
-        """Parse an untrusted record; ValueError (IntegrityError included) for a malformed one: oversized,
-        not strict JSON, not an object, a known field missing or of the wrong type (unknown fields are
-        ignored)."""
+    def from_bytes(cls, raw: bytes, *, path: str, stored: float | None = None) -> LeaseRecord:
+        """Parse an untrusted record stored at ``stored`` (its storage time, where known); ValueError
+        (IntegrityError included) for a malformed one: oversized, not strict JSON, not an object, a known
+        field missing or of the wrong type (unknown fields are ignored), a time that is not finite, or a
+        lease longer than ``MAX_LEASE_TTL`` (its TTL, or ``expires`` past ``stored``)."""
         if len(raw) > MAX_LEASE_RECORD_BYTES:
             raise ValueError(f"lease record of {len(raw)} bytes exceeds {MAX_LEASE_RECORD_BYTES}")
         body: Any = loads_json(raw, version=None, file=path)
@@ -76,22 +99,30 @@ class LeaseRecord:
         for key, value in known.items():
             if not _FIELD_CHECKS[key](value):
                 raise ValueError(f"lease record field {key!r} has the wrong type or range")
-        return cls(**known, path=path)
+        record = cls(**known, path=path, stored=stored)
+        if record.ttl > MAX_LEASE_TTL or (stored is not None and record.expires - stored > MAX_LEASE_TTL):
+            raise ValueError(f"lease record would live longer than {MAX_LEASE_TTL:g} s past its last write (ttl "
+                             f"{record.ttl:g} s, expires {record.expires:g}, stored at {stored})")
+        return record
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return _is_int(value) or isinstance(value, float)
+def _is_time(value: Any) -> bool:
+    """A finite number (JSON's ``1e999`` parses to infinity; an integer may be too large for a float)."""
+    try:
+        return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 _FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
     "holder": lambda v: isinstance(v, str),
     "version": lambda v: _is_int(v) and 0 <= v <= MAX_VERSION,
-    "heartbeat": _is_number,
-    "expires": _is_number,
+    "heartbeat": _is_time,
+    "expires": _is_time,
     "host": lambda v: isinstance(v, str),
     "pid": _is_int,
 }
@@ -127,12 +158,11 @@ def read_leases(storage: Storage) -> LeaseListing:
         if entry.size > MAX_LEASE_RECORD_BYTES or not entry.name.endswith(".json"):
             malformed.append((path, entry.mtime))
             continue
-        try:
-            raw = storage.read(path)
+        try:  # bounded and never blocking: a record too long, or not a regular file, is malformed
+            raw = storage.read_small(path, MAX_LEASE_RECORD_BYTES)
+            records.append(LeaseRecord.from_bytes(raw, path=path, stored=entry.mtime))
         except FileNotFoundError:
             continue  # released meanwhile
-        try:
-            records.append(LeaseRecord.from_bytes(raw, path=path))
         except (ValueError, TypeError) as exc:
             log.warning("ignoring malformed lease record %s: %s", path, exc)
             malformed.append((path, entry.mtime))
@@ -147,10 +177,8 @@ class Lease:
     """
 
     def __init__(self, storage: Storage, version: int, *, holder: str, ttl: float):
-        if not ttl > 0:
-            raise ValueError(f"a lease's ttl must be positive, got {ttl!r}")
         self.storage = storage
-        self.ttl = ttl
+        self.ttl = check_lease_ttl(ttl)
         path = lease_path(version, uuid.uuid4().hex)
         now = time.time()
         self.record = LeaseRecord(holder, version, now, now + ttl, socket.gethostname(), os.getpid(), path)

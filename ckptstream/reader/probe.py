@@ -8,7 +8,9 @@ Without a hint, probing starts at version 0. Probes of one window run concurrent
 
 from __future__ import annotations
 
-from ..format import LATEST_HINT_FILE, MAX_VERSION, VERSION_PROBE_GAP, manifest_path, parse_latest_hint
+from ..errors import IntegrityError
+from ..format import (LATEST_HINT_FILE, MAX_LATEST_HINT_BYTES, MAX_VERSION, VERSION_PROBE_GAP, manifest_path,
+                      parse_latest_hint)
 from ..storage import Storage
 from ..storage.base import concurrently
 
@@ -19,10 +21,11 @@ follower's periodic listing) stays a bounded number of requests: older versions 
 
 
 def read_latest_hint(storage: Storage) -> int | None:
-    """The version the stream's latest-version hint names, or None (no hint, or not a valid one)."""
+    """The version the stream's latest-version hint names, or None (no hint, or not a valid one: also one
+    too long to be a hint, or not a regular file, which is read no further)."""
     try:
-        return parse_latest_hint(storage.read(LATEST_HINT_FILE))
-    except FileNotFoundError:
+        return parse_latest_hint(storage.read_small(LATEST_HINT_FILE, MAX_LATEST_HINT_BYTES))
+    except (FileNotFoundError, IntegrityError):
         return None
 
 

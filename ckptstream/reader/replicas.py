@@ -124,7 +124,7 @@ def read_replicas(storage: Storage) -> list[ReplicaRecord]:
             continue
         path = f"{REPLICAS_DIR}/{entry.name}"
         try:
-            records.append(ReplicaRecord.from_bytes(storage.read(path), file=path))
+            records.append(ReplicaRecord.from_bytes(storage.read_small(path, MAX_REPLICA_RECORD_BYTES), file=path))
         except (OSError, ValueError, TypeError):
             continue
     return sorted(records, key=lambda r: r.replica_id)

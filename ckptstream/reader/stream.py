@@ -16,16 +16,16 @@ import torch
 from ..codec import INT_OF_SIZE
 from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, ReplicaRefused, StreamNotFoundError,
                       TensorNotFoundError, VersionNotFoundError)
-from ..format import (DEFAULT_SHARD_BYTES, ENCODING_RAW, ENCODING_ZSTD, LATEST, MANIFESTS_DIR, MAX_VERSION,
-                      STREAM_FILE, FileEntry, Manifest, StreamInfo, TensorEntry, asset_path, content_hash,
-                      manifest_path, parse_version_name)
+from ..format import (DEFAULT_SHARD_BYTES, ENCODING_RAW, ENCODING_ZSTD, LATEST, MANIFESTS_DIR, MAX_MANIFEST_BYTES,
+                      MAX_STREAM_FILE_BYTES, MAX_VERSION, STREAM_FILE, FileEntry, Manifest, StreamInfo, TensorEntry,
+                      asset_path, content_hash, manifest_path, parse_version_name)
 from ..parallel import default_workers, ordered_parallel
 from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
 from ..storage.readahead import ChunkedReads
 from .decode import (BufferPool, Writer, changes_since, decode_order, decode_tensor, decode_tensor_to, load_checked,
                      plan_tensor)
 from .files import DataFiles
-from .leases import DEFAULT_LEASE_TTL, hold_lease
+from .leases import DEFAULT_LEASE_TTL, check_lease_ttl, hold_lease
 from .materialize import MaterializedBase, build_directory, write_directory
 from .probe import probe_versions
 from .replicas import KIND_FOLLOWER, NOT_SERVING_STATES, ReplicaRecord, read_replicas
@@ -79,11 +79,9 @@ class Stream:
 
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
                  storage: Storage | None = None, lease_ttl: float = DEFAULT_LEASE_TTL):
-        if not lease_ttl > 0:
-            raise ValueError(f"lease_ttl must be positive, got {lease_ttl!r}")
+        self.lease_ttl = check_lease_ttl(lease_ttl)
         self.url = url
         self.storage = storage or open_storage(url, storage_options)
-        self.lease_ttl = lease_ttl
         self._info: StreamInfo | None = None
         self._manifests: collections.OrderedDict[int, Manifest] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -102,7 +100,7 @@ class Stream:
         """The stream's metadata (identity, format version, asset files)."""
         if self._info is None:
             try:
-                raw = self.storage.read(STREAM_FILE)
+                raw = self.storage.read_small(STREAM_FILE, MAX_STREAM_FILE_BYTES)
             except FileNotFoundError:
                 raise StreamNotFoundError(f"no stream at {self.url} ({STREAM_FILE} is missing)",
                                           hint="Check the URL, or publish a first version to create it") from None
@@ -162,7 +160,7 @@ class Stream:
                 self._manifests.move_to_end(version)
                 return cached
         try:
-            raw = self.storage.read(manifest_path(version))
+            raw = self.storage.read_small(manifest_path(version), MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise VersionNotFoundError("no such version in the stream", version=version,
                                        hint=f"`ckptstream ls {self.url}` lists the committed versions") from None

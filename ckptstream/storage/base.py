@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Protocol, TypeVar
 
-from ..errors import StorageCapabilityError
+from ..errors import IntegrityError, StorageCapabilityError
 from ..format import TEMP_PREFIX
 
 # Ranges one ``read_ranges`` call fetches at once: enough to fill a link to an object store (each request
@@ -27,6 +27,10 @@ MAX_CONCURRENT_READS = 16
 RANGE_CHUNK_BYTES = 8 << 20
 """Large reads are split into ranges of this size, read concurrently: large enough to amortize a request's
 latency, small enough that ``MAX_CONCURRENT_READS`` of them in flight stay a bounded buffer."""
+
+SMALL_READ_BLOCK = 1 << 20
+"""``read_small`` reads a file in blocks of at most this size: asking for its whole limit at once would
+allocate the limit (64 MiB for a manifest), however small the file."""
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -102,6 +106,16 @@ def short_read(path: str, offset: int, wanted: int, got: int) -> EOFError:
     return EOFError(f"{path}: wanted {wanted} bytes at {offset}, file has {got}")
 
 
+def checked_small(path: str, data: bytes, limit: int) -> bytes:
+    """``data``, the first at most ``limit + 1`` bytes of a file, if the file has at most ``limit`` bytes;
+    else the IntegrityError of ``Storage.read_small`` (the one definition of it, for every backend)."""
+    if len(data) > limit:
+        raise IntegrityError(f"over the {limit}-byte limit of this file (read no further)", file=path,
+                             hint="ckptstream writes it far smaller: it is damaged or was put there by something "
+                                  "else; remove it or put the right file back")
+    return data
+
+
 def concurrently(function: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
     """``[function(item) for item in items]``, at most ``MAX_CONCURRENT_READS`` at once; the first error of
     any item is raised once all have finished."""
@@ -139,6 +153,18 @@ class Storage(ABC):
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of a file (all of it by default; fewer at the end of the file).
         Raises FileNotFoundError."""
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        """The whole of a small file that may not be trusted (a manifest, ``stream.json``, a record, the
+        latest-version hint), reading at most ``limit + 1`` bytes of it however long it is, so that a
+        file that never ends cannot hang the reader nor fill its memory.
+
+        Raises:
+            FileNotFoundError: no such file.
+            IntegrityError: the file has more than ``limit`` bytes, or is not a regular file (a FIFO, a
+                device, a directory: POSIX, which opens it without blocking).
+        """
+        return checked_small(path, self.read(path, 0, limit + 1), limit)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the file's bytes from ``offset``; a short file is an EOFError."""

@@ -50,8 +50,9 @@ class FsspecStorage(Storage):
         try:
             return self.fs.cat_file(full, start=start, end=end)
         except OSError as exc:
-            # A range that starts at or past the end of the file: S3 answers 416 where a file gives b"".
-            if exc.errno == errno.EINVAL and start and start >= self.size(path):
+            # A range that starts at or past the end of the file (an empty one's too, from 0): S3 answers 416
+            # where a file gives b"".
+            if exc.errno == errno.EINVAL and (start or 0) >= self.size(path):
                 return b""
             raise
 

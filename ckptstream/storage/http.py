@@ -6,7 +6,8 @@ Files are read by GET (byte ranges by ``Range: bytes=a-b``; a server that ignore
 (static servers list directories as HTML, if at all), so readers find versions by probing manifest names
 (``reader/probe.py``). Built on urllib3, imported when the first ``HttpStorage`` is made: pooled
 keep-alive connections, and urllib3's ``Retry`` for exponential backoff on connection errors, resets,
-429 and 5xx, bounded by the ``retries`` storage option.
+429 and 5xx, bounded by the ``retries`` storage option. Redirects are followed only within the stream URL's
+origin: the token and the ``headers`` option go to no other server.
 
 Storage options: ``token`` (default ``$CKPTSTREAM_HTTP_TOKEN``: sent as ``Authorization: Bearer``),
 ``headers`` (a dict sent with every request), ``timeout`` (seconds to connect and between bytes),
@@ -20,10 +21,11 @@ import io
 import os
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, TypeVar
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 from ..errors import StorageAccessError, StorageCapabilityError
-from .base import MAX_CONCURRENT_READS, Capabilities, Entry, RefusesWrites, Storage
+from .base import (MAX_CONCURRENT_READS, SMALL_READ_BLOCK, Capabilities, Entry, RefusesWrites, Storage,
+                   checked_small)
 
 if TYPE_CHECKING:
     import urllib3
@@ -81,10 +83,6 @@ class HttpStorage(RefusesWrites, Storage):
                                     redirect=False, allowed_methods=frozenset({"GET", "HEAD"}),
                                     status_forcelist=RETRY_STATUSES, backoff_factor=BACKOFF_FACTOR,
                                     backoff_max=BACKOFF_MAX, retry_after_max=int(BACKOFF_MAX * 4))
-        # One request's redirects, followed by urllib3 (which drops Authorization on a redirect to another
-        # host); its failures come back to this storage's own retry loop rather than being retried twice.
-        self._hop = urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=MAX_REDIRECTS,
-                                  raise_on_status=False)
         self._transient = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
 
     def file_url(self, path: str) -> str:
@@ -103,6 +101,13 @@ class HttpStorage(RefusesWrites, Storage):
         last = "" if end is None else str(end - 1)
         return self._request("GET", path, {"Range": f"bytes={start}-{last}"},
                              lambda response: _range_body(response, self.file_url(path), start, end))
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        # One ranged GET, its body read in blocks up to just past the limit: a server that ignores the range,
+        # or whose body never ends, is read no further (and urllib3 would allocate a whole read's size at once).
+        body = self._request("GET", path, {"Range": f"bytes=0-{limit}"},
+                             lambda response: _small_body(response, self.file_url(path), limit + 1))
+        return checked_small(path, body, limit)
 
     def open_read(self, path: str) -> IO[bytes]:
         return io.BufferedReader(_HttpReader(self, path), buffer_size=_DISCARD_BLOCK)
@@ -143,10 +148,9 @@ class HttpStorage(RefusesWrites, Storage):
         retry = self._retry
         while True:
             try:
-                response = self._pool.request(method, url, headers={**self._headers, **headers},
-                                              preload_content=False, retries=self._hop)
+                response = self._send(method, url, path, {**self._headers, **headers})
             except self._transient as exc:
-                retry = self._again(retry, method, url, error=_reason(exc))
+                retry = self._again(retry, method, url, error=exc)
                 continue
             keep = False
             try:
@@ -157,13 +161,42 @@ class HttpStorage(RefusesWrites, Storage):
                 try:
                     result = consume(response)
                 except self._transient as exc:  # the connection broke in the middle of the body
-                    retry = self._again(retry, method, url, error=_reason(exc))
+                    retry = self._again(retry, method, url, error=exc)
                     continue
                 keep = result is response  # a streamed body: its reader releases it
                 return result
             finally:
                 if not keep:
                     _release(response)
+
+    def _send(self, method: str, url: str, path: str, headers: Mapping[str, str]) -> urllib3.BaseHTTPResponse:
+        """One attempt at a request: its answer once redirects (at most ``MAX_REDIRECTS``) are followed.
+
+        Redirects are followed here, not by urllib3, and only within the stream's origin: one to another
+        origin would carry the ``headers`` option there (urllib3 strips only ``Authorization`` and cookies)
+        and serve another server's bytes as the stream's. Its failures are the caller's to retry.
+
+        Raises:
+            FileNotFoundError: a redirect to a name ending in ``/`` (a directory).
+            StorageAccessError: a redirect to another origin (scheme, host and port), or too many.
+        """
+        for _ in range(MAX_REDIRECTS + 1):
+            response = self._pool.request(method, url, headers=headers, preload_content=False, retries=False,
+                                          redirect=False)
+            location = response.get_redirect_location()
+            if not location:
+                return response
+            _release(response)
+            target = urljoin(url, location)
+            if _origin(target) != _origin(self.url):
+                raise StorageAccessError(f"{method} {url} redirects to {target}, another origin: not followed",
+                                         file=path, hint="Give the URL the stream is served from: redirects are "
+                                                         "followed only within its scheme, host and port")
+            if target.endswith("/") and not path.endswith("/"):
+                raise FileNotFoundError(f"{url} is a directory")
+            url = target
+        raise StorageAccessError(f"{method} {self.file_url(path)}: more than {MAX_REDIRECTS} redirects", file=path,
+                                 hint="Give the URL the stream is served from")
 
     def _again(self, retry: urllib3.Retry, method: str, url: str, *, error: Exception | None = None,
                response: urllib3.BaseHTTPResponse | None = None) -> urllib3.Retry:
@@ -241,8 +274,8 @@ def _release(response: urllib3.BaseHTTPResponse) -> None:
 
 def _check_status(response: urllib3.BaseHTTPResponse, url: str, path: str) -> None:
     status = response.status
-    if status in (404, 410) or ((response.url or "").endswith("/") and not path.endswith("/")):
-        raise FileNotFoundError(f"{url}: not found (HTTP {status})" if status >= 400 else f"{url} is a directory")
+    if status in (404, 410):
+        raise FileNotFoundError(f"{url}: not found (HTTP {status})")
     if status in (401, 403):
         raise StorageAccessError(f"{url}: access refused (HTTP {status})", file=path,
                                  hint=f"Set the server's token: the `token` storage option (-o token=...) or "
@@ -272,6 +305,18 @@ def _range_body(response: urllib3.BaseHTTPResponse, url: str, start: int, end: i
     return response.read() if end is None else response.read(end - start)
 
 
+def _small_body(response: urllib3.BaseHTTPResponse, url: str, wanted: int) -> bytes:
+    """At most ``wanted`` bytes from the start of the answer to ``Range: bytes=0-...``, read in blocks."""
+    if response.status == 416:  # an empty file
+        return b""
+    _range_start(response, url, 0)
+    chunks = []
+    while wanted > 0 and (chunk := response.read(min(wanted, SMALL_READ_BLOCK))):
+        chunks.append(chunk)
+        wanted -= len(chunk)
+    return b"".join(chunks)
+
+
 def _discard(response: urllib3.BaseHTTPResponse, count: int) -> None:
     while count > 0:
         data = response.read(min(count, _DISCARD_BLOCK))
@@ -291,10 +336,11 @@ def _total_size(response: urllib3.BaseHTTPResponse) -> int:
     return int(total)
 
 
-def _reason(exc: BaseException) -> Exception:
-    """The failure behind urllib3's MaxRetryError (its redirect-only retry wraps every failure)."""
-    reason = getattr(exc, "reason", None)
-    return reason if isinstance(reason, Exception) else exc  # type: ignore[return-value]
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """The origin of a URL: scheme, host and port (the scheme's default where none is given)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
 
 
 def open_http_storage(url: str, storage_options: Mapping[str, Any]) -> HttpStorage:

@@ -12,11 +12,13 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
-from ..errors import StorageCapabilityError
-from .base import Capabilities, Entry, Storage, check_ranges, concurrently, short_read, temp_name
+from ..errors import IntegrityError, StorageCapabilityError
+from .base import (SMALL_READ_BLOCK, Capabilities, Entry, Storage, check_ranges, checked_small, concurrently,
+                   short_read, temp_name)
 
 # watchdog event types that mean something changed; reads ("opened", "closed_no_write") are not changes,
 # and a watcher woken by every reader of the directory would poll in a loop.
@@ -42,6 +44,22 @@ class PosixStorage(Storage):
             if start:
                 f.seek(start)
             return f.read() if end is None else f.read(max(0, end - (start or 0)))
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        # O_NONBLOCK: opening a FIFO blocks until a writer comes, for ever; regular files ignore the flag.
+        fd = os.open(self._abs(path), os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise IntegrityError("not a regular file (a FIFO, a device or a directory), so not read", file=path,
+                                     hint="ckptstream writes only regular files here: remove it")
+            chunks: list[bytes] = []
+            left = limit + 1
+            while left > 0 and (chunk := os.read(fd, min(left, SMALL_READ_BLOCK))):
+                chunks.append(chunk)
+                left -= len(chunk)
+        finally:
+            os.close(fd)
+        return checked_small(path, b"".join(chunks), limit)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         with open(self._abs(path), "rb", buffering=0) as f:

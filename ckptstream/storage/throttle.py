@@ -73,6 +73,11 @@ class ThrottledStorage(WrapperStorage):
                 break
         return b"".join(parts) if parts else self.inner.read(path, begin, end)
 
+    def read_small(self, path: str, limit: int) -> bytes:
+        data = self.inner.read_small(path, limit)  # small: taken from the bucket once read, as a whole read
+        self.bucket.take(len(data))
+        return data
+
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         for lo, hi in _pieces(0, len(buffer)):
             self.bucket.take(hi - lo)

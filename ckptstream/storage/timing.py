@@ -48,6 +48,10 @@ class TimedReads(WrapperStorage):
         with self._reading():
             return self.inner.read(path, start, end)
 
+    def read_small(self, path: str, limit: int) -> bytes:
+        with self._reading():
+            return self.inner.read_small(path, limit)
+
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         with self._reading():
             self.inner.read_into(path, offset, buffer)

@@ -22,6 +22,9 @@ class WrapperStorage(Storage):
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         return self.inner.read(path, start, end)
 
+    def read_small(self, path: str, limit: int) -> bytes:
+        return self.inner.read_small(path, limit)
+
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         self.inner.read_into(path, offset, buffer)
 

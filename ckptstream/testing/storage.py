@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from ..errors import StorageCapabilityError
+from ..errors import IntegrityError, StorageCapabilityError
 from ..format import TEMP_PREFIX
 from ..storage import Capabilities, Storage
 
@@ -84,6 +84,16 @@ class StorageSuite:
         assert storage.read(FILE, len(DATA), len(DATA) + 4) == b""
         assert storage.read(FILE, len(DATA) + 10, len(DATA) + 20) == b""
         assert storage.read("d/empty") == b""
+
+    def test_read_small(self, storage: Storage) -> None:
+        self.populate(storage, {FILE: DATA, "d/empty": b""})
+        assert storage.read_small(FILE, len(DATA)) == DATA
+        assert storage.read_small(FILE, 10 * len(DATA)) == DATA
+        assert storage.read_small("d/empty", 16) == b""
+        with pytest.raises(IntegrityError, match=f"file {FILE}: over the {len(DATA) - 1}-byte limit"):
+            storage.read_small(FILE, len(DATA) - 1)
+        with pytest.raises(FileNotFoundError):
+            storage.read_small("nothing/here", 16)
 
     def test_missing_file(self, storage: Storage) -> None:
         with pytest.raises(FileNotFoundError):

@@ -24,7 +24,7 @@ from ..polling import poll
 from ..reader import ReplicaRecord, Stream, replica_path
 from ..reader.replicas import KIND_NODE
 from ..storage import Watch
-from ..format import MANIFESTS_DIR
+from ..format import MANIFESTS_DIR, MAX_REPLICA_RECORD_BYTES
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .follower import FollowerConfig, prepare_version
 from .observe import FollowerObserver, ReplicaRecordWriter, attach_metrics, notify, refusal_reason
@@ -164,7 +164,8 @@ class NodeAgent:
         """The version the engine serves, from its head's replica record (None if unreadable)."""
         try:
             path = replica_path(self.engine)
-            head = ReplicaRecord.from_bytes(self.stream.storage.read(path), file=path)
+            head = ReplicaRecord.from_bytes(self.stream.storage.read_small(path, MAX_REPLICA_RECORD_BYTES),
+                                            file=path)
         except (OSError, ValueError, CkptStreamError):
             return None
         return head.version

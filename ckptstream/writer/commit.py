@@ -17,9 +17,10 @@ from typing import Mapping
 
 from ..errors import (CkptStreamError, CommitOutcomeUnknownError, ForeignStreamError, IncompatibleStreamError,
                       IntegrityError, PublishError, VersionConflictError)
-from ..format import (DELTA, KEYFRAME, LATEST_HINT_FILE, MAX_ASSET_BYTES, STREAM_FILE, FileEntry, Manifest,
-                      StreamInfo, asset_path, content_hash, is_reserved_asset_name, is_safe_file_name,
-                      latest_hint_bytes, manifest_path, parse_latest_hint)
+from ..format import (DELTA, KEYFRAME, LATEST_HINT_FILE, MAX_ASSET_BYTES, MAX_MANIFEST_BYTES, MAX_STREAM_FILE_BYTES,
+                      STREAM_FILE, FileEntry, Manifest, StreamInfo, asset_path, content_hash, is_reserved_asset_name,
+                      is_safe_file_name, latest_hint_bytes, manifest_path)
+from ..reader.probe import read_latest_hint
 from ..storage import Storage
 
 log = logging.getLogger("ckptstream.publish")
@@ -84,7 +85,7 @@ def check_assets(assets: Mapping[str, bytes]) -> dict[str, bytes]:
 def read_stream_info(storage: Storage) -> StreamInfo | None:
     """The stream's ``stream.json``, or None if the stream has not been created."""
     try:
-        return StreamInfo.from_bytes(storage.read(STREAM_FILE))
+        return StreamInfo.from_bytes(storage.read_small(STREAM_FILE, MAX_STREAM_FILE_BYTES))
     except FileNotFoundError:
         return None
 
@@ -145,7 +146,7 @@ def _create_stream(storage: Storage, assets: Mapping[str, bytes], stream_id: str
         log.info("created stream %s (%s)", storage.url, stream_id)
         return info
     except FileExistsError:
-        return StreamInfo.from_bytes(storage.read(STREAM_FILE))
+        return StreamInfo.from_bytes(storage.read_small(STREAM_FILE, MAX_STREAM_FILE_BYTES))
 
 
 def adopt_stream(storage: Storage, raw_info: bytes, assets: Mapping[str, bytes]) -> StreamInfo:
@@ -179,7 +180,7 @@ def adopt_stream(storage: Storage, raw_info: bytes, assets: Mapping[str, bytes])
     try:
         storage.put_if_absent(STREAM_FILE, raw_info)
     except FileExistsError:
-        existing = StreamInfo.from_bytes(storage.read(STREAM_FILE))
+        existing = StreamInfo.from_bytes(storage.read_small(STREAM_FILE, MAX_STREAM_FILE_BYTES))
         if existing.stream_id != info.stream_id:
             raise _foreign(storage, existing, info) from None
         return existing
@@ -247,7 +248,7 @@ def commit_manifest(storage: Storage, manifest: Manifest, raw: bytes | None = No
         # The request may have reached the storage even though it failed here (a lost answer, retried into
         # a 412 or an EEXIST): look before reporting.
         try:
-            stored = _stored(storage, path)
+            stored = _stored_manifest(storage, path)
         except Exception:  # noqa: BLE001 - the storage is unreachable: the outcome is unknown
             raise CommitOutcomeUnknownError(
                 f"the commit failed ({exc!r}) and the manifest cannot be read back, so whether the version was "
@@ -272,16 +273,16 @@ def write_latest_hint(storage: Storage, version: int) -> None:
     is logged, never raised: the version is committed either way.
     """
     try:
-        current = parse_latest_hint(_stored(storage, LATEST_HINT_FILE) or b"")
+        current = read_latest_hint(storage)
         if current is None or current < version:
             storage.put(LATEST_HINT_FILE, latest_hint_bytes(version))
     except Exception as exc:  # noqa: BLE001 - advisory: readers probe from an older hint or from 0
         log.warning("version %d is committed, but the latest-version hint was not updated: %s", version, exc)
 
 
-def _stored(storage: Storage, path: str) -> bytes | None:
-    """The bytes at ``path``, or None if there is no such file."""
+def _stored_manifest(storage: Storage, path: str) -> bytes | None:
+    """The manifest bytes at ``path``, or None if there is no such file."""
     try:
-        return storage.read(path)
+        return storage.read_small(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return None

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import CkptStreamError
-from ..format import (ASSETS_DIR, LEASES_DIR, MANIFESTS_DIR, TEMP_PREFIX, VERSIONS_DIR, Manifest, manifest_path,
-                      parse_version_name, version_dir)
+from ..format import (ASSETS_DIR, LEASES_DIR, MANIFESTS_DIR, MAX_MANIFEST_BYTES, TEMP_PREFIX, VERSIONS_DIR, Manifest,
+                      manifest_path, parse_version_name, version_dir)
 from ..reader import Stream
 from ..reader.leases import LeaseListing, read_leases
 from ..storage import Storage
@@ -128,7 +128,7 @@ def _manifest_bytes(stream: Stream, version: int, known: dict[int, Manifest]) ->
     """The stored bytes of a version's manifest (validated, into ``known``); None if it is gone already
     (another collector retired it)."""
     try:
-        raw = stream.storage.read(manifest_path(version))
+        raw = stream.storage.read_small(manifest_path(version), MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return None
     known[version] = Manifest.from_bytes(raw, version=version, stream_id=stream.info().stream_id)

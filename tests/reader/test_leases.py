@@ -11,8 +11,10 @@ import pytest
 from safetensors.torch import load_file
 
 from ckptstream import Publisher, Stream
-from ckptstream.errors import MissingBaseError, StreamNotFoundError, VersionNotFoundError
-from ckptstream.format import LEASES_DIR, MAX_LEASE_RECORD_BYTES, manifest_path
+from ckptstream.cli import main
+from ckptstream.errors import EXIT_USAGE, MissingBaseError, StreamNotFoundError, VersionNotFoundError
+from ckptstream.format import (LEASE_CLOCK_SKEW_SECONDS, LEASES_DIR, MAX_LEASE_RECORD_BYTES, MAX_LEASE_TTL,
+                               manifest_path)
 from ckptstream.reader.leases import LeaseRecord, hold_lease, read_leases
 from ckptstream.storage import ReadOnlyStorage, open_storage
 from ckptstream.testing.models import rl_like_step
@@ -154,8 +156,55 @@ def test_read_leases_skips_malformed_and_keeps_expired_apart(two_versions):
     for name, raw in bad.items():
         storage.put(f"{LEASES_DIR}/{name}", raw)
     listing = read_leases(storage)
-    assert [r.holder for r in listing.records] == ["dead"] and listing.live_versions() == set()
+    # Expired by its writer's clock, and once its TTL has passed since it was stored (a minute on).
+    assert [r.holder for r in listing.records] == ["dead"] and listing.live_versions(time.time() + 60) == set()
     assert sorted(p.rsplit("/", 1)[1] for p, _ in listing.malformed) == sorted(bad)
+
+
+def test_a_holder_whose_clock_is_behind_keeps_its_lease_by_the_storage_time(two_versions):
+    """A holder 10 minutes slow writes an ``expires`` already past by the collector's clock: the lease lives
+    its TTL from when the storage stored the record (its modification time), and no longer."""
+    url, _ = two_versions
+    storage = open_storage(url)
+    slow = time.time() - 600
+    storage.put(f"{LEASES_DIR}/000000000001-slow.json", LeaseRecord("slow clock", 1, slow, slow + 120).to_bytes())
+    listing = read_leases(storage)
+    (record,) = listing.records
+    assert record.stored == pytest.approx(time.time(), abs=30) and record.is_live()
+    assert listing.live_versions() == {1} and listing.live_versions(time.time() + 60) == {1}
+    assert listing.live_versions(time.time() + 120 + LEASE_CLOCK_SKEW_SECONDS + 30) == set()
+
+
+@pytest.mark.parametrize("heartbeat, expires", [
+    (0.0, "1e999"),  # infinity to Python's json: a lease for ever
+    ("-1e999", 0.0),
+    (0.0, 2 * MAX_LEASE_TTL),  # a TTL of two days
+    (10**12, 10**12 + 60),  # a 60 s TTL, but by a clock 30 000 years ahead of the storage's
+    (0, 10**400),  # an integer no float can hold
+], ids=["infinite-expiry", "infinite-heartbeat", "two-day-ttl", "clock-far-ahead", "huge-integer"])
+def test_endless_leases_are_malformed(two_versions, caplog, heartbeat, expires):
+    url, _ = two_versions
+    storage = open_storage(url)
+    now = time.time()
+    heartbeat, expires = (now + v if isinstance(v, float) else v for v in (heartbeat, expires))
+    raw = f'{{"holder": "x", "version": 1, "heartbeat": {heartbeat}, "expires": {expires}}}'.encode()
+    storage.put(f"{LEASES_DIR}/000000000001-endless.json", raw)
+    listing = read_leases(storage)
+    assert listing.records == [] and [p for p, _ in listing.malformed] == [f"{LEASES_DIR}/000000000001-endless.json"]
+    assert listing.live_versions() == set() and "ignoring malformed lease record" in caplog.text
+
+
+def test_a_holder_cannot_take_a_lease_longer_than_the_maximum(two_versions):
+    with pytest.raises(ValueError, match="at most 86400"):
+        Stream(two_versions[0], lease_ttl=MAX_LEASE_TTL + 1)
+    with pytest.raises(ValueError, match="at most 86400"), hold_lease(open_storage(two_versions[0]), 1, holder="x",
+                                                                        ttl=float("inf")):
+        pass
+
+
+def test_the_command_line_refuses_a_lease_longer_than_the_maximum(local_url, tmp_path, capsys):
+    assert main(["materialize", local_url, "0", str(tmp_path / "out"), "--lease-ttl", "90000"]) == EXIT_USAGE
+    assert "--lease-ttl: a lease's ttl must be positive and at most 86400 seconds" in capsys.readouterr().err
 
 
 def test_an_unreadable_lease_is_an_error_not_no_lease(two_versions):

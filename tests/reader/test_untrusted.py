@@ -6,6 +6,9 @@ version references."""
 from __future__ import annotations
 
 import json
+import os
+import time
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -15,7 +18,8 @@ from safetensors.torch import load_file
 from ckptstream import IntegrityError, Publisher, Stream, UnsafeManifestError
 from ckptstream.errors import (EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_USAGE, InvalidVersionError,
                                NotADirectoryOutputError, TensorNotFoundError)
-from ckptstream.format import STREAM_FILE, content_hash, data_path, manifest_path
+from ckptstream.format import (LATEST_HINT_FILE, STREAM_FILE, content_hash, data_path, manifest_path,
+                               parse_latest_hint)
 from ckptstream.reader import ReplicaRecord, write_replica
 from ckptstream.storage import open_storage
 from ckptstream.testing.models import rl_like_step
@@ -99,6 +103,22 @@ def test_deep_or_mistyped_replica_records_are_skipped(two_versions):
     storage.put("replicas/nan.json", b'{"replica_id": "nan", "heartbeat": NaN}')
     storage.put("replicas/huge.json", b'{"replica_id": "huge", "host": "' + b"x" * (1 << 20) + b'"}')
     assert [r.replica_id for r in Stream(two_versions).replicas()] == ["good"]
+
+
+@pytest.mark.timeout(120)  # before the fix, each read below blocked for ever opening its FIFO
+def test_small_files_that_are_fifos_are_not_read(local_url):
+    """A FIFO opened for reading blocks until a writer comes: planted as a replica record it is skipped (by
+    ``replicas`` and ``wait_for_version``), as the latest-version hint it is replaced by the next commit."""
+    url = _publish_two_versions(local_url)
+    write_replica(open_storage(url), ReplicaRecord("good", version=1, state="serving", heartbeat=time.time()))
+    os.mkfifo(Path(url) / "replicas" / "fifo.json")
+    assert [r.replica_id for r in Stream(url).replicas()] == ["good"]
+    assert [r.replica_id for r in Stream(url).wait_for_version(1, timeout=60)] == ["good"]
+    (Path(url) / LATEST_HINT_FILE).unlink()
+    os.mkfifo(Path(url) / LATEST_HINT_FILE)
+    with Publisher(url, assets={"config.json": b'{"model_type": "x"}'}) as publisher:
+        assert publisher.publish(random_state(1, scale=2)).result().version == 2
+    assert parse_latest_hint((Path(url) / LATEST_HINT_FILE).read_bytes()) == 2
 
 
 # ------------------------------------------------------------------------------------------ absurd sizes

@@ -5,7 +5,9 @@ honoured (the race between discovery and fetch, driven step by step); local and 
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +69,27 @@ def test_expired_and_malformed_leases_protect_nothing(five_versions):
     assert sorted(p for p in report.debris if p.startswith(LEASES_DIR)) == [
         f"{LEASES_DIR}/000000000000-expired.json", f"{LEASES_DIR}/000000000002-garbage.json"]
     assert [e.name for e in storage.list(LEASES_DIR)] == ["000000000001-within-skew.json"]
+
+
+@pytest.mark.timeout(120)  # before the fix, gc blocked for ever opening the FIFO
+def test_leases_that_are_not_regular_files_are_malformed_not_read(local_url, capsys):
+    """A FIFO (whose open blocks until a writer comes) and a link to /dev/zero (endless) planted in leases/:
+    gc reads neither, counts both as malformed (protecting nothing) and removes them as debris."""
+    with Publisher(local_url) as publisher:
+        for seed in range(2):
+            publisher.publish(random_state(seed)).result()
+    leases = Path(local_url) / LEASES_DIR
+    leases.mkdir()
+    os.mkfifo(leases / "000000000000-fifo.json")
+    (leases / "000000000000-zero.json").symlink_to("/dev/zero")
+    planted = [f"{LEASES_DIR}/000000000000-fifo.json", f"{LEASES_DIR}/000000000000-zero.json"]
+    assert main(["gc", local_url, "--keep-last", "1", "--grace", "0", "--dry-run", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["deleted_versions"] == [0] and report["kept_for_leases"] == []
+    assert sorted(p for p in report["debris"] if p.startswith(LEASES_DIR)) == planted
+    assert main(["gc", local_url, "--keep-last", "1", "--grace", "0"]) == 0
+    assert Stream(local_url).versions() == [1] and list(leases.iterdir()) == []
+    assert Path("/dev/zero").exists()  # the link was removed, not what it points to
 
 
 @pytest.mark.parametrize("leased", [1, 2])
