@@ -202,7 +202,7 @@ def backdate(root: Path, seconds: float) -> None:
         os.utime(path, (then, then))
 
 
-def gc_paused_at_its_data(url: str, reports: list) -> tuple[threading.Thread, threading.Event]:
+def _gc_paused_at_its_data(url: str, reports: list) -> tuple[threading.Thread, threading.Event]:
     """A gc of ``url`` (keeping the last 10 versions, the default grace) on a thread, paused once it has read
     the leases and is about to list the version directories; returns the thread and the event that resumes
     it. Its report is appended to ``reports``."""
@@ -218,3 +218,17 @@ def gc_paused_at_its_data(url: str, reports: list) -> tuple[threading.Thread, th
     thread.start()
     assert paused.wait(60)
     return thread, resume
+
+
+def gc_finishing_before_put(url: str, path: str) -> tuple[HookedStorage, list]:
+    """The storage of ``url``, hooked so that a gc that read the leases already (now, paused before the
+    version directories: see ``_gc_paused_at_its_data``) runs to its end just before ``path`` is put there;
+    and the list its report is appended to."""
+    reports: list = []
+    gc, resume = _gc_paused_at_its_data(url, reports)
+
+    def let_gc_run() -> None:
+        resume.set()
+        gc.join(60)
+
+    return HookedStorage(open_storage(url), once_before("put", path, let_gc_run)), reports

@@ -34,7 +34,7 @@ from ckptstream.format import (BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_ASSET_BYTES
 from ckptstream.reader import read_leases
 from ckptstream.storage import RANGE_CHUNK_BYTES, open_storage
 from ckptstream.writer import collect_garbage
-from tests.helpers import (HookedStorage, assert_same_tensors, backdate, gc_paused_at_its_data, new_bucket,
+from tests.helpers import (HookedStorage, assert_same_tensors, backdate, gc_finishing_before_put, new_bucket,
                            once_before, random_state, reseal)
 
 ASSETS = {"config.json": b'{"model_type": "tiny"}', "tokenizer.json": b'{"vocab": {}}'}
@@ -792,14 +792,7 @@ def test_a_resumed_import_refreshes_the_files_it_reuses(bundle, tmp_path):
     for version in (2, 3):  # as if killed before these two commits
         (dst / manifest_path(version)).unlink()
     backdate(dst / VERSIONS_DIR, 7200)
-    reports: list = []
-    gc, resume = gc_paused_at_its_data(str(dst), reports)
-
-    def let_gc_run() -> None:
-        resume.set()
-        gc.join(60)
-
-    hooked = HookedStorage(open_storage(str(dst)), once_before("put", manifest_path(2), let_gc_run))
+    hooked, reports = gc_finishing_before_put(str(dst), manifest_path(2))
     again = import_bundle(bundle, hooked)
     assert reports and not [path for path in reports[0].debris if path.startswith(VERSIONS_DIR)]
     assert again.versions == (2, 3) and again.bytes_written == 0

@@ -19,8 +19,8 @@ from ckptstream.mirror import Mirror, MirrorConfig
 from ckptstream.reader import Stream, read_leases
 from ckptstream.storage import PosixStorage, open_storage, register_backend
 from ckptstream.writer import Publisher, collect_garbage
-from tests.helpers import (HookedStorage, assert_same_tensors, backdate, gc_paused_at_its_data, new_bucket, once_before,
-                           random_state, reseal)
+from tests.helpers import (HookedStorage, assert_same_tensors, backdate, gc_finishing_before_put, new_bucket,
+                           once_before, random_state, reseal)
 
 CLI = [sys.executable, "-m", "ckptstream.cli"]
 
@@ -176,14 +176,7 @@ def test_a_resumed_mirror_refreshes_the_files_it_reuses(tmp_path):
     Mirror(Stream(src), open_storage(str(dst))).run_once()
     (dst / manifest_path(2)).unlink()  # as if killed before this commit
     backdate(dst / VERSIONS_DIR, 7200)
-    reports: list = []
-    gc, resume = gc_paused_at_its_data(str(dst), reports)
-
-    def let_gc_run() -> None:
-        resume.set()
-        gc.join(60)
-
-    hooked = HookedStorage(open_storage(str(dst)), once_before("put", manifest_path(2), let_gc_run))
+    hooked, reports = gc_finishing_before_put(str(dst), manifest_path(2))
     (result,) = Mirror(Stream(src), hooked).run_once()
     assert reports and not [path for path in reports[0].debris if path.startswith(VERSIONS_DIR)]
     assert (result.version, result.status, result.copied_bytes) == (2, "present", 0)
