@@ -5,7 +5,8 @@ name in the ``ckptstream`` namespace). Once a second (``SUPERVISE_INTERVAL``) it
 
 - a server whose serve() returned (vLLM died), whose actor died (process killed) or whose node was lost is
   deregistered from the router, its actors killed, and a new server started in its slot (same replica id)
-  on the stream's newest version;
+  on the stream's newest version; a death watch (one open ``wait_exit`` call per actor, answered the moment
+  its vLLM exits or the actor dies) does this at once, without waiting for the round;
 - a server that serves the newest good version (the newest committed one that no follower of the fleet
   refused) is registered with the router; the router's own worker list is the proof (``Router.add``).
 
@@ -65,6 +66,7 @@ class _Server:
     last_error: str | None = None
     last_update: dict[str, Any] | None = None
     pids: list[int] = field(default_factory=list)
+    watches: list[Any] = field(default_factory=list)  # one wait_exit() call per actor, answered at its death
 
 
 class FleetController:
@@ -90,6 +92,8 @@ class FleetController:
                 self._servers[slot] = self._start_server(slot)
         self._thread = threading.Thread(target=self._supervise, name="ckptstream-fleet", daemon=True)
         self._thread.start()
+        self._watcher = threading.Thread(target=self._watch_deaths, name="ckptstream-fleet-deaths", daemon=True)
+        self._watcher.start()
 
     # ------------------------------------------------------------------------------ starting servers
 
@@ -140,7 +144,8 @@ class FleetController:
         for actor in actors:
             actor.start.remote(master)
         log.info("fleet %s: server %s started (slot %d, restart %d)", spec.name, replica_id, slot, restarts)
-        return _Server(slot=slot, replica_id=replica_id, actors=actors, group=group, restarts=restarts)
+        return _Server(slot=slot, replica_id=replica_id, actors=actors, group=group, restarts=restarts,
+                       watches=[actor.wait_exit.remote() for actor in actors])
 
     def _kill(self, server: _Server, *, graceful: bool) -> None:
         """Deregister a server and end its actors (after stopping its serve(), when ``graceful``)."""
@@ -202,6 +207,27 @@ class FleetController:
                 self._round()
             except Exception as exc:  # noqa: BLE001 - storage away for a moment: supervise again next round
                 log.warning("fleet %s: supervision round failed: %s", self.spec.name, exc)
+
+    def _watch_deaths(self) -> None:
+        """Replace a server the moment one of its actors answers its ``wait_exit`` (vLLM exited) or dies: a
+        dead server leaves the router at once, not at the next round (which waits on busy servers' polls)."""
+        while not self._stopped.is_set():
+            with self._lock:
+                watched = {ref: server for server in self._servers.values() for ref in server.watches}
+            if not watched:
+                self._stopped.wait(SUPERVISE_INTERVAL)
+                continue
+            # The timeout only picks up servers started meanwhile; a death answers at once.
+            done, _ = self._ray.wait(list(watched), num_returns=1, timeout=SUPERVISE_INTERVAL)
+            for ref in done:
+                try:
+                    why = self._ray.get(ref)
+                except self._ray.exceptions.RayError as exc:  # actor process killed, node lost
+                    why = f"server actor died: {type(exc).__name__}"
+                try:
+                    self._replace(watched[ref], why)
+                except Exception as exc:  # noqa: BLE001 - the round replaces it then
+                    log.warning("fleet %s: replacing %s failed: %s", self.spec.name, watched[ref].replica_id, exc)
 
     def _round(self) -> None:
         """Poll every server; replace the dead; register those on the newest good version."""
@@ -359,6 +385,7 @@ class FleetController:
         """Stop every server (serve stops vLLM; then the actors are killed) and the router if it started it."""
         self._stopped.set()
         self._thread.join(timeout=POLL_WAIT + 5)
+        self._watcher.join(timeout=SUPERVISE_INTERVAL + 5)
         with self._lock:
             leaving = list(self._servers.values())
             self._servers.clear()

@@ -53,8 +53,10 @@ class RouterGate:
         api_key: the servers' ``--api-key``, for reading their ``/metrics``.
         drain_timeout: see ``DRAIN_TIMEOUT``.
 
-    A server that is the router's only worker stays in (its clients would get errors instead of a short
-    wait); a server that is not in the router when its update begins is not added afterwards.
+    A server is taken out only if another worker of the router is live (answers ``/health``): one that is
+    the router's only live worker is updated in place, in the router (its clients would get errors instead
+    of a short wait; a dead server the router still lists does not count). A server that is not in the
+    router when its update begins is not added afterwards.
     """
 
     def __init__(self, router: Router, *, slot: ContextManager[Any] | None = None, api_key: str | None = None,
@@ -70,9 +72,9 @@ class RouterGate:
         server = normalize(server_url)
         with self.slot:
             listed = [normalize(w) for w in self.router.workers()]
-            if server not in listed or listed == [server]:
+            if server not in listed or not self._another_live(server, listed):
                 log.info("%s %s; updating it in place", server,
-                         "is the router's only worker" if server in listed else "is not in the router")
+                         "is the router's only live worker" if server in listed else "is not in the router")
                 yield
                 return
             self.router.remove(server)
@@ -83,6 +85,13 @@ class RouterGate:
                 self._return(server, failed=True)
                 raise
             self._return(server, failed=False)
+
+    def _another_live(self, server: str, listed: list[str]) -> bool:
+        """Whether a worker of ``listed`` other than ``server`` answers ``/health``: the router lists a dead
+        server until it is deregistered, and taking ``server`` out then would leave no live one."""
+        from ..vllm_loader.client import VllmClient
+
+        return any(VllmClient(w, api_key=self.api_key).healthy() for w in listed if w != server)
 
     def _return(self, server: str, *, failed: bool) -> None:
         try:

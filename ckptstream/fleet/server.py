@@ -77,7 +77,8 @@ class ServerActor:
         self._gate = gate
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._exit: str | None = None  # why serve() returned, once it did
+        self._exit: str | None = None  # why serve() returned (or its vLLM exited), once it did
+        self._exited = threading.Event()  # vLLM exited or serve() returned: what wait_exit() waits for
         self._last_update: UpdateRecord | None = None
 
     def node_address(self) -> str:
@@ -108,17 +109,34 @@ class ServerActor:
             unnice_thread()
             try:
                 code = serve(spec.url, list(spec.vllm_args), version=LATEST, host=self.node, port=self.port,
-                             stop=self._stop, vllm_log=vllm_log, config=config, **options)
+                             stop=self._stop, vllm_log=vllm_log, config=config, on_exit=self._on_vllm_exit,
+                             **options)
                 self._exit = "stopped" if self._stop.is_set() and code == 0 else f"vLLM exited (serve returned {code})"
             except BaseException as exc:  # noqa: BLE001 - reported to the controller, which replaces this server
                 self._exit = f"{type(exc).__name__}: {exc}"
                 log.error("server %s: %s", self.replica_id, self._exit)
+            finally:
+                self._exited.set()
 
         self._thread = threading.Thread(target=run, name=f"ckptstream-serve-{self.replica_id}", daemon=True)
         self._thread.start()
 
     def _on_update(self, update: UpdateRecord) -> None:
         self._last_update = update
+
+    def _on_vllm_exit(self, code: int) -> None:
+        """serve()'s ``on_exit``: a vLLM that exited unasked is reported now, not once serve() returns (which
+        waits up to seconds for the output pipe that vLLM's orphaned children hold open)."""
+        if not self._stop.is_set():
+            self._exit = f"vLLM exited with code {code}"
+            log.error("server %s: %s", self.replica_id, self._exit)
+        self._exited.set()
+
+    def wait_exit(self) -> str:
+        """Block until this node's vLLM exits or serve() returns; returns why (the controller's death watch:
+        one such call per actor stays open, answered the moment the server dies)."""
+        self._exited.wait()
+        return self._exit or "stopped"
 
     def poll(self) -> dict[str, Any]:
         """What the controller supervises: whether serve runs (``exit``: why it returned), the version vLLM

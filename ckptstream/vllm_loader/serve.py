@@ -196,7 +196,8 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
           host: str = "127.0.0.1", port: int = 8000, ready_timeout: float = 900.0,
           stop: threading.Event | None = None, vllm_log: str | os.PathLike[str] | None = None,
           nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
-          config: FollowerConfig | None = None, **options: Any) -> int:
+          config: FollowerConfig | None = None, on_exit: Callable[[int], object] | None = None,
+          **options: Any) -> int:
     """Serve ``version`` of the stream with a vLLM child process and keep it on the newest version.
 
     Args:
@@ -210,6 +211,10 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
             the follower; the others vLLM ``--headless`` and a node agent. The engine's id (its head's
             replica id, naming the cache directory on every node) is ``replica_id`` if given (the same on
             every node), else ``<master_addr>-<master_port>``.
+        on_exit: called with vLLM's exit code the moment its process exits (also when serve stopped it),
+            before serve stops the follower and collects vLLM's last output: a supervisor learns of a death
+            at once, while serve's return waits for that output, whose pipe vLLM's orphaned children may
+            hold open for seconds.
         config, options: the follower's options (``FollowerConfig`` and/or its fields as keywords:
             ``cache_dir``, ``replica_id``, ``poll_interval``, ``api_key``, ``observers``,
             ``metrics_port``, ...).
@@ -234,7 +239,8 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
                                      nodes_ready_timeout=config.nodes_ready_timeout or NODES_READY_TIMEOUT)
         if node_rank > 0:
             return _serve_node(url, vllm_args, version=version, pin=pin, stop=stop or threading.Event(),
-                               vllm_log=vllm_log, nnodes=nnodes, node_rank=node_rank, config=config)
+                               vllm_log=vllm_log, nnodes=nnodes, node_rank=node_rank, config=config,
+                               on_exit=on_exit)
     base_url = f"http://{'[::1]' if host == '::1' else host}:{port}"
     with Follower(url, [base_url], config) as follower:
         first = follower.stream.resolve(version)
@@ -253,11 +259,12 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
                      " and its CPU platform needs" if cpu else "")
         served_name = url.rstrip("/").rsplit("/", 1)[-1] or "ckptstream"
         return _run_child(follower, first, vllm_command(str(path), host, port, args, served_name), env, base_url,
-                          api_key, ready_timeout, stop or threading.Event(), vllm_log)
+                          api_key, ready_timeout, stop or threading.Event(), vllm_log, on_exit)
 
 
 def _serve_node(url: str, vllm_args: Sequence[str], *, version: int | str, pin: bool, stop: threading.Event,
-                vllm_log: str | os.PathLike[str] | None, nnodes: int, node_rank: int, config: FollowerConfig) -> int:
+                vllm_log: str | os.PathLike[str] | None, nnodes: int, node_rank: int, config: FollowerConfig,
+                on_exit: Callable[[int], object] | None) -> int:
     """Node ``node_rank`` > 0 of a multi-node engine: prepare the start version, start vLLM ``--headless``
     on it, keep this node's cache on the newest version until ``stop``."""
     assert config.replica_id is not None
@@ -275,7 +282,7 @@ def _serve_node(url: str, vllm_args: Sequence[str], *, version: int | str, pin: 
         log.info("version %d materialized in %s; starting vLLM's workers of node %d", first, path, node_rank)
         child, output, log_file = _start_child(vllm_headless_command(str(path), args), env, vllm_log)
         previous, signalled = _stop_on_signals(stop)
-        threading.Thread(target=lambda: (child.wait(), stop.set()), daemon=True, name="ckptstream-vllm").start()
+        _watch_child(child, stop, on_exit)
         try:
             agent.run(stop)
         finally:
@@ -301,6 +308,26 @@ def _start_child(command: list[str], env: dict[str, str], vllm_log: str | os.Pat
         raise
     assert child.stdout is not None
     return child, _OutputTail(child.stdout, _writer(log_file or sys.stderr)), log_file
+
+
+def _watch_child(child: subprocess.Popen[bytes], stop: threading.Event, on_exit: Callable[[int], object] | None
+                 ) -> threading.Event:
+    """Watch vLLM's process (not its output, which its children may keep open): the moment it exits, tell
+    ``on_exit`` its exit code, set the returned event, then ``stop``."""
+    died = threading.Event()
+
+    def watch() -> None:
+        code = child.wait()
+        died.set()
+        if on_exit is not None:
+            try:
+                on_exit(code)
+            except Exception:  # noqa: BLE001 - the caller's hook: serve still stops
+                log.exception("on_exit hook failed")
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True, name="ckptstream-vllm").start()
+    return died
 
 
 def _stop_on_signals(stop: threading.Event) -> tuple[dict[int, Any], threading.Event]:
@@ -330,14 +357,11 @@ def _stop_child(child: subprocess.Popen[bytes], output: _OutputTail, log_file: I
 
 def _run_child(follower: Follower, first: int, command: list[str], env: dict[str, str], base_url: str,
                api_key: str | None, ready_timeout: float, stop: threading.Event,
-               vllm_log: str | os.PathLike[str] | None) -> int:
+               vllm_log: str | os.PathLike[str] | None, on_exit: Callable[[int], object] | None) -> int:
     """Start vLLM, wait until it generates, follow until ``stop``; stop vLLM."""
     child, output, log_file = _start_child(command, env, vllm_log)
     previous, signalled = _stop_on_signals(stop)  # a stop request, even if it also reached vLLM
-    died = threading.Event()
-    watchdog = threading.Thread(target=lambda: (child.wait(), died.set(), stop.set()), daemon=True,
-                                name="ckptstream-vllm")
-    watchdog.start()
+    died = _watch_child(child, stop, on_exit)
     try:
         client = VllmClient(base_url, api_key=api_key)
         try:

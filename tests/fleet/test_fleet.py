@@ -21,7 +21,9 @@ import torch
 
 from ckptstream import Publisher, Stream
 from ckptstream.errors import FleetNotFoundError
+from ckptstream.fleet.router import Router
 from ckptstream.hf import iter_hf_weights
+from ckptstream.process import descendants
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.testing.ray import RayCluster, pid_alive
 from ckptstream.vllm_loader import VllmClient
@@ -30,6 +32,8 @@ from tests.helpers import VLLM_CPU_ARGS
 CLI = [sys.executable, "-m", "ckptstream.cli"]
 START_TIMEOUT = 240.0
 UPDATE_TIMEOUT = 60.0
+DEREGISTER_WITHIN = 2.0
+"""Seconds from a server's death to its removal from the router's worker list."""
 
 # The replay's command: what the server serves while the command runs, with the environment it was given.
 EVAL = """
@@ -144,13 +148,25 @@ def test_replay_across_the_fleet_evaluates_each_version_once(setup):
     setup.wait_all(newest)  # back to following: the newest version, and in the router again
 
 
+def _until_unlisted(router: Router, url: str, timeout: float) -> float:
+    """Seconds until ``router``'s own worker list no longer shows ``url`` (read every 20 ms)."""
+    start = time.monotonic()
+    while url in router.workers():
+        assert time.monotonic() - start < timeout, f"{url} still in the router after {timeout:.0f} s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
 def test_a_server_whose_vllm_is_killed_comes_back_on_the_newest_version(setup):
     old = setup.server(0)
     vllm = _vllm_pid(old.pids)
+    assert descendants(vllm), "vLLM's children (its engine) keep its output pipe open after the kill"
     setup.seen_pids |= set(old.pids)
+    router = Router(setup.fleet.router_url())
+    assert old.url in router.workers()
     os.kill(vllm, signal.SIGKILL)
-    _wait(lambda: old.url not in setup.fleet.router_workers(), UPDATE_TIMEOUT,
-          "the killed server leaves the router")
+    gone_after = _until_unlisted(router, old.url, UPDATE_TIMEOUT)
+    assert gone_after < DEREGISTER_WITHIN, f"the killed server stayed in the router {gone_after:.2f} s"
     version = setup.publish()  # published while it is away: it comes back on this one
     _wait(lambda: setup.server(0).restarts == 1, UPDATE_TIMEOUT, "the fleet replaced the server")
     setup.wait_all(version, timeout=START_TIMEOUT)

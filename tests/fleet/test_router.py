@@ -1,9 +1,11 @@
 """A real vllm-router: its worker list changed by URL and checked (a 200 is no proof), and a clear error
-when it is gone. The workers are loopback HTTP servers answering ``/health`` (all the router asks of a
-worker it adds); real vLLM servers behind the router are in ``test_rolling.py``."""
+when it is gone; a ``RouterGate`` counts only live workers. The workers are loopback HTTP servers answering
+``/health`` (all the router asks of a worker it adds) and ``/metrics`` (empty: nothing queued); real vLLM
+servers behind the router are in ``tests/vllm_loader/test_rolling.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import urllib.parse
 import urllib.request
@@ -13,6 +15,7 @@ from typing import Iterator
 import pytest
 
 from ckptstream.errors import RouterError
+from ckptstream.fleet.rolling import RouterGate
 from ckptstream.fleet.router import Router
 
 
@@ -26,14 +29,27 @@ class _Healthy(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[list[str]]:
-    servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Healthy) for _ in range(2)]
+@contextlib.contextmanager
+def _healthy_servers(count: int) -> Iterator[list[ThreadingHTTPServer]]:
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Healthy) for _ in range(count)]
     for server in servers:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
-    for server in servers:
-        server.shutdown()
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+def _url(server: ThreadingHTTPServer) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[str]]:
+    with _healthy_servers(2) as servers:
+        yield [_url(s) for s in servers]
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +107,22 @@ def test_a_router_that_is_gone_is_a_clear_error(tmp_path, workers):
         with pytest.raises(RouterError, match="Is the router running there") as caught:
             call()
         assert url in str(caught.value) and caught.value.router == url
+
+
+def test_the_gate_takes_a_server_out_only_while_another_live_one_stays_in(router):
+    with _healthy_servers(2) as servers:
+        live, other = (_url(s) for s in servers)
+        router.add(live)
+        router.add(other)
+        gate = RouterGate(router)
+        with gate.hold(live, 1):
+            assert router.workers() == [other]  # out for its update: the other one serves meanwhile
+        assert sorted(router.workers()) == sorted([live, other])
+
+        servers[1].shutdown()  # the other one dies; the router still lists it (nobody deregistered it)
+        servers[1].server_close()
+        with gate.hold(live, 2):
+            assert sorted(router.workers()) == sorted([live, other])  # updated in place: still routed to
+        assert sorted(router.workers()) == sorted([live, other])
+        router.remove(other)
+        router.remove(live)

@@ -4,12 +4,17 @@ and a server out of the router gets no request.
 
 A response's version: after the loop, one server reloads each committed version and answers the loop's
 prompt (greedy, so each version gives one answer); every answer seen during the loop must be one of those.
+
+Beside it: with one of the two servers SIGKILLed but still in the router, the live one is updated in place
+(never taken out), so the router always routes to a live server and no request fails.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import signal
 import threading
 import time
 import urllib.request
@@ -22,6 +27,8 @@ from ckptstream import Publisher, Stream
 from ckptstream.fleet.rolling import RouterGate, register_when_current
 from ckptstream.fleet.router import Router
 from ckptstream.hf import iter_hf_weights
+from ckptstream.httpjson import request_json
+from ckptstream.process import descendants
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import Follower, VllmClient
 
@@ -129,3 +136,62 @@ def test_requests_through_the_router_never_fail_during_rolling_updates(fleet):
     assert len(set(expected.values())) >= UPDATES // 2, "answers should change with the weights"
     unknown = set(answers) - set(expected.values())
     assert not unknown, f"answers of no committed version: {sorted(unknown)[:3]}"
+
+
+def _complete(router_url: str, model: str, stop: threading.Event, answers: list, failures: list) -> None:
+    """Completions through the router until ``stop`` (the model named: vllm-router proxies a ``/v1/models``
+    to one worker, the dead one too, without retrying; a completion it retries on another worker)."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    while not stop.is_set():
+        try:
+            answers.append(request_json(router_url + "/v1/completions", "POST", body, timeout=60)["choices"][0])
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded and fails the test
+            failures.append(repr(exc))
+
+
+def _watch_workers(router: Router, stop: threading.Event, seen: list) -> None:
+    """Every worker list the router shows until ``stop`` (read back to back)."""
+    while not stop.is_set():
+        seen.append(tuple(router.workers()))
+
+
+def test_the_only_live_server_is_updated_in_place_while_a_dead_one_is_still_listed(tmp_path, pooled_servers):
+    model = write_tiny_model(tmp_path / "model", TinyModelSpec())
+    url = str(tmp_path / "stream")
+    state = dict(iter_hf_weights(model))
+    live, dead = pooled_servers(2)
+    with Publisher(url, assets=model, keyframe_every=1000) as publisher, \
+            Router.start(log=tmp_path / "router.log") as router:
+        publisher.publish(state).result()
+        router.add(live.url)
+        router.add(dead.url)
+        children = descendants(dead.process.pid)
+        os.kill(dead.process.pid, signal.SIGKILL)  # then its engine: nothing of it answers
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        dead.process.wait()
+        assert sorted(router.workers()) == sorted([live.url, dead.url])  # nobody deregistered it
+
+        stop = threading.Event()
+        seen: list[tuple[str, ...]] = []
+        answers: list[dict] = []
+        failures: list[str] = []
+        threads = [threading.Thread(target=_watch_workers, args=(router, stop, seen)),
+                   *(threading.Thread(target=_complete, args=(router.url, live.client.model(), stop, answers, failures))
+                     for _ in range(2))]
+        for thread in threads:
+            thread.start()
+        try:
+            with Follower(url, [live.url], cache_dir=tmp_path / "cache", poll_interval=0.1,
+                          update_gate=RouterGate(router)) as follower:
+                assert follower.step().version == 0
+                rl_like_step(state, fraction=0.2, max_ulps=40, generator=torch.Generator().manual_seed(0))
+                version = publisher.publish(state).result().version
+                assert follower.step().version == version
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+    assert seen and all(live.url in workers for workers in seen), "the router was left without its live server"
+    assert failures == [] and answers
