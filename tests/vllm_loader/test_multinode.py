@@ -60,7 +60,7 @@ class TwoNodes:
         self.port, master_port = free_port(), free_port()
         self.nodes = []
         for rank in (0, 1):
-            script = f"mount -t tmpfs -o size=256m tmpfs {self.cache} && hostname node{rank} && exec \"$@\""
+            script = f"mount -t tmpfs -o size=256m,mode=0700 tmpfs {self.cache} && hostname node{rank} && exec \"$@\""
             command = ["unshare", "--mount", "--uts", "sh", "-c", script, "sh",
                        sys.executable, "-m", "ckptstream.cli", "serve", url, "--nnodes", "2", "--node-rank", str(rank),
                        "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(self.port),
