@@ -8,6 +8,7 @@ import multiprocessing.context
 import multiprocessing.process
 import os
 import uuid
+from pathlib import Path
 from typing import IO, Callable, Sequence
 
 import torch
@@ -160,3 +161,26 @@ class HookedStorage(WrapperStorage):
     def delete_tree(self, path: str) -> None:
         self.hook("delete", path)
         self.inner.delete_tree(path)
+
+
+def command_lines_under(pid: int) -> list[bytes]:
+    """The command lines (``/proc/PID/cmdline``, what every user of the host reads) of the processes under
+    ``pid`` now."""
+    parents: dict[int, int] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = next(line for line in status.read_text().splitlines() if line.startswith("PPid:"))
+        except (OSError, StopIteration):  # gone meanwhile
+            continue
+        parents[int(status.parent.name)] = int(ppid.split()[1])
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found += frontier
+    lines = []
+    for child in found:
+        try:
+            lines.append(Path(f"/proc/{child}/cmdline").read_bytes())
+        except OSError:
+            pass
+    return lines

@@ -268,6 +268,24 @@ def test_an_empty_token_is_a_usage_error(served, capsys, monkeypatch):
         Relay(served.directory, token="")
 
 
+def test_secrets_on_the_command_line_still_work_with_a_warning(tmp_path, caplog, monkeypatch):
+    """Command lines are readable by every user of the host: --token and --api-key say so (their variables
+    are the quiet way)."""
+    from ckptstream.cli import build_parser
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    parser = build_parser()
+    with caplog.at_level(logging.WARNING, "ckptstream.cli"):
+        assert parser.parse_args(["relay", str(tmp_path), "--token", TOKEN]).token == TOKEN
+        assert parser.parse_args(["serve", str(tmp_path), "--api-key", "k"]).api_key == "k"
+        assert parser.parse_args(["follow", str(tmp_path), "--vllm-url", "http://x", "--api-key", "k"]).api_key == "k"
+        monkeypatch.setenv("VLLM_API_KEY", "from-env")
+        assert build_parser().parse_args(["serve", str(tmp_path)]).api_key == "from-env"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 3 and all("visible to every user of this host" in w for w in warnings)
+    assert "--token" in warnings[0] and "$CKPTSTREAM_RELAY_TOKEN" in warnings[0] and "$VLLM_API_KEY" in warnings[1]
+
+
 def test_serving_beyond_loopback_without_a_token_warns(served, caplog, monkeypatch):
     monkeypatch.delenv("CKPTSTREAM_RELAY_TOKEN", raising=False)
     with caplog.at_level(logging.WARNING, "ckptstream.relay"):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ..errors import EXIT_OK
 from ..relay import RELAY_TOKEN_ENV
-from .options import UsageError, add_command
+from .options import SecretOption, UsageError, add_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,9 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8700, help="TCP port (default 8700; 0 picks a free one)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: give 0.0.0.0 or an interface to serve other hosts)")
-    p.add_argument("--token", default=os.environ.get(RELAY_TOKEN_ENV),
-                   help=f"require `Authorization: Bearer TOKEN` (default ${RELAY_TOKEN_ENV}; none: open, with a "
-                        "warning when --host is not loopback; empty: refused)")
+    p.add_argument("--token", action=SecretOption, env=RELAY_TOKEN_ENV,
+                   help="require `Authorization: Bearer TOKEN` (none: open, with a warning when --host is not "
+                        "loopback; empty: refused; given here, other users of the host can read it)")
 
 
 def run_relay(args: argparse.Namespace) -> int:
