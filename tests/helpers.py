@@ -232,3 +232,24 @@ def gc_finishing_before_put(url: str, path: str) -> tuple[HookedStorage, list]:
         gc.join(60)
 
     return HookedStorage(open_storage(url), once_before("put", path, let_gc_run)), reports
+def command_lines_under(pid: int) -> list[bytes]:
+    """The command lines (``/proc/PID/cmdline``, what every user of the host reads) of the processes under
+    ``pid`` now."""
+    parents: dict[int, int] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = next(line for line in status.read_text().splitlines() if line.startswith("PPid:"))
+        except (OSError, StopIteration):  # gone meanwhile
+            continue
+        parents[int(status.parent.name)] = int(ppid.split()[1])
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found += frontier
+    lines = []
+    for child in found:
+        try:
+            lines.append(Path(f"/proc/{child}/cmdline").read_bytes())
+        except OSError:
+            pass
+    return lines

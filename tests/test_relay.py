@@ -3,11 +3,14 @@ discovery without listing (the latest-version hint, gc'd streams), the CLI over 
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import logging
 import os
+import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptstream import Publisher, Stream
 from ckptstream.cli import main
-from ckptstream.errors import EXIT_INTERRUPTED, StorageAccessError
-from ckptstream.format import LATEST_HINT_FILE, REPLICAS_DIR, manifest_path
+from ckptstream.errors import EXIT_INTERRUPTED, EXIT_USAGE, StorageAccessError
+from ckptstream.format import LATEST_HINT_FILE, LEASES_DIR, REPLICAS_DIR, STREAM_FILE, manifest_path
 from ckptstream.hf import iter_hf_weights
 from ckptstream.relay import Relay
 from ckptstream.storage import open_storage
@@ -59,17 +62,25 @@ def _sample(relay: Relay, name: str, **labels: str) -> float:
     return 0.0
 
 
+DATA = "versions/000000000000/model-0123456789ab-00001-of-00001.safetensors"
+MANIFEST = "manifests/000000000000.json"
+
+
 @pytest.fixture
 def served(tmp_path: Path):
-    """A directory with a few files (one hidden, one temporary) relayed with a token."""
+    """A directory in the stream's layout, a few files outside it (hidden, temporary, notes, a replica record,
+    a lease, a link), relayed with a token."""
     root = tmp_path / "root"
-    (root / "manifests").mkdir(parents=True)
-    (root / "manifests" / "a.json").write_bytes(b'{"a": 1}')
-    (root / "data.bin").write_bytes(bytes(range(256)) * 64)
-    (root / ".hidden").write_bytes(b"secret")
-    (root / "manifests" / ".tmp-123-a.json").write_bytes(b"partial")
+    for path, data in ((MANIFEST, b'{"a": 1}'), (DATA, bytes(range(256)) * 64), (STREAM_FILE, b"{}"),
+                       (LATEST_HINT_FILE, b'{"version": 0}'), ("assets/config.json", b"{}"),
+                       (".hidden", b"secret"), ("manifests/.tmp-123-a.json", b"partial"), ("NOTES.txt", b"notes"),
+                       (f"{REPLICAS_DIR}/x.json", b'{"host": "rollout-7", "url": "http://10.0.0.7:8000"}'),
+                       (f"{LEASES_DIR}/000000000000-abc.json", b"{}"), ("manifests/1.json", b"{}"),
+                       ("versions/1/x.safetensors", b"x"), ("versions/000000000000/.tmp-1-x", b"partial")):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
     (tmp_path / "outside.txt").write_bytes(b"outside")
-    (root / "link").symlink_to(tmp_path / "outside.txt")
+    (root / "versions" / "000000000000" / "link").symlink_to(tmp_path / "outside.txt")
     with Relay(root, token=TOKEN) as relay:
         yield relay
 
@@ -78,44 +89,54 @@ def served(tmp_path: Path):
 
 
 def test_token_is_required(served):
-    assert _get(served, "/data.bin", token=None)[0] == 401
-    assert _get(served, "/data.bin", token="wrong")[0] == 401
+    assert _get(served, f"/{DATA}", token=None)[0] == 401
+    assert _get(served, f"/{DATA}", token="wrong")[0] == 401
     assert _get(served, "/metrics", token=None)[0] == 401
-    status, body = _get(served, "/data.bin")
+    status, body = _get(served, f"/{DATA}")
     assert status == 200 and body == bytes(range(256)) * 64
     with pytest.raises(StorageAccessError, match="401.*token"):
-        open_storage(served.url, {"token": "wrong"}).read("data.bin")
+        open_storage(served.url, {"token": "wrong"}).read(DATA)
 
 
 def test_token_from_the_environment(served, monkeypatch):
     monkeypatch.setenv("CKPTSTREAM_HTTP_TOKEN", TOKEN)
-    assert open_storage(served.url).read("manifests/a.json") == b'{"a": 1}'
+    assert open_storage(served.url).read(MANIFEST) == b'{"a": 1}'
 
 
 def test_only_the_streams_files_are_served(served):
     for path in ("/.hidden", "/manifests/.tmp-123-a.json", "/../outside.txt", "/manifests/../../outside.txt",
-                 "/%2e%2e/outside.txt", "/link", "/manifests", "/manifests/", "/", "/nothing", "//data.bin"):
+                 "/%2e%2e/outside.txt", "/versions/000000000000/link", "/manifests", "/manifests/", "/",
+                 "/nothing", f"//{DATA}", "/versions/000000000000/.tmp-1-x", "/manifests/missing.json"):
         assert _get(served, path)[0] == 404, path
     for method in ("PUT", "POST", "DELETE"):
-        assert _get(served, "/data.bin", method=method)[0] == 405
-    assert _get(served, "/manifests/a.json")[0] == 200
+        assert _get(served, f"/{DATA}", method=method)[0] == 405
+    for path in (MANIFEST, DATA, STREAM_FILE, LATEST_HINT_FILE, "assets/config.json"):
+        assert _get(served, f"/{path}")[0] == 200, path
     connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
-    connection.request("GET", "/manifests/b.json", headers={"Authorization": f"Bearer {TOKEN}"})
+    connection.request("GET", "/manifests/000000000001.json", headers={"Authorization": f"Bearer {TOKEN}"})
     assert connection.getresponse().getheader("Cache-Control") == "no-store"  # a CDN must not keep the miss
     connection.close()
 
 
+def test_files_outside_the_stream_layout_are_not_served(served):
+    """Only what readers read (FORMAT.md, "Layout"): not an operator's notes, nor replica records (host
+    names and URLs of the rollout servers) or leases, nor names that are not versions."""
+    for path in ("/NOTES.txt", f"/{REPLICAS_DIR}/x.json", f"/{LEASES_DIR}/000000000000-abc.json",
+                 "/manifests/1.json", "/versions/1/x.safetensors"):
+        assert _get(served, path)[0] == 404, path
+
+
 def test_ranges_and_sent_bytes_in_metrics(served):
     data = bytes(range(256)) * 64
-    status, body = _get(served, "/data.bin", headers={"Range": "bytes=100-199"})
+    status, body = _get(served, f"/{DATA}", headers={"Range": "bytes=100-199"})
     assert status == 206 and body == data[100:200]
-    assert _get(served, "/data.bin", headers={"Range": "bytes=99999-"})[0] == 416
-    assert _get(served, "/data.bin", method="HEAD")[0] == 200
+    assert _get(served, f"/{DATA}", headers={"Range": "bytes=99999-"})[0] == 416
+    assert _get(served, f"/{DATA}", method="HEAD")[0] == 200
     storage = open_storage(served.url, {"token": TOKEN})
-    received = len(storage.read("data.bin")) + sum(map(len, storage.read_ranges("data.bin", [(0, 10), (50, 5000)])))
-    received += len(storage.read("manifests/a.json"))
+    received = len(storage.read(DATA)) + sum(map(len, storage.read_ranges(DATA, [(0, 10), (50, 5000)])))
+    received += len(storage.read(MANIFEST))
     assert _get(served, "/nothing")[0] == 404
-    assert _get(served, "/data.bin", token=None)[0] == 401
+    assert _get(served, f"/{DATA}", token=None)[0] == 401
     expected = 100 + received
     assert served.sent_bytes == expected
     assert _sample(served, "ckptstream_relay_sent_bytes_total") == expected
@@ -123,6 +144,156 @@ def test_ranges_and_sent_bytes_in_metrics(served):
     assert _sample(served, "ckptstream_relay_requests_total", status="404") == 1
     assert _sample(served, "ckptstream_relay_requests_total", status="401") == 1
     assert _sample(served, "ckptstream_relay_requests_total", status="416") == 1
+
+
+# ---------------------------------------------------------------------------------------- connections
+
+HEADER_DEADLINE = 0.5
+
+
+def _closed_by_relay(sock: socket.socket, timeout: float = 10.0) -> bool:
+    """Whether the relay closes ``sock`` within ``timeout`` seconds (having sent nothing more)."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:  # closed while the client was still sending
+        return True
+    except TimeoutError:
+        return False
+
+
+def _trickle(sock: socket.socket, stop: threading.Event) -> None:
+    """A slow client: a request header sent a byte at a time, never ended, until the relay hangs up."""
+    try:
+        sock.sendall(b"GET /stream.json HTTP/1.1\r\nHost: relay\r\nX-Slow: ")
+        while not stop.wait(0.05):
+            sock.send(b"a")
+    except OSError:
+        pass
+
+
+def _connect(relay: Relay) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", relay.port), timeout=10)
+
+
+def test_a_header_not_complete_by_the_deadline_is_cut_off(served):
+    """A silent connection, a trickled header and a trickled second request of a keep-alive connection are
+    each closed once the header deadline has passed (before, they kept the connection open for ever)."""
+    with Relay(served.directory, token=TOKEN, header_timeout=HEADER_DEADLINE) as relay:
+        kept_alive = http.client.HTTPConnection("127.0.0.1", relay.port, timeout=10)
+        kept_alive.request("GET", f"/{STREAM_FILE}", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert kept_alive.getresponse().read() == b"{}"
+        silent, trickled = _connect(relay), _connect(relay)
+        stop = threading.Event()
+        trickling = [threading.Thread(target=_trickle, args=(s, stop)) for s in (trickled, kept_alive.sock)]
+        started = time.monotonic()
+        for thread in trickling:
+            thread.start()
+        try:
+            for sock in (silent, trickled, kept_alive.sock):
+                assert _closed_by_relay(sock)
+            assert time.monotonic() - started >= HEADER_DEADLINE * 0.9
+        finally:
+            stop.set()
+            for thread in trickling:
+                thread.join()
+            for sock in (silent, trickled):
+                sock.close()
+            kept_alive.close()
+        assert _sample(relay, "ckptstream_relay_dropped_connections_total", reason="header_timeout") == 3
+        assert _get(relay, f"/{MANIFEST}") == (200, b'{"a": 1}')
+
+
+def test_connections_beyond_the_limit_make_room_or_are_refused(served):
+    """At the limit a new connection closes the oldest that waits for a request header, and is refused at
+    once when every connection is in a request; valid requests are served either way."""
+    big = served.directory / "versions" / "000000000000" / "big.safetensors"
+    with open(big, "wb") as f:
+        f.truncate(64 << 20)  # more than the socket buffers hold: a client that does not read stays in a request
+    with Relay(served.directory, token=TOKEN, max_connections=4) as relay:
+        silent = [_connect(relay) for _ in range(10)]
+        try:
+            assert all(_closed_by_relay(sock) for sock in silent[:6])  # the oldest, to make room
+            assert _get(relay, f"/{MANIFEST}") == (200, b'{"a": 1}')
+        finally:
+            for sock in silent:
+                sock.close()
+        busy = [_connect(relay) for _ in range(4)]
+        try:
+            for sock in busy:
+                sock.sendall(f"GET /{big.relative_to(served.directory)} HTTP/1.1\r\nHost: relay\r\n"
+                             f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+                sock.recv(1)  # the answer has started: in a request, and it stops reading
+            refused = _connect(relay)
+            assert _closed_by_relay(refused)
+            refused.close()
+        finally:
+            for sock in busy:
+                sock.close()
+        assert _get(relay, f"/{MANIFEST}") == (200, b'{"a": 1}')
+        assert _sample(relay, "ckptstream_relay_dropped_connections_total", reason="limit") >= 7
+
+
+def test_half_open_connections_do_not_block_a_valid_request(tmp_path):
+    """300 connections that never send a byte, at a relay process allowed 256 descriptors: a valid request
+    is still answered (it used to find the descriptors used up and be reset)."""
+    url = str(tmp_path / "stream")
+    _small_stream(url, 1)
+    limit = functools.partial(resource.setrlimit, resource.RLIMIT_NOFILE, (256, 256))
+    env = {**os.environ, "CKPTSTREAM_RELAY_TOKEN": TOKEN}
+    process = subprocess.Popen([sys.executable, "-m", "ckptstream.cli", "relay", url, "--port", "0"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limit)
+    half_open: list[socket.socket] = []
+    try:
+        host, port = process.stdout.readline().decode().strip().removeprefix("http://").split(":")
+        half_open = [socket.create_connection((host, int(port)), timeout=10) for _ in range(300)]
+        stream = Stream(f"http://{host}:{port}", storage_options={"token": TOKEN, "retries": 0})
+        assert stream.versions() == [0]
+    finally:
+        for sock in half_open:
+            sock.close()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=30)
+    assert code == 0, process.stderr.read().decode()
+
+
+def test_an_empty_token_is_a_usage_error(served, capsys, monkeypatch):
+    """An empty token used to mean no authentication, silently."""
+    assert main(["relay", str(served.directory), "--port", "0", "--token", ""]) == EXIT_USAGE
+    assert capsys.readouterr().err.startswith("Error:")
+    monkeypatch.setenv("CKPTSTREAM_RELAY_TOKEN", "")
+    assert main(["relay", str(served.directory), "--port", "0"]) == EXIT_USAGE
+    assert "CKPTSTREAM_RELAY_TOKEN" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="empty"):
+        Relay(served.directory, token="")
+
+
+def test_secrets_on_the_command_line_still_work_with_a_warning(tmp_path, caplog, monkeypatch):
+    """Command lines are readable by every user of the host: --token and --api-key say so (their variables
+    are the quiet way)."""
+    from ckptstream.cli import build_parser
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    parser = build_parser()
+    with caplog.at_level(logging.WARNING, "ckptstream.cli"):
+        assert parser.parse_args(["relay", str(tmp_path), "--token", TOKEN]).token == TOKEN
+        assert parser.parse_args(["serve", str(tmp_path), "--api-key", "k"]).api_key == "k"
+        assert parser.parse_args(["follow", str(tmp_path), "--vllm-url", "http://x", "--api-key", "k"]).api_key == "k"
+        monkeypatch.setenv("VLLM_API_KEY", "from-env")
+        assert build_parser().parse_args(["serve", str(tmp_path)]).api_key == "from-env"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 3 and all("visible to every user of this host" in w for w in warnings)
+    assert "--token" in warnings[0] and "$CKPTSTREAM_RELAY_TOKEN" in warnings[0] and "$VLLM_API_KEY" in warnings[1]
+
+
+def test_serving_beyond_loopback_without_a_token_warns(served, caplog, monkeypatch):
+    monkeypatch.delenv("CKPTSTREAM_RELAY_TOKEN", raising=False)
+    with caplog.at_level(logging.WARNING, "ckptstream.relay"):
+        for host, token in (("0.0.0.0", None), ("0.0.0.0", TOKEN), ("127.0.0.1", None)):
+            with Relay(served.directory, host=host, token=token):
+                pass
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "0.0.0.0 without a token" in warnings[0]
 
 
 # ------------------------------------------------------------------------------ streams over the relay

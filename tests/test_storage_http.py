@@ -8,8 +8,9 @@ import http.server
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -19,6 +20,7 @@ from ckptstream.format import LATEST_HINT_FILE, MAX_LATEST_HINT_BYTES
 from ckptstream.reader.probe import read_latest_hint
 from ckptstream.storage import Storage, open_storage
 from ckptstream.storage.http import HttpStorage
+from ckptstream.storage.wrapper import WrapperStorage
 from ckptstream.testing.http import ResettingProxy, StaticHttpServer
 from ckptstream.testing.storage import DATA, ReadOnlyStorageSuite
 
@@ -75,11 +77,44 @@ def static_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StaticHt
         yield server
 
 
-@pytest.fixture(scope="module")
-def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relay]:
-    relay = Relay(tmp_path_factory.mktemp("relayed"), token=TOKEN).start()
-    yield relay
-    relay.stop()
+@pytest.fixture
+def relay(tmp_path: Path) -> Iterator[Relay]:
+    (tmp_path / "relayed").mkdir()
+    with Relay(tmp_path / "relayed", token=TOKEN) as relay:
+        yield relay
+
+
+IN_LAYOUT = "versions/000000000000"
+"""Where the relay's tests put their files: the relay serves only the names of a stream's layout."""
+
+
+def _in_layout(path: str) -> str:
+    return f"{IN_LAYOUT}/{path.replace('/', '-')}"
+
+
+class _InLayout(WrapperStorage):
+    """The suite's names (``d/data.bin``) read where the relay serves files (``versions/<v>/d-data.bin``)."""
+
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.inner.read(_in_layout(path), start, end)
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        self.inner.read_into(_in_layout(path), offset, buffer)
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return self.inner.read_ranges(_in_layout(path), ranges)
+
+    def read_ranges_into(self, path: str, targets: Sequence[tuple[int, memoryview]]) -> None:
+        self.inner.read_ranges_into(_in_layout(path), targets)
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return self.inner.open_read(_in_layout(path))
+
+    def size(self, path: str) -> int:
+        return self.inner.size(_in_layout(path))
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(_in_layout(path))
 
 
 class TestStaticHttpStorage(ReadOnlyStorageSuite):
@@ -97,16 +132,16 @@ class TestStaticHttpStorage(ReadOnlyStorageSuite):
 
 
 class TestRelayHttpStorage(ReadOnlyStorageSuite):
-    """HttpStorage against the relay (starlette's ranged FileResponse), with a bearer token."""
+    """HttpStorage against the relay (starlette's ranged FileResponse), with a bearer token; the suite's
+    files are put, and read, inside the stream's layout (``_InLayout``)."""
 
     @pytest.fixture
-    def storage(self, relay: Relay, tmp_path: Path) -> Storage:
-        self.root = relay.directory / tmp_path.name
-        self.root.mkdir()
-        return open_storage(f"{relay.url}/{tmp_path.name}", {"token": TOKEN})
+    def storage(self, relay: Relay) -> Storage:
+        self.root = relay.directory
+        return _InLayout(open_storage(relay.url, {"token": TOKEN}))
 
     def populate(self, storage: Storage, files: Mapping[str, bytes]) -> None:
-        _write_files(self.root, files)
+        _write_files(self.root, {_in_layout(path): data for path, data in files.items()})
 
 
 # ------------------------------------------------------------------------------------ particular to HTTP
@@ -128,19 +163,19 @@ def test_resets_are_retried(static_server, tmp_path):
         assert proxy.reset == 2 and proxy.connections == 3
 
 
-def test_a_body_cut_short_is_fetched_again(relay, tmp_path):
+def test_a_body_cut_short_is_fetched_again(relay):
     """Connections reset in the middle of the answer: ranged reads retry, a streamed read resumes."""
-    root = relay.directory / tmp_path.name
     data = bytes(range(256)) * 4096  # 1 MiB
-    _write_files(root, {"big.bin": data})
+    big = _in_layout("big.bin")
+    _write_files(relay.directory, {big: data})
     host, port = relay.url.removeprefix("http://").split(":")
     with ResettingProxy((host, int(port)), resets=2, after_bytes=100_000) as proxy:
-        storage = open_storage(f"{proxy.url}/{tmp_path.name}", {"token": TOKEN})
-        assert storage.read("big.bin", 1000, 900_000) == data[1000:900_000]
+        storage = open_storage(proxy.url, {"token": TOKEN})
+        assert storage.read(big, 1000, 900_000) == data[1000:900_000]
         assert proxy.reset == 2
     with ResettingProxy((host, int(port)), resets=2, after_bytes=300_000) as proxy:
-        storage = open_storage(f"{proxy.url}/{tmp_path.name}", {"token": TOKEN})
-        with storage.open_read("big.bin") as f:
+        storage = open_storage(proxy.url, {"token": TOKEN})
+        with storage.open_read(big) as f:
             assert f.read() == data
         assert proxy.reset == 2
 

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any, Iterator
 
 from ..errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, FleetError
-from .options import UsageError, add_command, add_url, positive_int, positive_seconds, storage_options
+from .options import SecretOption, UsageError, add_command, add_url, positive_int, positive_seconds, storage_options
 from .output import print_json, table
 
 
@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rolling", action="store_true",
                    help="update one server at a time, out of the router meanwhile (needs --router)")
     p.add_argument("--cache-dir", help="decoded versions on each node (default as for serve)")
-    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), help="vLLM API key (default $VLLM_API_KEY)")
+    p.add_argument("--api-key", action=SecretOption, env="VLLM_API_KEY", help="vLLM API key")
     p.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
                    help="seconds between each server's checks for a new version (default 1)")
     p.add_argument("--metrics-port", type=int, metavar="P",

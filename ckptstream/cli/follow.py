@@ -10,8 +10,8 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import EXIT_ERROR, EXIT_OK
-from .options import (DEFAULT_LEASE_TTL, LATEST, UsageError, add_command, add_url, lease_seconds, positive_int,
-                      storage_options,
+from .options import (DEFAULT_LEASE_TTL, LATEST, SecretOption, UsageError, add_command, add_url, lease_seconds,
+                      positive_int, storage_options,
                       version_number, version_ref)
 from .output import print_json, table
 
@@ -27,8 +27,8 @@ def _follower_options() -> argparse.ArgumentParser:
                          help="seconds between checks for a new version (default 1)")
     options.add_argument("--pause-mode", default="keep", choices=["keep", "wait", "abort"],
                          help="what /pause does with in-flight requests (default keep)")
-    options.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
-                         help="vLLM API key (default $VLLM_API_KEY)")
+    options.add_argument("--api-key", action=SecretOption, env="VLLM_API_KEY",
+                         help="vLLM API key (serve gives it to vLLM in its environment)")
     options.add_argument("--lease-ttl", type=lease_seconds, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
                          help="time to live of the lease held on a version while it is fetched, renewed every third "
                               f"of it (default {DEFAULT_LEASE_TTL:g}; gc keeps a leased version)")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import textwrap
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
@@ -56,6 +58,24 @@ class Parser(argparse.ArgumentParser):
 
 
 # ------------------------------------------------------------------------------------------- option types
+
+class SecretOption(argparse.Action):
+    """An option holding a secret (a token, an API key), by default from the environment variable ``env``.
+    Given on the command line it still works, with a warning: every user of the host reads command lines
+    (``ps``, ``/proc/PID/cmdline``), not another user's environment."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, env: str, help: str, **kwargs: Any):
+        super().__init__(option_strings, dest, default=os.environ.get(env), help=f"{help} (default ${env})",
+                         **kwargs)
+        self.env = env
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        logging.getLogger("ckptstream.cli").warning(
+            "%s on the command line is visible to every user of this host (ps, /proc/PID/cmdline): set $%s "
+            "instead", option_string, self.env)
+        setattr(namespace, self.dest, values)
+
 
 def version_ref(text: str) -> int | str:
     """A version argument: a version number (0, 1, ...) or ``latest``."""

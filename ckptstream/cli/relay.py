@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ..errors import EXIT_OK
-from .options import add_command
+from ..relay import RELAY_TOKEN_ENV
+from .options import SecretOption, UsageError, add_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,8 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8700, help="TCP port (default 8700; 0 picks a free one)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: give 0.0.0.0 or an interface to serve other hosts)")
-    p.add_argument("--token", default=os.environ.get("CKPTSTREAM_RELAY_TOKEN"),
-                   help="require `Authorization: Bearer TOKEN` (default $CKPTSTREAM_RELAY_TOKEN; none: open)")
+    p.add_argument("--token", action=SecretOption, env=RELAY_TOKEN_ENV,
+                   help="require `Authorization: Bearer TOKEN` (none: open, with a warning when --host is not "
+                        "loopback; empty: refused; given here, other users of the host can read it)")
 
 
 def run_relay(args: argparse.Namespace) -> int:
@@ -33,6 +34,9 @@ def run_relay(args: argparse.Namespace) -> int:
 
     from ..relay import Relay
 
+    if args.token == "":  # it used to serve without authentication, silently
+        raise UsageError(f"the relay's token (--token or ${RELAY_TOKEN_ENV}) is empty",
+                         hint=f"Give a token, or unset {RELAY_TOKEN_ENV} to serve without one")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()

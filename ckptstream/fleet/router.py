@@ -31,6 +31,7 @@ from typing import Any
 from ..errors import RouterError
 from ..httpjson import request_json
 from ..process import die_with_parent, free_port, stop_process
+from .router_launch import ROUTER_API_KEY_ENV
 
 logger = logging.getLogger("ckptstream.router")
 
@@ -81,7 +82,8 @@ class Router:
         Args:
             host, port: where it listens (``port`` None: a free one).
             policy: its load-balancing policy (``round_robin``, ``cache_aware``, ``power_of_two``, ...).
-            api_key: its ``--api-key`` (data-parallel routing only; clients' keys are forwarded anyway).
+            api_key: its ``--api-key`` (sent to the workers; clients' keys are forwarded anyway), passed in its
+                environment (``$CKPTSTREAM_ROUTER_API_KEY``), not on its command line.
             log: file for its output (None: discarded).
             args: further ``vllm-router`` options.
             timeout: as for ``Router(...)``.
@@ -90,17 +92,18 @@ class Router:
             RouterError: it exited or did not answer within ``START_TIMEOUT`` seconds.
         """
         port = port or free_port(host)
-        command = [sys.executable, "-m", "vllm_router.launch_router", "--host", host, "--port", str(port),
+        # vllm-router's launcher, but the API key in its environment: on its command line every user of the
+        # host could read it (router_launch.py)
+        command = [sys.executable, "-m", "ckptstream.fleet.router_launch", "--host", host, "--port", str(port),
                    "--policy", policy,
                    # Its metrics port defaults to 29000: a second router on the host would fail to start.
                    "--prometheus-host", host, "--prometheus-port", str(free_port(host)),
                    "--worker-startup-check-interval", str(STARTUP_CHECK_INTERVAL), *(args or [])]
-        if api_key:
-            command += ["--api-key", api_key]
+        env = {**os.environ, ROUTER_API_KEY_ENV: api_key} if api_key else None
         router = cls(f"http://{host}:{port}", timeout=timeout)
         out = open(log, "ab") if log is not None else subprocess.DEVNULL
         try:
-            router._process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+            router._process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         finally:
             if log is not None:

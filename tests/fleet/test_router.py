@@ -6,6 +6,8 @@ servers behind the router are in ``tests/vllm_loader/test_rolling.py``."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import threading
 import urllib.parse
 import urllib.request
@@ -17,6 +19,7 @@ import pytest
 from ckptstream.errors import RouterError
 from ckptstream.fleet.rolling import RouterGate
 from ckptstream.fleet.router import Router
+from tests.helpers import command_lines_under
 
 
 class _Healthy(BaseHTTPRequestHandler):
@@ -126,3 +129,60 @@ def test_the_gate_takes_a_server_out_only_while_another_live_one_stays_in(router
         assert sorted(router.workers()) == sorted([live, other])
         router.remove(other)
         router.remove(live)
+
+
+class _Recording(BaseHTTPRequestHandler):
+    """A worker that answers every request with an empty JSON object and keeps the Authorization headers."""
+
+    authorizations: list[str | None] = []
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        type(self).authorizations.append(self.headers.get("Authorization"))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_GET = do_POST = _answer  # noqa: N815 - http.server's names
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_routers_api_key_is_in_its_environment_not_on_its_command_line(tmp_path):
+    """vllm-router takes its key only as --api-key, and its command line is readable by every user of the host
+    (until vllm-router renames its process, ~0.5 s after its start): while Router.start starts it, no process
+    under this one shows the key; the router still sends it to its workers (the cache-aware policy asks a
+    worker to tokenize a prompt, with the key)."""
+    key = "s3cret-router-key"
+    worker = ThreadingHTTPServer(("127.0.0.1", 0), _Recording)
+    threading.Thread(target=worker.serve_forever, daemon=True).start()
+    lines: list[bytes] = []
+    started = threading.Event()
+
+    def watch() -> None:
+        while not started.is_set():
+            lines.extend(command_lines_under(os.getpid()))
+
+    watching = threading.Thread(target=watch)
+    watching.start()
+    try:  # started from this thread: the router dies with the thread that started it
+        router = Router.start(api_key=key, policy="cache_aware", log=tmp_path / "log")
+    finally:
+        started.set()
+        watching.join()
+    try:
+        assert any(b"launch" in line for line in lines)  # seen while it started
+        assert not any(key.encode() in line for line in lines)
+        url = f"http://127.0.0.1:{worker.server_address[1]}"
+        router.add(url)
+        request = urllib.request.Request(router.url + "/v1/completions", method="POST",
+                                         data=json.dumps({"model": "m", "prompt": "x"}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=30).read()
+        assert f"Bearer {key}" in _Recording.authorizations
+    finally:
+        router.close()
+        worker.shutdown()

@@ -381,6 +381,12 @@ def test_serve_passes_cpu_sized_settings_only_where_the_user_set_none(tmp_path):
     assert vllm_platform_is_cpu({"VLLM_TARGET_DEVICE": "cpu"})
 
 
+def test_serve_gives_vllm_the_api_key_in_its_environment_not_its_command_line(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert default_vllm_settings(["--dtype", "bfloat16"], {}, tmp_path, cpu=False, api_key="s3cret") == \
+        (["--dtype", "bfloat16"], {"VLLM_API_KEY": "s3cret"}, [])
+
+
 def test_the_last_error_line_is_vllms_root_cause():
     worker = "(VllmWorker-0 pid=13880) ERROR 12-01 09:24:29 [multiproc_executor.py:953] "
     lines = [f"{worker}Traceback (most recent call last):\n", f"{worker}    raise ValueError(\n",

@@ -15,13 +15,18 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+
+import pytest
 
 from ckptstream import Publisher, Stream
 from ckptstream.hf import iter_hf_weights
 from ckptstream.reader import ReplicaRecord
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
+from ckptstream.errors import VllmError
 from ckptstream.vllm_loader import VllmClient, free_port
-from tests.helpers import PROMPTS
+from tests.helpers import PROMPTS, command_lines_under
 
 # The replay's evaluation command: what the server serves before and after a pause long enough for
 # `serve` (polling every 0.2 s) to notice a version published meanwhile, and its greedy outputs.
@@ -122,6 +127,50 @@ def test_replay_beside_serve_takes_the_server_over_and_gives_it_back(tmp_path):
     assert code == 0, text[-3000:]
     assert "passing vLLM VLLM_CPU_KVCACHE_SPACE=1, --gpu-memory-utilization 0.3, --skip-tokenizer-init" in text
     assert "standing aside" in text and "was given back" in text
+
+
+def test_serve_passes_the_api_key_in_vllms_environment(tmp_path):
+    """$VLLM_API_KEY reaches vLLM in its environment, not on its command line (which every user of the host
+    reads in /proc/PID/cmdline, and where serve used to put it as --api-key); vLLM still requires the key."""
+    key = "s3cret-api-key"
+    model = write_tiny_model(tmp_path / "model", TinyModelSpec())
+    url = str(tmp_path / "stream")
+    with Publisher(url, assets=model) as publisher:
+        publisher.publish(dict(iter_hf_weights(model))).result()
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        serve = subprocess.Popen(["ckptstream", "serve", url, "--port", str(port), "--cache-dir",
+                                  str(tmp_path / "cache")], env={**_env_without_vllm_settings(), "VLLM_API_KEY": key},
+                                 stdout=out, stderr=subprocess.STDOUT)
+    client = VllmClient(f"http://127.0.0.1:{port}", api_key=key)
+    started = False
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            lines = command_lines_under(serve.pid)
+            assert not any(key.encode() in line for line in lines), lines
+            started = started or any(b"vllm.entrypoints.openai.api_server" in line for line in lines)
+            if _serves(client, "0"):  # serve's own calls to vLLM carried the key: it serves version 0
+                break
+            assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert started
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{client.url}/v1/models", timeout=30)
+        assert refused.value.code == 401
+        assert client.generate([1, 2, 3], 2)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=120)
+    assert code == 0, log.read_text()[-3000:]
+
+
+def _serves(client: VllmClient, version: str) -> bool:
+    try:
+        return client.weight_version() == version
+    except VllmError:
+        return False
 
 
 def test_serve_reports_vllms_own_error_when_vllm_cannot_start(tmp_path):
