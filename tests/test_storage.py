@@ -20,7 +20,7 @@ from ckptstream.storage import (MAX_CONCURRENT_READS, Capabilities, FsspecStorag
                                 Storage, ThrottledStorage, open_storage, register_backend, registered_schemes, throttle)
 from ckptstream.storage.base import concurrently
 from ckptstream.testing.storage import ReadOnlyStorageSuite, WritableStorageSuite
-from tests.helpers import new_bucket
+from tests.helpers import new_bucket, s3_refusing_every_put
 
 # ------------------------------------------------------------------------------------ the suite, per backend
 
@@ -184,6 +184,18 @@ def test_posix_put_if_absent_accepts_its_own_retransmitted_link(tmp_path, monkey
     with pytest.raises(FileExistsError):  # someone else's file under the name is still a conflict
         storage.put_if_absent("manifests/000000000001.json", b"theirs")
     assert storage.read("manifests/000000000001.json") == b"mine"
+
+
+# ------------------------------------------------------------------------------------ S3 particulars
+
+
+def test_s3_412_that_names_no_condition_is_file_exists():
+    """A 412 that does not name the failed condition (some S3-compatible stores) is an OSError(EINVAL) to
+    s3fs: put_if_absent still raises the FileExistsError that commits and stream creation take for "exists"."""
+    with s3_refusing_every_put() as endpoint:
+        storage = open_storage("s3://bucket/stream", {"endpoint_url": endpoint, "key": "k", "secret": "s"})
+        with pytest.raises(FileExistsError, match="manifests/000000000001.json"):
+            storage.put_if_absent("manifests/000000000001.json", b"mine")
 
 
 def test_posix_capabilities(tmp_path):

@@ -9,6 +9,7 @@ import contextlib
 import datetime as _dt
 import errno
 from collections.abc import Iterator, Sequence
+from http import HTTPStatus
 from typing import IO, Any
 
 from ..errors import StorageCapabilityError
@@ -20,6 +21,11 @@ from .base import MAX_CONCURRENT_READS, Capabilities, Entry, Storage, check_rang
 _CONDITIONAL_PUT_PROTOCOLS = ("s3", "s3a")
 _MAX_COPY_OBJECT_BYTES = 5 << 30
 """The largest object S3 copies in one CopyObject request; larger ones are copied part by part."""
+FS_OPTIONS = {"use_listings_cache": False}
+"""Options the file system of a stream is opened with (over the caller's): no cache of directory listings,
+because other writers change the store. With one, a whole-file read whose size s3fs takes from a listing
+made earlier (a publisher lists ``manifests/`` to number a version) finds a manifest committed since then
+missing: a commit's read-back would miss the winner's manifest, or its own."""
 
 
 class FsspecStorage(Storage):
@@ -118,8 +124,15 @@ class FsspecStorage(Storage):
             raise StorageCapabilityError(
                 f"storage {self.url} has no atomic put-if-absent, so concurrent commits could be lost",
                 file=path, hint="Use a POSIX path or an S3-compatible object store")
-        with self.fs.open(self._abs(path), "xb") as f:  # s3fs: PUT with If-None-Match: *
-            f.write(data)
+        try:
+            with self.fs.open(self._abs(path), "xb") as f:  # s3fs: PUT with If-None-Match: *
+                f.write(data)
+        except OSError as exc:
+            if isinstance(exc, FileExistsError) or not _precondition_failed(exc):
+                raise
+            # s3fs makes a 412 a FileExistsError only when the server names the failed condition; the
+            # If-None-Match: * of this PUT is the only condition it carries.
+            raise FileExistsError(errno.EEXIST, f"{path} exists ({exc})", self._abs(path)) from exc
 
     def touch(self, path: str) -> None:
         if not self._object_store:
@@ -172,3 +185,17 @@ class FsspecStorage(Storage):
     def delete_tree(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._abs(path), recursive=True)
+
+
+def _precondition_failed(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it was translated from: s3fs keeps botocore's ClientError as the cause) is
+    an HTTP 412, the answer to a conditional request whose condition did not hold."""
+    while exc is not None:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = response.get("Error", {}).get("Code")
+            if status == HTTPStatus.PRECONDITION_FAILED or code == "PreconditionFailed":
+                return True
+        exc = exc.__cause__
+    return False

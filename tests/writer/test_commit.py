@@ -18,7 +18,7 @@ from ckptstream.format import MAX_ASSET_BYTES, MAX_JSON_DEPTH, STREAM_FILE, File
 from ckptstream.storage import PosixStorage, open_storage
 from ckptstream.writer import PublisherConfig, open_or_create_stream
 from ckptstream.writer.commit import commit_manifest
-from tests.helpers import assert_same_tensors, random_state
+from tests.helpers import assert_same_tensors, random_state, s3_refusing_every_put
 from ckptstream.testing.lossy_proxy import LossyProxy
 
 MANIFEST_KEY = r"/manifests/[0-9]{12}\.json$"
@@ -266,6 +266,20 @@ def test_commit_whose_outcome_cannot_be_read_back_is_unknown(local_url):
                                                "config_kwargs": {"retries": {"max_attempts": 1}}})
     with pytest.raises(CommitOutcomeUnknownError, match="unknown"):
         commit_manifest(storage, manifest)
+
+
+def test_commit_refused_as_existing_but_unreadable_is_of_unknown_outcome(local_url):
+    """The put says the manifest exists, the read-back finds none (removed since, or a store whose reads
+    lag): it may have been this writer's, stored by a retry, so the outcome is unknown, not a failure whose
+    data files could go."""
+    from ckptstream.errors import CommitOutcomeUnknownError
+
+    with Publisher(local_url) as publisher:
+        manifest = publisher.publish(random_state(0)).result()
+    with s3_refusing_every_put() as endpoint:
+        storage = open_storage("s3://bucket/stream", {"endpoint_url": endpoint, "key": "k", "secret": "s"})
+        with pytest.raises(CommitOutcomeUnknownError, match="version 0.*exists, yet none can be read back"):
+            commit_manifest(storage, manifest)
 
 
 def test_a_manifest_readers_would_refuse_is_never_committed(local_url):
