@@ -50,6 +50,40 @@ def test_lost_response_to_the_commit_put_is_not_a_conflict(s3_endpoint, mode):
     stream.verify(1)
 
 
+@pytest.mark.parametrize("mode", ["500", "reset"])
+def test_cli_publish_whose_commit_answer_is_lost_exits_0(s3_endpoint, tiny_model, mode, capsys):
+    """`ckptstream publish` onto an existing stream through a proxy that forwards the manifest PUT and then
+    answers 500 or closes the connection: botocore's retry gets 412, the read-back finds this writer's bytes
+    (not the listing the publisher cached when it numbered the version), so the version is committed and
+    the command exits 0. Another writer of that version, whose answer is lost too, gets a real conflict, and
+    publishing that version again exits 5."""
+    from tests.helpers import new_bucket
+
+    url = f"s3://{new_bucket(s3_endpoint)}/run"
+    publish = ["publish", url, "--from-hf", str(tiny_model), "--cache-dir", ""]
+    assert main(publish) == 0  # version 0, straight to the server
+    with LossyProxy(s3_endpoint, MANIFEST_KEY, mode=mode) as proxy:
+        assert main([*publish, "--keyframe", "-o", f"endpoint_url={proxy.url}"]) == 0
+    stream = Stream(url)  # straight to the server, not through the proxy
+    assert stream.versions() == [0, 1]
+    stream.verify(1)
+    ours = stream.manifest(1)
+    other = dataclasses.replace(ours, writer={**ours.writer, "id": "0123456789ab"})
+    with LossyProxy(s3_endpoint, MANIFEST_KEY, mode=mode) as other_proxy:
+        storage = open_storage(url, {"endpoint_url": other_proxy.url})
+        storage.list("manifests")  # as the publisher numbering version 1 did: no cached listing may answer
+        with pytest.raises(VersionConflictError, match="another writer committed this version first"):
+            commit_manifest(storage, other)
+    lost = None if mode == "reset" else 500
+    for seen in (proxy.seen, other_proxy.seen):  # the retry of each lost PUT met the stored manifest
+        assert [status for method, path, status in seen if method == "PUT" and re.search(MANIFEST_KEY, path)] == [
+            lost, 412]
+    capsys.readouterr()
+    assert main([*publish, "--version", "1"]) == 5
+    assert "version 1 is not newer than the latest version 1" in capsys.readouterr().err
+    assert Stream(url).manifest(1).to_bytes() == ours.to_bytes()
+
+
 def test_commit_put_failing_after_the_server_stored_it_is_a_commit(s3_endpoint):
     """Every answer to the commit PUT is lost and the retries run out: the PUT fails, but the manifest read
     back is this writer's, so the version is committed."""
