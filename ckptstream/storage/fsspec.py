@@ -14,6 +14,7 @@ from typing import IO, Any
 
 from ..errors import StorageCapabilityError
 from .base import MAX_CONCURRENT_READS, Capabilities, Entry, Storage, check_ranges, short_read, temp_name
+from .s3upload import MultipartWriter
 
 # Object stores whose fsspec backend turns open(path, "xb") into an atomic put-if-absent (s3fs sends a PUT
 # with If-None-Match: *), and whose objects appear only when their (multipart) upload completes, so a
@@ -99,25 +100,27 @@ class FsspecStorage(Storage):
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
         final = self._abs(path)
-        # An object appears only when its (multipart) upload completes, so the final name is safe to use;
-        # elsewhere (memory://: a file is visible as soon as it is opened) write aside and move into place.
+        if self._object_store:
+            # An object appears only when its (multipart) upload completes, so the final name is safe to use.
+            with MultipartWriter(self.fs, final) as f:
+                yield f  # type: ignore[misc]  # a write-only file object
+            return
+        # Elsewhere (memory://: a file is visible as soon as it is opened) write aside and move into place.
         directory, _, name = final.rpartition("/")
-        target = final if self._object_store else f"{directory}/{temp_name(name)}"
+        target = f"{directory}/{temp_name(name)}"
         f = self.fs.open(target, "wb")
         try:
             yield f
         except BaseException:
             with contextlib.suppress(Exception):
-                f.discard()  # abort the (multipart) upload: nothing appears
-                f.closed = True  # so that garbage collection does not complete the upload
-            if target != final:
-                with contextlib.suppress(Exception):
-                    f.close()
-                    self.fs.rm_file(target)
+                f.discard()  # drop what is buffered
+                f.closed = True
+            with contextlib.suppress(Exception):
+                f.close()
+                self.fs.rm_file(target)
             raise
         f.close()
-        if target != final:
-            self.fs.mv(target, final)
+        self.fs.mv(target, final)
 
     def put_if_absent(self, path: str, data: bytes) -> None:
         if not self.capabilities.put_if_absent:
