@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO, Callable, Iterator, Sequence
 
 import torch
 
@@ -30,6 +30,49 @@ def new_bucket(endpoint: str) -> str:
     name = f"ckpt-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
     return name
+
+
+@contextlib.contextmanager
+def s3_refusing_every_put() -> Iterator[str]:
+    """A stand-in S3 server on loopback (its endpoint) that answers every PUT 412 without naming the failed
+    condition, as some S3-compatible stores do (moto always names it), and every read 404: botocore and s3fs
+    parse its answers for real."""
+    import http.server
+
+    refused = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>PreconditionFailed</Code>"
+               b"<Message>At least one of the pre-conditions you specified did not hold</Message></Error>")
+    missing = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NoSuchKey</Code><Message>none</Message></Error>"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def do_PUT(self) -> None:
+            self._answer(412, refused)
+
+        def do_GET(self) -> None:
+            self._answer(404, missing)
+
+        do_HEAD = do_GET
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -19,8 +19,9 @@ from ckptstream.errors import EXIT_INCOMPATIBLE, IntegrityError, StorageCapabili
 from ckptstream.storage import (MAX_CONCURRENT_READS, Capabilities, FsspecStorage, PosixStorage, ReadOnlyStorage,
                                 Storage, ThrottledStorage, open_storage, register_backend, registered_schemes, throttle)
 from ckptstream.storage.base import concurrently
+from ckptstream.testing.lossy_proxy import LossyProxy
 from ckptstream.testing.storage import ReadOnlyStorageSuite, WritableStorageSuite
-from tests.helpers import new_bucket
+from tests.helpers import new_bucket, s3_refusing_every_put
 
 # ------------------------------------------------------------------------------------ the suite, per backend
 
@@ -184,6 +185,73 @@ def test_posix_put_if_absent_accepts_its_own_retransmitted_link(tmp_path, monkey
     with pytest.raises(FileExistsError):  # someone else's file under the name is still a conflict
         storage.put_if_absent("manifests/000000000001.json", b"theirs")
     assert storage.read("manifests/000000000001.json") == b"mine"
+
+
+# ------------------------------------------------------------------------------------ S3 particulars
+
+
+def test_s3_412_that_names_no_condition_is_file_exists():
+    """A 412 that does not name the failed condition (some S3-compatible stores) is an OSError(EINVAL) to
+    s3fs: put_if_absent still raises the FileExistsError that commits and stream creation take for "exists"."""
+    with s3_refusing_every_put() as endpoint:
+        storage = open_storage("s3://bucket/stream", {"endpoint_url": endpoint, "key": "k", "secret": "s"})
+        with pytest.raises(FileExistsError, match="manifests/000000000001.json"):
+            storage.put_if_absent("manifests/000000000001.json", b"mine")
+
+
+def _object_and_uploads(endpoint: str, bucket: str, key: str) -> tuple[dict | None, list]:
+    """The object's HEAD (None if absent) and the bucket's unfinished multipart uploads, asked with boto3."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    try:
+        head = client.head_object(Bucket=bucket, Key=key)
+    except client.exceptions.ClientError:
+        head = None
+    return head, client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+def test_s3_open_write_uploads_parts_and_a_small_file_in_one_put(s3_endpoint):
+    """Writes of any size and buffer type become parts of PART_BYTES (uploaded while later writes fill the next
+    part); an object no larger than one part is a single PUT."""
+    from ckptstream.storage.s3upload import PART_BYTES
+
+    bucket = new_bucket(s3_endpoint)
+    storage = open_storage(f"s3://{bucket}/s")
+    data = bytes(range(256)) * ((2 * PART_BYTES + PART_BYTES // 2) // 256)
+    cuts = [0, 1, 7 << 20, PART_BYTES + 3, 2 * PART_BYTES, len(data)]
+    with storage.open_write("big") as f:
+        for start, end in zip(cuts, cuts[1:]):
+            f.write(memoryview(bytearray(data[start:end])))
+    assert storage.read("big") == data
+    head, uploads = _object_and_uploads(s3_endpoint, bucket, "s/big")
+    assert head["ETag"].endswith('-3"') and uploads == []  # three parts, the upload completed
+    storage.put("small", data[:PART_BYTES])
+    assert storage.read("small") == data[:PART_BYTES]
+    assert "-" not in _object_and_uploads(s3_endpoint, bucket, "s/small")[0]["ETag"]  # one PUT
+
+
+def test_s3_open_write_failing_leaves_no_object_and_no_upload(s3_endpoint):
+    """A write that fails — the caller's error, or a part the server never gets (a real proxy answers 500
+    to every PUT of the object without forwarding it) — aborts the multipart upload: nothing appears."""
+    from ckptstream.storage.s3upload import PART_BYTES
+
+    bucket = new_bucket(s3_endpoint)
+    data = bytes(3 * PART_BYTES)
+    storage = open_storage(f"s3://{bucket}/s")
+    with pytest.raises(RuntimeError, match="caller"):
+        with storage.open_write("big") as f:
+            f.write(data)
+            raise RuntimeError("the caller failed")
+    assert _object_and_uploads(s3_endpoint, bucket, "s/big") == (None, [])
+    with LossyProxy(s3_endpoint, r"/s/big$", forward=False, losses=1000) as proxy:
+        lossy = open_storage(f"s3://{bucket}/s", {"endpoint_url": proxy.url,
+                                                   "config_kwargs": {"retries": {"max_attempts": 1}}})
+        with pytest.raises(OSError):
+            with lossy.open_write("big") as f:
+                f.write(data)
+        assert proxy.lost  # the parts were sent and lost
+    assert _object_and_uploads(s3_endpoint, bucket, "s/big") == (None, [])
 
 
 def test_posix_capabilities(tmp_path):

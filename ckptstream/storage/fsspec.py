@@ -9,10 +9,12 @@ import contextlib
 import datetime as _dt
 import errno
 from collections.abc import Iterator, Sequence
+from http import HTTPStatus
 from typing import IO, Any
 
 from ..errors import StorageCapabilityError
 from .base import MAX_CONCURRENT_READS, Capabilities, Entry, Storage, check_ranges, short_read, temp_name
+from .s3upload import MultipartWriter
 
 # Object stores whose fsspec backend turns open(path, "xb") into an atomic put-if-absent (s3fs sends a PUT
 # with If-None-Match: *), and whose objects appear only when their (multipart) upload completes, so a
@@ -20,6 +22,11 @@ from .base import MAX_CONCURRENT_READS, Capabilities, Entry, Storage, check_rang
 _CONDITIONAL_PUT_PROTOCOLS = ("s3", "s3a")
 _MAX_COPY_OBJECT_BYTES = 5 << 30
 """The largest object S3 copies in one CopyObject request; larger ones are copied part by part."""
+FS_OPTIONS = {"use_listings_cache": False}
+"""Options the file system of a stream is opened with (over the caller's): no cache of directory listings,
+because other writers change the store. With one, a whole-file read whose size s3fs takes from a listing
+made earlier (a publisher lists ``manifests/`` to number a version) finds a manifest committed since then
+missing: a commit's read-back would miss the winner's manifest, or its own."""
 
 
 class FsspecStorage(Storage):
@@ -94,33 +101,42 @@ class FsspecStorage(Storage):
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
         final = self._abs(path)
-        # An object appears only when its (multipart) upload completes, so the final name is safe to use;
-        # elsewhere (memory://: a file is visible as soon as it is opened) write aside and move into place.
+        if self._object_store:
+            # An object appears only when its (multipart) upload completes, so the final name is safe to use.
+            with MultipartWriter(self.fs, final) as f:
+                yield f  # type: ignore[misc]  # a write-only file object
+            return
+        # Elsewhere (memory://: a file is visible as soon as it is opened) write aside and move into place.
         directory, _, name = final.rpartition("/")
-        target = final if self._object_store else f"{directory}/{temp_name(name)}"
+        target = f"{directory}/{temp_name(name)}"
         f = self.fs.open(target, "wb")
         try:
             yield f
         except BaseException:
             with contextlib.suppress(Exception):
-                f.discard()  # abort the (multipart) upload: nothing appears
-                f.closed = True  # so that garbage collection does not complete the upload
-            if target != final:
-                with contextlib.suppress(Exception):
-                    f.close()
-                    self.fs.rm_file(target)
+                f.discard()  # drop what is buffered
+                f.closed = True
+            with contextlib.suppress(Exception):
+                f.close()
+                self.fs.rm_file(target)
             raise
         f.close()
-        if target != final:
-            self.fs.mv(target, final)
+        self.fs.mv(target, final)
 
     def put_if_absent(self, path: str, data: bytes) -> None:
         if not self.capabilities.put_if_absent:
             raise StorageCapabilityError(
                 f"storage {self.url} has no atomic put-if-absent, so concurrent commits could be lost",
                 file=path, hint="Use a POSIX path or an S3-compatible object store")
-        with self.fs.open(self._abs(path), "xb") as f:  # s3fs: PUT with If-None-Match: *
-            f.write(data)
+        try:
+            with self.fs.open(self._abs(path), "xb") as f:  # s3fs: PUT with If-None-Match: *
+                f.write(data)
+        except OSError as exc:
+            if isinstance(exc, FileExistsError) or not _precondition_failed(exc):
+                raise
+            # s3fs makes a 412 a FileExistsError only when the server names the failed condition; the
+            # If-None-Match: * of this PUT is the only condition it carries.
+            raise FileExistsError(errno.EEXIST, f"{path} exists ({exc})", self._abs(path)) from exc
 
     def touch(self, path: str) -> None:
         if not self._object_store:
@@ -173,3 +189,17 @@ class FsspecStorage(Storage):
     def delete_tree(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._abs(path), recursive=True)
+
+
+def _precondition_failed(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it was translated from: s3fs keeps botocore's ClientError as the cause) is
+    an HTTP 412, the answer to a conditional request whose condition did not hold."""
+    while exc is not None:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = response.get("Error", {}).get("Code")
+            if status == HTTPStatus.PRECONDITION_FAILED or code == "PreconditionFailed":
+                return True
+        exc = exc.__cause__
+    return False

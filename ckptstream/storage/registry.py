@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import StorageCapabilityError
 from .base import Storage
-from .fsspec import FsspecStorage
+from .fsspec import FS_OPTIONS, FsspecStorage
 from .posix import PosixStorage
 
 BackendFactory = Callable[[str, Mapping[str, Any]], Storage]
@@ -81,7 +81,7 @@ def _open_fsspec(url: str, scheme: str, storage_options: Mapping[str, Any]) -> S
                 raise StorageCapabilityError(
                     f"unknown storage URL scheme {protocol!r} in {url}",
                     hint=f"Use a local path or one of: {', '.join(_supported_schemes())}") from None
-        fs, root = fsspec.core.url_to_fs(url, **dict(storage_options))
+        fs, root = fsspec.core.url_to_fs(url, **{**storage_options, **FS_OPTIONS})
     except ImportError as exc:  # fsspec knows the protocol, its package is missing (at lookup or creation)
         hint = "pip install 'ckptstream[s3]'" if scheme in ("s3", "s3a") else "Install the package the message names"
         raise StorageCapabilityError(f"storage URL scheme {scheme!r} needs a package that is not installed "

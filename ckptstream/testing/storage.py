@@ -171,6 +171,26 @@ class StorageSuite:
         assert storage.exists(FILE)
         assert not storage.exists("d")  # a directory is not a file
 
+    def test_reads_after_a_listing_are_fresh(self, storage: Storage) -> None:
+        """Files created or replaced behind the storage's back after their directory was listed are read,
+        opened and sized as they are now: no cached listing may answer (a commit reads back the manifest
+        it or another writer just stored, after listing ``manifests/`` to number the version)."""
+        listed = storage.capabilities.listing
+        self.populate(storage, {"d/other": b"1"})
+        if listed:
+            assert [e.name for e in storage.list("d")] == ["other"]
+        self.populate(storage, {FILE: DATA})
+        assert storage.read(FILE) == DATA
+        with storage.open_read(FILE) as f:
+            assert f.read() == DATA
+        if listed:
+            assert {e.name for e in storage.list("d")} == {"other", FILE.rsplit("/", 1)[1]}
+        self.populate(storage, {FILE: DATA * 2})
+        assert storage.read(FILE) == DATA * 2
+        assert storage.size(FILE) == len(DATA) * 2
+        with storage.open_read(FILE) as f:
+            assert f.read() == DATA * 2
+
     def test_list(self, storage: Storage) -> None:
         if not storage.capabilities.listing:
             with pytest.raises(StorageCapabilityError):

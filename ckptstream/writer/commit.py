@@ -258,6 +258,13 @@ def commit_manifest(storage: Storage, manifest: Manifest, raw: bytes | None = No
             raise VersionConflictError("another writer committed this version first", version=manifest.version,
                                        hint="This writer's data files are left for `ckptstream gc`; "
                                             "publish a newer version") from None
+        if stored is None and isinstance(exc, FileExistsError):
+            # The put found a manifest that the read-back does not: removed since, or a store whose reads
+            # lag its writes. It may have been this writer's, stored by a retry of a lost request.
+            raise CommitOutcomeUnknownError(
+                "the commit was refused because the manifest exists, yet none can be read back, so whether "
+                "this writer's was the one stored is unknown", version=manifest.version, file=path,
+                hint="Check with `ckptstream ls` before publishing this version again") from exc
         if stored is None:
             raise  # nothing was stored: the commit failed
         log.info("version %d: the commit reported %r but the manifest holds this writer's bytes (the answer "

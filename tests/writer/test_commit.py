@@ -18,7 +18,7 @@ from ckptstream.format import MAX_ASSET_BYTES, MAX_JSON_DEPTH, STREAM_FILE, File
 from ckptstream.storage import PosixStorage, open_storage
 from ckptstream.writer import PublisherConfig, open_or_create_stream
 from ckptstream.writer.commit import commit_manifest
-from tests.helpers import assert_same_tensors, random_state
+from tests.helpers import assert_same_tensors, random_state, s3_refusing_every_put
 from ckptstream.testing.lossy_proxy import LossyProxy
 
 MANIFEST_KEY = r"/manifests/[0-9]{12}\.json$"
@@ -48,6 +48,40 @@ def test_lost_response_to_the_commit_put_is_not_a_conflict(s3_endpoint, mode):
     assert stream.manifest(0).writer["id"] == manifest.writer["id"]
     assert_same_tensors(dict(stream.iter_tensors(0)), state)
     stream.verify(1)
+
+
+@pytest.mark.parametrize("mode", ["500", "reset"])
+def test_cli_publish_whose_commit_answer_is_lost_exits_0(s3_endpoint, tiny_model, mode, capsys):
+    """`ckptstream publish` onto an existing stream through a proxy that forwards the manifest PUT and then
+    answers 500 or closes the connection: botocore's retry gets 412, the read-back finds this writer's bytes
+    (not the listing the publisher cached when it numbered the version), so the version is committed and
+    the command exits 0. Another writer of that version, whose answer is lost too, gets a real conflict, and
+    publishing that version again exits 5."""
+    from tests.helpers import new_bucket
+
+    url = f"s3://{new_bucket(s3_endpoint)}/run"
+    publish = ["publish", url, "--from-hf", str(tiny_model), "--cache-dir", ""]
+    assert main(publish) == 0  # version 0, straight to the server
+    with LossyProxy(s3_endpoint, MANIFEST_KEY, mode=mode) as proxy:
+        assert main([*publish, "--keyframe", "-o", f"endpoint_url={proxy.url}"]) == 0
+    stream = Stream(url)  # straight to the server, not through the proxy
+    assert stream.versions() == [0, 1]
+    stream.verify(1)
+    ours = stream.manifest(1)
+    other = dataclasses.replace(ours, writer={**ours.writer, "id": "0123456789ab"})
+    with LossyProxy(s3_endpoint, MANIFEST_KEY, mode=mode) as other_proxy:
+        storage = open_storage(url, {"endpoint_url": other_proxy.url})
+        storage.list("manifests")  # as the publisher numbering version 1 did: no cached listing may answer
+        with pytest.raises(VersionConflictError, match="another writer committed this version first"):
+            commit_manifest(storage, other)
+    lost = None if mode == "reset" else 500
+    for seen in (proxy.seen, other_proxy.seen):  # the retry of each lost PUT met the stored manifest
+        assert [status for method, path, status in seen if method == "PUT" and re.search(MANIFEST_KEY, path)] == [
+            lost, 412]
+    capsys.readouterr()
+    assert main([*publish, "--version", "1"]) == 5
+    assert "version 1 is not newer than the latest version 1" in capsys.readouterr().err
+    assert Stream(url).manifest(1).to_bytes() == ours.to_bytes()
 
 
 def test_commit_put_failing_after_the_server_stored_it_is_a_commit(s3_endpoint):
@@ -266,6 +300,20 @@ def test_commit_whose_outcome_cannot_be_read_back_is_unknown(local_url):
                                                "config_kwargs": {"retries": {"max_attempts": 1}}})
     with pytest.raises(CommitOutcomeUnknownError, match="unknown"):
         commit_manifest(storage, manifest)
+
+
+def test_commit_refused_as_existing_but_unreadable_is_of_unknown_outcome(local_url):
+    """The put says the manifest exists, the read-back finds none (removed since, or a store whose reads
+    lag): it may have been this writer's, stored by a retry, so the outcome is unknown, not a failure whose
+    data files could go."""
+    from ckptstream.errors import CommitOutcomeUnknownError
+
+    with Publisher(local_url) as publisher:
+        manifest = publisher.publish(random_state(0)).result()
+    with s3_refusing_every_put() as endpoint:
+        storage = open_storage("s3://bucket/stream", {"endpoint_url": endpoint, "key": "k", "secret": "s"})
+        with pytest.raises(CommitOutcomeUnknownError, match="version 0.*exists, yet none can be read back"):
+            commit_manifest(storage, manifest)
 
 
 def test_a_manifest_readers_would_refuse_is_never_committed(local_url):

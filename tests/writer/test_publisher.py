@@ -198,6 +198,58 @@ def test_two_publishers_racing_for_one_version(stream_url):
     stream.verify(3)
 
 
+def _publish_racing(url: str, seed: int, numbered: threading.Barrier) -> None:
+    """One racer's process: number version 3 (the publisher lists the stream), wait until every racer has,
+    then publish; exits with the code `ckptstream publish` gives its outcome."""
+    import sys
+
+    from ckptstream.errors import EXIT_ERROR, EXIT_OK, CkptStreamError
+
+    publisher = Publisher(url)
+
+    def tensors():
+        numbered.wait(120)  # every racer holds a listing without version 3 before any of them commits
+        yield from random_state(seed).items()
+
+    try:
+        publisher.publish(tensors(), version=3).result()
+        code = EXIT_OK
+    except CkptStreamError as exc:
+        code = exc.exit_code
+    except Exception:  # noqa: BLE001 - the exit code says it was not the conflict
+        code = EXIT_ERROR
+    try:
+        publisher.close()
+    except CkptStreamError:
+        pass  # the same failure once more
+    sys.exit(code)
+
+
+def test_four_publisher_processes_racing_on_s3_one_wins_the_others_conflict(s3_endpoint):
+    """Four processes commit version 3 of one stream on the S3 server at once: each loser's conditional PUT
+    gets 412 and the manifest it reads back is the winner's (read from the server, not from the listing its
+    publisher cached when it numbered the version), so it reports the conflict (exit 5), never exit 1."""
+    from ckptstream.errors import EXIT_CONFLICT, EXIT_OK
+    from tests.helpers import new_bucket, preloaded_context, preloaded_process
+
+    url = f"s3://{new_bucket(s3_endpoint)}/runs/stream"
+    with Publisher(url) as publisher:
+        publisher.publish(random_state(0), version=0).result()
+    numbered = preloaded_context().Barrier(4)
+    racers = [preloaded_process(_publish_racing, url, seed, numbered) for seed in (1, 2, 3, 4)]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join(300)
+    codes = [racer.exitcode for racer in racers]
+    assert sorted(codes) == [EXIT_OK] + [EXIT_CONFLICT] * 3, codes
+    stream = Stream(url)
+    assert stream.versions() == [0, 3]
+    stream.verify(3)
+    winner = (1, 2, 3, 4)[codes.index(EXIT_OK)]
+    assert_same_tensors(dict(stream.iter_tensors(3)), random_state(winner))
+
+
 def test_assets_are_fixed_at_stream_creation(local_url, tiny_model):
     with Publisher(local_url, assets=tiny_model):
         pass
