@@ -66,7 +66,16 @@ def s3_refusing_every_put() -> Iterator[str]:
 
         do_HEAD = do_GET
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    with serving(Handler) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(handler: type) -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 with the request handler class ``handler``, on a thread: its URL."""
+    import http.server
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import http.server
 import queue
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from ckptstream.storage.http import HttpStorage
 from ckptstream.storage.wrapper import WrapperStorage
 from ckptstream.testing.http import ResettingProxy, StaticHttpServer
 from ckptstream.testing.storage import DATA, ReadOnlyStorageSuite
+from tests.helpers import serving
 
 TOKEN = "s3cret-token"
 
@@ -47,13 +47,8 @@ def _answering(answer: Callable[[http.server.BaseHTTPRequestHandler], None]) -> 
 
         do_HEAD = do_GET
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as url:
+        yield url
 
 
 def _redirect(handler: http.server.BaseHTTPRequestHandler, location: str) -> None:
@@ -214,17 +209,11 @@ def test_server_errors_are_retried_then_reported(tmp_path):
             self.end_headers()
             self.wfile.write(body)
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with serving(Handler) as url:
         assert open_storage(url).read("f") == b"ok" and answers == [503, 503, 200]
         plan.extend([503] * 10)
         with pytest.raises(StorageAccessError, match=r"failed after 3 attempts \(HTTP 503\)"):
             open_storage(url, {"retries": 2}).read("f")
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_an_endless_latest_hint_is_read_no_further_than_its_limit():
