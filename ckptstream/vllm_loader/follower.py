@@ -429,11 +429,11 @@ class Follower:
         current version again). If the reload fails and ``restore`` (the current version's directory) is
         given, it is reloaded before ``/resume`` (a rank whose reload failed half-way holds placeholders,
         and ranks that succeeded hold the new version); then the client is appended to ``restored``."""
-        for directory in (path,) if path is not None else (restore,):
-            if directory is None or not (directory / MARKER_FILE).is_file():
-                # vLLM treats a missing directory as a hub repository id and its engine dies of it.
-                raise CkptStreamError(f"{directory} is not a complete materialized directory; not handing it to "
-                                      "vLLM", version=version)
+        directory = path if path is not None else restore
+        if directory is None or not (directory / MARKER_FILE).is_file():
+            # vLLM treats a missing directory as a hub repository id and its engine dies of it.
+            raise CkptStreamError(f"{directory} is not a complete materialized directory; not handing it to vLLM",
+                                  version=version)
         started = time.perf_counter()
         serves = version
         client.pause(self.pause_mode)
