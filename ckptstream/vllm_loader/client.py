@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from ..errors import VllmError, VllmUnreachable
 from ..httpjson import request_json
 from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, LABEL_METHOD, REPORT_METHOD,
-                     SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD)
+                     SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD, TRANSFER_STATUS_METHOD)
 
 
 class VllmControl(Protocol):
@@ -235,6 +235,32 @@ class VllmClient:
 
     def reset_prefix_cache(self) -> None:
         self._request("POST", "/reset_prefix_cache")
+
+    # ----------------------------------------------------------------- vLLM's weight-transfer API
+    # The four routes of vLLM >= 0.29 (``VLLMWeightSyncClient``'s methods, so a client is one).
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``/init_weight_transfer_engine``: give the server's weight-transfer backend its ``init_info``."""
+        self._request("POST", "/init_weight_transfer_engine", {"init_info": init_info}, timeout=self.reload_timeout)
+
+    def start_weight_update(self) -> None:
+        self._request("POST", "/start_weight_update", timeout=self.reload_timeout)
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """``/update_weights``: every worker receives ``update_info`` (a reload of a large model may take
+        ``reload_timeout``)."""
+        self._request("POST", "/update_weights", {"update_info": update_info}, timeout=self.reload_timeout)
+
+    def weight_transfer_status(self) -> list[dict[str, Any] | None]:
+        """Every rank's last update through ckptstream's weight-transfer backend (``weight_transfer``):
+        ``version``, ``mode`` (``in_place``, ``reload``, ``unchanged``), ``fallback``, ``seconds``."""
+        return self._extension_call(TRANSFER_STATUS_METHOD, {})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """``/finish_weight_update``, labelling the weights ``weight_version`` where given."""
+        self._request("POST", "/finish_weight_update",
+                      None if weight_version is None else {"weight_version": weight_version},
+                      timeout=self.reload_timeout)
 
     def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
         """Ask every rank what its node's cache holds (the server must have been started with

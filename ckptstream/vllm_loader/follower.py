@@ -47,6 +47,7 @@ from ..storage.timing import TimedReads
 from ..locks import unlock
 from ..polling import poll
 from . import takeover
+from .apply import staging_problem
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .change import WHOLE, ChangeSummary, build_change, build_change_from_deltas
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
@@ -517,30 +518,13 @@ class Follower:
         except VllmError as exc:
             self._explain("no_extension", f"{client.url}: {exc}")
             return None, "no_extension"
-        errors = [str(r["error"]) for r in results if r.get("error")]
-        unpatchable = {name: why for r in results for name, why in (r.get("unpatchable") or {}).items()}
-        # Every changed position of a tensor the model loads must be written by some rank (a rank writes
-        # its TP slice; the slices add up): a loader that returned without copying leaves it stale.
-        covered: collections.Counter[str] = collections.Counter()
-        changed: dict[str, int] = {}
-        for r in results:
-            for name, (written, positions) in (r.get("coverage") or {}).items():
-                covered[name] += written
-                changed[name] = positions
-        unpatchable.update({name: f"{positions - covered[name]} of its {positions} changed positions are written by "
-                                  f"no rank's loader" for name, positions in changed.items()
-                            if covered[name] < positions and name not in unpatchable})
-        if errors or unpatchable:
+        problem = staging_problem(results)
+        if problem is not None:
             with contextlib.suppress(VllmError):
                 client.discard_change()
-        if errors:
-            self._explain("apply_failed", f"{client.url}: staging failed on a rank: {errors[0]}")
-            return None, "apply_failed"
-        if unpatchable:
-            name, why = next(iter(sorted(unpatchable.items())))
-            self._explain("unpatchable", f"{client.url}: {len(unpatchable)} changed tensor(s) cannot be written "
-                                         f"in place, e.g. {name}: {why}")
-            return None, "unpatchable"
+            reason, detail = problem
+            self._explain(reason, f"{client.url}: {detail}")
+            return None, reason
         return change, None
 
     def _apply_paused(self, client: VllmControl, version: int) -> str | None:

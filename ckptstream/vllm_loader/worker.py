@@ -29,6 +29,8 @@ REPORT_METHOD = "ckptstream_cache_report"
 LABEL_METHOD = "ckptstream_label"
 SET_LABEL_METHOD = "ckptstream_set_label"
 """The names ``/collective_rpc`` calls for the version label (``VllmClient`` where vLLM has no label routes)."""
+TRANSFER_STATUS_METHOD = "ckptstream_weight_transfer_status"
+"""The name ``/collective_rpc`` calls for the weight-transfer engine's last update (``weight_transfer``)."""
 STAGE_METHOD, STAGED_METHOD, APPLY_METHOD, DISCARD_METHOD, HASHES_METHOD = (
     "ckptstream_stage", "ckptstream_staged", "ckptstream_apply", "ckptstream_discard", "ckptstream_parameter_hashes")
 """The names ``/collective_rpc`` calls for the in-place apply."""
@@ -72,6 +74,14 @@ class WorkerExtension:
         from .apply import parameter_hashes
 
         return parameter_hashes(self.model_runner.get_model())
+
+    def ckptstream_weight_transfer_status(self) -> dict[str, Any] | None:
+        """The last update of this rank's ckptstream weight-transfer engine (``version``, ``mode``:
+        ``in_place``/``reload``/``unchanged``, ``fallback``, ``seconds``), ``{}`` before the first, None
+        where the server has no such engine (``--weight-transfer-config`` names another backend or none)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        status = getattr(engine, "last_update", None)
+        return dict(status) if isinstance(status, dict) else None
 
     def ckptstream_cache_report(self, versions_dir: str) -> dict[str, Any]:
         """This rank's host, node rank, rank, and the complete versions under ``versions_dir`` (the

