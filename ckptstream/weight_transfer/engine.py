@@ -108,6 +108,7 @@ class _Prepared:
     base: int | None
     change: Path | None
     reason: str | None  # why there is no change
+    prefetched: bool  # prepared in the background, before it was asked for
 
 
 class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, CkptstreamUpdateInfo]):
@@ -180,6 +181,7 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
             assert self.cache is not None
             self.cache.prune({version})
             self.last_update = {"version": version, "mode": mode, "fallback": reason,
+                                "prefetched": prepared.prefetched,
                                 "seconds": round(time.perf_counter() - started, 4)}
             log.info("version %d served (%s%s) in %.3f s", version, mode, f": {reason}" if reason else "",
                      self.last_update["seconds"])
@@ -207,7 +209,7 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
                                       hint="POST /init_weight_transfer_engine with the stream's url first")
         return self.stream
 
-    def _prepare(self, version: int) -> _Prepared:
+    def _prepare(self, version: int, prefetching: bool = False) -> _Prepared:
         """``version`` decoded in the cache and its change staged here (reused from the prefetcher)."""
         prepared = self._prepared
         if prepared is not None and (prepared.version, prepared.base) == (version, self.served):
@@ -219,7 +221,7 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         change, reason = self._change(version, path) if self._info.apply_in_place else (None, "disabled")
         if change is not None:
             self._applier.stage(str(change))
-        self._prepared = _Prepared(version, path, self.served, change, reason)
+        self._prepared = _Prepared(version, path, self.served, change, reason, prefetching)
         return self._prepared
 
     def _change(self, version: int, path: Path) -> tuple[Path | None, str | None]:
@@ -327,7 +329,7 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
                 tried = newest
                 with self._lock:
                     if not stop.is_set() and self.stream is stream and newest != self.served:
-                        self._prepare(newest)
+                        self._prepare(newest, prefetching=True)
             except Exception as exc:  # noqa: BLE001 - a prefetch is only a head start
                 log.warning("prefetching version %s failed: %s", tried, exc)
 

@@ -10,6 +10,7 @@ for bit; a corrupt version must be refused with every rank still serving the las
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,14 @@ def tp2_server(start_dir, vllm_servers, server):
     return vllm_servers(start_dir, tensor_parallel=2, extra_args=SERVER_ARGS)
 
 
+def wait_for_change_file(cache: Path, version: int) -> None:
+    """Until a change to ``version`` is in the cache (the prefetcher writes it before staging it)."""
+    deadline = time.monotonic() + 120
+    while not any(cache.glob(f"*/.changes/*-{version:012d}.safetensors")):
+        assert time.monotonic() < deadline, f"no change to version {version} in {cache} after 120 s"
+        time.sleep(0.02)
+
+
 def _update(client: HttpWeightSyncClient, version: int | str) -> None:
     client.start_weight_update()
     client.update_weights({"version": version})
@@ -102,11 +111,13 @@ def _update(client: HttpWeightSyncClient, version: int | str) -> None:
 
 def test_updates_through_vllms_routes_equal_full_reloads(local_run, server):
     client = HttpWeightSyncClient(server.url)
-    client.init_weight_transfer_engine({"url": local_run.url, "cache_dir": str(local_run.root / "cache")})
+    client.init_weight_transfer_engine({"url": local_run.url, "cache_dir": str(local_run.root / "cache"),
+                                        "poll_interval": 0.05})
     version = local_run.publish(linears=False)
+    wait_for_change_file(local_run.root / "cache", version)  # the prefetcher's work, while the server serves
     _update(client, version)
     (status,) = server.client.weight_transfer_status()
-    assert status["version"] == version and status["mode"] == "in_place", status
+    assert (status["version"], status["mode"], status["prefetched"]) == (version, "in_place", True), status
     assert server.client.weight_version() == str(version)
     local_run.equals_full_reload(server, version)
 
