@@ -103,7 +103,7 @@ class VllmClient:
         try:
             return request_json(self.url + path, method, body, api_key=self.api_key, timeout=timeout or self.timeout)
         except urllib.error.HTTPError as exc:
-            detail = exc.read()[:500].decode("utf-8", "replace")
+            detail = exc.read()[:2000].decode("utf-8", "replace")  # vLLM's answer names the cause
             raise VllmError(f"{method} {self.url}{path} answered {exc.code}: {detail}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
             raise VllmUnreachable(f"{method} {self.url}{path} failed: {exc}",

@@ -301,7 +301,7 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         failures = [detail for ok, detail in outcomes if not ok]
         if failures:
             serving = "the model it started with" if self.served is None else f"version {self.served}"
-            raise WeightTransferError(f"{failure}: {'; '.join(failures)}; every rank serves {serving}")
+            raise WeightTransferError(f"{failure}; every rank serves {serving}: {'; '.join(failures)}")
         return [detail for _, detail in outcomes]
 
     def _gather(self, value: Callable[[], T]) -> list[T]:

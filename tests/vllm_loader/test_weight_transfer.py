@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from ckptstream import Publisher, Stream
 from ckptstream.errors import VllmError
-from ckptstream.format import manifest_path
+from ckptstream.format import data_path
 from ckptstream.hf import iter_hf_weights
-from ckptstream.storage import open_storage
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader.worker import EXTENSION_CLASS
 from ckptstream.weight_transfer import BACKEND
@@ -95,6 +95,14 @@ def tp2_server(start_dir, vllm_servers, server):
     return vllm_servers(start_dir, tensor_parallel=2, extra_args=SERVER_ARGS)
 
 
+def corrupt(url: str, version: int) -> None:
+    """Flip one byte in the middle of a data file of ``version`` (same size: only the hashes can tell)."""
+    path = Path(url) / data_path(version, Stream(url).manifest(version).files[0].name)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
 def wait_for_change_file(cache: Path, version: int) -> None:
     """Until a change to ``version`` is in the cache (the prefetcher writes it before staging it)."""
     deadline = time.monotonic() + 120
@@ -128,28 +136,26 @@ def test_updates_through_vllms_routes_equal_full_reloads(local_run, server):
     local_run.equals_full_reload(server, version)
 
 
-def test_a_corrupt_version_is_refused_and_the_last_good_one_served(local_run, server):
-    client = HttpWeightSyncClient(server.url)
-    client.init_weight_transfer_engine({"url": local_run.url, "cache_dir": str(local_run.root / "cache")})
-    good = local_run.publish(linears=False)
-    _update(client, good)
-    before = server.outputs()
-    bad = local_run.publish(linears=False)
-    storage = open_storage(local_run.url)
-    manifest = Stream(local_run.url).manifest(bad)
-    data = manifest.files[0].name
-    path = Path(local_run.url) / "versions" / f"{bad:012d}" / data
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF  # same size, one byte flipped: only the hashes can tell
-    path.write_bytes(bytes(raw))
-    assert storage.exists(manifest_path(bad))
-    client.start_weight_update()
-    with pytest.raises(VllmError) as refused:
-        client.update_weights({"version": bad})
-    assert f"version {bad}" in str(refused.value) and f"serves version {good}" in str(refused.value)
-    assert server.outputs() == before
-    assert server.client.weight_version() == str(good)
-    local_run.equals_full_reload(server, good)
+def test_a_corrupt_version_is_refused_and_the_last_good_one_served(server, tmp_path):
+    run = Run(tmp_path, str(tmp_path / "stream"))  # a stream of its own: the corrupt version breaks its chain
+    try:
+        client = HttpWeightSyncClient(server.url)
+        client.init_weight_transfer_engine({"url": run.url, "cache_dir": str(tmp_path / "cache")})
+        good = run.publish(linears=False)
+        _update(client, good)
+        before = server.outputs()
+        bad = run.publish(linears=False)
+        corrupt(run.url, bad)
+        client.start_weight_update()
+        with pytest.raises(VllmError) as refused:
+            client.update_weights({"version": bad})
+        assert f"version {bad}" in str(refused.value) and f"serves version {good}" in str(refused.value)
+        assert "hash mismatch" in str(refused.value)
+        assert server.outputs() == before
+        assert server.client.weight_version() == str(good)
+        run.equals_full_reload(server, good)
+    finally:
+        run.publisher.close()
 
 
 def test_credentials_never_travel_in_the_request(local_run, server):
@@ -214,3 +220,53 @@ def test_the_trainer_engine_publishes_and_updates_two_servers(local_run, server,
             equals_full_reload(s, url, version, tmp_path / f"full-{s.port}")
     finally:
         engine.shutdown()
+
+
+def test_two_ranks_agree_on_every_step(tp2_server, tmp_path):
+    """TP=2: an apply that one rank refuses (its half of the embedding is not the served version's) is a
+    full reload on both; a corrupt version is refused by both before either touches a weight."""
+    run = Run(tmp_path, str(tmp_path / "stream"))
+    client = HttpWeightSyncClient(tp2_server.url)
+    client.init_weight_transfer_engine({"url": run.url, "cache_dir": str(tmp_path / "cache"), "prefetch": False})
+    base = run.publish(linears=False)
+    _update(client, base)
+    skewed = Stream(run.url).materialize(base, tmp_path / "skewed")
+    weights = load_file(skewed / "model.safetensors")
+    rows = weights["model.embed_tokens.weight"].view(torch.int16)
+    rows[rows.shape[0] // 2:] += 1  # rank 1's vocabulary rows
+    save_file(weights, str(skewed / "model.safetensors"), metadata={"format": "pt"})
+    tp2_server.client.pause()
+    tp2_server.client.reload_weights(str(skewed))
+    tp2_server.client.resume()
+
+    try:
+        newest = run.publish(linears=False)
+        _update(client, newest)
+        statuses = tp2_server.client.weight_transfer_status()
+        assert [(st["version"], st["mode"], st["fallback"]) for st in statuses] == [
+            (newest, "reload", "apply_failed")] * 2
+        run.equals_full_reload(tp2_server, newest)
+
+        before = tp2_server.outputs()
+        bad = run.publish(linears=False)
+        corrupt(run.url, bad)
+        client.start_weight_update()
+        with pytest.raises(VllmError) as refused:
+            client.update_weights({"version": bad})
+        assert f"version {bad}" in str(refused.value) and f"serves version {newest}" in str(refused.value)
+        assert "rank 0" in str(refused.value) and "rank 1" in str(refused.value)
+        assert tp2_server.outputs() == before and tp2_server.client.weight_version() == str(newest)
+    finally:
+        run.publisher.close()
+
+
+def test_credentials_are_found_in_nested_storage_options():
+    from ckptstream.weight_transfer import secret_options
+    from ckptstream.weight_transfer.engine import CkptstreamInitInfo
+
+    options = {"endpoint_url": "http://s3", "client_kwargs": {"region_name": "x", "aws_secret_access_key": "s"},
+               "key": "AKIA", "config_kwargs": {"retries": {"max_attempts": 3}}}
+    assert sorted(secret_options(options)) == ["client_kwargs.aws_secret_access_key", "key"]
+    with pytest.raises(ValueError, match="credentials"):
+        CkptstreamInitInfo(url="s3://b/run", storage_options=options)
+    assert CkptstreamInitInfo(url="s3://b/run", storage_options={"endpoint_url": "http://s3"}).prefetch
