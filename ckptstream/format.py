@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -17,11 +18,19 @@ from typing import Any, Iterable, Mapping
 
 import xxhash
 
-from .errors import IncompatibleStreamError, IntegrityError, TensorNotFoundError, UnsafeManifestError
+from .errors import (IncompatibleStreamError, IntegrityError, SourceNotFoundError, TensorNotFoundError,
+                     UnsafeManifestError)
 
 FORMAT_NAME = "ckptstream"
-FORMAT_VERSION = 1
-"""Format version written by this library; readers refuse streams and manifests with a larger one."""
+FORMAT_VERSION = 2
+"""The newest format version this library reads; readers refuse streams and manifests with a larger one.
+Writers write the lowest version that holds what they write (``MANIFEST_FORMAT_VERSION``,
+``stream_format_version``), so that older readers keep reading what they can read."""
+MANIFEST_FORMAT_VERSION = 1
+"""The format version of every manifest written (manifests are the same in versions 1 and 2)."""
+ADAPTER_FORMAT_VERSION = 2
+"""The format version that added stream kinds: the lowest a ``stream.json`` of a kind other than weights
+may carry, so that readers of version 1 refuse an adapter stream instead of reading it as a model's weights."""
 
 STREAM_FILE = "stream.json"
 ASSETS_DIR = "assets"
@@ -53,6 +62,13 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 """PEFT's adapter configuration: an asset of every adapter stream."""
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 """PEFT's adapter weights file: the one weights file of a materialized adapter directory."""
+STREAM_KINDS = (STREAM_KIND_WEIGHTS, STREAM_KIND_ADAPTER)
+MAX_ADAPTER_RANK = 1 << 16
+"""Largest LoRA rank a ``stream.json`` may declare."""
+MAX_LABEL_BYTES = 1024
+"""Longest base-model name or target-module name of an adapter stream (UTF-8 bytes)."""
+BASE_HASH_SAMPLE_BYTES = 64
+"""Bytes of each tensor, from its middle, that ``base_model_hash`` reads."""
 BUNDLE_INDEX_FILE = "ckptstream-bundle.json"
 """The first member of a bundle (FORMAT.md, "Bundles"): what the bundle carries, every member's size and hash."""
 BUNDLE_FORMAT_NAME = "ckptstream-bundle"
@@ -144,6 +160,11 @@ class Hasher:
 
     def digest(self) -> str:
         return HASH_PREFIX + self._h.hexdigest()
+
+
+def is_hash(value: object) -> bool:
+    """True for a hash in the format's notation (``xxh3-128:`` and 32 lowercase hex digits)."""
+    return isinstance(value, str) and bool(_HASH_RE.fullmatch(value))
 
 
 def content_hash(data: bytes | bytearray | memoryview) -> str:
@@ -430,7 +451,7 @@ class Manifest:
     step: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     writer: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = MANIFEST_FORMAT_VERSION
     manifest_hash: str | None = field(default=None, compare=False)
     """The seal of the bytes this manifest was read from (None for one built in memory, not yet written)."""
 
@@ -676,45 +697,228 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
 
 # ---------------------------------------------------------------------------------------- stream.json
 
+def stream_format_version(kind: str) -> int:
+    """The format version a writer gives the ``stream.json`` of a stream of ``kind``: 1 for weights (readers
+    of version 1 read it), ``ADAPTER_FORMAT_VERSION`` for any other kind (they refuse it)."""
+    return MANIFEST_FORMAT_VERSION if kind == STREAM_KIND_WEIGHTS else ADAPTER_FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What an adapter stream adapts (``stream.json``'s ``adapter``, FORMAT.md "Adapter streams"): the base
+    model's name and, where known, its ``base_model_hash``; the adapter's LoRA rank (the largest of its
+    ranks, what a server's ``--max-lora-rank`` must reach) and target modules, as its adapter_config.json
+    gives them. Fixed when the stream is created, so a follower checks them without reading the asset."""
+
+    base_name: str
+    base_hash: str | None
+    rank: int
+    target_modules: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        base: dict[str, Any] = {"name": self.base_name}
+        if self.base_hash is not None:
+            base["hash"] = self.base_hash
+        return {"base": base, "rank": self.rank, "target_modules": list(self.target_modules)}
+
+    def problem(self) -> str | None:
+        """Why a reader would refuse this block, or None."""
+        if _label_problem(self.base_name) is not None:
+            return f"base model name: {_label_problem(self.base_name)}"
+        if self.base_hash is not None and not is_hash(self.base_hash):
+            return f"base hash {self.base_hash!r} is not an {HASH_PREFIX} hash"
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 1 <= self.rank <= MAX_ADAPTER_RANK:
+            return f"rank {self.rank!r} is not an integer in [1, {MAX_ADAPTER_RANK}]"
+        for module in self.target_modules:
+            if _label_problem(module) is not None:
+                return f"target module: {_label_problem(module)}"
+        if len(set(self.target_modules)) != len(self.target_modules):
+            return "a target module is listed twice"
+        return None
+
+    @classmethod
+    def _parse(cls, c: _Checker, body: Any) -> AdapterInfo:
+        base = c.get(body, "base", dict)
+        targets = c.get(body, "target_modules", list)
+        if not all(isinstance(t, str) for t in targets):
+            raise c.fail("'adapter.target_modules' must be a list of strings")
+        info = cls(base_name=c.get(base, "name", str), base_hash=c.hash(base, "hash", optional=True),
+                   rank=c.count(body, "rank", MAX_ADAPTER_RANK), target_modules=tuple(targets))
+        problem = info.problem()
+        if problem is not None:
+            raise c.fail(f"'adapter': {problem}")
+        return info
+
+
+def _label_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a base-model or module name: a string of 1 to ``MAX_LABEL_BYTES`` bytes of
+    UTF-8 without control characters."""
+    if not isinstance(value, str):
+        return f"{value!r} is not a string"
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        return f"{value[:80]!r} is not valid UTF-8"
+    if not 0 < size <= MAX_LABEL_BYTES or _CONTROL_RE.search(value):
+        return f"{value[:80]!r} must have 1 to {MAX_LABEL_BYTES} bytes of UTF-8 and no control characters"
+    return None
+
+
 @dataclass(frozen=True)
 class StreamInfo:
-    """Stream-wide metadata (``stream.json``): identity, format version and non-weight asset files."""
+    """Stream-wide metadata (``stream.json``): identity, format version, non-weight asset files, and the
+    stream's kind: ``weights`` (a model's full weights) or ``adapter`` (a LoRA adapter, ``adapter`` saying of
+    which base; its ``adapter_config.json`` is an asset)."""
 
     stream_id: str
     created: str
     assets: tuple[FileEntry, ...] = ()
-    format_version: int = FORMAT_VERSION
+    format_version: int = 0
+    """0: the lowest that holds the stream's kind (``stream_format_version``)."""
+    kind: str = STREAM_KIND_WEIGHTS
+    adapter: AdapterInfo | None = None
 
-    def to_bytes(self) -> bytes:
-        """Strict JSON of ``stream.json``; ValueError for an asset name a reader would refuse."""
+    def __post_init__(self) -> None:
+        if not self.format_version:
+            object.__setattr__(self, "format_version", stream_format_version(self.kind))
+
+    def problem(self) -> str | None:
+        """Why a reader would refuse this ``stream.json`` (FORMAT.md, "`stream.json`"), or None."""
         reserved = [a.name for a in self.assets if is_reserved_asset_name(a.name)]
         if reserved:
-            raise ValueError(f"asset names {reserved} are reserved for weights, their index or the marker")
+            return (f"asset names {reserved} are reserved for weights, their index or the materialization marker: "
+                    "they would replace the published weights")
         large = [a.name for a in self.assets if a.size > MAX_ASSET_BYTES]
         if large:
-            raise ValueError(f"assets {large} are over the {MAX_ASSET_BYTES}-byte limit of an asset")
-        return dumps_json({"format": FORMAT_NAME, "format_version": self.format_version,
-                           "stream_id": self.stream_id, "created": self.created,
-                           "assets": [a.to_json() for a in self.assets]}, what=STREAM_FILE)
+            return f"assets {large} are over the {MAX_ASSET_BYTES}-byte limit of an asset"
+        if self.kind not in STREAM_KINDS:
+            return f"unknown stream kind {self.kind!r} (this ckptstream knows {', '.join(STREAM_KINDS)})"
+        if self.kind != STREAM_KIND_WEIGHTS and self.format_version < ADAPTER_FORMAT_VERSION:
+            return f"a stream of kind {self.kind!r} needs format version {ADAPTER_FORMAT_VERSION} or later"
+        if (self.adapter is not None) != (self.kind == STREAM_KIND_ADAPTER):
+            return "an adapter stream, and only an adapter stream, has an 'adapter' block"
+        if self.adapter is not None:
+            if ADAPTER_CONFIG_FILE not in {a.name for a in self.assets}:
+                return f"an adapter stream lacks the asset {ADAPTER_CONFIG_FILE}"
+            problem = self.adapter.problem()
+            if problem is not None:
+                return f"'adapter': {problem}"
+        return None
+
+    def to_bytes(self) -> bytes:
+        """Strict JSON of ``stream.json``; ValueError for a stream a reader would refuse. A weights stream's
+        has no ``kind`` (as written before kinds existed)."""
+        problem = self.problem()
+        if problem is not None:
+            raise ValueError(problem)
+        body: dict[str, Any] = {"format": FORMAT_NAME, "format_version": self.format_version,
+                                "stream_id": self.stream_id, "created": self.created}
+        if self.kind != STREAM_KIND_WEIGHTS:
+            body["kind"] = self.kind
+        if self.adapter is not None:
+            body["adapter"] = self.adapter.to_json()
+        body["assets"] = [a.to_json() for a in self.assets]
+        return dumps_json(body, what=STREAM_FILE)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> StreamInfo:
-        """Parse and validate an untrusted ``stream.json`` (UnsafeManifestError / IntegrityError)."""
+        """Parse and validate an untrusted ``stream.json`` (UnsafeManifestError / IntegrityError; an unknown
+        kind is an UnsafeManifestError naming stream.json)."""
         c = _Checker(None, STREAM_FILE)
         if len(raw) > MAX_STREAM_FILE_BYTES:
             raise c.fail(f"{STREAM_FILE} is {len(raw)} bytes, over the {MAX_STREAM_FILE_BYTES} limit")
         body = loads_json(raw, version=None, file=STREAM_FILE)
         _check_format(c, body)
-        assets = c.files(c.get(body, "assets", list))
-        for asset in assets:
-            if is_reserved_asset_name(asset.name):
-                raise c.fail(f"asset {asset.name!r} has a name reserved for weights, their index or the "
-                             f"materialization marker: it would replace the published weights")
-            if asset.size > MAX_ASSET_BYTES:
-                raise c.fail(f"asset {asset.name!r} declares {asset.size} bytes, over the {MAX_ASSET_BYTES}-byte "
-                             f"limit of an asset")
-        return cls(stream_id=c.get(body, "stream_id", str), created=c.get(body, "created", str),
-                   assets=assets, format_version=body["format_version"])
+        adapter = c.get(body, "adapter", dict, optional=True)
+        info = cls(stream_id=c.get(body, "stream_id", str), created=c.get(body, "created", str),
+                   assets=c.files(c.get(body, "assets", list)), format_version=body["format_version"],
+                   kind=c.get(body, "kind", str, optional=True) or STREAM_KIND_WEIGHTS,
+                   adapter=None if adapter is None else AdapterInfo._parse(c, adapter))
+        problem = info.problem()
+        if problem is not None:
+            raise c.fail(problem)
+        return info
+
+
+def base_model_hash(directory: str | os.PathLike[str]) -> str:
+    """A stable identity of a base model directory (FORMAT.md, "Base model hash"), computed cheaply: the
+    tensors of its top-level ``*.safetensors`` files, in name order, each by its name, dtype, shape and the
+    ``BASE_HASH_SAMPLE_BYTES`` bytes at its middle. It reads the files' headers and one small range per
+    tensor, never the whole weights (a 15 GB model hashes in milliseconds), and does not depend on how the
+    tensors are split into files.
+
+    Raises:
+        SourceNotFoundError: the directory holds no safetensors file.
+        IntegrityError: a file is not a readable safetensors file, or a tensor is in two files (naming it).
+    """
+    root = os.fspath(directory)
+    try:
+        names = sorted(n for n in os.listdir(root) if n.endswith(".safetensors") and not n.startswith(".")
+                       and os.path.isfile(os.path.join(root, n)))
+    except OSError as exc:
+        raise SourceNotFoundError(f"cannot list the base model directory {root} ({exc})",
+                                  hint="Give the directory the base model is loaded from") from None
+    if not names:
+        raise SourceNotFoundError(f"no *.safetensors files in {root}",
+                                  hint="Give the directory the base model is loaded from (its weights as safetensors)")
+    tensors: dict[str, tuple[str, list[int], bytes]] = {}
+    for name in names:
+        path = os.path.join(root, name)
+        for tensor, spec in _sampled_tensors(path).items():
+            if tensor in tensors:
+                raise IntegrityError("the tensor is in two files of the base model", file=path, tensor=tensor)
+            tensors[tensor] = spec
+    hasher = Hasher()
+    for tensor in sorted(tensors, key=lambda t: t.encode("utf-8", "surrogatepass")):
+        dtype, shape, sample = tensors[tensor]
+        encoded = tensor.encode("utf-8", "surrogatepass")
+        hasher.update(struct.pack("<I", len(encoded)) + encoded + struct.pack("<I", len(dtype)) + dtype.encode()
+                      + struct.pack(f"<I{len(shape)}Q", len(shape), *shape) + struct.pack("<I", len(sample)) + sample)
+    return hasher.digest()
+
+
+def _sampled_tensors(path: str) -> dict[str, tuple[str, list[int], bytes]]:
+    """Name -> (dtype, shape, the bytes at the middle of its data) of every tensor of a safetensors file."""
+    def refuse(problem: str) -> IntegrityError:
+        return IntegrityError(f"not a readable safetensors file ({problem})", file=path,
+                              hint="The base model directory is damaged")
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        prefix = os.pread(fd, SAFETENSORS_LENGTH.size, 0)
+        if len(prefix) < SAFETENSORS_LENGTH.size:
+            raise refuse("shorter than its header length")
+        (length,) = SAFETENSORS_LENGTH.unpack(prefix)
+        if length > min(MAX_SAFETENSORS_HEADER_BYTES, size - SAFETENSORS_LENGTH.size):
+            raise refuse(f"a header of {length} bytes")
+        try:
+            header = json.loads(os.pread(fd, length, SAFETENSORS_LENGTH.size))
+        except (ValueError, RecursionError) as exc:
+            raise refuse(f"its header is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise refuse("its header is not an object")
+        data_start = SAFETENSORS_LENGTH.size + length
+        out = {}
+        for tensor, spec in header.items():
+            if tensor == "__metadata__":
+                continue
+            dtype, shape, offsets = (spec.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(
+                spec, dict) else (None, None, None)
+            if (not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(offsets, list)
+                    or len(offsets) != 2 or not all(_is_count(x) for x in [*shape, *offsets])
+                    or not offsets[0] <= offsets[1] <= size - data_start):
+                raise refuse(f"tensor {tensor[:80]!r} has no dtype, shape and data offsets inside the file")
+            begin, end = offsets
+            count = min(BASE_HASH_SAMPLE_BYTES, end - begin)
+            out[tensor] = (dtype, shape, os.pread(fd, count, data_start + begin + (end - begin - count) // 2))
+        return out
+    finally:
+        os.close(fd)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_FILE_BYTES
 
 
 # --------------------------------------------------------------------------------------------- bundles
