@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from ckptstream import IncompatibleStreamError, IntegrityError, UnsafeManifestError
-from ckptstream.errors import EXIT_NOT_FOUND, SourceNotFoundError, TensorNotFoundError
-from ckptstream.format import (ADAPTER_CONFIG_FILE, ADAPTER_FORMAT_VERSION, FORMAT_VERSION, HASH_PREFIX, MAX_JSON_DEPTH,
+from ckptstream.errors import EXIT_NOT_FOUND, TensorNotFoundError
+from ckptstream.format import (ADAPTER_CONFIG_FILE, ADAPTER_FORMAT_VERSION, FORMAT_VERSION, MAX_JSON_DEPTH,
                                MAX_SHAPE_DIMS, STREAM_FILE, STREAM_KIND_ADAPTER, STREAM_KIND_WEIGHTS, AdapterInfo,
-                               FileEntry, Manifest, StreamInfo, TensorEntry, base_model_hash, content_hash,
+                               FileEntry, Manifest, StreamInfo, TensorEntry, content_hash,
                                is_safe_file_name, manifest_path, parse_version_name, shard_groups, tensor_name_problem,
                                version_name)
 
@@ -236,22 +236,3 @@ def test_a_stream_json_of_an_unknown_or_incomplete_kind_is_refused(change, probl
     assert exc.value.file == STREAM_FILE
     with pytest.raises(ValueError, match="lacks the asset"):
         _adapter_stream(assets=()).to_bytes()  # nor does a writer write one
-
-
-def test_the_base_model_hash_is_of_the_tensors_not_of_their_files(tmp_path):
-    from ckptstream.testing.models import TinyModelSpec, tiny_state_dict, write_tiny_model
-
-    state = tiny_state_dict(TinyModelSpec(arch="llama"))
-    one = base_model_hash(write_tiny_model(tmp_path / "one", state=state))
-    assert one.startswith(HASH_PREFIX) and one == base_model_hash(tmp_path / "one")
-    assert base_model_hash(write_tiny_model(tmp_path / "sharded", state=state, shard_bytes=100_000)) == one
-    middle = state["model.layers.1.self_attn.q_proj.weight"].view(-1)
-    middle[middle.numel() // 2] += 1
-    assert base_model_hash(write_tiny_model(tmp_path / "tuned", state=state)) != one
-    with pytest.raises(SourceNotFoundError, match="no \\*.safetensors files"):
-        base_model_hash(tmp_path)
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "model.safetensors").write_bytes(b"\xff" * 16)
-    with pytest.raises(IntegrityError, match="not a readable safetensors file") as exc:
-        base_model_hash(tmp_path / "broken")
-    assert exc.value.file.endswith("model.safetensors")

@@ -65,7 +65,7 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def run_base_hash(args: argparse.Namespace) -> int:
-    from ..format import base_model_hash
+    from ..basehash import base_model_hash
 
     digest = base_model_hash(args.model_dir)
     if args.json:

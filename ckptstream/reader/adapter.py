@@ -42,7 +42,7 @@ def check_adapter_fits(info: AdapterInfo, *, base_hash: str | None, max_lora_ran
 
     Args:
         info: the stream's ``stream.json`` adapter block (``Stream.info().adapter``).
-        base_hash: ``format.base_model_hash`` of the model directory the server runs (None: not checked; nor
+        base_hash: ``basehash.base_model_hash`` of the model directory the server runs (None: not checked; nor
             where the stream does not know its base's hash).
         max_lora_rank: the server's ``--max-lora-rank`` (None: not checked).
         version: the version to be served, named in the error.

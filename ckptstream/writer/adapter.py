@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from ..errors import IncompatibleStreamError, IntegrityError, SourceNotFoundError
-from ..format import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdapterInfo, base_model_hash
+from ..basehash import base_model_hash
+from ..format import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdapterInfo
 from .snapshot import NamedTensors
 
 _MODULE_SETS = ("target_modules", "exclude_modules")

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from ckptstream import Stream
+from ckptstream.basehash import base_model_hash
 from ckptstream.bundle import export_bundle, import_bundle
 from ckptstream.cli import main
 from ckptstream.errors import AdapterMismatchError, IncompatibleStreamError, StreamKindError
 from ckptstream.format import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, MARKER_FILE, STREAM_FILE,
-                               STREAM_KIND_ADAPTER, base_model_hash)
+                               STREAM_KIND_ADAPTER)
 from ckptstream.mirror import Mirror
 from ckptstream.storage import open_storage
 from ckptstream.testing.adapters import adapter_step, tiny_peft_model, write_tiny_adapter
