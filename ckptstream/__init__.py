@@ -16,13 +16,14 @@ from ._lazy import lazy_face
 
 __version__ = "0.1.0"
 
-_ERRORS = ("CkptStreamError", "ForeignStreamError", "IncompatibleStreamError", "IntegrityError", "InvalidVersionError",
+_ERRORS = ("AdapterMismatchError", "CkptStreamError", "ForeignStreamError", "IncompatibleStreamError", "IntegrityError",
+           "InvalidVersionError",
            "MissingBaseError",
-           "PublishError", "StorageCapabilityError", "StreamNotFoundError", "TensorNotFoundError",
+           "PublishError", "StorageCapabilityError", "StreamKindError", "StreamNotFoundError", "TensorNotFoundError",
            "UnsafeManifestError", "VersionConflictError", "VersionNotFoundError", "VersionOrderError")
 _LAZY_NAMES = {
     **dict.fromkeys(_ERRORS, ".errors"),
-    **dict.fromkeys(("FORMAT_VERSION", "Manifest", "StreamInfo", "TensorEntry"), ".format"),
+    **dict.fromkeys(("FORMAT_VERSION", "AdapterInfo", "Manifest", "StreamInfo", "TensorEntry"), ".format"),
     **dict.fromkeys(("Stream", "VerifyReport"), ".reader"),
     "Publisher": ".writer",
     **dict.fromkeys(("Mirror", "MirrorConfig"), ".mirror"),
@@ -32,6 +33,7 @@ _LAZY_NAMES = {
 
 if TYPE_CHECKING:
     from .errors import (
+        AdapterMismatchError,
         CkptStreamError,
         ForeignStreamError,
         IncompatibleStreamError,
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
         MissingBaseError,
         PublishError,
         StorageCapabilityError,
+        StreamKindError,
         StreamNotFoundError,
         TensorNotFoundError,
         UnsafeManifestError,
@@ -48,7 +51,7 @@ if TYPE_CHECKING:
         VersionOrderError,
     )
     from .bundle import export_bundle, import_bundle
-    from .format import FORMAT_VERSION, Manifest, StreamInfo, TensorEntry
+    from .format import FORMAT_VERSION, AdapterInfo, Manifest, StreamInfo, TensorEntry
     from .mirror import Mirror, MirrorConfig
     from .reader import Stream, VerifyReport
     from .relay import Relay
@@ -57,9 +60,10 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
 __all__ = [
-    "FORMAT_VERSION", "CkptStreamError", "ForeignStreamError", "IncompatibleStreamError", "IntegrityError",
-    "InvalidVersionError", "Manifest", "Mirror", "MirrorConfig", "MissingBaseError", "PublishError", "Publisher",
-    "Relay", "StorageCapabilityError", "Stream", "StreamInfo", "StreamNotFoundError", "TensorEntry",
+    "FORMAT_VERSION", "AdapterInfo", "AdapterMismatchError", "CkptStreamError", "ForeignStreamError",
+    "IncompatibleStreamError", "IntegrityError", "InvalidVersionError", "Manifest", "Mirror", "MirrorConfig",
+    "MissingBaseError", "PublishError", "Publisher", "Relay", "StorageCapabilityError", "Stream", "StreamInfo",
+    "StreamKindError", "StreamNotFoundError", "TensorEntry",
     "TensorNotFoundError", "UnsafeManifestError", "VerifyReport", "VersionConflictError", "VersionNotFoundError",
     "VersionOrderError", "__version__", "export_bundle", "import_bundle",
 ]

@@ -137,6 +137,30 @@ class IncompatibleStreamError(CkptStreamError, ValueError):
     exit_code = EXIT_INCOMPATIBLE
 
 
+class StreamKindError(IncompatibleStreamError):
+    """A stream is of another kind (``stream.json``'s ``kind``: ``weights``, ``adapter``) than the reader or
+    writer handles: a weights follower given an adapter stream, an adapter publisher given a weights stream
+    (``reader.adapter.kind_error`` words it).
+
+    Attributes:
+        url: the stream.
+        kind: the kind it is.
+        expected: the kind that was expected.
+    """
+
+    def __init__(self, message: str, *, url: str, kind: str, expected: str, **where: Any):
+        super().__init__(message, **where)
+        self.url = url
+        self.kind = kind
+        self.expected = expected
+
+
+class AdapterMismatchError(ModelMismatchError):
+    """A version of an adapter stream does not fit where it is to be served: another base model than the
+    server's, a rank above the server's ``--max-lora-rank``, target modules the server cannot adapt, or
+    tensors whose ranks contradict the stream's."""
+
+
 class StorageCapabilityError(CkptStreamError, OSError):
     """The storage backend lacks a primitive the format requires (e.g. atomic put-if-absent)."""
 

@@ -20,8 +20,15 @@ import xxhash
 from .errors import IncompatibleStreamError, IntegrityError, TensorNotFoundError, UnsafeManifestError
 
 FORMAT_NAME = "ckptstream"
-FORMAT_VERSION = 1
-"""Format version written by this library; readers refuse streams and manifests with a larger one."""
+FORMAT_VERSION = 2
+"""The newest format version this library reads; readers refuse streams and manifests with a larger one.
+Writers write the lowest version that holds what they write (``MANIFEST_FORMAT_VERSION``,
+``stream_format_version``), so that older readers keep reading what they can read."""
+MANIFEST_FORMAT_VERSION = 1
+"""The format version of every manifest written (manifests are the same in versions 1 and 2)."""
+ADAPTER_FORMAT_VERSION = 2
+"""The format version that added stream kinds: the lowest a ``stream.json`` of a kind other than weights
+may carry, so that readers of version 1 refuse an adapter stream instead of reading it as a model's weights."""
 
 STREAM_FILE = "stream.json"
 ASSETS_DIR = "assets"
@@ -45,6 +52,21 @@ MARKER_FILE = "ckptstream.json"
 """Written last into a materialized directory: which stream and version it holds."""
 INDEX_FILE = "model.safetensors.index.json"
 """The safetensors index of a sharded materialized directory."""
+STREAM_KIND_WEIGHTS = "weights"
+"""A stream of a model's full weights (the kind of a ``stream.json`` without ``kind``)."""
+STREAM_KIND_ADAPTER = "adapter"
+"""A stream of a PEFT LoRA adapter over a base model that ``stream.json`` names (FORMAT.md, "Adapter streams")."""
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+"""PEFT's adapter configuration: an asset of every adapter stream."""
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+"""PEFT's adapter weights file: the one weights file of a materialized adapter directory."""
+STREAM_KINDS = (STREAM_KIND_WEIGHTS, STREAM_KIND_ADAPTER)
+MAX_ADAPTER_RANK = 1 << 16
+"""Largest LoRA rank a ``stream.json`` may declare."""
+MAX_LABEL_BYTES = 1024
+"""Longest base-model name or target-module name of an adapter stream (UTF-8 bytes)."""
+BASE_HASH_SAMPLE_BYTES = 64
+"""Bytes of each tensor, from its middle, that a base model hash covers (``ckptstream.basehash``)."""
 BUNDLE_INDEX_FILE = "ckptstream-bundle.json"
 """The first member of a bundle (FORMAT.md, "Bundles"): what the bundle carries, every member's size and hash."""
 BUNDLE_FORMAT_NAME = "ckptstream-bundle"
@@ -136,6 +158,11 @@ class Hasher:
 
     def digest(self) -> str:
         return HASH_PREFIX + self._h.hexdigest()
+
+
+def is_hash(value: object) -> bool:
+    """True for a hash in the format's notation (``xxh3-128:`` and 32 lowercase hex digits)."""
+    return isinstance(value, str) and bool(_HASH_RE.fullmatch(value))
 
 
 def content_hash(data: bytes | bytearray | memoryview) -> str:
@@ -422,7 +449,7 @@ class Manifest:
     step: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     writer: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = MANIFEST_FORMAT_VERSION
     manifest_hash: str | None = field(default=None, compare=False)
     """The seal of the bytes this manifest was read from (None for one built in memory, not yet written)."""
 
@@ -668,45 +695,148 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
 
 # ---------------------------------------------------------------------------------------- stream.json
 
+def stream_format_version(kind: str) -> int:
+    """The format version a writer gives the ``stream.json`` of a stream of ``kind``: 1 for weights (readers
+    of version 1 read it), ``ADAPTER_FORMAT_VERSION`` for any other kind (they refuse it)."""
+    return MANIFEST_FORMAT_VERSION if kind == STREAM_KIND_WEIGHTS else ADAPTER_FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What an adapter stream adapts (``stream.json``'s ``adapter``, FORMAT.md "Adapter streams"): the base
+    model's name and, where known, its hash (``ckptstream.basehash.base_model_hash``); the adapter's LoRA
+    rank (the largest of its ranks, what a server's ``--max-lora-rank`` must reach) and target modules, as its
+    adapter_config.json gives them. Fixed when the stream is created, so a follower checks them without reading
+    the asset."""
+
+    base_name: str
+    base_hash: str | None
+    rank: int
+    target_modules: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        base: dict[str, Any] = {"name": self.base_name}
+        if self.base_hash is not None:
+            base["hash"] = self.base_hash
+        return {"base": base, "rank": self.rank, "target_modules": list(self.target_modules)}
+
+    def problem(self) -> str | None:
+        """Why a reader would refuse this block, or None."""
+        if _label_problem(self.base_name) is not None:
+            return f"base model name: {_label_problem(self.base_name)}"
+        if self.base_hash is not None and not is_hash(self.base_hash):
+            return f"base hash {self.base_hash!r} is not an {HASH_PREFIX} hash"
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 1 <= self.rank <= MAX_ADAPTER_RANK:
+            return f"rank {self.rank!r} is not an integer in [1, {MAX_ADAPTER_RANK}]"
+        for module in self.target_modules:
+            if _label_problem(module) is not None:
+                return f"target module: {_label_problem(module)}"
+        if len(set(self.target_modules)) != len(self.target_modules):
+            return "a target module is listed twice"
+        return None
+
+    @classmethod
+    def _parse(cls, c: _Checker, body: Any) -> AdapterInfo:
+        base = c.get(body, "base", dict)
+        targets = c.get(body, "target_modules", list)
+        if not all(isinstance(t, str) for t in targets):
+            raise c.fail("'adapter.target_modules' must be a list of strings")
+        info = cls(base_name=c.get(base, "name", str), base_hash=c.hash(base, "hash", optional=True),
+                   rank=c.count(body, "rank", MAX_ADAPTER_RANK), target_modules=tuple(targets))
+        problem = info.problem()
+        if problem is not None:
+            raise c.fail(f"'adapter': {problem}")
+        return info
+
+
+def _label_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a base-model or module name: a string of 1 to ``MAX_LABEL_BYTES`` bytes of
+    UTF-8 without control characters."""
+    if not isinstance(value, str):
+        return f"{value!r} is not a string"
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        return f"{value[:80]!r} is not valid UTF-8"
+    if not 0 < size <= MAX_LABEL_BYTES or _CONTROL_RE.search(value):
+        return f"{value[:80]!r} must have 1 to {MAX_LABEL_BYTES} bytes of UTF-8 and no control characters"
+    return None
+
+
 @dataclass(frozen=True)
 class StreamInfo:
-    """Stream-wide metadata (``stream.json``): identity, format version and non-weight asset files."""
+    """Stream-wide metadata (``stream.json``): identity, format version, non-weight asset files, and the
+    stream's kind: ``weights`` (a model's full weights) or ``adapter`` (a LoRA adapter, ``adapter`` saying of
+    which base; its ``adapter_config.json`` is an asset)."""
 
     stream_id: str
     created: str
     assets: tuple[FileEntry, ...] = ()
-    format_version: int = FORMAT_VERSION
+    format_version: int = 0
+    """0: the lowest that holds the stream's kind (``stream_format_version``)."""
+    kind: str = STREAM_KIND_WEIGHTS
+    adapter: AdapterInfo | None = None
 
-    def to_bytes(self) -> bytes:
-        """Strict JSON of ``stream.json``; ValueError for an asset name a reader would refuse."""
+    def __post_init__(self) -> None:
+        if not self.format_version:
+            object.__setattr__(self, "format_version", stream_format_version(self.kind))
+
+    def problem(self) -> str | None:
+        """Why a reader would refuse this ``stream.json`` (FORMAT.md, "`stream.json`"), or None."""
         reserved = [a.name for a in self.assets if is_reserved_asset_name(a.name)]
         if reserved:
-            raise ValueError(f"asset names {reserved} are reserved for weights, their index or the marker")
+            return (f"asset names {reserved} are reserved for weights, their index or the materialization marker: "
+                    "they would replace the published weights")
         large = [a.name for a in self.assets if a.size > MAX_ASSET_BYTES]
         if large:
-            raise ValueError(f"assets {large} are over the {MAX_ASSET_BYTES}-byte limit of an asset")
-        return dumps_json({"format": FORMAT_NAME, "format_version": self.format_version,
-                           "stream_id": self.stream_id, "created": self.created,
-                           "assets": [a.to_json() for a in self.assets]}, what=STREAM_FILE)
+            return f"assets {large} are over the {MAX_ASSET_BYTES}-byte limit of an asset"
+        if self.kind not in STREAM_KINDS:
+            return f"unknown stream kind {self.kind!r} (this ckptstream knows {', '.join(STREAM_KINDS)})"
+        if self.kind != STREAM_KIND_WEIGHTS and self.format_version < ADAPTER_FORMAT_VERSION:
+            return f"a stream of kind {self.kind!r} needs format version {ADAPTER_FORMAT_VERSION} or later"
+        if (self.adapter is not None) != (self.kind == STREAM_KIND_ADAPTER):
+            return "an adapter stream, and only an adapter stream, has an 'adapter' block"
+        if self.adapter is not None:
+            if ADAPTER_CONFIG_FILE not in {a.name for a in self.assets}:
+                return f"an adapter stream lacks the asset {ADAPTER_CONFIG_FILE}"
+            problem = self.adapter.problem()
+            if problem is not None:
+                return f"'adapter': {problem}"
+        return None
+
+    def to_bytes(self) -> bytes:
+        """Strict JSON of ``stream.json``; ValueError for a stream a reader would refuse. A weights stream's
+        has no ``kind`` (as written before kinds existed)."""
+        problem = self.problem()
+        if problem is not None:
+            raise ValueError(problem)
+        body: dict[str, Any] = {"format": FORMAT_NAME, "format_version": self.format_version,
+                                "stream_id": self.stream_id, "created": self.created}
+        if self.kind != STREAM_KIND_WEIGHTS:
+            body["kind"] = self.kind
+        if self.adapter is not None:
+            body["adapter"] = self.adapter.to_json()
+        body["assets"] = [a.to_json() for a in self.assets]
+        return dumps_json(body, what=STREAM_FILE)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> StreamInfo:
-        """Parse and validate an untrusted ``stream.json`` (UnsafeManifestError / IntegrityError)."""
+        """Parse and validate an untrusted ``stream.json`` (UnsafeManifestError / IntegrityError; an unknown
+        kind is an UnsafeManifestError naming stream.json)."""
         c = _Checker(None, STREAM_FILE)
         if len(raw) > MAX_STREAM_FILE_BYTES:
             raise c.fail(f"{STREAM_FILE} is {len(raw)} bytes, over the {MAX_STREAM_FILE_BYTES} limit")
         body = loads_json(raw, version=None, file=STREAM_FILE)
         _check_format(c, body)
-        assets = c.files(c.get(body, "assets", list))
-        for asset in assets:
-            if is_reserved_asset_name(asset.name):
-                raise c.fail(f"asset {asset.name!r} has a name reserved for weights, their index or the "
-                             f"materialization marker: it would replace the published weights")
-            if asset.size > MAX_ASSET_BYTES:
-                raise c.fail(f"asset {asset.name!r} declares {asset.size} bytes, over the {MAX_ASSET_BYTES}-byte "
-                             f"limit of an asset")
-        return cls(stream_id=c.get(body, "stream_id", str), created=c.get(body, "created", str),
-                   assets=assets, format_version=body["format_version"])
+        adapter = c.get(body, "adapter", dict, optional=True)
+        info = cls(stream_id=c.get(body, "stream_id", str), created=c.get(body, "created", str),
+                   assets=c.files(c.get(body, "assets", list)), format_version=body["format_version"],
+                   kind=c.get(body, "kind", str, optional=True) or STREAM_KIND_WEIGHTS,
+                   adapter=None if adapter is None else AdapterInfo._parse(c, adapter))
+        problem = info.problem()
+        if problem is not None:
+            raise c.fail(problem)
+        return info
 
 
 # --------------------------------------------------------------------------------------------- bundles

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from ckptstream import IncompatibleStreamError, IntegrityError, UnsafeManifestError
 from ckptstream.errors import EXIT_NOT_FOUND, TensorNotFoundError
-from ckptstream.format import (MAX_JSON_DEPTH, MAX_SHAPE_DIMS, FileEntry, Manifest, StreamInfo, TensorEntry,
-                               content_hash, is_safe_file_name, manifest_path, parse_version_name, shard_groups,
-                               tensor_name_problem, version_name)
+from ckptstream.format import (ADAPTER_CONFIG_FILE, ADAPTER_FORMAT_VERSION, FORMAT_VERSION, MAX_JSON_DEPTH,
+                               MAX_SHAPE_DIMS, STREAM_FILE, STREAM_KIND_ADAPTER, STREAM_KIND_WEIGHTS, AdapterInfo,
+                               FileEntry, Manifest, StreamInfo, TensorEntry, content_hash,
+                               is_safe_file_name, manifest_path, parse_version_name, shard_groups, tensor_name_problem,
+                               version_name)
 
 
 def _manifest(**changes) -> Manifest:
@@ -71,8 +75,8 @@ def test_names_and_hashes_with_a_trailing_newline_are_refused():
 
 
 def test_newer_format_version_is_refused():
-    with pytest.raises(IncompatibleStreamError, match="format version 2 is not supported"):
-        Manifest.from_bytes(_manifest(format_version=2).to_bytes(), version=3)
+    with pytest.raises(IncompatibleStreamError, match=f"format version {FORMAT_VERSION + 1} is not supported"):
+        Manifest.from_bytes(_manifest(format_version=FORMAT_VERSION + 1).to_bytes(), version=3)
 
 
 def test_shard_groups():
@@ -172,3 +176,63 @@ def test_a_dense_chunk_cannot_claim_more_than_a_zstd_frame_holds():
     with pytest.raises(UnsafeManifestError, match="cannot be stored in a zstd frame of 100") as info:
         Manifest.from_bytes(delta(1 << 30, 100).to_bytes(), version=4)  # before: a 1 GiB buffer, then an error
     assert info.value.tensor == "w"
+
+
+# ------------------------------------------------------------------------------------------- stream kinds
+
+ADAPTER = AdapterInfo(base_name="Qwen/Qwen3-8B", base_hash=content_hash(b"base"), rank=16,
+                      target_modules=("q_proj", "v_proj"))
+CONFIG_ASSET = FileEntry(ADAPTER_CONFIG_FILE, 2, content_hash(b"{}"))
+
+
+def _adapter_stream(**changes) -> StreamInfo:
+    fields = dict(stream_id="s", created="2026-01-01T00:00:00Z", assets=(CONFIG_ASSET,), kind=STREAM_KIND_ADAPTER,
+                  adapter=ADAPTER)
+    fields.update(changes)
+    return StreamInfo(**fields)
+
+
+def test_a_weights_stream_json_is_written_as_before_kinds_existed():
+    golden = (Path(__file__).parent / "data" / "golden-stream" / STREAM_FILE).read_bytes()
+    info = StreamInfo.from_bytes(golden)  # written without a kind: a weights stream
+    assert (info.kind, info.adapter, info.format_version) == (STREAM_KIND_WEIGHTS, None, 1)
+    assert info.to_bytes() == golden
+    assert b'"kind"' not in StreamInfo("s", "2026-01-01T00:00:00Z").to_bytes()
+    explicit = json.loads(golden)
+    explicit["kind"] = "weights"
+    assert StreamInfo.from_bytes(json.dumps(explicit).encode()) == info
+
+
+def test_an_adapter_stream_json_round_trips_at_format_version_2():
+    info = _adapter_stream()
+    raw = info.to_bytes()
+    body = json.loads(raw)
+    assert (body["format_version"], body["kind"]) == (ADAPTER_FORMAT_VERSION, "adapter")
+    assert body["adapter"] == {"base": {"name": "Qwen/Qwen3-8B", "hash": ADAPTER.base_hash}, "rank": 16,
+                               "target_modules": ["q_proj", "v_proj"]}
+    assert StreamInfo.from_bytes(raw) == info
+    unknown = _adapter_stream(adapter=dataclasses.replace(ADAPTER, base_hash=None))
+    assert json.loads(unknown.to_bytes())["adapter"]["base"] == {"name": "Qwen/Qwen3-8B"}
+    assert StreamInfo.from_bytes(unknown.to_bytes()) == unknown
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda b: b.update(kind="gguf"), "unknown stream kind 'gguf'"),
+    (lambda b: b.pop("adapter"), "only an adapter stream, has an 'adapter' block"),
+    (lambda b: b.update(kind="weights"), "only an adapter stream, has an 'adapter' block"),
+    (lambda b: b.update(assets=[]), "lacks the asset adapter_config.json"),
+    (lambda b: b.update(format_version=1), "needs format version 2"),
+    (lambda b: b["adapter"].update(rank=0), "rank 0 is not an integer in \\[1, 65536\\]"),
+    (lambda b: b["adapter"].update(target_modules=["q_proj", "q_proj"]), "listed twice"),
+    (lambda b: b["adapter"]["base"].update(name=""), "base model name"),
+    (lambda b: b["adapter"]["base"].update(hash="md5:x"), "is not an xxh3-128: hash"),
+    (lambda b: b["adapter"].pop("base"), "missing field 'base'"),
+])
+def test_a_stream_json_of_an_unknown_or_incomplete_kind_is_refused(change, problem):
+    body = json.loads(_adapter_stream().to_bytes())
+    change(body)
+    with pytest.raises(UnsafeManifestError, match=problem) as exc:
+        StreamInfo.from_bytes(json.dumps(body).encode())
+    assert exc.value.file == STREAM_FILE
+    with pytest.raises(ValueError, match="lacks the asset"):
+        _adapter_stream(assets=()).to_bytes()  # nor does a writer write one

@@ -1,5 +1,5 @@
-"""The ``ckptstream`` command line: publish, ls, show, diff, replicas, materialize, verify, mirror, export,
-import, gc, follow, serve, replay, fleet, relay, make-tiny-model, demo.
+"""The ``ckptstream`` command line: publish, info, ls, show, diff, replicas, materialize, verify, mirror, export,
+import, gc, follow, serve, replay, fleet, relay, make-tiny-model, base-hash, demo.
 
 One module per command group; :mod:`.options` and :mod:`.output` hold what they share. Results go to
 stdout (``--json`` for scripts), progress and ``Error:`` lines to stderr. Set ``CKPTSTREAM_TRACEBACK=1``

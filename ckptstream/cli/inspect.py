@@ -1,4 +1,4 @@
-"""Looking at a stream: ``ls``, ``show``, ``diff`` and ``replicas``."""
+"""Looking at a stream: ``info``, ``ls``, ``show``, ``diff`` and ``replicas``."""
 
 from __future__ import annotations
 
@@ -13,10 +13,18 @@ from .options import VERSION_HELP, add_command, add_url, open_stream, version_re
 from .output import human, print_json, table, version_summary
 
 if TYPE_CHECKING:
+    from ..format import StreamInfo
     from ..reader.replicas import ReplicaRecord
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    p = add_command(sub, "info", run_info, "describe a stream: identity, kind (weights, or an adapter of which base "
+                                           "model), assets, versions", """
+        ckptstream info /mnt/nfs/run1
+        ckptstream info s3://bucket/lora1 --json | jq .adapter.base
+        """)
+    add_url(p)
+
     p = add_command(sub, "ls", run_ls, "list the versions of a stream", """
         ckptstream ls /mnt/nfs/run1
         ckptstream ls s3://bucket/run1 --json | jq '.[-1]'
@@ -49,6 +57,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_url(p)
 
 
+def run_info(args: argparse.Namespace) -> int:
+    stream = open_stream(args)
+    info = stream.info()
+    versions = stream.versions()
+    summary = {"url": args.url, "stream_id": info.stream_id, "created": info.created,
+               "format_version": info.format_version, "kind": info.kind,
+               "adapter": None if info.adapter is None else info.adapter.to_json(),
+               "assets": [a.to_json() for a in info.assets], "versions": len(versions),
+               "oldest": versions[0] if versions else None, "latest": versions[-1] if versions else None}
+    if args.json:
+        print_json(summary)
+        return EXIT_OK
+    print(f"stream       {args.url}\nstream_id    {info.stream_id}\ncreated      {info.created}\n"
+          f"kind         {stream_kind_line(info)}")
+    if info.adapter is not None:
+        print(f"base model   {info.adapter.base_name} ({info.adapter.base_hash or 'hash unknown'})")
+    print(f"assets       {', '.join(f'{a.name} ({human(a.size)})' for a in info.assets) or '-'}\n"
+          f"versions     {len(versions)}" + (f" ({versions[0]} to {versions[-1]})" if versions else ""))
+    return EXIT_OK
+
+
+def stream_kind_line(info: StreamInfo) -> str:
+    """The kind of a stream for people: ``weights``, or ``adapter (LoRA rank 8 on q_proj, v_proj)``."""
+    if info.adapter is None:
+        return info.kind
+    return f"{info.kind} (LoRA rank {info.adapter.rank} on {', '.join(info.adapter.target_modules) or '-'})"
+
+
 def run_ls(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -69,6 +105,9 @@ def run_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no versions in {args.url}", file=sys.stderr)
         return EXIT_OK
+    adapter = stream.info().adapter
+    if adapter is not None:  # (a weights stream's listing stays as it was)
+        print(f"adapter stream of base {adapter.base_name}: {stream_kind_line(stream.info())}")
     lines = []
     for r in rows:
         if "error" in r:
@@ -87,6 +126,9 @@ def run_show(args: argparse.Namespace) -> int:
     manifest = stream.manifest(version)
     summary = version_summary(manifest)
     summary["chain"] = [m.version for m in stream.chain(version)]
+    info = stream.info()
+    summary["stream_kind"] = info.kind
+    summary["adapter"] = None if info.adapter is None else info.adapter.to_json()
     summary["metadata"] = manifest.metadata
     summary["writer"] = manifest.writer
     tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "encoding": t.encoding,
@@ -107,6 +149,9 @@ def run_show(args: argparse.Namespace) -> int:
           f"stored       {human(manifest.stored_bytes)} of {human(manifest.full_bytes)} "
           f"({100 * summary['stored_fraction']:.2f}%)\n"
           f"changed      {'-' if changed is None else f'{100 * changed:.3f}% of elements'}")
+    if info.adapter is not None:
+        print(f"stream       {stream_kind_line(info)}\n"
+              f"base model   {info.adapter.base_name} ({info.adapter.base_hash or 'hash unknown'})")
     if manifest.metadata:
         print(f"metadata     {json.dumps(manifest.metadata)}")
     if args.tensors:

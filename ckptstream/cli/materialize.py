@@ -18,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream materialize /mnt/nfs/run1 latest /dev/shm/model
         ckptstream materialize s3://bucket/run1 12 ./v12 --base-dir ./v11   # apply deltas to v11
         ckptstream materialize s3://bucket/run1 latest ./model --bwlimit 50M  # at most 50 MiB/s
+        ckptstream materialize /mnt/nfs/lora1 latest ./adapter   # an adapter stream: a PEFT adapter directory
         """)
     add_url(p)
     p.add_argument("ref", metavar="VERSION", type=version_ref, help=VERSION_HELP)

@@ -1,4 +1,5 @@
-"""Helpers around the main job: ``make-tiny-model`` (a random HF model) and ``demo`` (the loop end to end)."""
+"""Helpers around the main job: ``make-tiny-model`` (a random HF model), ``base-hash`` (the identity of a base
+model directory, as adapter streams record it) and ``demo`` (the loop end to end)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size", type=byte_size, help="approximate weight bytes, e.g. 64MB, 1GB")
     p.add_argument("--shard-size", type=byte_size, help="split weights into shards of at most this size")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+
+    p = add_command(sub, "base-hash", run_base_hash, "print the identity of a base model directory (its tensors' "
+                    "names, dtypes, shapes and a sample of each: what adapter streams record)", """
+        ckptstream base-hash ./Qwen3-8B
+        ckptstream publish /mnt/nfs/lora1 --from-peft ./adapter --base-hash "$(ckptstream base-hash ./Qwen3-8B)"
+        """, with_common=False)
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="a model directory with *.safetensors")
     p.add_argument("--json", action="store_true", help="print results as JSON")
 
     p = add_command(sub, "demo", run_demo, "run the main job end to end on embedded defaults", """
@@ -52,6 +61,17 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}, "
               f"{len(state)} tensors, {human(total)}) to {out}")
+    return EXIT_OK
+
+
+def run_base_hash(args: argparse.Namespace) -> int:
+    from ..basehash import base_model_hash
+
+    digest = base_model_hash(args.model_dir)
+    if args.json:
+        print_json({"path": args.model_dir, "hash": digest})
+    else:
+        print(digest)
     return EXIT_OK
 
 

@@ -43,13 +43,16 @@ _BUILD_DIR = "out"
 def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
                     decode: Callable[[Writer], Iterator[int]], assets: Iterable[tuple[str, bytes]],
                     marker: Mapping[str, Any], overwrite: bool, shard_bytes: int,
-                    progress: Callable[[int], None] | None = None) -> Path:
+                    progress: Callable[[int], None] | None = None, weights_file: str | None = None) -> Path:
     """Write the tensors of ``manifest`` as safetensors shards (with an index when there are several),
     then the ``assets`` and the ``marker`` file, into ``out_dir``, atomically (see the module docstring).
 
     Args:
         decode: decodes every tensor of the version through a writer, yielding each tensor's byte count.
         assets: (name, bytes) of each non-weight file.
+        weights_file: write every tensor into one file of this name (an adapter's
+            ``adapter_model.safetensors``), never sharded; None: ``model.safetensors`` or shards of at most
+            ``shard_bytes`` with an index.
         overwrite: replace a non-empty ``out_dir`` (else FileExistsError).
 
     Raises:
@@ -66,7 +69,7 @@ def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
         build = temp / _BUILD_DIR
         build.mkdir()
         write_directory(build, manifest, decode=decode, assets=assets, marker=marker, shard_bytes=shard_bytes,
-                        progress=progress)
+                        progress=progress, weights_file=weights_file)
         _check_output(out, overwrite)  # another build may have filled it meanwhile
         if out.exists() and any(out.iterdir()):
             os.rename(out, temp / "old")  # removed with the temporary directory
@@ -79,11 +82,12 @@ def build_directory(out_dir: str | os.PathLike[str], manifest: Manifest, *,
 
 def write_directory(directory: Path, manifest: Manifest, *, decode: Callable[[Writer], Iterator[int]],
                     assets: Iterable[tuple[str, bytes]], marker: Mapping[str, Any], shard_bytes: int,
-                    progress: Callable[[int], None] | None = None) -> None:
+                    progress: Callable[[int], None] | None = None, weights_file: str | None = None) -> None:
     """Write the files of a materialized directory into ``directory``, an empty directory that the caller
-    owns (it makes the result appear atomically, as ``build_directory`` does): the weights, the assets,
-    then the marker, last, so that a directory with its marker is complete."""
-    _write_weights(directory, manifest, decode, shard_bytes, progress)
+    owns (it makes the result appear atomically, as ``build_directory`` does): the weights (in one
+    ``weights_file`` where given, as ``build_directory``), the assets, then the marker, last, so that a
+    directory with its marker is complete."""
+    _write_weights(directory, manifest, decode, shard_bytes, progress, weights_file)
     for name, data in assets:
         if is_reserved_asset_name(name) or (directory / name).exists():
             raise UnsafeManifestError(f"asset {name!r} would replace a weight file, the index or the marker",
@@ -103,14 +107,15 @@ def _check_output(out: Path, overwrite: bool) -> None:
 
 
 def _write_weights(build: Path, manifest: Manifest, decode: Callable[[Writer], Iterator[int]], shard_bytes: int,
-                   progress: Callable[[int], None] | None) -> None:
-    groups = shard_groups([t.nbytes for t in manifest.tensors], shard_bytes)
+                   progress: Callable[[int], None] | None, weights_file: str | None) -> None:
+    groups = (shard_groups([t.nbytes for t in manifest.tensors], shard_bytes) if weights_file is None
+              else [list(range(len(manifest.tensors)))])
     weight_map: dict[str, str] = {}
     placement: dict[str, tuple[_OutputFile, int]] = {}  # tensor -> (its shard, its offset there)
     shards: list[_OutputFile] = []
     try:
         for index, group in enumerate(groups):
-            file_name = ("model.safetensors" if len(groups) == 1
+            file_name = (weights_file or "model.safetensors" if len(groups) == 1
                          else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors")
             entries = [manifest.tensors[i] for i in group]
             header, offsets = safetensors_header(((t.name, t.dtype, t.shape, t.nbytes) for t in entries),

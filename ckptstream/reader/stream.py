@@ -16,12 +16,13 @@ import torch
 from ..codec import INT_OF_SIZE
 from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, ReplicaRefused, StreamNotFoundError,
                       TensorNotFoundError, VersionNotFoundError)
-from ..format import (DEFAULT_SHARD_BYTES, ENCODING_RAW, ENCODING_ZSTD, LATEST, MANIFESTS_DIR, MAX_MANIFEST_BYTES,
-                      MAX_STREAM_FILE_BYTES, MAX_VERSION, STREAM_FILE, FileEntry, Manifest, StreamInfo, TensorEntry,
-                      asset_path, content_hash, manifest_path, parse_version_name)
+from ..format import (ADAPTER_WEIGHTS_FILE, DEFAULT_SHARD_BYTES, ENCODING_RAW, ENCODING_ZSTD, LATEST, MANIFESTS_DIR,
+                      MAX_MANIFEST_BYTES, MAX_STREAM_FILE_BYTES, MAX_VERSION, STREAM_FILE, FileEntry, Manifest,
+                      StreamInfo, TensorEntry, asset_path, content_hash, manifest_path, parse_version_name)
 from ..parallel import default_workers, ordered_parallel
 from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
 from ..storage.readahead import ChunkedReads
+from .adapter import check_adapter_tensors, kind_error
 from .decode import (BufferPool, Writer, changes_since, decode_order, decode_tensor, decode_tensor_to, load_checked,
                      plan_tensor)
 from .files import DataFiles
@@ -106,6 +107,18 @@ class Stream:
                                           hint="Check the URL, or publish a first version to create it") from None
             self._info = StreamInfo.from_bytes(raw)
         return self._info
+
+    def require_kind(self, kind: str) -> None:
+        """Refuse a stream of another kind than ``kind`` (``format.STREAM_KIND_WEIGHTS`` or
+        ``STREAM_KIND_ADAPTER``), before anything of it is pulled.
+
+        Raises:
+            StreamKindError: naming the stream, the kind it is, the kind expected and the next step.
+            StreamNotFoundError: there is no stream at the URL.
+        """
+        found = self.info().kind
+        if found != kind:
+            raise kind_error(self.url, kind=found, expected=kind)
 
     def versions(self) -> list[int]:
         """Committed versions, oldest first: one listing of the manifests directory, or, on storage that
@@ -404,7 +417,11 @@ class Stream:
         """Write ``version`` as a plain Hugging Face directory that ``vllm serve``/``reload_weights`` load.
 
         The directory holds safetensors shards (with ``model.safetensors.index.json`` when sharded), the
-        stream's asset files (config.json, tokenizer, ...) and a ``ckptstream.json`` marker. It is built
+        stream's asset files (config.json, tokenizer, ...) and a ``ckptstream.json`` marker; that of a version
+        of an adapter stream is a PEFT directory (``adapter_config.json``, the tensors in one
+        ``adapter_model.safetensors``, the marker) that ``vllm serve --lora-modules`` and
+        ``PeftModel.from_pretrained`` load, written once its tensors are checked against the stream's rank
+        and target modules (AdapterMismatchError naming the version and tensor). It is built
         under a temporary name beside ``out_dir`` and renamed into place, so it is never seen incomplete;
         temporary directories that killed runs left beside ``out_dir`` are removed first (see
         ``ckptstream.reader.materialize``). With ``base_dir``, deltas are applied to that earlier
@@ -440,12 +457,17 @@ class Stream:
 
     def _directory_parts(self, manifest: Manifest, base_dir: str | os.PathLike[str] | None,
                          workers: int | None) -> dict[str, Any]:
-        """The decoder, assets and marker of a materialized directory of ``manifest``."""
+        """The decoder, assets, marker and weights file of a materialized directory of ``manifest`` (an
+        adapter's tensors, once checked, in PEFT's one file)."""
+        adapter = self.info().adapter
+        if adapter is not None:
+            check_adapter_tensors(adapter, ((t.name, t.shape) for t in manifest.tensors), version=manifest.version)
         marker = {"stream": self.url, "stream_id": manifest.stream_id, "version": manifest.version,
                   "kind": manifest.kind, "step": manifest.step, "manifest_hash": manifest.manifest_hash}
         return {"decode": lambda write: self._decode(manifest, manifest.tensors, base_dir, None, write=write,
                                                      workers=workers),
-                "assets": ((asset.name, self.asset(asset)) for asset in self.info().assets), "marker": marker}
+                "assets": ((asset.name, self.asset(asset)) for asset in self.info().assets), "marker": marker,
+                "weights_file": None if adapter is None else ADAPTER_WEIGHTS_FILE}
 
     def check_materialized(self, directory: str | os.PathLike[str], version: int) -> None:
         """Check that a materialized directory holds exactly ``version``: its marker, the set of tensor

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_face
 
 _LAZY_NAMES = {
+    **dict.fromkeys(("AdapterSource", "peft_dir_source", "peft_model_source"), ".adapter"),
     **dict.fromkeys(("commit_manifest", "open_or_create_stream", "write_latest_hint"), ".commit"),
     "PublisherConfig": ".config",
     "DistributedPublisher": ".distributed",
@@ -20,6 +21,7 @@ _LAZY_NAMES = {
 }
 
 if TYPE_CHECKING:
+    from .adapter import AdapterSource, peft_dir_source, peft_model_source
     from .commit import commit_manifest, open_or_create_stream, write_latest_hint
     from .config import PublisherConfig
     from .distributed import DistributedPublisher
@@ -28,5 +30,6 @@ if TYPE_CHECKING:
 
 __getattr__, __dir__ = lazy_face(__name__, _LAZY_NAMES)
 
-__all__ = ["DistributedPublisher", "GcReport", "Publication", "Publisher", "PublisherConfig", "collect_garbage",
-           "commit_manifest", "open_or_create_stream", "write_latest_hint"]
+__all__ = ["AdapterSource", "DistributedPublisher", "GcReport", "Publication", "Publisher", "PublisherConfig",
+           "collect_garbage", "commit_manifest", "open_or_create_stream", "peft_dir_source", "peft_model_source",
+           "write_latest_hint"]

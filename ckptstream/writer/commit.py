@@ -18,8 +18,10 @@ from typing import Mapping
 from ..errors import (CkptStreamError, CommitOutcomeUnknownError, ForeignStreamError, IncompatibleStreamError,
                       IntegrityError, PublishError, VersionConflictError)
 from ..format import (DELTA, KEYFRAME, LATEST_HINT_FILE, MAX_ASSET_BYTES, MAX_MANIFEST_BYTES, MAX_STREAM_FILE_BYTES,
-                      STREAM_FILE, FileEntry, Manifest, StreamInfo, asset_path, content_hash, is_reserved_asset_name,
-                      is_safe_file_name, latest_hint_bytes, manifest_path)
+                      STREAM_FILE, STREAM_KIND_ADAPTER, STREAM_KIND_WEIGHTS, AdapterInfo, FileEntry, Manifest,
+                      StreamInfo, asset_path, content_hash, is_reserved_asset_name, is_safe_file_name,
+                      latest_hint_bytes, manifest_path)
+from ..reader.adapter import kind_error
 from ..reader.probe import read_latest_hint
 from ..storage import Storage
 
@@ -91,7 +93,7 @@ def read_stream_info(storage: Storage) -> StreamInfo | None:
 
 
 def open_or_create_stream(storage: Storage, assets: Mapping[str, bytes] | None, *,
-                          stream_id: str | None = None) -> StreamInfo:
+                          stream_id: str | None = None, adapter: AdapterInfo | None = None) -> StreamInfo:
     """The stream's ``StreamInfo``, creating the stream (assets, then ``stream.json``) if it is new.
 
     Args:
@@ -100,25 +102,41 @@ def open_or_create_stream(storage: Storage, assets: Mapping[str, bytes] | None, 
             the stream lacks are ignored: the assets are fixed when the stream is created).
         stream_id: the identity of the stream (default: a new random one); a stream copied from
             another store keeps the original's.
+        adapter: for an adapter stream, what it adapts (its ``assets`` then hold ``adapter_config.json``);
+            None: a weights stream.
 
     Raises:
         IncompatibleStreamError: a reserved or unsafe asset name, an asset that differs from the
-            stream's, or an existing stream with another ``stream_id``.
+            stream's, an existing stream with another ``stream_id``, or of another base model or rank.
+        StreamKindError: an existing stream of the other kind.
     """
     assets = check_assets(assets or {})
     info = read_stream_info(storage)
     if info is None:
-        info = _create_stream(storage, assets, stream_id or uuid.uuid4().hex)
-    check_stream(info, assets, stream_id)
+        info = _create_stream(storage, assets, stream_id or uuid.uuid4().hex, adapter)
+    check_stream(info, assets, stream_id, adapter=adapter, url=storage.url)
     return info
 
 
-def check_stream(info: StreamInfo, assets: Mapping[str, bytes], stream_id: str | None = None) -> None:
-    """Refuse an existing stream whose assets differ from ``assets`` or whose id is not ``stream_id``."""
+def check_stream(info: StreamInfo, assets: Mapping[str, bytes], stream_id: str | None = None, *,
+                 adapter: AdapterInfo | None = None, url: str = "the stream") -> None:
+    """Refuse an existing stream (at ``url``) whose assets differ from ``assets``, whose id is not
+    ``stream_id``, whose kind is not the one ``adapter`` implies (StreamKindError), or, for an adapter, whose
+    base model, rank or target modules differ (the base's hash only where both know it)."""
     if stream_id is not None and info.stream_id != stream_id:
         raise IncompatibleStreamError(f"the stream has stream_id {info.stream_id}, not {stream_id}",
                                       file=STREAM_FILE, hint="Copy into an empty location or into a copy "
                                                              "of the same stream")
+    kind = STREAM_KIND_WEIGHTS if adapter is None else STREAM_KIND_ADAPTER
+    if info.kind != kind:
+        raise kind_error(url, kind=info.kind, expected=kind, hint=_WRITER_KIND_HINTS.get(info.kind))
+    if adapter is not None and info.adapter is not None and _other_adapter(info.adapter, adapter):
+        raise IncompatibleStreamError(
+            f"the stream holds adapters of base {info.adapter.base_name} ({info.adapter.base_hash or 'hash unknown'}), "
+            f"rank {info.adapter.rank} on {', '.join(info.adapter.target_modules)}; this one is of base "
+            f"{adapter.base_name} ({adapter.base_hash or 'hash unknown'}), rank {adapter.rank} on "
+            f"{', '.join(adapter.target_modules)}", file=STREAM_FILE,
+            hint="A stream holds one adapter of one base model; publish to a new stream URL")
     have = {a.name: a.hash for a in info.assets}
     different = sorted(n for n, data in assets.items() if n in have and content_hash(data) != have[n])
     if different:
@@ -127,7 +145,21 @@ def check_stream(info: StreamInfo, assets: Mapping[str, bytes], stream_id: str |
             file=STREAM_FILE, hint="A stream holds one model; publish to a new stream URL")
 
 
-def _create_stream(storage: Storage, assets: Mapping[str, bytes], stream_id: str) -> StreamInfo:
+_WRITER_KIND_HINTS = {
+    STREAM_KIND_ADAPTER: "Publish adapters to it (Publisher(url, adapter_of=peft_model), ckptstream publish "
+                         "--from-peft DIR), or these weights to a new stream URL",
+    STREAM_KIND_WEIGHTS: "Publish the adapter to a stream of its own (a new stream URL)",
+}
+
+
+def _other_adapter(have: AdapterInfo, new: AdapterInfo) -> bool:
+    hashes_differ = have.base_hash is not None and new.base_hash is not None and have.base_hash != new.base_hash
+    return hashes_differ or (have.base_name, have.rank, have.target_modules) != (new.base_name, new.rank,
+                                                                                 new.target_modules)
+
+
+def _create_stream(storage: Storage, assets: Mapping[str, bytes], stream_id: str,
+                   adapter: AdapterInfo | None = None) -> StreamInfo:
     """Assets first, each put-if-absent, then ``stream.json`` put-if-absent; a writer that loses the race
     for ``stream.json`` takes the winner's."""
     entries = []
@@ -140,7 +172,8 @@ def _create_stream(storage: Storage, assets: Mapping[str, bytes], stream_id: str
                 raise IncompatibleStreamError("another writer is creating this stream with a different file",
                                               file=asset_path(name)) from None
         entries.append(entry)
-    info = StreamInfo(stream_id=stream_id, created=utc_now(), assets=tuple(entries))
+    info = StreamInfo(stream_id=stream_id, created=utc_now(), assets=tuple(entries),
+                      kind=STREAM_KIND_WEIGHTS if adapter is None else STREAM_KIND_ADAPTER, adapter=adapter)
     try:
         storage.put_if_absent(STREAM_FILE, info.to_bytes())
         log.info("created stream %s (%s)", storage.url, stream_id)
@@ -197,22 +230,24 @@ class LazyStream:
     """A stream that is created when first needed (at the first commit), so that a publish failing
     before that leaves nothing behind.
 
-    The assets are checked at once, and so is an existing stream against them.
+    The assets are checked at once, and so is an existing stream against them (and against ``adapter``:
+    an adapter stream's block, None for a weights stream; see ``check_stream``).
     """
 
-    def __init__(self, storage: Storage, assets: Mapping[str, bytes]):
+    def __init__(self, storage: Storage, assets: Mapping[str, bytes], adapter: AdapterInfo | None = None):
         self._storage = storage
         self._assets = check_assets(assets)
+        self._adapter = adapter
         self._lock = threading.Lock()
         self._info = read_stream_info(storage)
         if self._info is not None:
-            check_stream(self._info, self._assets)
+            check_stream(self._info, self._assets, adapter=adapter, url=storage.url)
 
     def info(self) -> StreamInfo:
         """The stream's ``StreamInfo``, creating the stream if it does not exist yet."""
         with self._lock:
             if self._info is None:
-                self._info = open_or_create_stream(self._storage, self._assets)
+                self._info = open_or_create_stream(self._storage, self._assets, adapter=self._adapter)
             return self._info
 
 

@@ -38,6 +38,8 @@ from ..errors import CkptStreamError, PublishError, VersionOrderError
 from ..format import DELTA, KEYFRAME, FileEntry, Manifest, TensorEntry, dumps_json
 from ..parallel import default_workers, one_cpu_thread_each
 from ..reader import Stream
+from ..reader.adapter import check_adapter_tensors
+from .adapter import AdapterSource, adapter_source
 from .base import BaseLookup
 from .commit import LazyStream, commit_manifest, load_assets, new_writer_id, utc_now, write_latest_hint
 from .config import PublisherConfig
@@ -139,6 +141,11 @@ class Publisher:
         url: stream location: a local/NFS path, ``file://``, ``s3://bucket/prefix`` or any fsspec URL.
         config: every option in one object (:class:`PublisherConfig`); default the defaults.
         coordinator: how the processes writing a version agree on it (default: this process alone).
+        adapter_of: publish an adapter stream (FORMAT.md, "Adapter streams") of this ``peft.PeftModel``'s
+            LoRA adapter (or of an ``AdapterSource`` of :mod:`ckptstream.writer.adapter`, e.g. to name the
+            adapter or the base model's directory): each ``publish()`` snapshots only the adapter's tensors,
+            the stream's one asset is its ``adapter_config.json``, and ``stream.json`` names the base model
+            (and its ``base_model_hash`` where the base is a local directory). Leave ``assets`` out.
         **options: fields of :class:`PublisherConfig` (``storage_options``, ``assets``,
             ``keyframe_every``, ``delta_max_ratio``, ``shard_bytes``, ``chunk_bytes``, ``zstd_level``,
             ``shuffle``, ``max_in_flight``, ``workers``, ``base_cache_dir``, ``device_delta``, ``freeze_gc``), replacing
@@ -158,16 +165,26 @@ class Publisher:
             for step in range(steps):
                 train_step()
                 pub.publish(model.state_dict(), step=step)   # returns once the snapshot is taken
+
+        with Publisher("s3://bucket/lora1", adapter_of=peft_model) as pub:   # a LoRA adapter's stream
+            for step in range(steps):
+                train_step()
+                pub.publish(step=step)                        # the adapter's tensors only
     """
 
     def __init__(self, url: str, config: PublisherConfig | None = None, *, coordinator: Coordinator | None = None,
-                 **options: Any):
+                 adapter_of: Any = None, **options: Any):
         self.config = config = PublisherConfig.of(config, options)
+        self.adapter: AdapterSource | None = None if adapter_of is None else adapter_source(adapter_of)
+        """What an adapter stream's publisher publishes (None: a model's weights)."""
+        if self.adapter is not None and config.assets is not None:
+            raise ValueError("an adapter stream's one asset is its adapter_config.json: leave assets out")
         self.stream = Stream(url, storage_options=config.storage_options)
         self.storage = self.stream.storage
         self.writer_id = new_writer_id()
         self._coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
-        self._stream_file = LazyStream(self.storage, load_assets(config.assets))
+        self._stream_file = LazyStream(self.storage, load_assets(config.assets) if self.adapter is None
+                                       else self.adapter.assets, None if self.adapter is None else self.adapter.info)
         self._bases = BaseLookup(self.stream if self._coordinator.looks_up_base else None,
                                  config.base_cache_dir if self._coordinator.looks_up_base else None)
         self._snapshots = SnapshotBuffers()
@@ -198,13 +215,16 @@ class Publisher:
 
     # ------------------------------------------------------------------------------------ public API
 
-    def publish(self, named_tensors: NamedTensors, version: int | None = None, *, step: int | None = None,
-                metadata: Mapping[str, Any] | None = None, keyframe: bool = False) -> Future[Manifest]:
+    def publish(self, named_tensors: NamedTensors | None = None, version: int | None = None, *,
+                step: int | None = None, metadata: Mapping[str, Any] | None = None,
+                keyframe: bool = False) -> Future[Manifest]:
         """Snapshot the tensors and publish them as a new version in the background.
 
         Args:
             named_tensors: a state dict or (name, tensor) pairs under the names the receiver loads
-                (Hugging Face names for vLLM); any device, contiguous or not.
+                (Hugging Face names for vLLM); any device, contiguous or not. With ``adapter_of``, default
+                the adapter's tensors (``peft.get_peft_model_state_dict``); any given instead must keep the
+                stream's rank and target modules.
             version: the version number; default the latest version + 1 (0 for a new stream). Must be
                 greater than every version already in the stream.
             step: the training step, recorded in the manifest.
@@ -218,16 +238,20 @@ class Publisher:
 
         Raises:
             VersionOrderError: ``version`` is not newer than the latest version.
-            ValueError / TypeError: an invalid tensor name, tensor, step or metadata; nothing is published.
+            ValueError / TypeError: an invalid tensor name, tensor, step or metadata, or no tensors;
+                nothing is published.
+            AdapterMismatchError: (``adapter_of``) tensors of another rank or module than the stream's.
             PublishError (or the original CkptStreamError): an earlier background publish failed.
         """
+        self._check_tensors_given(named_tensors)
         job = self._start(version, step, metadata, keyframe)
         self._stager.submit(lambda: None).result()  # versions staged before this one go first
         self._snapshot(job, named_tensors)
         return job.future
 
-    def stage(self, named_tensors: NamedTensors, version: int | None = None, *, step: int | None = None,
-              metadata: Mapping[str, Any] | None = None, keyframe: bool = False) -> Publication:
+    def stage(self, named_tensors: NamedTensors | None = None, version: int | None = None, *,
+              step: int | None = None, metadata: Mapping[str, Any] | None = None,
+              keyframe: bool = False) -> Publication:
         """Like :meth:`publish`, but the snapshot too runs in the background: returns at once.
 
         The caller must not change the tensors (nor, for a generator, what it yields) until
@@ -236,6 +260,7 @@ class Publisher:
         Versions are snapshotted and committed in the order they were staged. Arguments and the errors
         raised at once are those of :meth:`publish`; a snapshot failure is raised by both futures.
         """
+        self._check_tensors_given(named_tensors)
         job = self._start(version, step, metadata, keyframe)
         staged = self._stager.submit(self._snapshot, job, named_tensors)
         return Publication(job.version, staged, job.future)
@@ -311,11 +336,18 @@ class Publisher:
             raise
         return _Job(number, [], step, checked, keyframe, previous_version=previous)
 
-    def _snapshot(self, job: _Job, named_tensors: NamedTensors) -> None:
+    def _check_tensors_given(self, named_tensors: NamedTensors | None) -> None:
+        if named_tensors is None and self.adapter is None:
+            raise TypeError("publish() needs the tensors to publish (a state dict or (name, tensor) pairs)")
+
+    def _snapshot(self, job: _Job, named_tensors: NamedTensors | None) -> None:
         """Take an in-flight slot and the snapshot of ``job``, then queue the rest of it; a failure gives the
         version up."""
         self._slots.acquire()
         try:
+            if self.adapter is not None:
+                named_tensors = self._adapter_tensors(job.version, named_tensors)
+            assert named_tensors is not None
             items = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
             first = next(items, None)
             items = itertools.chain([] if first is None else [first], items)
@@ -341,6 +373,16 @@ class Publisher:
             job.future.set_exception(exc)
             raise
         self._committer.submit(self._run, job)
+
+    def _adapter_tensors(self, version: int, named_tensors: NamedTensors | None) -> list[tuple[str, torch.Tensor]]:
+        """The adapter's tensors (``named_tensors``, default the source's), checked against the stream's
+        adapter block."""
+        assert self.adapter is not None
+        given = self.adapter.read() if named_tensors is None else named_tensors
+        items = list(given.items() if isinstance(given, Mapping) else given)
+        check_adapter_tensors(self.adapter.info, ((n, tuple(getattr(t, "shape", ()))) for n, t in items),
+                              version=version)
+        return items
 
     def _raise_failure(self) -> None:
         with self._lock:
