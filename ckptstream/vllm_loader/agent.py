@@ -24,7 +24,7 @@ from ..polling import poll
 from ..reader import ReplicaRecord, Stream, replica_path
 from ..reader.replicas import KIND_NODE
 from ..storage import Watch
-from ..format import MANIFESTS_DIR, MAX_REPLICA_RECORD_BYTES
+from ..format import MANIFESTS_DIR, MAX_REPLICA_RECORD_BYTES, STREAM_KIND_WEIGHTS
 from .cache import VersionCache, default_cache_dir, safe_owner
 from .follower import FollowerConfig, prepare_version
 from .observe import FollowerObserver, ReplicaRecordWriter, attach_metrics, notify, refusal_reason
@@ -59,6 +59,7 @@ class NodeAgent:
         self.config = config
         self.engine = safe_owner(engine)
         self.stream = Stream(url, storage_options=config.storage_options)
+        self.stream.require_kind(STREAM_KIND_WEIGHTS)
         record_id = node_record_id(self.engine, node_rank)
         replica_path(record_id)  # a ValueError now rather than at every report
         self.cache = VersionCache(config.cache_dir or default_cache_dir(), self.stream.info().stream_id,

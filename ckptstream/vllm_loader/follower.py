@@ -38,7 +38,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from ..errors import (CkptStreamError, MissingBaseError, ModelMismatchError, NodesNotReady,
                       RouterError, VersionNotFoundError)
-from ..format import MANIFESTS_DIR, MARKER_FILE, Manifest
+from ..format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
 from ..hf import tensor_specs
 from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
 from ..reader.replicas import STATE_ASIDE
@@ -162,6 +162,7 @@ class Follower:
         self._reads = TimedReads(open_storage(url, config.storage_options))  # what is fetch in a prepare
         self.stream = Stream(url, storage=self._reads, lease_ttl=config.lease_ttl)
         info = self.stream.info()
+        self.stream.require_kind(STREAM_KIND_WEIGHTS)  # an adapter stream is served by adapter followers
         self.clients: list[VllmControl] = [VllmClient(u, api_key=config.api_key) if isinstance(u, str) else u
                                            for u in vllm_urls]
         replica_id = config.replica_id or _default_replica_id(self.clients[0].url)

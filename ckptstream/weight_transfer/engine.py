@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from ..errors import WeightTransferError
-from ..format import MARKER_FILE
+from ..format import MARKER_FILE, STREAM_KIND_WEIGHTS
 from ..reader import Stream
 from ..vllm_loader.apply import InPlaceApplier, staging_problem
 from ..vllm_loader.cache import VersionCache, default_cache_dir, safe_owner
@@ -139,6 +139,7 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         model directory is a materialized version of this stream (its marker says so)."""
         self.shutdown()
         stream = Stream(init_info.url, storage_options=init_info.storage_options)
+        stream.require_kind(STREAM_KIND_WEIGHTS)  # adapters are loaded as LoRA adapters, not into the model
         stream_id = stream.info().stream_id
         root = init_info.cache_dir or default_cache_dir(_model_bytes(self.model))
         owner = safe_owner(f"{socket.gethostname()}-{os.getpid()}-wt")

@@ -508,3 +508,21 @@ def test_follower_holds_a_lease_named_by_its_replica_id_while_it_fetches(stream,
         assert follower.step().version == 2
     assert seen and set(seen) == {("follower node7-8000", 2, 30.0)}
     assert read_leases(inner).records == []
+
+
+def test_weights_followers_and_engines_refuse_an_adapter_stream(tmp_path):
+    from ckptstream.errors import StreamKindError
+    from ckptstream.testing.adapters import write_tiny_adapter
+    from ckptstream.testing.models import TinyModelSpec, write_tiny_model
+    from ckptstream.vllm_loader.agent import NodeAgent
+    from ckptstream.writer.adapter import peft_dir_source
+
+    base = write_tiny_model(tmp_path / "base", TinyModelSpec())
+    peft_dir = write_tiny_adapter(tmp_path / "adapter", base)
+    url = str(tmp_path / "adapters")
+    with Publisher(url, adapter_of=peft_dir_source(peft_dir)) as publisher:
+        publisher.publish().result()
+    with pytest.raises(StreamKindError, match="adapter"):
+        Follower(url, [FakeVllmClient()], cache_dir=tmp_path / "cache")
+    with pytest.raises(StreamKindError, match="adapter"):
+        NodeAgent(url, engine="engine", node_rank=1, nnodes=2, cache_dir=tmp_path / "cache")
