@@ -74,6 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream follow /mnt/nfs/run1 --vllm-url http://head:8000 --nodes-ready-timeout 60  # multi-node engine
         ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000 --metrics-port 9400  # curl :9400/metrics
         ckptstream follow /mnt/nfs/run1 --vllm-url http://127.0.0.1:8000 --verify-apply 10  # prove in-place updates
+        ckptstream follow /mnt/nfs/lora1 --vllm-url http://127.0.0.1:8000 --keep 3   # an adapter stream: LoRA
         """, parents=[follower_options, metrics_options, update_options])
     add_url(p)
     p.add_argument("--vllm-url", action="append", required=True, metavar="URL",
@@ -83,6 +84,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the servers are engines spanning nodes, started with --worker-extension-cls "
                         "ckptstream.vllm_loader.worker.WorkerExtension and a node agent on each other node: reload a "
                         "version only once every rank holds it; wait S seconds for them, then retry later")
+    adapters = p.add_argument_group("adapter streams (LoRA): servers started with --enable-lora and "
+                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the base model")
+    adapters.add_argument("--keep", type=positive_int, default=2, metavar="K",
+                          help="versions kept resident as NAME@VERSION (default 2; vLLM's --max-loras at least K+1)")
+    adapters.add_argument("--adapter-name", metavar="NAME",
+                          help="the stable adapter name, meaning the newest version (default the URL's last part)")
+    adapters.add_argument("--base-dir", metavar="DIR",
+                          help="the base model the servers serve: its identity is checked against the stream's")
+    adapters.add_argument("--lora-aliases", metavar="FILE",
+                          help="the file the servers' CKPTSTREAM_LORA_ALIASES names, so that requests for NAME "
+                               "arriving while it moves are answered")
 
     p = add_command(sub, "serve", run_serve, "start vLLM on a version of a stream and keep it on the newest "
                     "(vLLM's own arguments go after --)", """
@@ -167,11 +179,46 @@ def run_follow(args: argparse.Namespace) -> int:
     from ..vllm_loader import Follower
 
     _follow_logging()
+    if _is_adapter_stream(args):
+        return _follow_adapters(args)
     follower = Follower(args.url, args.vllm_url, storage_options=storage_options(args), cache_dir=args.cache_dir,
                         pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
                         pause_mode=args.pause_mode, api_key=args.api_key, observers=_observers(args),
                         lease_ttl=args.lease_ttl, nodes_ready_timeout=args.nodes_ready_timeout,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host, **_update_config(args))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with follower:
+        follower.run(stop)
+    return EXIT_OK
+
+
+def _is_adapter_stream(args: argparse.Namespace) -> bool:
+    from ..format import STREAM_KIND_ADAPTER
+    from ..reader import Stream
+
+    return Stream(args.url, storage_options=storage_options(args)).info().kind == STREAM_KIND_ADAPTER
+
+
+def _follow_adapters(args: argparse.Namespace) -> int:
+    """``follow`` on an adapter stream: every new version loaded as a LoRA adapter, nothing paused."""
+    import signal
+    import threading
+
+    from ..vllm_loader.adapter_follower import AdapterFollower
+
+    weights_only = [option for option, given in (("--pin", args.pin is not None),
+                                                 ("--nodes-ready-timeout", args.nodes_ready_timeout is not None),
+                                                 ("--metrics-port", args.metrics_port is not None),
+                                                 ("--reload-only", args.reload_only),
+                                                 ("--verify-apply", args.verify_apply is not None)) if given]
+    if weights_only:
+        raise UsageError(f"{', '.join(weights_only)}: for weights streams; {args.url} is an adapter stream")
+    follower = AdapterFollower(args.url, args.vllm_url, name=args.adapter_name, keep=args.keep,
+                               base_dir=args.base_dir, aliases=args.lora_aliases, cache_dir=args.cache_dir,
+                               storage_options=storage_options(args), api_key=args.api_key,
+                               poll_interval=args.poll_interval, lease_ttl=args.lease_ttl)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -93,3 +93,31 @@ def test_a_weights_stream_is_refused_by_an_adapter_follower(tmp_path, tiny_model
         publisher.publish(dict(iter_hf_weights(tiny_model))).result()
     with pytest.raises(StreamKindError, match="weights"):
         AdapterFollower(url, ["http://127.0.0.1:9"], cache_dir=tmp_path / "cache")
+
+
+def test_the_follow_command_serves_an_adapter_stream(lora_server, tiny_model, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    server, aliases = lora_server
+    url = str(tmp_path / "cli-stream")
+    with Publisher(url, adapter_of=tiny_peft_model(tiny_model, rank=RANK, seed=3)) as publisher:
+        publisher.publish().result()
+    command = [sys.executable, "-m", "ckptstream.cli", "follow", url, "--vllm-url", server.url, "--keep", "1",
+               "--adapter-name", "cli", "--lora-aliases", str(aliases), "--cache-dir", str(tmp_path / "cache"),
+               "--poll-interval", "0.1"]
+    refused = subprocess.run([*command, "--pin", "0"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "adapter stream" in refused.stderr
+    follower = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not {"cli", "cli@0"} <= set(server.client.lora_adapters()):  # the version, then the stable name
+            assert follower.poll() is None, follower.stderr.read()
+            assert time.monotonic() < deadline, "the follower did not load version 0"
+            time.sleep(0.1)
+        assert server.client.lora_adapters()["cli"] == server.client.lora_adapters()["cli@0"]
+    finally:
+        follower.send_signal(signal.SIGTERM)
+        assert follower.wait(timeout=60) == 0
