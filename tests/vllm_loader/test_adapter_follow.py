@@ -31,7 +31,9 @@ def lora_server(tmp_path_factory, vllm_servers, tiny_model):
     plugin = resolver_plugin_path(root / "plugin")
     if plugin is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
-    return vllm_servers(tiny_model, vllm_args=args, env=env), aliases
+    server = vllm_servers(tiny_model, vllm_args=args, env=env)
+    yield server, aliases
+    server.stop()  # with the module: servers left running add up
 
 
 def _outputs(client, model: str) -> list[list[int]]:

@@ -77,7 +77,8 @@ def lora(tmp_path_factory: pytest.TempPathFactory, vllm_servers, tiny_model: Pat
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
     lora = LoraServer(vllm_servers(tiny_model, vllm_args=args, env=env), directories, aliases, root)
     lora.base = lora.outputs("model")
-    return lora
+    yield lora
+    lora.server.stop()  # (the last test stops it first) with the module: servers left running add up
 
 
 @pytest.fixture

@@ -84,15 +84,19 @@ def start_dir(local_run) -> Path:
 @pytest.fixture(scope="module")
 def server(start_dir, vllm_servers, s3_endpoint):
     """A server started from version 0 of the local stream (with the S3 stand-in's address and credentials
-    in its environment, the standard AWS way)."""
-    return vllm_servers(start_dir, vllm_args=SERVER_ARGS)
+    in its environment, the standard AWS way); stopped with the module (servers left running add up)."""
+    server = vllm_servers(start_dir, vllm_args=SERVER_ARGS)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
 def tp2_server(start_dir, vllm_servers, server):
     """A server of two tensor-parallel ranks, started from the same version (after ``server``: one start
     at a time on two cores)."""
-    return vllm_servers(start_dir, tensor_parallel=2, vllm_args=SERVER_ARGS)
+    server = vllm_servers(start_dir, tensor_parallel=2, vllm_args=SERVER_ARGS)
+    yield server
+    server.stop()
 
 
 def corrupt(url: str, version: int) -> None:
