@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import EXIT_ERROR, EXIT_OK
+from ..reader.adapter import DEFAULT_KEEP
 from .options import (DEFAULT_LEASE_TTL, LATEST, SecretOption, UsageError, add_command, add_url, lease_seconds,
                       positive_int, storage_options,
                       version_number, version_ref)
@@ -58,6 +59,36 @@ def _update_options() -> argparse.ArgumentParser:
     return options
 
 
+def _adapter_options(parser: argparse.ArgumentParser, title: str, base_help: str) -> Any:
+    """The adapter-stream options of follow and serve, as a group of ``parser`` (returned)."""
+    adapters = parser.add_argument_group(title)
+    adapters.add_argument("--keep", type=positive_int, metavar="K",
+                          help=f"versions kept resident as NAME@VERSION (default {DEFAULT_KEEP}; vLLM's --max-loras "
+                               "at least K+1)")
+    adapters.add_argument("--adapter-name", metavar="NAME",
+                          help="the stable adapter name, meaning the newest version (default the URL's last part)")
+    adapters.add_argument("--base-dir", metavar="DIR", help=base_help)
+    return adapters
+
+
+def _adapters_only(args: argparse.Namespace) -> None:
+    """Refuse (exit 2) the adapter-stream options on a weights stream."""
+    given = [option for option, value in (("--keep", args.keep), ("--adapter-name", args.adapter_name),
+                                          ("--base-dir", args.base_dir),
+                                          ("--lora-aliases", getattr(args, "lora_aliases", None)))
+             if value is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)}: for adapter streams (LoRA); {args.url} is a weights stream")
+
+
+def _weights_only(args: argparse.Namespace, *options: tuple[str, bool]) -> None:
+    """Refuse (exit 2) the weights-stream ``options`` that were given (``(option, given)``) on an adapter
+    stream."""
+    given = [option for option, was_given in options if was_given]
+    if given:
+        raise UsageError(f"{', '.join(given)}: for weights streams; {args.url} is an adapter stream")
+
+
 def _update_config(args: argparse.Namespace) -> dict[str, object]:
     return {"apply_in_place": not args.reload_only, "verify_apply": args.verify_apply}
 
@@ -84,14 +115,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the servers are engines spanning nodes, started with --worker-extension-cls "
                         "ckptstream.vllm_loader.worker.WorkerExtension and a node agent on each other node: reload a "
                         "version only once every rank holds it; wait S seconds for them, then retry later")
-    adapters = p.add_argument_group("adapter streams (LoRA): servers started with --enable-lora and "
-                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the base model")
-    adapters.add_argument("--keep", type=positive_int, default=2, metavar="K",
-                          help="versions kept resident as NAME@VERSION (default 2; vLLM's --max-loras at least K+1)")
-    adapters.add_argument("--adapter-name", metavar="NAME",
-                          help="the stable adapter name, meaning the newest version (default the URL's last part)")
-    adapters.add_argument("--base-dir", metavar="DIR",
-                          help="the base model the servers serve: its identity is checked against the stream's")
+    adapters = _adapter_options(p, "adapter streams (LoRA): servers started with --enable-lora and "
+                                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the base model",
+                                "the base model the servers serve: its identity is checked against the stream's")
     adapters.add_argument("--lora-aliases", metavar="FILE",
                           help="the file the servers' CKPTSTREAM_LORA_ALIASES names, so that requests for NAME "
                                "arriving while it moves are answered")
@@ -106,6 +132,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream serve /mnt/nfs/run1 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- --tensor-parallel-size 16
         ckptstream serve /mnt/nfs/run1 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 -- --tensor-parallel-size 16
         ckptstream serve /mnt/nfs/run1 --metrics-port 9400 --json -- --max-model-len 8192  # Prometheus, JSON lines
+        ckptstream serve /mnt/nfs/lora1 --keep 3 --base-dir ./base   # an adapter stream: base + LoRA versions
         """, parents=[follower_options, metrics_options, update_options])
     add_url(p)
     p.add_argument("--version", dest="ref", default=LATEST, type=version_ref,
@@ -122,6 +149,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes-ready-timeout", type=float, metavar="S",
                    help="with --nnodes: seconds to wait for every node to hold a version before retrying later "
                         "(default 60)")
+    _adapter_options(p, "adapter streams (LoRA): vLLM serves the base model, each version a runtime adapter",
+                     "the base model to serve (default the directory the stream's stream.json names)")
 
     p = add_command(sub, "node-agent", run_node_agent, "keep this node's cache on the newest version for a vLLM "
                     "engine spanning nodes, started elsewhere (every node but the head)", """
@@ -181,6 +210,7 @@ def run_follow(args: argparse.Namespace) -> int:
     _follow_logging()
     if _is_adapter_stream(args):
         return _follow_adapters(args)
+    _adapters_only(args)
     follower = Follower(args.url, args.vllm_url, storage_options=storage_options(args), cache_dir=args.cache_dir,
                         pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
                         pause_mode=args.pause_mode, api_key=args.api_key, observers=_observers(args),
@@ -208,17 +238,15 @@ def _follow_adapters(args: argparse.Namespace) -> int:
 
     from ..vllm_loader.adapter_follower import AdapterFollower
 
-    weights_only = [option for option, given in (("--pin", args.pin is not None),
-                                                 ("--nodes-ready-timeout", args.nodes_ready_timeout is not None),
-                                                 ("--metrics-port", args.metrics_port is not None),
-                                                 ("--reload-only", args.reload_only),
-                                                 ("--verify-apply", args.verify_apply is not None)) if given]
-    if weights_only:
-        raise UsageError(f"{', '.join(weights_only)}: for weights streams; {args.url} is an adapter stream")
-    follower = AdapterFollower(args.url, args.vllm_url, name=args.adapter_name, keep=args.keep,
+    _weights_only(args, ("--pin", args.pin is not None),
+                  ("--nodes-ready-timeout", args.nodes_ready_timeout is not None),
+                  ("--reload-only", args.reload_only), ("--verify-apply", args.verify_apply is not None))
+    follower = AdapterFollower(args.url, args.vllm_url, name=args.adapter_name, keep=args.keep or DEFAULT_KEEP,
                                base_dir=args.base_dir, aliases=args.lora_aliases, cache_dir=args.cache_dir,
                                storage_options=storage_options(args), api_key=args.api_key,
-                               poll_interval=args.poll_interval, lease_ttl=args.lease_ttl)
+                               poll_interval=args.poll_interval, lease_ttl=args.lease_ttl,
+                               replica_id=args.replica_id, observers=_observers(args),
+                               metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -234,8 +262,15 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError("--nnodes needs --master-addr (the head node's address, the same on every node)")
     if not 0 <= args.node_rank < args.nnodes:
         raise UsageError(f"--node-rank must be in 0..{args.nnodes - 1}")
+    if _is_adapter_stream(args):
+        _weights_only(args, ("--version", args.ref != LATEST), ("--pin", args.pin), ("--nnodes", args.nnodes > 1),
+                      ("--nodes-ready-timeout", args.nodes_ready_timeout is not None),
+                      ("--reload-only", args.reload_only), ("--verify-apply", args.verify_apply is not None))
+    else:
+        _adapters_only(args)
     _follow_logging()
     return serve(args.url, args.passthrough, version=args.ref, pin=args.pin, host=args.host, port=args.port,
+                 keep=args.keep or DEFAULT_KEEP, adapter_name=args.adapter_name, base_dir=args.base_dir,
                  storage_options=storage_options(args), cache_dir=args.cache_dir, replica_id=args.replica_id,
                  poll_interval=args.poll_interval, pause_mode=args.pause_mode, api_key=args.api_key,
                  observers=_observers(args), lease_ttl=args.lease_ttl, nnodes=args.nnodes,

@@ -10,15 +10,19 @@ from typing import Iterable, Sequence
 from ..errors import AdapterMismatchError, StreamKindError
 from ..format import STREAM_KIND_ADAPTER, STREAM_KIND_WEIGHTS, AdapterInfo
 
+DEFAULT_KEEP = 2
+"""Versions of an adapter stream served side by side unless told (``--keep``): the newest and the one before,
+for the requests a rollout still sends to it."""
+
 _KIND_PHRASES = {STREAM_KIND_WEIGHTS: "a weights stream (a model's full weights)",
                  STREAM_KIND_ADAPTER: "an adapter stream (LoRA adapters over a base model)"}
 _KIND_HINTS = {
     (STREAM_KIND_ADAPTER, STREAM_KIND_WEIGHTS):
-        "Serve its base model and follow the stream with an adapter-aware server (ckptstream serve --enable-lora "
-        "...); `ckptstream info URL` names the base",
+        "`ckptstream serve URL` serves its base model with each version as a LoRA adapter (or `ckptstream follow "
+        "URL` beside a vLLM started with --enable-lora); `ckptstream info URL` names the base",
     (STREAM_KIND_WEIGHTS, STREAM_KIND_ADAPTER):
-        "Follow it with a weights follower (ckptstream follow / serve without --enable-lora), or give the URL of "
-        "an adapter stream",
+        "`ckptstream follow` and `ckptstream serve` serve it as a weights stream; here, give the URL of an adapter "
+        "stream",
 }
 
 # PEFT's names of the two halves of a LoRA pair, and which dimension of each is the rank.

@@ -33,8 +33,10 @@ class ReplicaRecord:
     A follower's ``state`` is one of ``starting``, ``serving``,
     ``updating``, ``error``, ``aside``, ``stopped``; a mirror's one of ``starting``, ``copying``, ``current``,
     ``error``, ``stopped``, with ``source`` the stream it copies and ``lag`` the versions selected there that it
-    has not copied yet. ``heartbeat`` is seconds since the epoch, written at least every heartbeat interval,
-    also during long pulls.
+    has not copied yet. A follower of an adapter stream (LoRA) names its stable adapter name in ``adapter``;
+    its ``version`` is the version that name means, and ``resident`` every version its servers hold as
+    ``<adapter>@<version>``, oldest first: a client may ask for any of them. ``heartbeat`` is seconds since
+    the epoch, written at least every heartbeat interval, also during long pulls.
     """
 
     replica_id: str
@@ -55,6 +57,8 @@ class ReplicaRecord:
     nnodes: int | None = None  # nodes of the engine (head and node records); None: a one-node server
     lagging: list[str] = field(default_factory=list)  # head: nodes that lack the version it wants to load
     metrics_url: str | None = None  # where the follower serves Prometheus metrics (--metrics-port)
+    adapter: str | None = None  # an adapter stream's follower: the stable adapter name its servers answer
+    resident: list[int] = field(default_factory=list)  # an adapter stream's follower: versions held, oldest first
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the last heartbeat."""
@@ -99,6 +103,8 @@ _FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
     "nnodes": lambda v: v is None or _is_int(v),
     "lagging": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "metrics_url": lambda v: v is None or isinstance(v, str),
+    "adapter": lambda v: v is None or isinstance(v, str),
+    "resident": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
 }
 """What a readable record's known fields hold: a wrong type would break its readers' comparisons."""
 

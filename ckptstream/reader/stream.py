@@ -259,8 +259,13 @@ class Stream:
         return read_replicas(self.storage)
 
     def wait_for_version(self, version: int, *, min_replicas: int = 1, timeout: float | None = None,
-                         max_heartbeat_age: float = 60.0, poll_interval: float = 1.0) -> list[ReplicaRecord]:
+                         max_heartbeat_age: float = 60.0, poll_interval: float = 1.0,
+                         resident: bool = False) -> list[ReplicaRecord]:
         """Block until at least ``min_replicas`` live replicas serve ``version`` or newer.
+
+        On an adapter stream (LoRA) a replica serves ``version`` or newer when its stable adapter name means
+        that version or a newer one; with ``resident``, only when it holds ``version`` itself (``<name>@<version>``
+        answers: the record's ``resident``), for a client that asks for that exact version.
 
         A trainer calls this to bound rollout staleness. Replicas whose heartbeat is older than
         ``max_heartbeat_age`` seconds count as dead, and so do stopped ones and those standing aside
@@ -282,11 +287,12 @@ class Stream:
             now = time.time()
             live = [r for r in self.replicas() if r.kind == KIND_FOLLOWER and r.age(now) <= max_heartbeat_age
                     and r.state not in NOT_SERVING_STATES]
-            ready = [r for r in live if r.version is not None and r.version >= version]
+            ready = [r for r in live if (version in r.resident if resident else
+                                          r.version is not None and r.version >= version)]
             if len(ready) >= min_replicas:
                 return ready
             declined = {r.replica_id: reason for r in live if r not in ready
-                        for reason in [_declines(r, version)] if reason is not None}
+                        for reason in [_declines(r, version, resident)] if reason is not None}
             if declined and len(live) - len(declined) < min_replicas:
                 raise ReplicaRefused(
                     f"{len(ready)} of the {min_replicas} replicas needed serve it and no more can: "
@@ -572,9 +578,13 @@ def _checked_version(version: int) -> int:
     return version
 
 
-def _declines(record: ReplicaRecord, version: int) -> str | None:
-    """Why the live replica of ``record`` will not serve ``version`` (None: it may still)."""
+def _declines(record: ReplicaRecord, version: int, resident: bool = False) -> str | None:
+    """Why the live replica of ``record`` will not serve ``version`` (None: it may still); with ``resident``,
+    will not hold it itself: an adapter follower loads only the newest version, so it never loads one older
+    than what its stable name means."""
     if record.pin is not None and record.pin < version:
         return f"is pinned to version {record.pin}"
+    if resident and record.version is not None and record.version > version:
+        return f"holds versions {record.resident} and loads only newer ones"
     reason = record.refused.get(str(version))
     return None if reason is None else f"refused it: {reason}"

@@ -12,26 +12,38 @@ another base) is logged and skipped; every resident version keeps serving.
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
+import socket
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import AdapterRefused, CkptStreamError
 from ..format import STREAM_KIND_ADAPTER
-from ..reader import DEFAULT_LEASE_TTL, Stream
+from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
 from ..reader.adapter import check_adapter_fits
+from ..reader.adapter import DEFAULT_KEEP
 from .adapters import ResidentAdapters
-from .cache import VersionCache, default_cache_dir, safe_owner
+from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
 from .client import VllmClient
-from .follower import prepare_version
+from .follower import REFUSED_KEPT, default_replica_id
+from .observe import (FollowerObserver, ReplicaRecordWriter, UpdateRecord, attach_metrics, commit_age, notify,
+                      refusal_reason)
 
 log = logging.getLogger("ckptstream.follow")
 
 
 class AdapterFollower:
     """Keeps the newest ``keep`` versions of the adapter stream at ``url`` resident in running vLLM servers.
+
+    It reports like a weights follower: a replica record in the stream (``replicas/<replica_id>.json``, with
+    the stable name in ``adapter`` and the versions every server holds in ``resident``: what
+    ``Stream.wait_for_version`` reads), ``observers`` (``on_update`` per version loaded, with
+    ``pause_s`` 0: nothing pauses), and Prometheus metrics with ``metrics_port``.
 
     Args:
         url: the adapter stream.
@@ -42,13 +54,20 @@ class AdapterFollower:
         base_dir: the base model the servers serve, to check the stream's base identity against it.
         aliases: the alias file of the servers' ``CKPTSTREAM_LORA_ALIASES`` (``lora_aliases``), so that a
             request for ``<name>`` arriving while it moves is answered; None: such a request gets a 404.
+        replica_id: the name of its replica record (default ``<host>-<port of the first server>``).
+        observers: more ``FollowerObserver`` sinks (``JsonLines``, ``OnUpdate``, ...).
+        metrics_port, metrics_host: serve Prometheus metrics there (port 0: a free one).
+        heartbeat_interval: seconds between replica-record heartbeats.
         cache_dir, storage_options, api_key, poll_interval, lease_ttl: as for :class:`Follower`.
     """
 
-    def __init__(self, url: str, vllm_urls: Sequence[str | Any], *, name: str | None = None, keep: int = 2,
+    def __init__(self, url: str, vllm_urls: Sequence[str | Any], *, name: str | None = None, keep: int = DEFAULT_KEEP,
                  base_dir: str | Path | None = None, aliases: str | Path | None = None,
                  cache_dir: str | Path | None = None, storage_options: dict[str, Any] | None = None,
-                 api_key: str | None = None, poll_interval: float = 1.0, lease_ttl: float = DEFAULT_LEASE_TTL):
+                 api_key: str | None = None, poll_interval: float = 1.0, lease_ttl: float = DEFAULT_LEASE_TTL,
+                 replica_id: str | None = None, observers: Sequence[FollowerObserver] = (),
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 heartbeat_interval: float = 5.0):
         if not vllm_urls:
             raise ValueError("at least one vLLM server URL is needed")
         self.stream = Stream(url, storage_options=storage_options, lease_ttl=lease_ttl)
@@ -63,50 +82,74 @@ class AdapterFollower:
         check_adapter_fits(info.adapter, base_hash=base_hash, max_lora_rank=None, version=None)
         self.name = name or default_adapter_name(url)
         self.poll_interval = poll_interval
+        self.heartbeat_interval = heartbeat_interval
         clients = [VllmClient(u, api_key=api_key) if isinstance(u, str) else u for u in vllm_urls]
         self.servers = [ResidentAdapters(c, self.name, keep, aliases=None if aliases is None else Path(aliases))
                         for c in clients]
+        replica_id = replica_id or default_replica_id(clients[0].url)
+        replica_path(replica_id)  # a ValueError now, rather than every replica record failing later
         self.cache = VersionCache(cache_dir or default_cache_dir(), info.stream_id, safe_owner(f"lora-{self.name}"))
-        self.refused: dict[int, str] = {}
+        self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._dirs: set[int] = set()  # versions loaded whose directories something may still read
-        for server in self.servers:
-            for version in server.recover():  # a restarted follower takes the resident set over
-                self._dirs.add(version)
-                self.cache.hold(version)
+        self.record = ReplicaRecord(replica_id=replica_id, urls=[c.url for c in clients],
+                                    host=socket.gethostname(), pid=os.getpid(), adapter=self.name)
+        self.observers: list[FollowerObserver] = [*observers, ReplicaRecordWriter(self.stream.storage, log)]
+        self.metrics_server = attach_metrics(self.observers, self.record, url, metrics_host, metrics_port)
+        self._reported = 0.0
+        resident = [server.recover() for server in self.servers]  # a restarted follower takes them over
+        for version in set().union(*resident):
+            self._dirs.add(version)
+            self.cache.hold(version)
+        self._report(resident=_common(resident), version=self._stable(),
+                     state="serving" if self._stable() is not None else "starting")
 
     def resident(self) -> list[int]:
-        """The versions resident on every server."""
-        sets = [set(server.resident()) for server in self.servers]
-        return sorted(set.intersection(*sets))
+        """The versions resident on every server (asked of each)."""
+        return _common([server.resident() for server in self.servers])
 
     def step(self) -> int | None:
         """One round: load the newest version where it is not resident yet, then unload and release what
         is beyond the newest ``keep``; returns the version loaded, or None."""
         loaded = None
         newest = self.stream.latest()
-        if newest is not None and newest not in self.refused and newest not in self.resident():
+        if newest is not None and newest not in self.refused and newest not in self.record.resident:
             loaded = self._load(newest)
-        for server in self.servers:
-            eviction = server.evict()
-            for version in eviction.released:
-                if all(version not in s.resident() for s in self.servers):
-                    self._dirs.discard(version)
-                    self.cache.release(version)
+        evictions = [server.evict() for server in self.servers]
+        resident = _common([e.resident for e in evictions])
+        held_anywhere = set().union(*(e.resident for e in evictions))
+        for version in {v for e in evictions for v in e.released} - held_anywhere:
+            self._dirs.discard(version)
+            self.cache.release(version)
         self.cache.prune(self._dirs)
+        recovered = {"last_error": None} if self.record.state == "error" else {}  # from an outage
+        changed = resident != self.record.resident or self._stable() != self.record.version or recovered
+        if changed or time.monotonic() - self._reported >= self.heartbeat_interval:
+            self._report(resident=resident, version=self._stable(),
+                         state="serving" if self._stable() is not None else "starting", **recovered)
         return loaded
 
     def run(self, stop: threading.Event) -> None:
         """``step`` every ``poll_interval`` seconds until ``stop`` is set; a failure of storage or of a
-        server is logged and retried at the next round."""
-        while not stop.is_set():
-            try:
-                self.step()
-            except CkptStreamError as exc:
-                log.warning("adapter %s: %s; retrying", self.name, exc)
-            stop.wait(self.poll_interval)
+        server is logged, reported and retried at the next round."""
+        try:
+            while not stop.is_set():
+                try:
+                    self.step()
+                except CkptStreamError as exc:
+                    log.warning("adapter %s: %s; retrying", self.name, exc)
+                    self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
+                    notify(self.observers, "on_error", exc, self.poll_interval)
+                stop.wait(self.poll_interval)
+        finally:
+            self._report(state="stopped")
 
     def close(self) -> None:
+        """Release the cached versions it holds (a restarted follower takes the resident ones over); stop
+        serving metrics."""
         self.cache.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
     def __enter__(self) -> AdapterFollower:
         return self
@@ -114,13 +157,20 @@ class AdapterFollower:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _stable(self) -> int | None:
+        """The version the stable name means on every server (None unless they all agree)."""
+        stable = {server.stable for server in self.servers}
+        return stable.pop() if len(stable) == 1 else None
+
     def _load(self, version: int) -> int | None:
+        started = time.perf_counter()
         try:
-            path = prepare_version(self.stream, self.cache, version, keep=self._dirs,
-                                   holder=f"adapter follower {self.name}")[0]
+            path, base, fetched, decoded = prepare_version(self.stream, self.cache, version, keep=self._dirs,
+                                                           holder=f"adapter follower {self.name}")
         except CkptStreamError as exc:  # corrupt, or not of the stream's rank: every resident version serves
             self._refuse(version, exc)
             return None
+        prepared = time.perf_counter()
         self._dirs.add(version)
         try:
             for server in self.servers:
@@ -128,14 +178,40 @@ class AdapterFollower:
         except AdapterRefused as exc:
             self._refuse(version, exc)
             return None
-        log.info("adapter %s: version %d resident (as %s@%d); %s means it", self.name, version, self.name,
-                 version, self.name)
+        loaded = time.perf_counter()
+        log.info("adapter %s: version %d resident (as %s@%d, %.1f MB fetched, prepared in %.2f s, loaded in "
+                 "%.2f s); %s means it", self.name, version, self.name, version, fetched / 1e6, prepared - started,
+                 loaded - prepared, self.name)
+        notify(self.observers, "on_update", UpdateRecord(
+            version, base, fetched, prepare_s=prepared - started, pause_s=0.0, reload_s=loaded - prepared,
+            lag_s=commit_age(self.stream.manifest(version).created), decoded=decoded))
         return version
 
     def _refuse(self, version: int, exc: Exception) -> None:
         self.refused[version] = str(exc)
+        self.record.refused[str(version)] = str(exc)
+        while len(self.refused) > REFUSED_KEPT:
+            oldest, _ = self.refused.popitem(last=False)
+            self.record.refused.pop(str(oldest), None)
         log.error("adapter %s: version %d refused: %s; every resident version keeps serving", self.name,
                   version, exc)
+        notify(self.observers, "on_refused", version, refusal_reason(exc), exc)
+        self._report(last_error=str(exc))
+
+    def _report(self, **changes: Any) -> None:
+        """Change the record (``changes``: its fields), stamp its heartbeat, tell the observers (a copy)."""
+        for key, value in changes.items():
+            setattr(self.record, key, value)
+        self.record.heartbeat = time.time()
+        self._reported = time.monotonic()
+        notify(self.observers, "on_report", ReplicaRecord(**{
+            **self.record.__dict__, "refused": dict(self.record.refused), "urls": list(self.record.urls),
+            "resident": list(self.record.resident)}))
+
+
+def _common(resident: Sequence[Sequence[int]]) -> list[int]:
+    """The versions in every one of the servers' resident lists, oldest first."""
+    return sorted(set.intersection(*(set(r) for r in resident))) if resident else []
 
 
 def default_adapter_name(url: str) -> str:

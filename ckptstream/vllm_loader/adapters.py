@@ -59,11 +59,13 @@ class Eviction:
             round).
         released: versions unloaded in an earlier round that no request can read any more: their
             directories may be deleted.
+        resident: the versions the server holds after the round, oldest first.
     """
 
     unloaded: list[int] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
+    resident: list[int] = field(default_factory=list)
 
 
 class ResidentAdapters:
@@ -190,4 +192,5 @@ class ResidentAdapters:
             unloaded.append(version)
         if unloaded or held:
             log.info("adapter %s: unloaded %s, in use %s", self.name, unloaded, held)
-        return Eviction(unloaded=unloaded, held=held, released=released)
+        return Eviction(unloaded=unloaded, held=held, released=released,
+                        resident=[v for v in resident if v not in unloaded])

@@ -25,8 +25,8 @@ from ..reader import ReplicaRecord, Stream, replica_path
 from ..reader.replicas import KIND_NODE
 from ..storage import Watch
 from ..format import MANIFESTS_DIR, MAX_REPLICA_RECORD_BYTES, STREAM_KIND_WEIGHTS
-from .cache import VersionCache, default_cache_dir, safe_owner
-from .follower import FollowerConfig, prepare_version
+from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
+from .follower import FollowerConfig
 from .observe import FollowerObserver, ReplicaRecordWriter, attach_metrics, notify, refusal_reason
 
 log = logging.getLogger("ckptstream.agent")

@@ -344,3 +344,43 @@ def _write_proof(directory: Path, manifest_hash: str | None) -> None:
     temporary = directory / f"{PROOF_FILE}.{os.getpid()}-{threading.get_ident()}"
     temporary.write_text(proof)
     os.replace(temporary, directory / PROOF_FILE)
+
+
+def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: set[int],
+                    holder: str) -> tuple[Path, int | None, int, bool]:
+    """Have ``version`` in ``cache``, held: reused when complete and proven (another follower's decode, or an
+    earlier one: ``VersionCache.proven``), else decoded here by applying its delta to the newest cached and
+    proven version of its chain (waiting instead if another follower is decoding it). Every other version
+    but those in ``keep`` (which the caller still uses) is released and pruned. Returns (path, base version
+    used: the version itself when reused, bytes fetched, whether it was decoded here). Shared by the
+    follower, the node agent, the adapter follower and the weight-transfer engine."""
+    if cache.hold(version) and cache.proven(stream, version):
+        return cache.path(version), version, 0, False
+    chain = stream.chain(version)
+    chain_versions = {m.version for m in chain}
+    base = next((v for v in reversed(cache.versions())
+                 if v in chain_versions and v != version and _hold_base(stream, cache, v)), None)
+    cache.prune(keep | {v for v in (base, version) if v is not None})
+    try:
+        path, decoded = cache.materialize(stream, version, base, holder=holder)
+    except BaseException:
+        cache.release(version)  # refused: a pruner may delete what is left of it
+        raise
+    finally:
+        if base is not None and base not in keep:
+            cache.release(base)
+    if not decoded:  # another follower decoded it while this one waited
+        base = version
+    fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base) if decoded else 0
+    return path, base, fetched, decoded
+
+
+def _hold_base(stream: Stream, cache: VersionCache, version: int) -> bool:
+    """Hold ``version`` as the base of a delta if it is still complete (a pruner may have deleted it) and
+    proven."""
+    held = version in cache.held()
+    if (held or cache.hold(version)) and cache.proven(stream, version):
+        return True
+    if not held:
+        cache.release(version)
+    return False

@@ -28,6 +28,10 @@ from ..reader.decode import TooManyChanges
 from ..reader.materialize import MaterializedBase
 from ..reader.stream import Stream
 
+MAX_CHANGE_FRACTION = 0.05
+"""Above this fraction of the elements changed, an update is reloaded fully: the staged positions and values
+(12 bytes per bf16 element changed, on the device) would cost more memory than a reload saves time."""
+
 _POSITIONS, _OLD, _NEW = "::positions", "::old", "::new"
 TOO_MANY = "too many elements changed"
 WHOLE = "a version since the served one stores tensors whole"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import datetime as _dt
 import logging
 import os
 import socket
@@ -48,20 +47,17 @@ from ..locks import unlock
 from ..polling import poll
 from . import takeover
 from .apply import staging_problem
-from .cache import VersionCache, default_cache_dir, safe_owner
-from .change import WHOLE, ChangeSummary, build_change, build_change_from_deltas
+from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
+from .change import MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change, build_change_from_deltas
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from .gate import UpdateGate
-from .observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, attach_metrics, notify,
-                      refusal_reason)
+from .observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, attach_metrics, commit_age,
+                      notify, refusal_reason)
 
 log = logging.getLogger("ckptstream.follow")
 
 REFUSED_KEPT = 100
 """Refused versions a follower remembers (and reports in its replica record), newest last."""
-MAX_CHANGE_FRACTION = 0.05
-"""Above this fraction of the elements changed, an update is reloaded fully: the staged positions and values
-(12 bytes per bf16 element changed, on the device) would cost more memory than a reload saves time."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +161,7 @@ class Follower:
         self.stream.require_kind(STREAM_KIND_WEIGHTS)  # an adapter stream is served by adapter followers
         self.clients: list[VllmControl] = [VllmClient(u, api_key=config.api_key) if isinstance(u, str) else u
                                            for u in vllm_urls]
-        replica_id = config.replica_id or _default_replica_id(self.clients[0].url)
+        replica_id = config.replica_id or default_replica_id(self.clients[0].url)
         replica_path(replica_id)  # a ValueError now, rather than every replica record failing later
         self.cache = VersionCache(config.cache_dir or default_cache_dir(), info.stream_id, replica_id,
                                   ephemeral=config.ephemeral_cache)
@@ -344,7 +340,7 @@ class Follower:
                 in_place += 1
                 if self._verify_due(client):
                     verify.append(client)
-        lag_s = _age(manifest.created)
+        lag_s = commit_age(manifest.created)
         cache_s = 0.0
         if path is None:
             if not waiting:
@@ -368,7 +364,7 @@ class Follower:
                 done.append(client)
                 fallbacks[fallback] += 1
             if waiting:
-                lag_s = _age(manifest.created)
+                lag_s = commit_age(manifest.created)
         for client in verify:
             with self._gate(client.url, version):
                 self._verify(client, version, path)
@@ -794,58 +790,11 @@ class Follower:
             self._report()
 
 
-def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: set[int],
-                    holder: str) -> tuple[Path, int | None, int, bool]:
-    """Have ``version`` in ``cache``, held: reused when complete and proven (another follower's decode, or an
-    earlier one: ``VersionCache.proven``), else decoded here by applying its delta to the newest cached and
-    proven version of its chain (waiting instead if another follower is decoding it). Every other version
-    but those in ``keep`` (which the caller still uses) is released and pruned. Returns (path, base version
-    used: the version itself when reused, bytes fetched, whether it was decoded here). Shared by the
-    follower and the node agent."""
-    if cache.hold(version) and cache.proven(stream, version):
-        return cache.path(version), version, 0, False
-    chain = stream.chain(version)
-    chain_versions = {m.version for m in chain}
-    base = next((v for v in reversed(cache.versions())
-                 if v in chain_versions and v != version and _hold_base(stream, cache, v)), None)
-    cache.prune(keep | {v for v in (base, version) if v is not None})
-    try:
-        path, decoded = cache.materialize(stream, version, base, holder=holder)
-    except BaseException:
-        cache.release(version)  # refused: a pruner may delete what is left of it
-        raise
-    finally:
-        if base is not None and base not in keep:
-            cache.release(base)
-    if not decoded:  # another follower decoded it while this one waited
-        base = version
-    fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base) if decoded else 0
-    return path, base, fetched, decoded
-
-
-def _hold_base(stream: Stream, cache: VersionCache, version: int) -> bool:
-    """Hold ``version`` as the base of a delta if it is still complete (a pruner may have deleted it) and
-    proven."""
-    held = version in cache.held()
-    if (held or cache.hold(version)) and cache.proven(stream, version):
-        return True
-    if not held:
-        cache.release(version)
-    return False
-
-
 def _spec_text(spec: tuple[str, tuple[int, ...]] | None) -> str:
     return "nothing" if spec is None else f"{spec[0]}{list(spec[1])}"
 
 
-def _age(created: str) -> float:
-    try:
-        when = _dt.datetime.fromisoformat(created.replace("Z", "+00:00"))
-    except ValueError:
-        return float("nan")
-    return time.time() - when.timestamp()
-
-
-def _default_replica_id(url: str) -> str:
+def default_replica_id(url: str) -> str:
+    """A follower's replica id unless given one: the host's name and the first server's port."""
     port = url.rstrip("/").rsplit(":", 1)[-1]
     return safe_owner(f"{socket.gethostname()}-{port if port.isdigit() else 'vllm'}")

@@ -29,9 +29,10 @@ log = logging.getLogger("ckptstream.follow")
 class FollowerMetrics(FollowerObserver):
     """The metrics of one follower, fed by its reports; ``registry`` is what a scrape reads."""
 
-    def __init__(self, replica_id: str, stream_url: str):
+    def __init__(self, replica_id: str, stream_url: str, *, adapter: bool = False):
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
+        self._resident: list[int] = []
         self._served: int | None = None
         self._newest: int | None = None
         self._heartbeat: float | None = None
@@ -47,8 +48,14 @@ class FollowerMetrics(FollowerObserver):
         def histogram(name: str, text: str) -> Histogram:
             return Histogram(name, text, LABELS, buckets=SECONDS_BUCKETS, registry=self.registry).labels(**labels)
 
-        gauge("ckptstream_version_served", "The version every server of the follower serves "
-              "(NaN before the first)").set_function(lambda: _or_nan(self._served))
+        gauge("ckptstream_version_served", "The version every server of the follower serves (an adapter "
+              "stream's: the version its stable adapter name means; NaN before the first)"
+              ).set_function(lambda: _or_nan(self._served))
+        if adapter:  # the staleness window of an adapter stream: versions oldest..served answer by name
+            gauge("ckptstream_adapter_versions_resident", "Versions of the adapter stream every server holds "
+                  "as <name>@<version>").set_function(lambda: float(len(self._resident)))
+            gauge("ckptstream_adapter_oldest_resident_version", "The oldest version every server holds "
+                  "(NaN before the first)").set_function(lambda: _or_nan(min(self._resident, default=None)))
         gauge("ckptstream_versions_behind", "Newest committed version not refused minus the version served "
               "(NaN while unknown: a pinned follower, or the newest was just refused)").set_function(self._behind)
         gauge("ckptstream_heartbeat_age_seconds", "Seconds since the follower last reported (its replica "
@@ -86,6 +93,7 @@ class FollowerMetrics(FollowerObserver):
         with self._lock:
             self._heartbeat = record.heartbeat
             self._served = record.version
+            self._resident = list(record.resident)
 
     def on_discovered(self, newest: int) -> None:
         with self._lock:

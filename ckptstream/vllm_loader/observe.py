@@ -9,9 +9,11 @@ that raises is logged and skipped, never stopping the follower.
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import logging
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Callable, Sequence
 
@@ -73,6 +75,15 @@ REFUSAL_REASONS: tuple[tuple[type[CkptStreamError], str], ...] = (
 )
 """Why a version is refused, by the class of the error that refused it (the first match counts): the
 ``reason`` of ``on_refused`` and of the ``ckptstream_refused_versions_total`` metric."""
+
+
+def commit_age(created: str) -> float:
+    """Seconds since a manifest's ``created`` time (NaN where it does not parse): an update's ``lag_s``."""
+    try:
+        when = _dt.datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        return float("nan")
+    return time.time() - when.timestamp()
 
 
 def refusal_reason(error: BaseException) -> str:
@@ -190,7 +201,7 @@ def attach_metrics(observers: list[FollowerObserver], record: ReplicaRecord, str
         return None
     from .metrics import FollowerMetrics  # prometheus_client only when asked for
 
-    metrics = FollowerMetrics(record.replica_id, stream_url)
+    metrics = FollowerMetrics(record.replica_id, stream_url, adapter=record.adapter is not None)
     server = metrics.serve(host, port)
     observers.append(metrics)
     record.metrics_url = server.url

@@ -27,14 +27,18 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
-from ..format import LATEST
-from ..errors import VllmArgumentError, VllmUnreachable
+from ..format import LATEST, STREAM_KIND_ADAPTER
+from ..errors import SourceNotFoundError, VllmArgumentError, VllmUnreachable
 from ..lora_aliases import ALIASES_ENV
 from ..process import die_with_parent, free_port, stop_process
+from ..reader import Stream
+from .adapter_follower import AdapterFollower, default_adapter_name
+from ..reader.adapter import DEFAULT_KEEP
 from .agent import NodeAgent
 from .cache import safe_owner
 from .client import VllmClient
@@ -278,8 +282,16 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
           stop: threading.Event | None = None, vllm_log: str | os.PathLike[str] | None = None,
           nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
           config: FollowerConfig | None = None, on_exit: Callable[[int], object] | None = None,
+          keep: int = DEFAULT_KEEP, adapter_name: str | None = None, base_dir: str | os.PathLike[str] | None = None,
           **options: Any) -> int:
     """Serve ``version`` of the stream with a vLLM child process and keep it on the newest version.
+
+    On an adapter stream (LoRA) vLLM serves the base model, with the stream's newest ``keep`` versions as
+    runtime adapters ``<adapter_name>@<version>`` and the stable name ``adapter_name`` meaning the newest
+    (``AdapterFollower``; vLLM's LoRA arguments from ``adapter_vllm_settings``). The base model is
+    ``base_dir``, by default the directory the stream's ``stream.json`` names, and is served as its directory's
+    name (``--served-model-name`` to choose). Each new version is loaded without pausing anything;
+    ``version``, ``pin`` and ``nnodes`` are for weights streams.
 
     Args:
         vllm_args: arguments for vLLM's OpenAI server (``--model``, ``--host`` and ``--port`` are set
@@ -299,16 +311,29 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
         config, options: the follower's options (``FollowerConfig`` and/or its fields as keywords:
             ``cache_dir``, ``replica_id``, ``poll_interval``, ``api_key``, ``observers``,
             ``metrics_port``, ...).
+        keep, adapter_name, base_dir: for an adapter stream (see above; ``adapter_name`` defaults to the
+            stream URL's last part).
 
     Returns the exit code: 0 after a stop request, 1 if vLLM exited on its own after starting.
 
     Raises:
         VllmUnreachable: vLLM did not start (with vLLM's own last error line).
+        VllmArgumentError: vLLM's arguments contradict what an adapter stream needs.
+        SourceNotFoundError: an adapter stream's base model is not at ``base_dir`` (or where stream.json says).
     """
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("vLLM's dev-mode control routes are unauthenticated: binding them to %s exposes them; "
                     "use --api-key and network isolation", host)
     config = (config or FollowerConfig()).with_options(**options)
+    if Stream(url, storage_options=config.storage_options).info().kind == STREAM_KIND_ADAPTER:
+        weights_only = [name for name, given in (("version", version != LATEST), ("pin", pin), ("nnodes", nnodes > 1),
+                                                 ("pin", config.pin is not None)) if given]
+        if weights_only:
+            raise ValueError(f"{', '.join(sorted(set(weights_only)))}: for weights streams; {url} is an adapter "
+                             "stream (its newest version is served)")
+        return _serve_adapters(url, vllm_args, keep=keep, name=adapter_name, base_dir=base_dir, host=host, port=port,
+                               ready_timeout=ready_timeout, stop=stop or threading.Event(), vllm_log=vllm_log,
+                               on_exit=on_exit, config=config)
     if nnodes > 1:
         if master_addr is None:
             raise ValueError("an engine spanning nodes needs master_addr (the head node's address)")
@@ -336,8 +361,61 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
             log.info("passing vLLM %s, which you did not set%s (set them to override)", ", ".join(added),
                      " and its CPU platform needs" if cpu else "")
         served_name = url.rstrip("/").rsplit("/", 1)[-1] or "ckptstream"
-        return _run_child(follower, first, vllm_command(str(path), host, port, args, served_name), env, base_url,
-                          config.api_key, ready_timeout, stop or threading.Event(), vllm_log, on_exit)
+        stop = stop or threading.Event()
+
+        def follow(client: VllmClient) -> None:
+            client.set_weight_version(str(first))
+            follower.adopt(first)
+            log.info("vLLM serves version %d at %s", first, base_url)
+            if not stop.is_set():
+                follower.run(stop)
+
+        return _run_child(vllm_command(str(path), host, port, args, served_name), env, base_url, config.api_key,
+                          ready_timeout, stop, vllm_log, on_exit, follow)
+
+
+def _serve_adapters(url: str, vllm_args: Sequence[str], *, keep: int, name: str | None,
+                    base_dir: str | os.PathLike[str] | None, host: str, port: int, ready_timeout: float,
+                    stop: threading.Event, vllm_log: str | os.PathLike[str] | None,
+                    on_exit: Callable[[int], object] | None, config: FollowerConfig) -> int:
+    """``serve`` on an adapter stream: vLLM on the base model with LoRA on, the adapter follower beside it."""
+    adapter = Stream(url, storage_options=config.storage_options).info().adapter
+    assert adapter is not None  # an adapter stream's stream.json has its block
+    base = Path(base_dir if base_dir is not None else adapter.base_name)
+    if not (base / "config.json").is_file():
+        raise SourceNotFoundError(f"the base model of the adapter stream {url}, {str(base)!r}, is no model "
+                                  "directory here",
+                                  hint="Pass --base-dir DIR: the base model's directory (config.json and weights)")
+    name = name or default_adapter_name(url)
+    served_name = base.resolve().name
+    if served_name == name:  # vLLM refuses an adapter named like the model it serves
+        served_name = f"{name}-base"
+    with tempfile.TemporaryDirectory(prefix="ckptstream-lora-") as private:
+        aliases = Path(private) / "aliases.json"
+        args, adapter_env = adapter_vllm_settings(vllm_args, keep=keep, rank=adapter.rank, aliases=aliases)
+        cpu = vllm_platform_is_cpu()
+        args, env, added = default_vllm_settings(args, {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **adapter_env},
+                                                 base, cpu=cpu, api_key=config.api_key)
+        if added:
+            log.info("passing vLLM %s, which you did not set%s (set them to override)", ", ".join(added),
+                     " and its CPU platform needs" if cpu else "")
+        base_url = f"http://{'[::1]' if host == '::1' else host}:{port}"
+
+        def follow(client: VllmClient) -> None:
+            with AdapterFollower(url, [client], name=name, keep=keep, base_dir=base, aliases=aliases,
+                                 cache_dir=config.cache_dir, storage_options=dict(config.storage_options or {}),
+                                 poll_interval=config.poll_interval, lease_ttl=config.lease_ttl,
+                                 replica_id=config.replica_id, observers=config.observers,
+                                 metrics_port=config.metrics_port, metrics_host=config.metrics_host,
+                                 heartbeat_interval=config.heartbeat_interval) as follower:
+                follower.step()  # the newest version, before the first poll interval
+                log.info("vLLM serves %s at %s with adapter %s (version %s)", served_name, base_url, name,
+                         follower.servers[0].stable)
+                follower.run(stop)
+
+        log.info("starting vLLM on the base model %s for the adapter stream %s", base, url)
+        return _run_child(vllm_command(str(base), host, port, args, served_name), env, base_url, config.api_key,
+                          ready_timeout, stop, vllm_log, on_exit, follow)
 
 
 def _serve_node(url: str, vllm_args: Sequence[str], *, version: int | str, pin: bool, stop: threading.Event,
@@ -433,10 +511,10 @@ def _stop_child(child: subprocess.Popen[bytes], output: _OutputTail, log_file: I
     return exited_alone
 
 
-def _run_child(follower: Follower, first: int, command: list[str], env: dict[str, str], base_url: str,
-               api_key: str | None, ready_timeout: float, stop: threading.Event,
-               vllm_log: str | os.PathLike[str] | None, on_exit: Callable[[int], object] | None) -> int:
-    """Start vLLM, wait until it generates, follow until ``stop``; stop vLLM."""
+def _run_child(command: list[str], env: dict[str, str], base_url: str, api_key: str | None, ready_timeout: float,
+               stop: threading.Event, vllm_log: str | os.PathLike[str] | None,
+               on_exit: Callable[[int], object] | None, follow: Callable[[VllmClient], None]) -> int:
+    """Start vLLM, wait until it generates, ``follow`` it until ``stop``; stop vLLM."""
     child, output, log_file = _start_child(command, env, vllm_log)
     previous, signalled = _stop_on_signals(stop)  # a stop request, even if it also reached vLLM
     died = _watch_child(child, stop, on_exit)
@@ -455,11 +533,7 @@ def _run_child(follower: Follower, first: int, command: list[str], env: dict[str
                                   f"{last_error_line(list(output.lines)) or 'it printed nothing'}",
                                   hint="Fix the vLLM arguments after `--`"
                                        + (f" (its output is in {vllm_log})" if vllm_log else "")) from None
-        client.set_weight_version(str(first))
-        follower.adopt(first)
-        log.info("vLLM serves version %d at %s", first, base_url)
-        if not stop.is_set():
-            follower.run(stop)
+        follow(client)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -43,9 +43,8 @@ from ..errors import WeightTransferError
 from ..format import MARKER_FILE, STREAM_KIND_WEIGHTS
 from ..reader import Stream
 from ..vllm_loader.apply import InPlaceApplier, staging_problem
-from ..vllm_loader.cache import VersionCache, default_cache_dir, safe_owner
-from ..vllm_loader.change import WHOLE, ChangeSummary, build_change, build_change_from_deltas
-from ..vllm_loader.follower import MAX_CHANGE_FRACTION, prepare_version
+from ..vllm_loader.cache import VersionCache, default_cache_dir, prepare_version, safe_owner
+from ..vllm_loader.change import MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change, build_change_from_deltas
 from . import secret_options
 
 log = logging.getLogger("ckptstream.weight_transfer")

@@ -33,13 +33,13 @@ def test_require_kind_refuses_the_other_kind_naming_both_and_the_next_step(tmp_p
     with pytest.raises(StreamKindError) as exc:
         Stream(adapter_url).require_kind(STREAM_KIND_WEIGHTS)
     assert str(exc.value) == (f"file stream.json: {adapter_url} is an adapter stream (LoRA adapters over a base "
-                              "model), not a weights stream (a model's full weights). Serve its base model and "
-                              "follow the stream with an adapter-aware server (ckptstream serve --enable-lora ...); "
-                              "`ckptstream info URL` names the base")
+                              "model), not a weights stream (a model's full weights). `ckptstream serve URL` "
+                              "serves its base model with each version as a LoRA adapter (or `ckptstream follow "
+                              "URL` beside a vLLM started with --enable-lora); `ckptstream info URL` names the base")
     assert (exc.value.url, exc.value.kind, exc.value.expected, exc.value.exit_code) == (
         adapter_url, STREAM_KIND_ADAPTER, STREAM_KIND_WEIGHTS, 6)
     with pytest.raises(StreamKindError, match=f"{weights_url} is a weights stream .*, not an adapter stream .*"
-                                              "Follow it with a weights follower"):
+                                              "`ckptstream follow` and `ckptstream serve` serve it"):
         Stream(weights_url).require_kind(STREAM_KIND_ADAPTER)
 
 

@@ -6,16 +6,19 @@ with every resident version still answering; a restarted follower takes the resi
 from __future__ import annotations
 
 import os
+import re
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from ckptstream import Publisher, Stream
-from ckptstream.errors import StreamKindError
+from ckptstream.errors import ReplicaRefused, StreamKindError
 from ckptstream.format import data_path
 from ckptstream.testing.adapters import adapter_step, tiny_peft_model
 from ckptstream.testing.lora_server import resolver_plugin_path
 from ckptstream.vllm_loader.adapter_follower import AdapterFollower
+from ckptstream.vllm_loader.observe import OnUpdate, UpdateRecord
 from ckptstream.vllm_loader.serve import adapter_vllm_settings
 from tests.helpers import PROMPTS
 
@@ -57,8 +60,10 @@ def test_versions_are_resident_side_by_side_and_refused_ones_skipped(lora_server
 
     try:
         publisher.publish().result()  # version 0 creates the stream
+        updates: list[UpdateRecord] = []
         with AdapterFollower(url, [server.url], keep=KEEP, base_dir=tiny_model, aliases=aliases,
-                             cache_dir=tmp_path / "cache") as follower:
+                             cache_dir=tmp_path / "cache", replica_id="lora-r0", metrics_port=0,
+                             observers=[OnUpdate(updates.append)]) as follower:
             assert follower.step() == 0 and follower.name == "policy"
             for _ in range(2):
                 adapter_step(model, seed=7)
@@ -70,6 +75,18 @@ def test_versions_are_resident_side_by_side_and_refused_ones_skipped(lora_server
             assert follower.step() is None  # the round after: version 0 released
             assert follower.resident() == [1, 2]
             assert _outputs(client, "policy@1") == reference(1)  # both answer at once
+            assert [u.version for u in updates] == [0, 1, 2] and all(u.pause_s == 0 for u in updates)
+
+            record, = Stream(url).replicas()  # what a trainer bounding staleness reads
+            assert (record.replica_id, record.adapter, record.version, record.resident) == ("lora-r0", "policy", 2,
+                                                                                          [1, 2])
+            assert Stream(url).wait_for_version(1, resident=True, timeout=5) == [record]
+            with pytest.raises(ReplicaRefused, match="loads only newer"):  # version 0 is gone for good
+                Stream(url).wait_for_version(0, resident=True, timeout=5)
+            scrape = urllib.request.urlopen(follower.record.metrics_url, timeout=10).read().decode()
+            assert re.search(r"^ckptstream_adapter_versions_resident\{[^}]*\} 2\.0$", scrape, re.M)
+            assert re.search(r"^ckptstream_adapter_oldest_resident_version\{[^}]*\} 1\.0$", scrape, re.M)
+            assert re.search(r"^ckptstream_version_served\{[^}]*\} 2\.0$", scrape, re.M)
 
             adapter_step(model, seed=8)
             bad = publisher.publish().result().version
@@ -79,6 +96,8 @@ def test_versions_are_resident_side_by_side_and_refused_ones_skipped(lora_server
             path.write_bytes(bytes(raw))
             assert follower.step() is None and bad in follower.refused and "hash" in follower.refused[bad]
             assert follower.resident() == [1, 2]
+            with pytest.raises(ReplicaRefused, match="hash"):  # the record says why it will never serve it
+                Stream(url).wait_for_version(bad, timeout=5)
             assert _outputs(client, "policy") == reference(2) and _outputs(client, "policy@1") == reference(1)
 
         with AdapterFollower(url, [server.url], keep=KEEP, aliases=aliases, cache_dir=tmp_path / "cache") as again:

@@ -17,7 +17,7 @@ from ckptstream.format import MARKER_FILE
 from ckptstream.testing.models import rl_like_step
 from ckptstream.vllm_loader import VersionCache
 from ckptstream.vllm_loader.cache import PROOF_FILE, default_cache_dir
-from ckptstream.vllm_loader.follower import prepare_version
+from ckptstream.vllm_loader.cache import prepare_version
 from tests.helpers import random_state
 
 NOBODY = 65534
