@@ -111,7 +111,7 @@ def replay_adapters(url: str, versions: str | Sequence[int], vllm_urls: Sequence
 
 
 class _AdapterReplay:
-    """The replay's state: its servers, its share of the cache, the private adapters it has loaded."""
+    """One adapter replay: its servers, its share of the cache, and the servers' LoRA slots."""
 
     def __init__(self, stream: Stream, cache: VersionCache, clients: list[VllmClient], name: str,
                  max_resident: int | None):
