@@ -173,6 +173,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream replay s3://bucket/run1 --versions 40:latest --vllm-url http://127.0.0.1:8000 --json -- ./eval.sh
         ckptstream replay --fleet /mnt/nfs/run1 --versions 0:100 --servers 4 -- python eval.py  # on a Ray fleet
         # the command sees CKPTSTREAM_VERSION, CKPTSTREAM_URL and CKPTSTREAM_VLLM_URL
+        ckptstream replay /mnt/nfs/lora1 --versions 0:30:10 --vllm-url http://127.0.0.1:8000 -- python eval.py
+        # an adapter stream: versions loaded side by side as LoRA adapters, nothing paused; CKPTSTREAM_MODEL too
         """, parents=[follower_options])
     add_url(p)
     p.add_argument("--versions", required=True, metavar="A:B[:STEP]", help="versions to evaluate (inclusive)")
@@ -185,6 +187,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
                    help="with --fleet: the Ray cluster (default $RAY_ADDRESS, else the local one)")
     p.add_argument("--name", help="with --fleet: the fleet's name (default from the stream URL)")
+    adapters = p.add_argument_group("adapter streams (LoRA): versions loaded beside what the servers serve, as "
+                                    "NAME@VERSION.replay-PID (or a follower's NAME@VERSION), nothing taken over")
+    adapters.add_argument("--adapter-name", metavar="NAME",
+                          help="the stream's adapter name, as its followers use it (default the URL's last part)")
+    adapters.add_argument("--max-resident", type=positive_int, metavar="N",
+                          help="versions loaded at once (default the servers' free LoRA slots: --max-loras less "
+                               "the adapters they hold, read from /server_info; else 2)")
+    adapters.add_argument("--sequential", action="store_true",
+                          help="run the commands of versions loaded together one after another (default: at once)")
 
 
 def _follow_logging() -> None:
@@ -307,12 +318,16 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.fleet == bool(args.vllm_url):
         raise UsageError("give either --vllm-url (servers to load into) or --fleet (servers of a Ray fleet)")
     _follow_logging()
+    adapter = _is_adapter_stream(args)
+    _refuse_other_kinds_options(args, adapter)
     if args.fleet:
         from .fleet import run_fleet_replay
 
         return run_fleet_replay(args)
+    adapter_options = {"adapter_name": args.adapter_name, "max_resident": args.max_resident,
+                       "side_by_side": not args.sequential} if adapter else {}
     results = replay(args.url, args.versions, args.vllm_url, args.passthrough, storage_options=storage_options(args),
-                     cache_dir=args.cache_dir, api_key=args.api_key, lease_ttl=args.lease_ttl)
+                     cache_dir=args.cache_dir, api_key=args.api_key, lease_ttl=args.lease_ttl, **adapter_options)
     if args.json:
         print_json([asdict(r) for r in results])
     else:
@@ -320,3 +335,14 @@ def run_replay(args: argparse.Namespace) -> int:
                       f"{r.run_s:.2f}s", r.error or ""] for r in results],
                     ["VERSION", "LOAD", "EXIT", "RUN", "ERROR"]))
     return EXIT_OK if all(r.exit_code == 0 for r in results) else EXIT_ERROR
+
+
+def _refuse_other_kinds_options(args: argparse.Namespace, adapter: bool) -> None:
+    """``replay``'s options for the other kind of stream than ``args.url``'s: a usage error naming them."""
+    fleet = (("--fleet", args.fleet), ("--servers", args.servers is not None), ("--name", args.name is not None))
+    adapters = (("--adapter-name", args.adapter_name is not None), ("--max-resident", args.max_resident is not None),
+                ("--sequential", args.sequential))
+    given = [option for option, present in (fleet if adapter else adapters) if present]
+    if given:
+        kinds = ("weights", "an adapter") if adapter else ("adapter", "a weights")
+        raise UsageError(f"{', '.join(given)}: for {kinds[0]} streams; {args.url} is {kinds[1]} stream")

@@ -374,6 +374,21 @@ class VllmClient:
         it took its adapter: a request on a name unloaded just before may still start."""
         return lora_names_in_use(self._request("GET", "/metrics"), self.url)
 
+    def max_loras(self) -> int | None:
+        """vLLM's ``--max-loras`` (adapters in one batch), from the dev-mode ``/server_info``; None where the
+        server does not tell (no ``VLLM_SERVER_DEV_MODE=1``, no ``--enable-lora``, another build)."""
+        try:
+            info = self._request("GET", "/server_info?config_format=json", timeout=max(self.timeout, 120))
+        except VllmUnreachable:
+            raise
+        except VllmError:
+            return None
+        try:
+            value = info["vllm_config"]["lora_config"]["max_loras"]
+        except (TypeError, KeyError):
+            return None
+        return value if isinstance(value, int) and value > 0 else None
+
     def _adapter_call(self, path: str, body: dict[str, Any], name: str, directory: str | None) -> None:
         """POST a runtime adapter route; vLLM's refusal becomes ``AdapterRefused`` with vLLM's message."""
         try:
