@@ -6,13 +6,15 @@ follower keeps resident, while the replay loads the selected versions beside the
 the servers have free LoRA slots (``--max-loras`` less the adapters they hold; ``max_resident`` where given),
 and runs the command against each version of a group at once (``side_by_side``) or one after another.
 
-- A version every server holds already as ``<name>@<version>`` (an adapter follower's) is used as it is:
-  neither decoded nor loaded again.
-- Any other is decoded into the host's shared cache (``cache.py``: every tensor's hash checked) and loaded
-  into every server under a name of the replay's own, ``<name>@<version>.replay-<pid>`` (``replay_name``), in
-  which ``adapters.parse_version_name`` reads no version: a follower never counts it as one of its versions,
-  so never unloads it. The replay unloads it when the group's commands have ended, also on an error or
-  Ctrl-C, and deletes the cached versions only it held (an ephemeral ``VersionCache``).
+- Each version is decoded into the host's shared cache (``cache.py``: every tensor's hash checked; one a
+  follower decoded is reused from there) and loaded into every server under a name of the replay's own,
+  ``<name>@<version>.replay-<pid>`` (``replay_name``), in which ``adapters.parse_version_name`` reads no
+  version: a follower never counts it as one of its versions, so never unloads it. The replay unloads it
+  when the group's commands have ended, also on an error or Ctrl-C, and deletes the cached versions only it
+  held (an ephemeral ``VersionCache``).
+- Even a version a follower holds as ``<name>@<version>`` is loaded under the replay's name: the follower
+  unloads its own once a newer version arrives, which can happen while an evaluation runs, between two of
+  its requests.
 - A version that fails its hashes or that vLLM refuses gets its error in its result; the others still run.
 """
 
@@ -32,9 +34,8 @@ from ..reader import DEFAULT_LEASE_TTL, Stream
 from ..reader.selection import select_versions
 from .adapter_follower import default_adapter_name
 from .adapters import version_name
-from .cache import VersionCache, default_cache_dir
+from .cache import VersionCache, default_cache_dir, prepare_version
 from .client import VllmClient
-from .follower import prepare_version
 from .replay import ReplayResult, command_environment
 
 log = logging.getLogger("ckptstream.replay")
@@ -58,7 +59,6 @@ class _Loaded:
 
     version: int
     model: str | None
-    private: bool
     load_s: float
     error: str | None = None
 
@@ -120,18 +120,8 @@ class _AdapterReplay:
         self._limits: list[int | None] | None = None  # each server's --max-loras, asked once
 
     def next_group(self, remaining: list[int]) -> list[int]:
-        """The versions of ``remaining`` to load next: the first ones, as many private loads as there are free
-        slots (versions the servers hold already take none)."""
-        slots = self._free_slots()
-        held = self._held_everywhere()
-        group: list[int] = []
-        for version in remaining:
-            private = version_name(self.name, version) not in held
-            if private and not slots and group:
-                break
-            group.append(version)
-            slots -= private
-        return group
+        """The versions of ``remaining`` to load next: the first ones, as many as there are free slots."""
+        return remaining[:self._free_slots()]
 
     def run_group(self, group: list[int], url: str, command: Sequence[str], *, side_by_side: bool,
                   capture: bool) -> list[ReplayResult]:
@@ -147,10 +137,10 @@ class _AdapterReplay:
             runs = [run for batch in batches for run in _run_together(command, batch, capture)]
         finally:
             for entry in loaded:
-                if entry.private and entry.model is not None:
+                if entry.model is not None:
                     self._unload(entry.model, self.clients)
-            # the newest private version decoded stays held: the base of the next group's first delta
-            decoded = [entry.version for entry in loaded if entry.private and entry.model is not None]
+            # the newest version decoded stays held: the base of the next group's first delta
+            decoded = [entry.version for entry in loaded if entry.model is not None]
             self.cache.prune(set(decoded[-1:]))
         by_version = dict(zip((entry.version for entry in ready), runs))
         return [ReplayResult(entry.version, entry.load_s, None, 0.0, entry.error) if entry.model is None else
@@ -173,24 +163,16 @@ class _AdapterReplay:
                 if limit is not None]
         return max(1, min(free))
 
-    def _held_everywhere(self) -> set[str]:
-        return set.intersection(*(set(client.lora_adapters()) for client in self.clients))
-
     def _load(self, version: int, keep: set[int]) -> _Loaded:
-        """``version`` usable by requests: reused where every server holds it as ``<name>@<version>``, else
-        decoded and loaded as ``replay_name``; on failure the error, nothing left loaded."""
+        """``version`` decoded and loaded as ``replay_name`` on every server; on failure the error, nothing
+        left loaded."""
         started = time.perf_counter()
-        resident = version_name(self.name, version)
-        if resident in self._held_everywhere():
-            self.cache.hold(version)  # its directory stays, should its follower unload it meanwhile
-            log.info("replay: version %d is resident as %s: used as it is", version, resident)
-            return _Loaded(version, resident, False, time.perf_counter() - started)
         try:
             path = prepare_version(self.stream, self.cache, version, keep=keep,
                                    holder=f"adapter replay {self.name}")[0]
         except CkptStreamError as exc:
             log.error("replay: version %d refused: %s", version, exc)
-            return _Loaded(version, None, True, time.perf_counter() - started, str(exc))
+            return _Loaded(version, None, time.perf_counter() - started, str(exc))
         model = replay_name(self.name, version)
         done: list[VllmClient] = []
         try:
@@ -201,9 +183,9 @@ class _AdapterReplay:
             self._unload(model, done)
             self.cache.release(version)
             log.error("replay: version %d refused: %s", version, exc)
-            return _Loaded(version, None, True, time.perf_counter() - started, str(exc))
+            return _Loaded(version, None, time.perf_counter() - started, str(exc))
         log.info("replay: version %d loaded as %s from %s", version, model, path)
-        return _Loaded(version, model, True, time.perf_counter() - started)
+        return _Loaded(version, model, time.perf_counter() - started)
 
     def _unload(self, model: str, clients: Sequence[VllmClient]) -> None:
         for client in clients:

