@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 from ..errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, FleetError
 from .options import SecretOption, UsageError, add_command, add_url, positive_int, positive_seconds, storage_options
-from .output import print_json, table
+from .output import print_json, table, version_text
 
 
 def add_address(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +107,7 @@ def _print_status(fleet: Any, as_json: bool) -> None:
     if as_json:
         print_json(_status_json(fleet))
         return
-    rows = [[str(s.slot), s.url or "-", "-" if s.version is None else str(s.version), s.state,
+    rows = [[str(s.slot), s.url or "-", version_text(s.version, s.resident), s.state,
              "-" if s.lag is None else str(s.lag), "-" if s.last_pause_s is None else f"{s.last_pause_s:.2f}s",
              "yes" if s.registered else "no", str(s.restarts), s.last_error or ""] for s in fleet.status()]
     print(f"fleet {fleet.name} of {fleet.spec.url}" + (f", router {fleet.router_url()}" if fleet.spec.router else ""))

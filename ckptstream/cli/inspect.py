@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import EXIT_OK, CkptStreamError
 from .options import VERSION_HELP, add_command, add_url, open_stream, version_ref
-from .output import human, print_json, table, version_summary
+from .output import human, print_json, table, version_summary, version_text
 
 if TYPE_CHECKING:
     from ..format import StreamInfo
@@ -195,7 +195,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         print_json([{**asdict(r), "age_s": r.age()} for r in records])
         return EXIT_OK
     now = time.time()
-    print(table([[r.replica_id, r.kind, "-" if r.version is None else str(r.version), r.state, f"{r.age(now):.0f}s",
+    print(table([[r.replica_id, r.kind, version_text(r.version, r.resident), r.state, f"{r.age(now):.0f}s",
                   ",".join(r.urls) or r.source or "", _lag(r), (r.last_error or "")[:60]]
                  for r in records],
                 ["REPLICA", "KIND", "VERSION", "STATE", "HEARTBEAT", "URLS/SOURCE", "LAG", "LAST ERROR"]))

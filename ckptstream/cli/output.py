@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 if TYPE_CHECKING:
     from ..format import Manifest
@@ -60,3 +60,11 @@ def version_summary(manifest: Manifest) -> dict[str, Any]:
             "stored_bytes": manifest.stored_bytes, "full_bytes": manifest.full_bytes,
             "stored_fraction": manifest.stored_bytes / manifest.full_bytes if manifest.full_bytes else 0.0,
             "changed_elements": changed, "changed_fraction": None if changed is None or not numel else changed / numel}
+
+
+def version_text(version: int | None, resident: Sequence[int] = ()) -> str:
+    """A served version for a table: ``-`` for none; an adapter stream's with the versions held beside it,
+    ``7 (6,7)``."""
+    if version is None:
+        return "-"
+    return f"{version} ({','.join(map(str, resident))})" if resident else str(version)

@@ -145,6 +145,7 @@ class Fleet:
         result = []
         for server in self._call("servers"):
             record = records.get(server["replica_id"])
+            adapters = record is not None and record.adapter is not None
             version = server["version"] if server["version"] is not None else (
                 record.version if record is not None and server["state"] == STATE_SERVING else None)
             state = server["state"]
@@ -159,18 +160,19 @@ class Fleet:
                 last_error=(record.last_error if record is not None and record.last_error else None)
                 or server["last_error"],
                 restarts=server["restarts"], registered=server["registered"], metrics_url=server["metrics_url"],
-                pids=server["pids"]))
+                pids=server["pids"], resident=list(record.resident) if adapters and record is not None else []))
         return result
 
-    def urls(self, min_version: int | None = None) -> list[str]:
-        """The URLs of the servers that serve ``min_version`` or newer (any version if None)."""
-        return [s.url for s in self.status() if s.url is not None and s.state in _SERVING_STATES
-                and s.version is not None and (min_version is None or s.version >= min_version)]
+    def urls(self, min_version: int | None = None, *, resident: int | None = None) -> list[str]:
+        """The URLs of the servers that serve ``min_version`` or newer (any version if None); on an adapter
+        stream, with ``resident``, of those that hold that version as ``<name>@<version>``."""
+        return [s.url for s in self.status() if s.url is not None and _serves(s, min_version, resident)]
 
     def wait_for_version(self, version: int, *, min_replicas: int | None = None, timeout: float | None = None,
-                         poll_interval: float = 0.5) -> list[ServerStatus]:
-        """Block until ``min_replicas`` servers (default: all the fleet's) serve ``version`` or newer; returns
-        the status of those.
+                         poll_interval: float = 0.5, resident: bool = False) -> list[ServerStatus]:
+        """Block until ``min_replicas`` servers (default: all the fleet's) serve ``version`` or newer (on an
+        adapter stream with ``resident``: hold ``version`` itself as ``<name>@<version>``); returns the status
+        of those.
 
         Raises:
             FleetTimeout: not reached within ``timeout`` seconds (naming what each server serves).
@@ -179,8 +181,7 @@ class Fleet:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             status = self.status()
-            serving = [s for s in status if s.state in _SERVING_STATES and s.version is not None
-                       and s.version >= version]
+            serving = [s for s in status if _serves(s, None if resident else version, version if resident else None)]
             if len(serving) >= wanted:
                 return serving
             if deadline is not None and time.monotonic() >= deadline:
@@ -238,3 +239,11 @@ def _find(name: str) -> Any:
         return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return None
+
+
+def _serves(server: ServerStatus, min_version: int | None, resident: int | None) -> bool:
+    """Whether ``server`` serves, ``min_version`` or newer (any version if None), holding ``resident`` (an
+    adapter stream's version) if given."""
+    return (server.state in _SERVING_STATES and server.version is not None
+            and (min_version is None or server.version >= min_version)
+            and (resident is None or resident in server.resident))

@@ -95,6 +95,8 @@ class ServerStatus:
         registered: whether the fleet's router sends it requests.
         metrics_url: its Prometheus metrics (None without ``metrics_port``).
         pids: its processes (the actor's and their descendants: vLLM, its engine, its workers).
+        resident: on an adapter stream, the versions it holds as ``<name>@<version>`` (its replica record's;
+            ``version`` is the one the stable name means).
     """
 
     slot: int
@@ -110,6 +112,7 @@ class ServerStatus:
     registered: bool
     metrics_url: str | None = None
     pids: list[int] = field(default_factory=list)
+    resident: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

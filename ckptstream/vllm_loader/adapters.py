@@ -4,7 +4,8 @@ Each version is loaded as the adapter ``<name>@<version>``; the stable name ``<n
 version loaded. Loading never pauses generation: vLLM's engine reads a new adapter between two steps while
 requests for the base model and for the other adapters keep running. The newest ``keep`` versions stay
 resident; an older one is unloaded only once no request uses it, and its directory is released (the caller
-may delete it) one round later.
+may delete it) one round later. vLLM's version label (``/weight_info``) names the version the stable name
+means, as it names the version of a weights stream's server (so a fleet's controller reads both alike).
 
 What vLLM 0.32 does, and what follows from it:
 
@@ -165,6 +166,8 @@ class ResidentAdapters:
         if self._stable is not None:
             self._stable_before.add(self._stable)
         self._stable = version
+        # vLLM's version label says it too: what /weight_info readers (a fleet's controller) take as served
+        self.client.set_weight_version(str(version))
         log.info("adapter %s means version %d", self.name, version)
 
     def evict(self, hold: Collection[int] = ()) -> Eviction:

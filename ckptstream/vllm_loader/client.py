@@ -102,6 +102,9 @@ class AdapterControl(Protocol):
     def lora_in_use(self) -> set[str]:
         """The adapter names with requests waiting or running."""
 
+    def set_weight_version(self, version: str, check: bool = True) -> None:
+        """Label what the server serves (``/weight_info``): the version the stable adapter name means."""
+
 
 class VllmClient:
     """Controls one vLLM server over HTTP (a ``VllmControl`` and an ``AdapterControl``).
