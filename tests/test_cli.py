@@ -126,6 +126,19 @@ def test_make_tiny_model_sizes(tmp_path, capsys):
     assert "lm_head.weight" not in dict(iter_hf_weights(tmp_path / "t"))
 
 
+def test_make_tiny_adapter_then_a_step_publishes_an_adapter_stream(tmp_path, capsys):
+    base, adapter, url = str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "lora")
+    assert run(capsys, "make-tiny-model", base)[0] == 0
+    code, out, _ = run(capsys, "make-tiny-adapter", base, adapter, "--rank", "4", "--json")
+    assert code == 0 and json.loads(out)["rank"] == 4
+    assert run(capsys, "publish", url, "--from-peft", adapter)[0] == 0
+    code, out, _ = run(capsys, "make-tiny-adapter", base, adapter, "--step", "1", "--json")
+    assert code == 0 and json.loads(out)["changed_elements"] > 0
+    assert run(capsys, "publish", url, "--from-peft", adapter)[0] == 0
+    info = Stream(url).info()
+    assert (info.kind, info.adapter.rank, Stream(url).manifest(1).kind) == ("adapter", 4, "delta")
+
+
 def test_publish_default_cache_dir_is_under_home(tmp_path, monkeypatch, capsys):
     """The default --cache-dir (~/.cache/ckptstream/publish) is expanded, not created as a literal ``~``."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

@@ -1,5 +1,6 @@
-"""Helpers around the main job: ``make-tiny-model`` (a random HF model), ``base-hash`` (the identity of a base
-model directory, as adapter streams record it) and ``demo`` (the loop end to end)."""
+"""Helpers around the main job: ``make-tiny-model`` (a random HF model), ``make-tiny-adapter`` (a random PEFT
+LoRA adapter of it), ``base-hash`` (the identity of a base model directory, as adapter streams record it)
+and ``demo`` (the loop end to end)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size", type=byte_size, help="approximate weight bytes, e.g. 64MB, 1GB")
     p.add_argument("--shard-size", type=byte_size, help="split weights into shards of at most this size")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+
+    p = add_command(sub, "make-tiny-adapter", run_make_tiny_adapter, "generate a random PEFT LoRA adapter of a "
+                    "model directory (for tests and demos; needs peft)", """
+        ckptstream make-tiny-model ./base && ckptstream make-tiny-adapter ./base ./adapter
+        ckptstream make-tiny-adapter ./base ./adapter --rank 16 --seed 3
+        ckptstream make-tiny-adapter ./base ./adapter --step 7     # a training step of ./adapter, in place
+        """, with_common=False)
+    p.add_argument("base_dir", metavar="BASE_DIR", help="the base model (e.g. make-tiny-model's)")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--rank", type=positive_int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, metavar="SEED",
+                   help="instead, change OUT_DIR's adapter in place by one small training step drawn from SEED")
     p.add_argument("--json", action="store_true", help="print results as JSON")
 
     p = add_command(sub, "base-hash", run_base_hash, "print the identity of a base model directory (its tensors' "
@@ -61,6 +76,24 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}, "
               f"{len(state)} tensors, {human(total)}) to {out}")
+    return EXIT_OK
+
+
+def run_make_tiny_adapter(args: argparse.Namespace) -> int:
+    from ..testing.adapters import adapter_step, write_tiny_adapter
+
+    if args.step is not None:
+        changed = adapter_step(args.out_dir, seed=args.step)
+        result = {"path": args.out_dir, "changed_elements": changed}
+        text = f"changed {changed} elements of the adapter in {args.out_dir}"
+    else:
+        out = write_tiny_adapter(args.out_dir, args.base_dir, rank=args.rank, seed=args.seed)
+        result = {"path": str(out), "base": args.base_dir, "rank": args.rank}
+        text = f"wrote a rank-{args.rank} LoRA adapter of {args.base_dir} to {out}"
+    if args.json:
+        print_json(result)
+    else:
+        print(text)
     return EXIT_OK
 
 
