@@ -20,7 +20,7 @@ from ckptstream.errors import EXIT_NOT_FOUND, EXIT_USAGE
 from ckptstream.hf import iter_hf_weights
 from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
 from ckptstream.vllm_loader import VllmClient, free_port
-from tests.helpers import PROMPTS
+from tests.helpers import PROMPTS, VLLM_CPU_ARGS
 
 RANK = 8
 
@@ -48,7 +48,7 @@ def _adapters(client: VllmClient) -> dict[str, str]:
         return {}
 
 
-def test_serve_starts_the_base_and_serves_each_adapter_version(tmp_path, tiny_model):
+def test_serve_starts_the_base_and_serves_each_adapter_version(tmp_path, tiny_model, vllm_servers):
     url = str(tmp_path / "policy")
     model = tiny_peft_model(tiny_model, rank=RANK, seed=1)
     publisher = Publisher(url, adapter_of=model, keyframe_every=100)
@@ -56,8 +56,10 @@ def test_serve_starts_the_base_and_serves_each_adapter_version(tmp_path, tiny_mo
     port, log = free_port(), tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_SERVER_DEV_MODE")}
     with open(log, "wb") as out:
+        # vLLM's CPU arguments the reference server below gets too (none are needed: serve sizes memory itself)
         serve = subprocess.Popen(_cli("serve", url, "--port", str(port), "--keep", "2", "--poll-interval", "0.2",
-                                      "--cache-dir", str(tmp_path / "cache"), "--replica-id", "lora-serve"),
+                                      "--cache-dir", str(tmp_path / "cache"), "--replica-id", "lora-serve",
+                                      "--", *VLLM_CPU_ARGS),
                                  stdout=out, stderr=subprocess.STDOUT, env=env)
     client = VllmClient(f"http://127.0.0.1:{port}")
     references: dict[int, list[list[int]]] = {}
@@ -93,12 +95,24 @@ def test_serve_starts_the_base_and_serves_each_adapter_version(tmp_path, tiny_mo
         record, = Stream(url).wait_for_version(1, resident=True, timeout=60)
         assert (record.replica_id, record.adapter, record.version, record.resident) == ("lora-serve", "policy", 1,
                                                                                       [0, 1])
+        served = {version: _outputs(client, f"policy@{version}") for version in (0, 1)}
     finally:
         publisher.close()
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(timeout=120)
     assert code == 0, log.read_text()[-3000:]
     assert Stream(url).replicas()[0].state == "stopped"
+
+    # A reference server started the plain vLLM way on each version's materialized PEFT directory answers alike.
+    modules = [f"v{v}={Stream(url).materialize(v, tmp_path / f'plain-{v}')}" for v in (0, 1)]
+    reference_server = vllm_servers(tiny_model, vllm_args=["--enable-lora", "--max-lora-rank", str(RANK),
+                                                           "--max-loras", "3", "--max-cpu-loras", "4",
+                                                           "--lora-modules", *modules])
+    try:
+        for version in (0, 1):
+            assert _outputs(reference_server.client, f"v{version}") == served[version]
+    finally:
+        reference_server.stop()
 
 
 def test_options_of_the_other_stream_kind_are_refused_before_anything_starts(tmp_path, tiny_model):
