@@ -140,6 +140,20 @@ def test_updates_through_vllms_routes_equal_full_reloads(local_run, server):
     local_run.equals_full_reload(server, version)
 
 
+def _refused_corrupt(run: Run, client: HttpWeightSyncClient, server, good: int) -> str:
+    """Publish a version, corrupt it, ask the server for it: refused, naming it and the version still served,
+    which answers as before. Returns the refusal."""
+    before = server.outputs()
+    bad = run.publish(linears=False)
+    corrupt(run.url, bad)
+    client.start_weight_update()
+    with pytest.raises(VllmError) as refused:
+        client.update_weights({"version": bad})
+    assert f"version {bad}" in str(refused.value) and f"serves version {good}" in str(refused.value)
+    assert server.outputs() == before and server.client.weight_version() == str(good)
+    return str(refused.value)
+
+
 def test_a_corrupt_version_is_refused_and_the_last_good_one_served(server, tmp_path):
     run = Run(tmp_path, str(tmp_path / "stream"))  # a stream of its own: the corrupt version breaks its chain
     try:
@@ -147,16 +161,8 @@ def test_a_corrupt_version_is_refused_and_the_last_good_one_served(server, tmp_p
         client.init_weight_transfer_engine({"url": run.url, "cache_dir": str(tmp_path / "cache")})
         good = run.publish(linears=False)
         _update(client, good)
-        before = server.outputs()
-        bad = run.publish(linears=False)
-        corrupt(run.url, bad)
-        client.start_weight_update()
-        with pytest.raises(VllmError) as refused:
-            client.update_weights({"version": bad})
-        assert f"version {bad}" in str(refused.value) and f"serves version {good}" in str(refused.value)
-        assert "hash mismatch" in str(refused.value)
-        assert server.outputs() == before
-        assert server.client.weight_version() == str(good)
+        refused = _refused_corrupt(run, client, server, good)
+        assert "hash mismatch" in refused
         run.equals_full_reload(server, good)
     finally:
         run.publisher.close()
@@ -251,15 +257,8 @@ def test_two_ranks_agree_on_every_step(tp2_server, tmp_path):
             (newest, "reload", "apply_failed")] * 2
         run.equals_full_reload(tp2_server, newest)
 
-        before = tp2_server.outputs()
-        bad = run.publish(linears=False)
-        corrupt(run.url, bad)
-        client.start_weight_update()
-        with pytest.raises(VllmError) as refused:
-            client.update_weights({"version": bad})
-        assert f"version {bad}" in str(refused.value) and f"serves version {newest}" in str(refused.value)
-        assert "rank 0" in str(refused.value) and "rank 1" in str(refused.value)
-        assert tp2_server.outputs() == before and tp2_server.client.weight_version() == str(newest)
+        refused = _refused_corrupt(run, client, tp2_server, newest)
+        assert "rank 0" in refused and "rank 1" in refused
     finally:
         run.publisher.close()
 
