@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Callable, Iterator, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -311,3 +311,37 @@ def command_lines_under(pid: int) -> list[bytes]:
         except OSError:
             pass
     return lines
+
+
+# ------------------------------------------------------------------------------------- LoRA adapter servers
+
+def start_lora_server(vllm_servers: Callable[..., Any], model_dir: Path, root: Path, *, keep: int, rank: int,
+                      vllm_args: Sequence[str] = ()) -> tuple[Any, Path]:
+    """A real vLLM server (conftest's ``vllm_servers``) of ``model_dir`` set up as ``serve`` sets it up for an
+    adapter stream (``adapter_vllm_settings``: LoRA on, runtime loading, ckptstream's alias resolver with its
+    file under ``root``); returns (server, alias file)."""
+    from ckptstream.testing.lora_server import resolver_plugin_path
+    from ckptstream.vllm_loader.serve import adapter_vllm_settings
+
+    aliases = root / "aliases.json"
+    args, env = adapter_vllm_settings(list(vllm_args), keep=keep, rank=rank, aliases=aliases)
+    plugin = resolver_plugin_path(root / "plugin")
+    if plugin is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
+    return vllm_servers(model_dir, vllm_args=args, env=env), aliases
+
+
+def adapter_outputs(client: Any, model: str) -> list[list[int]]:
+    """The greedy outputs of ``PROMPTS`` (8 tokens each) from ``model`` (the base or an adapter) of a server."""
+    return [client.complete(p, 8, model=model)["token_ids"] for p in PROMPTS]
+
+
+def reference_outputs(client: Any, url: str, version: int, directory: Path) -> list[list[int]]:
+    """What ``version`` of the adapter stream at ``url`` answers on its own: its materialized PEFT directory
+    (in ``directory``) loaded straight into the server under a name of its own, asked, unloaded again."""
+    name = f"ref-{version}-{uuid.uuid4().hex[:6]}"
+    client.load_lora_adapter(name, str(Stream(url).materialize(version, directory)))
+    try:
+        return adapter_outputs(client, name)
+    finally:
+        client.unload_lora_adapter(name)

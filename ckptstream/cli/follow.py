@@ -188,7 +188,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --fleet: the Ray cluster (default $RAY_ADDRESS, else the local one)")
     p.add_argument("--name", help="with --fleet: the fleet's name (default from the stream URL)")
     adapters = p.add_argument_group("adapter streams (LoRA): versions loaded beside what the servers serve, as "
-                                    "NAME@VERSION.replay-PID (or a follower's NAME@VERSION), nothing taken over")
+                                    "NAME@VERSION.replay-PID (even those a follower holds), nothing taken over")
     adapters.add_argument("--adapter-name", metavar="NAME",
                           help="the stream's adapter name, as its followers use it (default the URL's last part)")
     adapters.add_argument("--max-resident", type=positive_int, metavar="N",

@@ -80,9 +80,15 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def run_make_tiny_adapter(args: argparse.Namespace) -> int:
+    from ..errors import SourceNotFoundError
+    from ..format import ADAPTER_WEIGHTS_FILE
     from ..testing.adapters import adapter_step, write_tiny_adapter
 
     if args.step is not None:
+        if not (Path(args.out_dir) / ADAPTER_WEIGHTS_FILE).is_file():
+            raise SourceNotFoundError(f"{args.out_dir} holds no {ADAPTER_WEIGHTS_FILE} to change",
+                                      hint=f"Make one first: `ckptstream make-tiny-adapter {args.base_dir} "
+                                           f"{args.out_dir}`")
         changed = adapter_step(args.out_dir, seed=args.step)
         result = {"path": args.out_dir, "changed_elements": changed}
         text = f"changed {changed} elements of the adapter in {args.out_dir}"

@@ -160,7 +160,7 @@ class Fleet:
                 last_error=(record.last_error if record is not None and record.last_error else None)
                 or server["last_error"],
                 restarts=server["restarts"], registered=server["registered"], metrics_url=server["metrics_url"],
-                pids=server["pids"], resident=list(record.resident) if adapters and record is not None else []))
+                pids=server["pids"], resident=list(record.resident) if record is not None and adapters else []))
         return result
 
     def urls(self, min_version: int | None = None, *, resident: int | None = None) -> list[str]:

@@ -17,7 +17,8 @@ from ..codec import INT_OF_SIZE
 from ..errors import (IntegrityError, InvalidVersionError, MissingBaseError, ReplicaRefused, StreamNotFoundError,
                       TensorNotFoundError, VersionNotFoundError)
 from ..format import (ADAPTER_WEIGHTS_FILE, DEFAULT_SHARD_BYTES, ENCODING_RAW, ENCODING_ZSTD, LATEST, MANIFESTS_DIR,
-                      MAX_MANIFEST_BYTES, MAX_STREAM_FILE_BYTES, MAX_VERSION, STREAM_FILE, FileEntry, Manifest,
+                      MAX_MANIFEST_BYTES, MAX_STREAM_FILE_BYTES, MAX_VERSION, STREAM_FILE, STREAM_KIND_ADAPTER,
+                      FileEntry, Manifest,
                       StreamInfo, TensorEntry, asset_path, content_hash, manifest_path, parse_version_name)
 from ..parallel import default_workers, ordered_parallel
 from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
@@ -281,7 +282,10 @@ class Stream:
                 pinned to an older version or refused this one (each named with its reason), and
                 there are not enough others.
             TimeoutError: not enough replicas caught up within ``timeout`` seconds.
+            StreamKindError: ``resident`` on a weights stream.
         """
+        if resident:
+            self.require_kind(STREAM_KIND_ADAPTER)  # a weights stream's replicas hold no adapter versions
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             now = time.time()

@@ -214,6 +214,8 @@ class FakeLoraServer:
         self.refuse = set(refuse or ())
         self.labels = labels
         self.label: str | None = None
+        self.in_use: set[str] = set()  # the adapter names with requests, as vLLM's metrics would say
+        self.max_lora_slots: int | None = None  # what max_loras() answers (None: not told)
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         if name in self.adapters:
@@ -233,12 +235,15 @@ class FakeLoraServer:
         return dict(self.adapters)
 
     def lora_in_use(self) -> set[str]:
-        return set()
+        return set(self.in_use)
 
     def set_weight_version(self, version: str, check: bool = True) -> None:
         if not self.labels:
             raise VllmError(f"{self.url}/collective_rpc answered 404 (no ckptstream worker extension)")
         self.label = version
+
+    def max_loras(self) -> int | None:
+        return self.max_lora_slots
 
     def restart(self) -> None:
         self.adapters.clear()

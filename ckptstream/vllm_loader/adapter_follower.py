@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import AdapterRefused, IntegrityError, MissingBaseError, VersionNotFoundError
+from ..errors import AdapterRefused, IntegrityError, MissingBaseError, VersionNotFoundError, VllmArgumentError
 from ..format import STREAM_KIND_ADAPTER
 from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
 from ..storage import open_storage
@@ -32,7 +32,7 @@ from ..reader.adapter import check_adapter_fits
 from ..reader.adapter import DEFAULT_KEEP
 from .adapters import ResidentAdapters
 from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
-from .client import VllmClient
+from .client import AdapterControl, VllmClient
 from .follower import REFUSED_KEPT, default_replica_id
 from .observe import (FollowerObserver, ReplicaRecordWriter, UpdateRecord, attach_metrics, commit_age, notify,
                       refusal_reason)
@@ -88,6 +88,8 @@ class AdapterFollower:
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
         clients = [VllmClient(u, api_key=api_key) if isinstance(u, str) else u for u in vllm_urls]
+        for client in clients:
+            _check_slots(client, keep)
         self.servers = [ResidentAdapters(c, self.name, keep, aliases=None if aliases is None else Path(aliases))
                         for c in clients]
         replica_id = replica_id or default_replica_id(clients[0].url)
@@ -258,6 +260,17 @@ class AdapterFollower:
             self._reported = time.monotonic()
             record = copy.deepcopy(self.record)
         notify(self.observers, "on_report", record)
+
+
+def _check_slots(client: AdapterControl, keep: int) -> None:
+    """Refuse a server whose ``--max-loras`` cannot hold ``keep`` versions and the stable name in one batch
+    (requests for the others would wait for a batch of their own)."""
+    slots = client.max_loras()
+    if slots is not None and slots < keep + 1:
+        smaller = f", or pass --keep {slots - 1}" if slots > 1 else ""
+        hint = f"Restart it with --max-loras {keep + 1} or more{smaller}"
+        raise VllmArgumentError(f"{client.url} runs with --max-loras {slots}, below --keep {keep} + 1 (the stable "
+                                "name is an adapter of its own)", hint=hint)
 
 
 def _common(resident: Sequence[Sequence[int]]) -> list[int]:

@@ -25,6 +25,7 @@ What vLLM 0.32 does, and what follows from it:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Collection
@@ -35,6 +36,11 @@ from .client import AdapterControl
 
 log = logging.getLogger("ckptstream.adapters")
 
+STABLE_DRAIN_SECONDS = 600.0
+"""How long a version's directory outlives the stable name's move away from it while requests on the stable
+name never stop (a rollout under constant load): vLLM does not tell which version those requests started on,
+so those older than this are taken to have ended. A running request needs the directory only if vLLM's engine
+dropped the adapter from its cache meanwhile, which ``--max-cpu-loras`` (``adapter_vllm_settings``) prevents."""
 VERSION_SEPARATOR = "@"
 """Between the stream's adapter name and a version number in an adapter name (``policy@17``)."""
 
@@ -90,8 +96,9 @@ class ResidentAdapters:
             raise ValueError(f"adapter name {name!r} must be non-empty, without {VERSION_SEPARATOR!r} or ','")
         self.client, self.name, self.keep, self.aliases = client, name, keep, aliases
         self._stable: int | None = None
-        # versions the stable name pointed at since it was last seen without requests (their requests may run)
-        self._stable_before: set[int] = set()
+        # versions the stable name pointed at since it was last seen without requests (their requests may
+        # run), each with when it moved away
+        self._stable_before: dict[int, float] = {}
         self._draining: set[int] = set()  # unloaded, not released yet
         self._unlabelled = False  # the server took no version label (said once)
         if aliases is None:
@@ -182,7 +189,7 @@ class ResidentAdapters:
                 raise AdapterRefused(f"{self.name} not moved to it: {exc}", adapter=self.name, path=path,
                                      status=exc.status, version=version) from None
         if self._stable is not None:
-            self._stable_before.add(self._stable)
+            self._stable_before[self._stable] = time.monotonic()
         self._stable = version
         # vLLM's version label says it too: what /weight_info readers (a fleet's controller) take as served;
         # a vLLM without labels (before 0.25, no ckptstream worker extension) serves the adapter all the same
@@ -204,7 +211,9 @@ class ResidentAdapters:
             self._stable_before.clear()
 
         def used(version: int) -> bool:
-            return version_name(self.name, version) in in_use or version in self._stable_before
+            moved = self._stable_before.get(version)
+            return version_name(self.name, version) in in_use or (
+                moved is not None and time.monotonic() - moved < STABLE_DRAIN_SECONDS)
 
         released = [v for v in sorted(self._draining) if not used(v)]
         self._draining.difference_update(released)

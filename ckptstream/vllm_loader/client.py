@@ -105,6 +105,9 @@ class AdapterControl(Protocol):
     def set_weight_version(self, version: str, check: bool = True) -> None:
         """Label what the server serves (``/weight_info``): the version the stable adapter name means."""
 
+    def max_loras(self) -> int | None:
+        """vLLM's ``--max-loras``, where the server tells it."""
+
 
 class VllmClient:
     """Controls one vLLM server over HTTP (a ``VllmControl`` and an ``AdapterControl``).

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstream import Publisher, Stream
+from ckptstream import Publisher
 from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
 from ckptstream.testing.models import TinyModelSpec, write_tiny_model
 from ckptstream.testing.ray import RayCluster
 from ckptstream.vllm_loader import VllmClient
-from tests.helpers import PROMPTS, VLLM_CPU_ARGS
+from tests.helpers import VLLM_CPU_ARGS, adapter_outputs, reference_outputs
 
 START_TIMEOUT = 240.0
 UPDATE_TIMEOUT = 60.0
@@ -57,10 +57,6 @@ def fleet_setup(tmp_path_factory: pytest.TempPathFactory):
             cluster.close()
 
 
-def _outputs(client: VllmClient, model: str) -> list[list[int]]:
-    return [client.complete(p, 8, model=model)["token_ids"] for p in PROMPTS]
-
-
 def test_every_server_holds_each_version_and_the_router_answers_for_any(fleet_setup):
     fleet, publisher, model, base, cluster, root = fleet_setup
     with torch.no_grad():  # another seed's adapter: a change large enough to show in greedy outputs
@@ -76,22 +72,17 @@ def test_every_server_holds_each_version_and_the_router_answers_for_any(fleet_se
     assert fleet.urls(resident=2) == [] and fleet.urls(min_version=2) == []
 
     first = VllmClient(held[0].url)
-    references = {}
-    for version in (0, 1):  # each version's PEFT directory, loaded straight on one server
-        directory = Stream(fleet.spec.url).materialize(version, root / f"ref-{version}")
-        first.load_lora_adapter(f"ref-{version}", str(directory))
-        references[version] = _outputs(first, f"ref-{version}")
-        first.unload_lora_adapter(f"ref-{version}")
+    references = {v: reference_outputs(first, fleet.spec.url, v, root / f"ref-{v}") for v in (0, 1)}
     assert references[0] != references[1]
     base_name = Path(base).name
-    alone = {server.url: _outputs(VllmClient(server.url), base_name) for server in held}
+    alone = {server.url: adapter_outputs(VllmClient(server.url), base_name) for server in held}
     assert len({json.dumps(o) for o in alone.values()}) == 1  # every server's base answers alike
 
     router = VllmClient(fleet.router_url())
     for _ in range(2):  # round robin: each model asked of both servers
         for name, expected in (("policy@0", references[0]), ("policy@1", references[1]),
                                ("policy", references[1]), (base_name, next(iter(alone.values())))):
-            assert _outputs(router, name) == expected, name
+            assert adapter_outputs(router, name) == expected, name
 
     done = subprocess.run([sys.executable, "-m", "ckptstream.cli", "fleet", "status", fleet.spec.url, "--address",
                            cluster.address], capture_output=True, text=True, timeout=120)

@@ -120,3 +120,47 @@ def test_a_storage_outage_is_retried_not_refused(stream, tmp_path, monkeypatch):
             stop.set()
             runner.join()
         assert not follower.refused and Stream(url).replicas()[0].state == "stopped"
+
+
+def test_old_directories_go_under_constant_load_on_the_stable_name(stream, tmp_path, monkeypatch):
+    """Requests on the stable name never stop (a rollout): a version it moved away from keeps its directory
+    for ``STABLE_DRAIN_SECONDS`` only, not for ever."""
+    from ckptstream.vllm_loader import adapters
+
+    url, publish = stream
+    server = FakeLoraServer()
+    server.in_use = {"lora1"}
+    with _follower(url, [server], tmp_path) as follower:
+        follower.step()
+        for _ in range(3):
+            publish()
+            follower.step()
+        follower.step()
+        assert sorted(follower._dirs) == [0, 1, 2, 3]  # 0 and 1 unloaded, their directories kept: in drain
+        monkeypatch.setattr(adapters, "STABLE_DRAIN_SECONDS", 0.0)
+        follower.step()
+        assert sorted(follower._dirs) == [2, 3] and follower.resident() == [2, 3]
+
+
+def test_a_server_with_too_few_lora_slots_for_keep_is_refused(stream, tmp_path):
+    from ckptstream.errors import VllmArgumentError
+
+    url, _ = stream
+    server = FakeLoraServer()
+    server.max_lora_slots = 2
+    with pytest.raises(VllmArgumentError, match="--max-loras 2, below --keep 2 \\+ 1.*pass --keep 1"):
+        _follower(url, [server], tmp_path)
+    server.max_lora_slots = 3
+    _follower(url, [server], tmp_path).close()
+
+
+def test_resident_versions_are_not_waited_for_on_a_weights_stream(tmp_path):
+    import torch
+
+    from ckptstream.errors import StreamKindError
+
+    url = str(tmp_path / "weights")
+    with Publisher(url) as publisher:
+        publisher.publish({"w": torch.ones(2)}).result()
+    with pytest.raises(StreamKindError, match="weights stream"):
+        Stream(url).wait_for_version(0, resident=True, timeout=1)

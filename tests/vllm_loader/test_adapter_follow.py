@@ -5,7 +5,6 @@ with every resident version still answering; a restarted follower takes the resi
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.request
 from pathlib import Path
@@ -16,11 +15,9 @@ from ckptstream import Publisher, Stream
 from ckptstream.errors import ReplicaRefused, StreamKindError
 from ckptstream.format import data_path
 from ckptstream.testing.adapters import adapter_step, tiny_peft_model
-from ckptstream.testing.lora_server import resolver_plugin_path
 from ckptstream.vllm_loader.adapter_follower import AdapterFollower
 from ckptstream.vllm_loader.observe import OnUpdate, UpdateRecord
-from ckptstream.vllm_loader.serve import adapter_vllm_settings
-from tests.helpers import PROMPTS
+from tests.helpers import adapter_outputs, reference_outputs, start_lora_server
 
 KEEP = 2
 RANK = 8
@@ -28,19 +25,10 @@ RANK = 8
 
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory, vllm_servers, tiny_model):
-    root = tmp_path_factory.mktemp("adapter-follow")
-    aliases = root / "aliases.json"
-    args, env = adapter_vllm_settings([], keep=KEEP, rank=RANK, aliases=aliases)
-    plugin = resolver_plugin_path(root / "plugin")
-    if plugin is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
-    server = vllm_servers(tiny_model, vllm_args=args, env=env)
+    server, aliases = start_lora_server(vllm_servers, tiny_model, tmp_path_factory.mktemp("adapter-follow"),
+                                        keep=KEEP, rank=RANK)
     yield server, aliases
     server.stop()  # with the module: servers left running add up
-
-
-def _outputs(client, model: str) -> list[list[int]]:
-    return [client.complete(p, 8, model=model)["token_ids"] for p in PROMPTS]
 
 
 def test_versions_are_resident_side_by_side_and_refused_ones_skipped(lora_server, tiny_model, tmp_path):
@@ -52,10 +40,8 @@ def test_versions_are_resident_side_by_side_and_refused_ones_skipped(lora_server
     references: dict[int, list[list[int]]] = {}
 
     def reference(version: int) -> list[list[int]]:
-        if version not in references:  # the version's PEFT directory, loaded straight under a name of its own
-            directory = Stream(url).materialize(version, tmp_path / f"ref-{version}")
-            client.load_lora_adapter(f"ref-{version}", str(directory))
-            references[version] = _outputs(client, f"ref-{version}")
+        if version not in references:
+            references[version] = reference_outputs(client, url, version, tmp_path / f"ref-{version}")
         return references[version]
 
     try:
@@ -69,12 +55,12 @@ def test_versions_are_resident_side_by_side_and_refused_ones_skipped(lora_server
                 adapter_step(model, seed=7)
                 version = publisher.publish().result().version
                 assert follower.step() == version
-                assert _outputs(client, f"policy@{version}") == reference(version)
-                assert _outputs(client, "policy") == reference(version)
+                assert adapter_outputs(client, f"policy@{version}") == reference(version)
+                assert adapter_outputs(client, "policy") == reference(version)
             assert Stream(url).manifest(2).kind == "delta"
             assert follower.step() is None  # the round after: version 0 released
             assert follower.resident() == [1, 2]
-            assert _outputs(client, "policy@1") == reference(1)  # both answer at once
+            assert adapter_outputs(client, "policy@1") == reference(1)  # both answer at once
             assert [u.version for u in updates] == [0, 1, 2] and all(u.pause_s == 0 for u in updates)
 
             record, = Stream(url).replicas()  # what a trainer bounding staleness reads
@@ -98,7 +84,8 @@ def test_versions_are_resident_side_by_side_and_refused_ones_skipped(lora_server
             assert follower.resident() == [1, 2]
             with pytest.raises(ReplicaRefused, match="hash"):  # the record says why it will never serve it
                 Stream(url).wait_for_version(bad, timeout=5)
-            assert _outputs(client, "policy") == reference(2) and _outputs(client, "policy@1") == reference(1)
+            assert adapter_outputs(client, "policy") == reference(2)
+            assert adapter_outputs(client, "policy@1") == reference(1)
 
         with AdapterFollower(url, [server.url], keep=KEEP, aliases=aliases, cache_dir=tmp_path / "cache") as again:
             assert again.resident() == [1, 2] and again.servers[0].stable == 2  # taken over, nothing reloaded

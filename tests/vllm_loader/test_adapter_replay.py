@@ -22,12 +22,10 @@ from ckptstream import Publisher, Stream
 from ckptstream.errors import VersionNotFoundError
 from ckptstream.format import data_path
 from ckptstream.testing.adapters import adapter_step, tiny_peft_model
-from ckptstream.testing.lora_server import resolver_plugin_path
 from ckptstream.vllm_loader import VersionCache, replay
 from ckptstream.vllm_loader.adapter_follower import AdapterFollower
 from ckptstream.vllm_loader.adapter_replay import REPLAY_MARK
-from ckptstream.vllm_loader.serve import adapter_vllm_settings
-from tests.helpers import PROMPTS
+from tests.helpers import PROMPTS, adapter_outputs, reference_outputs, start_lora_server
 
 RANK = 8
 MAX_LORAS = 4  # the follower's version and stable name, and two of the replay's
@@ -61,31 +59,16 @@ outputs = [call("/v1/completions", {"model": model, "prompt": p, "max_tokens": 8
 
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory, vllm_servers, tiny_model):
-    root = tmp_path_factory.mktemp("adapter-replay")
-    aliases = root / "aliases.json"
-    args, env = adapter_vllm_settings(["--max-loras", str(MAX_LORAS)], keep=1, rank=RANK, aliases=aliases)
-    plugin = resolver_plugin_path(root / "plugin")
-    if plugin is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
-    server = vllm_servers(tiny_model, vllm_args=args, env=env)
+    server, aliases = start_lora_server(vllm_servers, tiny_model, tmp_path_factory.mktemp("adapter-replay"), keep=1,
+                                        rank=RANK, vllm_args=["--max-loras", str(MAX_LORAS)])
     yield server, aliases
     server.stop()  # with the module: servers left running add up
-
-
-def _outputs(client, model: str) -> list[list[int]]:
-    return [client.complete(p, 8, model=model)["token_ids"] for p in PROMPTS]
 
 
 def _references(client, url: str, versions: list[int], tmp_path: Path) -> dict[int, list[list[int]]]:
     """Each version's outputs from its materialized PEFT directory, loaded straight under a name of its own
     (unloaded again: the replay counts the server's free slots)."""
-    references = {}
-    for version in versions:
-        directory = Stream(url).materialize(version, tmp_path / f"ref-{version}")
-        client.load_lora_adapter(f"ref-{version}", str(directory))
-        references[version] = _outputs(client, f"ref-{version}")
-        client.unload_lora_adapter(f"ref-{version}")
-    return references
+    return {version: reference_outputs(client, url, version, tmp_path / f"ref-{version}") for version in versions}
 
 
 def _publish(url: str, tiny_model: Path, count: int, seed: int) -> tuple[Publisher, Any]:
@@ -162,7 +145,7 @@ def test_versions_replayed_side_by_side_beside_a_running_follower(lora_server, t
             with VersionCache(cache, Stream(url).info().stream_id, "check") as view:
                 assert view.versions() == [2]  # so are its cached versions; the follower's stays
             assert running.is_alive() and follower.resident() == [2] and follower.servers[0].stable == 2
-            assert _outputs(client, "policy") == references[2]
+            assert adapter_outputs(client, "policy") == references[2]
     finally:
         stop.set()
         publisher.close()

@@ -20,17 +20,13 @@ from ckptstream.errors import EXIT_NOT_FOUND, EXIT_USAGE
 from ckptstream.hf import iter_hf_weights
 from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
 from ckptstream.vllm_loader import VllmClient, free_port
-from tests.helpers import PROMPTS, VLLM_CPU_ARGS
+from tests.helpers import PROMPTS, VLLM_CPU_ARGS, adapter_outputs, reference_outputs
 
 RANK = 8
 
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "ckptstream.cli", *args]
-
-
-def _outputs(client: VllmClient, model: str) -> list[list[int]]:
-    return [client.complete(p, 8, model=model)["token_ids"] for p in PROMPTS]
 
 
 def _wait(condition, what: str, process: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
@@ -65,11 +61,8 @@ def test_serve_starts_the_base_and_serves_each_adapter_version(tmp_path, tiny_mo
     references: dict[int, list[list[int]]] = {}
 
     def reference(version: int) -> list[list[int]]:
-        if version not in references:  # the version's PEFT directory, loaded straight under a name of its own
-            directory = Stream(url).materialize(version, tmp_path / f"ref-{version}")
-            client.load_lora_adapter(f"ref-{version}", str(directory))
-            references[version] = _outputs(client, f"ref-{version}")
-            client.unload_lora_adapter(f"ref-{version}")
+        if version not in references:
+            references[version] = reference_outputs(client, url, version, tmp_path / f"ref-{version}")
         return references[version]
 
     def stable_means(version: int) -> bool:
@@ -80,22 +73,22 @@ def test_serve_starts_the_base_and_serves_each_adapter_version(tmp_path, tiny_mo
         _wait(lambda: stable_means(0), "version 0 loaded", serve, log)
         base = Path(tiny_model).name
         assert client.model() == base and client.complete(PROMPTS[0], 4, model=base)["token_ids"]
-        assert _outputs(client, "policy@0") == reference(0) == _outputs(client, "policy")
+        assert adapter_outputs(client, "policy@0") == reference(0) == adapter_outputs(client, "policy")
 
-        assert _outputs(client, base) != reference(0)  # the adapter changes what the model says
+        assert adapter_outputs(client, base) != reference(0)  # the adapter changes what the model says
         with torch.no_grad():  # a step large enough to change greedy outputs: another seed's adapter
             for name, tensor in lora_tensors(tiny_peft_model(tiny_model, rank=RANK, seed=2)).items():
                 lora_tensors(model)[name].copy_(tensor)
         assert publisher.publish().result().version == 1
         _wait(lambda: stable_means(1), "version 1 loaded", serve, log)
-        assert _outputs(client, "policy") == reference(1) == _outputs(client, "policy@1")
-        assert _outputs(client, "policy@0") == reference(0)  # the one before still answers, side by side
+        assert adapter_outputs(client, "policy") == reference(1) == adapter_outputs(client, "policy@1")
+        assert adapter_outputs(client, "policy@0") == reference(0)  # the one before still answers, side by side
         assert reference(0) != reference(1)
 
         record, = Stream(url).wait_for_version(1, resident=True, timeout=60)
         assert (record.replica_id, record.adapter, record.version, record.resident) == ("lora-serve", "policy", 1,
                                                                                       [0, 1])
-        served = {version: _outputs(client, f"policy@{version}") for version in (0, 1)}
+        served = {version: adapter_outputs(client, f"policy@{version}") for version in (0, 1)}
     finally:
         publisher.close()
         serve.send_signal(signal.SIGTERM)
@@ -110,7 +103,7 @@ def test_serve_starts_the_base_and_serves_each_adapter_version(tmp_path, tiny_mo
                                                            "--lora-modules", *modules])
     try:
         for version in (0, 1):
-            assert _outputs(reference_server.client, f"v{version}") == served[version]
+            assert adapter_outputs(reference_server.client, f"v{version}") == served[version]
     finally:
         reference_server.stop()
 
