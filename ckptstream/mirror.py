@@ -22,7 +22,7 @@ from .errors import EXIT_CONFLICT, CkptStreamError, IntegrityError, VersionNotFo
 from .format import LATEST, MANIFESTS_DIR, MAX_MANIFEST_BYTES, manifest_path
 from .polling import poll
 from .reader import ReplicaRecord, Stream, select_versions, write_replica
-from .reader.replicas import KIND_MIRROR, replica_path
+from .reader.replicas import KIND_MIRROR, remember_refusal, replica_path
 from .storage import Storage
 from .transfer import CopiedVersion, Destination, copy_version, versions_to_carry
 
@@ -30,8 +30,6 @@ log = logging.getLogger("ckptstream.mirror")
 
 DEFAULT_POLL_INTERVAL = 5.0
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
-REFUSED_KEPT = 100
-"""Refused source versions a mirror remembers (and names in its record): a bounded report."""
 
 Progress = Callable[[int], None]
 ProgressFactory = Callable[[int, str], Any]
@@ -167,9 +165,7 @@ class Mirror:
             with self.src.lease(version, holder=f"mirror {self.record.replica_id}"):
                 copied = self._copy(version, self.src.manifest(version).stored_bytes)
         except (IntegrityError, VersionNotFoundError) as exc:  # damaged, or retired meanwhile, at the source
-            self.refused[version] = str(exc)
-            while len(self.refused) > REFUSED_KEPT:
-                self.refused.pop(min(self.refused))
+            self.record.refused = remember_refusal(self.refused, version, str(exc))
             log.error("refused version %d: %s", version, exc)
             self._report(last_error=str(exc))
             return MirrorResult(version, "refused", seconds=time.monotonic() - started, error=str(exc))
@@ -224,7 +220,6 @@ class Mirror:
         with self._lock:
             for key, value in changes.items():
                 setattr(self.record, key, value)
-            self.record.refused = {str(v): reason for v, reason in self.refused.items()}
             self.record.heartbeat = time.time()
             record = ReplicaRecord(**{**self.record.__dict__, "refused": dict(self.record.refused)})
         if not self._following:

@@ -16,7 +16,7 @@ from typing import IO, Any, Callable, Iterator, Sequence
 import torch
 
 from ckptstream.codec import tensor_hash
-from ckptstream.format import VERSIONS_DIR, content_hash
+from ckptstream.format import VERSIONS_DIR, content_hash, data_path
 from ckptstream.reader import Stream
 from ckptstream.storage import Entry, Storage, open_storage
 from ckptstream.storage.wrapper import WrapperStorage
@@ -91,6 +91,15 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert got[name].dtype == tensor.dtype, name
         assert got[name].shape == tensor.shape, name
         assert tensor_hash(got[name]) == tensor_hash(tensor), name
+
+
+def corrupt_version(url: str, version: int) -> None:
+    """Flip one byte in the middle of the first data file of ``version`` of the local stream at ``url`` (same
+    size: only the hashes can tell)."""
+    path = Path(url) / data_path(version, Stream(url).manifest(version).files[0].name)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
 
 
 def reseal(raw: bytes) -> bytes:

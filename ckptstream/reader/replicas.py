@@ -23,6 +23,9 @@ KIND_NODE = "node"
 """A record of a node agent: one node (not the head) of a multi-node engine, preparing each version into
 that node's cache; ``version`` is the newest version complete there. The engine is one replica, counted by
 its head's record (kind ``follower``, ``nnodes`` > 1): node records never count on their own."""
+REFUSED_KEPT = 100
+"""Refused versions a follower or mirror remembers and names in its record: a bounded report, so that one
+following a stream of thousands of bad versions holds O(1) of them."""
 
 
 @dataclass
@@ -79,6 +82,16 @@ class ReplicaRecord:
             if not _FIELD_CHECKS.get(key, lambda _: True)(value):
                 raise ValueError(f"replica record field {key!r} has the wrong type")
         return cls(**known)
+
+
+def remember_refusal(refused: dict[int, str], version: int, reason: str) -> dict[str, str]:
+    """Note in ``refused`` (oldest first) that ``version`` was refused for ``reason``, forgetting all but the
+    newest ``REFUSED_KEPT``; returns the record's form of it (``ReplicaRecord.refused``)."""
+    refused.pop(version, None)
+    refused[version] = reason
+    while len(refused) > REFUSED_KEPT:
+        del refused[next(iter(refused))]
+    return {str(v): why for v, why in refused.items()}
 
 
 def _is_int(value: Any) -> bool:

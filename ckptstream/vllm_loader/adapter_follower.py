@@ -30,10 +30,11 @@ from ..storage import open_storage
 from ..storage.timing import TimedReads
 from ..reader.adapter import check_adapter_fits
 from ..reader.adapter import DEFAULT_KEEP
+from ..reader.replicas import remember_refusal
 from .adapters import ResidentAdapters
 from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
 from .client import AdapterControl, VllmClient
-from .follower import REFUSED_KEPT, default_replica_id
+from .follower import default_replica_id
 from .observe import (FollowerObserver, ReplicaRecordWriter, UpdateRecord, attach_metrics, commit_age, notify,
                       refusal_reason)
 
@@ -236,11 +237,7 @@ class AdapterFollower:
 
     def _refuse(self, version: int, exc: Exception) -> None:
         with self._lock:
-            self.refused[version] = str(exc)
-            self.record.refused[str(version)] = str(exc)
-            while len(self.refused) > REFUSED_KEPT:
-                oldest, _ = self.refused.popitem(last=False)
-                self.record.refused.pop(str(oldest), None)
+            self.record.refused = remember_refusal(self.refused, version, str(exc))
         log.error("adapter %s: version %d refused: %s; every resident version keeps serving", self.name,
                   version, exc)
         notify(self.observers, "on_refused", version, refusal_reason(exc), exc)

@@ -17,7 +17,7 @@ The decoded versions live in a ``VersionCache`` (``cache.py``) that the follower
 host share: each version is decoded once, by whichever follower comes first. A server
 that another process has taken over (``takeover.py``: a ``replay``) is left alone until it is given
 back; then it is reconciled to the follower's version. Per-version state is bounded (the last
-``REFUSED_KEPT`` refusals; the reader's manifest cache is an LRU), so a follower of a stream of
+``REFUSED_KEPT`` refusals, ``reader/replicas.py``; the reader's manifest cache is an LRU), so a follower of a stream of
 thousands of versions holds O(1) of them.
 """
 
@@ -40,7 +40,7 @@ from ..errors import (CkptStreamError, MissingBaseError, ModelMismatchError, Nod
 from ..format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
 from ..hf import tensor_specs
 from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
-from ..reader.replicas import STATE_ASIDE
+from ..reader.replicas import STATE_ASIDE, remember_refusal
 from ..storage import Watch, open_storage
 from ..storage.timing import TimedReads
 from ..locks import unlock
@@ -56,7 +56,6 @@ from .observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRec
 
 log = logging.getLogger("ckptstream.follow")
 
-REFUSED_KEPT = 100
 """Refused versions a follower remembers (and reports in its replica record), newest last."""
 
 
@@ -764,11 +763,7 @@ class Follower:
 
     def _refuse(self, version: int, exc: Exception) -> None:
         with self._lock:
-            self.refused[version] = str(exc)
-            self.record.refused[str(version)] = str(exc)
-            while len(self.refused) > REFUSED_KEPT:
-                oldest, _ = self.refused.popitem(last=False)
-                self.record.refused.pop(str(oldest), None)
+            self.record.refused = remember_refusal(self.refused, version, str(exc))
         self._notify("on_refused", version, refusal_reason(exc), exc)
         self._report(state="serving" if self.current is not None else "error", last_error=str(exc))
 

@@ -11,12 +11,12 @@ import pytest
 
 from ckptstream import Publisher
 from ckptstream.errors import StorageAccessError
-from ckptstream.format import data_path
 from ckptstream.reader import Stream
 from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
 from ckptstream.testing.fake_vllm import FakeLoraServer
 from ckptstream.vllm_loader import adapter_follower
 from ckptstream.vllm_loader.adapter_follower import AdapterFollower
+from tests.helpers import corrupt_version
 
 RANK = 4
 
@@ -73,10 +73,7 @@ def test_a_version_one_server_refuses_is_taken_back_from_the_others(stream, tmp_
 def test_a_corrupt_newest_version_leaves_the_one_before_to_be_served(stream, tmp_path):
     url, publish = stream
     good, bad = publish(), publish()
-    path = Path(url) / data_path(bad, Stream(url).manifest(bad).files[0].name)
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    corrupt_version(url, bad)
     server = FakeLoraServer()
     with _follower(url, [server], tmp_path) as fresh:  # a fresh follower: nothing resident yet
         assert fresh.step() is None and bad in fresh.refused

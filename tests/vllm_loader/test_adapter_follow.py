@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import re
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from ckptstream import Publisher, Stream
 from ckptstream.errors import ReplicaRefused, StreamKindError
-from ckptstream.format import data_path
 from ckptstream.testing.adapters import adapter_step, tiny_peft_model
 from ckptstream.vllm_loader.adapter_follower import AdapterFollower
 from ckptstream.vllm_loader.observe import OnUpdate, UpdateRecord
-from tests.helpers import adapter_outputs, reference_outputs, start_lora_server
+from tests.helpers import adapter_outputs, corrupt_version, reference_outputs, start_lora_server
 
 KEEP = 2
 RANK = 8
@@ -76,10 +74,7 @@ def test_versions_are_resident_side_by_side_and_refused_ones_skipped(lora_server
 
             adapter_step(model, seed=8)
             bad = publisher.publish().result().version
-            path = Path(url) / data_path(bad, Stream(url).manifest(bad).files[0].name)
-            raw = bytearray(path.read_bytes())
-            raw[len(raw) // 2] ^= 0xFF
-            path.write_bytes(bytes(raw))
+            corrupt_version(url, bad)
             assert follower.step() is None and bad in follower.refused and "hash" in follower.refused[bad]
             assert follower.resident() == [1, 2]
             with pytest.raises(ReplicaRefused, match="hash"):  # the record says why it will never serve it

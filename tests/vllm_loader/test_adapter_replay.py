@@ -20,12 +20,11 @@ import pytest
 
 from ckptstream import Publisher, Stream
 from ckptstream.errors import VersionNotFoundError
-from ckptstream.format import data_path
 from ckptstream.testing.adapters import adapter_step, tiny_peft_model
 from ckptstream.vllm_loader import VersionCache, replay
 from ckptstream.vllm_loader.adapter_follower import AdapterFollower
 from ckptstream.vllm_loader.adapter_replay import REPLAY_MARK
-from tests.helpers import PROMPTS, adapter_outputs, reference_outputs, start_lora_server
+from tests.helpers import PROMPTS, adapter_outputs, corrupt_version, reference_outputs, start_lora_server
 
 RANK = 8
 MAX_LORAS = 4  # the follower's version and stable name, and two of the replay's
@@ -86,10 +85,7 @@ def _publish_corrupt(publisher: Publisher, model: Any, url: str) -> int:
     """Publish one more version, then flip a byte of its data."""
     adapter_step(model, seed=99)
     version = publisher.publish().result().version
-    path = Path(url) / data_path(version, Stream(url).manifest(version).files[0].name)
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    corrupt_version(url, version)
     return version
 
 

@@ -26,7 +26,7 @@ from ckptstream.format import MARKER_FILE, Manifest
 from ckptstream.reader.stream import MANIFEST_CACHE_SIZE
 from ckptstream.testing.fake_vllm import FakeVllmClient
 from ckptstream.vllm_loader import Follower, FollowerConfig, Takeover, VersionCache, replay
-from ckptstream.vllm_loader.follower import REFUSED_KEPT
+from ckptstream.reader.replicas import REFUSED_KEPT
 from ckptstream.vllm_loader.serve import default_vllm_settings, last_error_line, vllm_platform_is_cpu
 from ckptstream.vllm_loader.takeover import lock_path
 from tests.helpers import preloaded_context, preloaded_process

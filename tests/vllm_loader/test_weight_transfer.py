@@ -19,13 +19,12 @@ from safetensors.torch import load_file, save_file
 
 from ckptstream import Publisher, Stream
 from ckptstream.errors import VllmError
-from ckptstream.format import data_path
 from ckptstream.hf import iter_hf_weights
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader.worker import EXTENSION_CLASS
 from ckptstream.weight_transfer import BACKEND
 from ckptstream.weight_transfer.client import HttpWeightSyncClient
-from tests.helpers import new_bucket, packed_on_cpu
+from tests.helpers import corrupt_version, new_bucket, packed_on_cpu
 
 
 SERVER_ARGS = ["--weight-transfer-config", json.dumps({"backend": BACKEND}), "--worker-extension-cls", EXTENSION_CLASS]
@@ -99,14 +98,6 @@ def tp2_server(start_dir, vllm_servers, server):
     server.stop()
 
 
-def corrupt(url: str, version: int) -> None:
-    """Flip one byte in the middle of a data file of ``version`` (same size: only the hashes can tell)."""
-    path = Path(url) / data_path(version, Stream(url).manifest(version).files[0].name)
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    path.write_bytes(bytes(raw))
-
-
 def wait_for_change_file(cache: Path, version: int) -> None:
     """Until a change to ``version`` is in the cache (the prefetcher writes it before staging it)."""
     deadline = time.monotonic() + 120
@@ -145,7 +136,7 @@ def _refused_corrupt(run: Run, client: HttpWeightSyncClient, server, good: int) 
     which answers as before. Returns the refusal."""
     before = server.outputs()
     bad = run.publish(linears=False)
-    corrupt(run.url, bad)
+    corrupt_version(run.url, bad)
     client.start_weight_update()
     with pytest.raises(VllmError) as refused:
         client.update_weights({"version": bad})
