@@ -117,8 +117,9 @@ class AdapterFollower:
 
     def step(self) -> int | None:
         """One round: bring every server to the newest version not refused (loaded where a server lacks it,
-        the stable name moved where it means another: a restarted server is loaded again), then unload and
-        release what is beyond the newest ``keep``; returns the version loaded, or None."""
+        the stable name moved where it means another), give a restarted server back every version the replica
+        held, then unload and release what is beyond the newest ``keep``; returns the version loaded, or
+        None."""
         loaded = None
         target = self._target()
         if target is not None:
@@ -126,6 +127,7 @@ class AdapterFollower:
             behind = [server for server in self.servers if not server.current(target)]
             if behind and (self._stable_version() is None or target >= self._stable_version()):
                 loaded = self._load(target, behind)
+        self._restore(self.record.resident)
         evictions = [server.evict() for server in self.servers]
         resident = _common([e.resident for e in evictions])
         held_anywhere = set().union(*(e.resident for e in evictions))
@@ -224,6 +226,24 @@ class AdapterFollower:
             lag_s=commit_age(self.stream.manifest(version).created), decoded=decoded, fetch_s=fetch_s,
             decode_s=prepared - started - fetch_s))
         return version
+
+    def _restore(self, versions: Sequence[int]) -> None:
+        """Load ``versions`` (those the replica record names as resident) again on every server that lacks them
+        (restarted meanwhile), newest first: a client holding ``<name>@<version>`` from the record finds it on
+        every server. A version a server refuses now is left to the others (it is not the version's fault:
+        every server took it before)."""
+        wanted = sorted((v for v in versions if v in self._dirs and v not in self.refused), reverse=True)
+        for server in self.servers:
+            held = set(server.resident())
+            lacking = [v for v in wanted if v not in held][:server.keep]
+            for version in lacking:
+                try:
+                    server.load(version, self.cache.path(version))
+                except AdapterRefused as exc:
+                    log.warning("adapter %s: version %d not restored on %s: %s", self.name, version,
+                                server.client.url, exc)
+            if lacking:
+                log.info("adapter %s: versions %s restored on %s", self.name, sorted(lacking), server.client.url)
 
     def _withdraw(self, version: int, took: Sequence[ResidentAdapters], previous: int | None) -> None:
         """Take a version refused by one server back from those that took it, so that every server's stable

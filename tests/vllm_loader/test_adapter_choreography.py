@@ -47,7 +47,7 @@ def _means(server: FakeLoraServer, version: int) -> bool:
     return server.adapters.get("lora1") == server.adapters.get(f"lora1@{version}") is not None
 
 
-def test_a_restarted_server_gets_the_newest_version_and_the_stable_name_back(stream, tmp_path):
+def test_a_restarted_server_gets_every_resident_version_and_the_stable_name_back(stream, tmp_path):
     url, publish = stream
     a, b = FakeLoraServer("http://a:1"), FakeLoraServer("http://b:2")
     with _follower(url, [a, b], tmp_path) as follower:
@@ -55,6 +55,15 @@ def test_a_restarted_server_gets_the_newest_version_and_the_stable_name_back(str
         b.restart()
         assert follower.step() == 0 and _means(b, 0) and b.label == "0"
         assert (follower.record.state, follower.record.version, follower.record.resident) == ("serving", 0, [0])
+        version = publish()
+        assert follower.step() == version and follower.record.resident == [0, 1]
+        b.restart()  # between two versions: it gets the older one back too, the stable name on the newest
+        assert follower.step() == 1 and _means(b, 1) and "lora1@0" in b.adapters
+        assert (follower.record.version, follower.record.resident) == (1, [0, 1])
+        publish()
+        a.restart()
+        assert follower.step() == 2 and _means(a, 2) and _means(b, 2)
+        assert follower.record.resident == [1, 2] and sorted(a.adapters) == ["lora1", "lora1@1", "lora1@2"]
 
 
 def test_a_version_one_server_refuses_is_taken_back_from_the_others(stream, tmp_path):
