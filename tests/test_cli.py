@@ -139,6 +139,15 @@ def test_make_tiny_adapter_then_a_step_publishes_an_adapter_stream(tmp_path, cap
     assert (info.kind, info.adapter.rank, Stream(url).manifest(1).kind) == ("adapter", 4, "delta")
 
 
+def test_make_tiny_adapter_without_peft_names_the_extra(tmp_path, capsys, monkeypatch):
+    base = str(tmp_path / "base")
+    assert run(capsys, "make-tiny-model", base)[0] == 0
+    monkeypatch.setitem(sys.modules, "peft", None)  # what `import peft` finds where it is not installed
+    code, _, err = run(capsys, "make-tiny-adapter", base, str(tmp_path / "adapter"))
+    assert code == 1 and "needs peft, which is not installed. pip install 'ckptstream[lora]'" in err
+    assert not (tmp_path / "adapter").exists()
+
+
 def test_publish_default_cache_dir_is_under_home(tmp_path, monkeypatch, capsys):
     """The default --cache-dir (~/.cache/ckptstream/publish) is expanded, not created as a literal ``~``."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..errors import CkptStreamError
 from ..format import ADAPTER_WEIGHTS_FILE
 from .models import rl_like_step
 
@@ -30,8 +31,12 @@ def tiny_peft_model(base_dir: str | os.PathLike[str], *, rank: int = 8, seed: in
     """A ``peft.PeftModel``: the model of ``base_dir`` (``transformers.AutoModelForCausalLM``, in its config's
     dtype) with a LoRA adapter of ``rank`` on ``targets``, every LoRA weight drawn from a generator seeded with
     ``seed`` (``lora_B`` too, which PEFT initializes to zero, so the adapter changes the model's outputs)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    try:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:
+        raise CkptStreamError(f"a LoRA adapter needs {exc.name}, which is not installed",
+                              hint="pip install 'ckptstream[lora]'") from None
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype="auto")
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets)))
