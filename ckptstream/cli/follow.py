@@ -66,7 +66,8 @@ def _adapter_options(parser: argparse.ArgumentParser, title: str, base_help: str
                           help=f"versions kept resident as NAME@VERSION (default {DEFAULT_KEEP}; vLLM's --max-loras "
                                "at least K+1)")
     adapters.add_argument("--adapter-name", metavar="NAME",
-                          help="the stable adapter name, meaning the newest version (default the URL's last part)")
+                          help="the stable adapter name, meaning the newest version (default the URL's last part; "
+                               "'adapter' at a relay's root)")
     adapters.add_argument("--base-dir", metavar="DIR", help=base_help)
     return adapters
 
@@ -190,7 +191,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     adapters = p.add_argument_group("adapter streams (LoRA): versions loaded beside what the servers serve, as "
                                     "NAME@VERSION.replay-PID (even those a follower holds), nothing taken over")
     adapters.add_argument("--adapter-name", metavar="NAME",
-                          help="the stream's adapter name, as its followers use it (default the URL's last part)")
+                          help="the stream's adapter name, as its followers use it (default the URL's last part; "
+                               "'adapter' at a relay's root)")
     adapters.add_argument("--max-resident", type=positive_int, metavar="N",
                           help="versions loaded at once (default the servers' free LoRA slots: --max-loras less "
                                "the adapters they hold, read from /server_info; else 2)")

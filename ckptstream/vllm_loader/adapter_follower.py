@@ -296,6 +296,11 @@ def _common(resident: Sequence[Sequence[int]]) -> list[int]:
 
 
 def default_adapter_name(url: str) -> str:
-    """The stable adapter name of a stream: the last part of its URL (``s3://b/runs/policy`` → ``policy``)."""
+    """The stable adapter name of a stream: the last part of its URL's path (``s3://b/runs/policy`` →
+    ``policy``); ``adapter`` for a stream at the root of an HTTP server (a relay: its host and port name no
+    adapter)."""
+    scheme, separator, rest = url.rstrip("/").partition("://")
+    if separator and scheme in ("http", "https") and "/" not in rest:
+        return "adapter"
     name = url.rstrip("/").rsplit("/", 1)[-1] or "adapter"
     return name.replace("@", "-").replace(",", "-")

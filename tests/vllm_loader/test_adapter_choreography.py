@@ -15,7 +15,7 @@ from ckptstream.reader import Stream
 from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
 from ckptstream.testing.fake_vllm import FakeLoraServer
 from ckptstream.vllm_loader import adapter_follower
-from ckptstream.vllm_loader.adapter_follower import AdapterFollower
+from ckptstream.vllm_loader.adapter_follower import AdapterFollower, default_adapter_name
 from tests.helpers import corrupt_version
 
 RANK = 4
@@ -170,3 +170,29 @@ def test_resident_versions_are_not_waited_for_on_a_weights_stream(tmp_path):
         publisher.publish({"w": torch.ones(2)}).result()
     with pytest.raises(StreamKindError, match="weights stream"):
         Stream(url).wait_for_version(0, resident=True, timeout=1)
+
+
+def test_an_adapter_stream_is_followed_through_the_relay_while_gc_retires_old_versions(tmp_path, tiny_model):
+    """The same relay, gc and leases as a weights stream: a follower reading over HTTP (read-only: its record
+    is not written, it serves all the same) loads keyframes and deltas while gc keeps only the newest
+    version's chain in the store."""
+    from ckptstream.relay import Relay
+    from ckptstream.testing.adapters import adapter_step
+    from ckptstream.writer import collect_garbage
+
+    assert default_adapter_name("http://relay:8080/") == "adapter"  # a relay's host names no adapter
+    assert default_adapter_name("http://relay:8080/runs/lora1") == default_adapter_name("s3://b/lora1/") == "lora1"
+    url, server = str(tmp_path / "lora1"), FakeLoraServer()
+    model = tiny_peft_model(tiny_model, rank=RANK, seed=1)
+    with Publisher(url, adapter_of=model, keyframe_every=2) as publisher:
+        publisher.publish().result()
+        with Relay(url, token="t") as relay, \
+                _follower(relay.url, [server], tmp_path, storage_options={"token": "t"}, name="lora1") as follower:
+            for step in range(1, 6):
+                assert follower.step() == step - 1 and _means(server, step - 1)
+                report = collect_garbage(Stream(url), keep_last=1, grace_seconds=0)
+                assert report.kept == ([step - 2, step - 1] if step % 2 == 0 else [step - 1])
+                adapter_step(model, seed=step)
+                version = publisher.publish().result().version
+                assert Stream(url).manifest(version).kind == ("delta" if step % 2 else "keyframe")
+            assert follower.step() == 5 and follower.resident() == [4, 5] and not follower.refused
