@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import CkptStreamError, FleetError
+from ..format import STREAM_KIND_ADAPTER
 from ..reader import Stream
 from ..process import descendants, free_port
 from .server import ServerActor, log_to_stderr
@@ -339,7 +340,10 @@ class FleetController:
 
     def replay(self, groups: list[list[int]], command: Sequence[str]) -> list[dict[str, Any]]:
         """Set ``len(groups)`` servers aside (out of the router), run the replay of ``groups[i]`` on the i-th
-        inside its actor, and give them back to following; the results of every version."""
+        inside its actor, and give them back to following; the results of every version. On an adapter stream
+        no server is set aside: the versions are loaded as adapters beside what it serves, and it keeps
+        serving through the router."""
+        beside = self._stream.info().kind == STREAM_KIND_ADAPTER
         with self._lock:
             ready = [s for s in sorted(self._servers.values(), key=lambda s: s.slot)
                      if s.state == STATE_SERVING and not s.aside]
@@ -347,7 +351,7 @@ class FleetController:
                 raise FleetError(f"{len(groups)} servers asked for the replay, {len(ready)} serve now",
                                  hint="Wait for the fleet to serve (`ckptstream fleet status`), or ask for fewer")
             chosen = ready[:len(groups)]
-            for server in chosen:
+            for server in () if beside else chosen:
                 server.aside = True
                 server.state = STATE_ASIDE
                 self._deregister(server)
@@ -363,7 +367,7 @@ class FleetController:
                                  "load_s": 0.0, "run_s": 0.0, "error": error} for v in group]
         finally:
             with self._lock:
-                for server in chosen:
+                for server in () if beside else chosen:
                     server.aside = False  # registered again once its follower brought it back to the newest
                     server.state = STATE_STARTING
         return results

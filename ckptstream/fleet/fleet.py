@@ -200,7 +200,9 @@ class Fleet:
         """Evaluate versions on servers set aside from the fleet: ``servers`` of them (default: every server
         serving now) leave the router, their followers stand aside, the versions are spread over them, and
         each server runs ``command`` against each of its versions (with ``CKPTSTREAM_VERSION``,
-        ``CKPTSTREAM_URL`` and ``CKPTSTREAM_VLLM_URL`` set) on its own node; then they follow again.
+        ``CKPTSTREAM_URL`` and ``CKPTSTREAM_VLLM_URL`` set) on its own node; then they follow again. On an
+        adapter stream the versions are loaded as adapters beside what the servers serve (``CKPTSTREAM_MODEL``
+        names the one to ask): no server leaves the router or stands aside.
 
         Returns one result per version, oldest first.
         """

@@ -2,7 +2,8 @@
 adapter stream (LoRA): every server starts on the base model the stream names and loads each version as
 `<name>@<version>`; the fleet's status, `urls(resident=)` and `wait_for_version(resident=True)` say which
 versions each server holds; requests through the router for any resident version, the stable name and the
-base model all succeed, each answered as that version answers on its own."""
+base model all succeed, each answered as that version answers on its own; a replay of the fleet loads the
+versions beside them, no server leaving the router."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ import pytest
 import torch
 
 from ckptstream import Publisher
-from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
+from ckptstream.testing.adapters import adapter_step, lora_tensors, tiny_peft_model
 from ckptstream.testing.models import TinyModelSpec, write_tiny_model
 from ckptstream.testing.ray import RayCluster
 from ckptstream.vllm_loader import VllmClient
-from tests.helpers import VLLM_CPU_ARGS, adapter_outputs, reference_outputs
+from tests.helpers import PROMPTS, VLLM_CPU_ARGS, adapter_outputs, reference_outputs
 
 START_TIMEOUT = 240.0
 UPDATE_TIMEOUT = 60.0
@@ -87,3 +88,35 @@ def test_every_server_holds_each_version_and_the_router_answers_for_any(fleet_se
     done = subprocess.run([sys.executable, "-m", "ckptstream.cli", "fleet", "status", fleet.spec.url, "--address",
                            cluster.address], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.count(" 1 (0,1) ") == 2, done.stdout + done.stderr
+
+
+# The evaluation command of the replay: the greedy outputs of PROMPTS from $CKPTSTREAM_MODEL, as adapter_outputs.
+EVAL = f"""
+import json, os
+from ckptstream.vllm_loader import VllmClient
+client = VllmClient(os.environ["CKPTSTREAM_VLLM_URL"])
+outputs = [client.complete(p, 8, model=os.environ["CKPTSTREAM_MODEL"])["token_ids"] for p in {PROMPTS!r}]
+print(json.dumps({{"model": os.environ["CKPTSTREAM_MODEL"], "outputs": outputs}}))
+"""
+
+
+def test_a_replay_of_the_fleet_loads_versions_beside_what_the_servers_serve(fleet_setup):
+    fleet, publisher, model, base, cluster, root = fleet_setup
+    if publisher.stream.latest() == 0:  # run on its own (the test before publishes version 1)
+        adapter_step(model, seed=5)
+        publisher.publish().result()
+    fleet.wait_for_version(1, resident=True, timeout=UPDATE_TIMEOUT)
+    first = VllmClient(fleet.status()[0].url)
+    references = {v: reference_outputs(first, fleet.spec.url, v, root / f"replay-ref-{v}") for v in (0, 1)}
+    results = fleet.replay("0:1", [sys.executable, "-c", EVAL])
+    assert [(r.version, r.exit_code, r.error) for r in results] == [(0, 0, None), (1, 0, None)]
+    assert len({r.server for r in results}) == 2  # spread over both servers
+    for result in results:
+        answer = json.loads(result.output.strip().splitlines()[-1])
+        assert answer["model"].startswith(f"policy@{result.version}.replay-")
+        assert answer["outputs"] == references[result.version]
+    # nobody set aside: both still serve, in the router, and no adapter of the replay is left
+    assert [(s.state, s.version) for s in fleet.status()] == [("serving", 1), ("serving", 1)]
+    assert len(fleet.urls(min_version=1)) == 2
+    for server in fleet.status():
+        assert sorted(VllmClient(server.url).lora_adapters()) == ["policy", "policy@0", "policy@1"]
