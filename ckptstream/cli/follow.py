@@ -11,9 +11,9 @@ from typing import Any
 
 from ..errors import EXIT_ERROR, EXIT_OK
 from ..reader.adapter import DEFAULT_KEEP
-from .options import (DEFAULT_LEASE_TTL, LATEST, SecretOption, UsageError, add_command, add_url, lease_seconds,
-                      positive_int, storage_options,
-                      version_number, version_ref)
+from .options import (DEFAULT_LEASE_TTL, LATEST, SecretOption, UsageError, add_adapter_options, add_command,
+                      add_url, is_adapter_stream, lease_seconds, positive_int, refuse_adapter_options,
+                      storage_options, version_number, version_ref)
 from .output import print_json, table
 
 
@@ -59,29 +59,6 @@ def _update_options() -> argparse.ArgumentParser:
     return options
 
 
-def _adapter_options(parser: argparse.ArgumentParser, title: str, base_help: str) -> Any:
-    """The adapter-stream options of follow and serve, as a group of ``parser`` (returned)."""
-    adapters = parser.add_argument_group(title)
-    adapters.add_argument("--keep", type=positive_int, metavar="K",
-                          help=f"versions kept resident as NAME@VERSION (default {DEFAULT_KEEP}; vLLM's --max-loras "
-                               "at least K+1)")
-    adapters.add_argument("--adapter-name", metavar="NAME",
-                          help="the stable adapter name, meaning the newest version (default the URL's last part; "
-                               "'adapter' at a relay's root)")
-    adapters.add_argument("--base-dir", metavar="DIR", help=base_help)
-    return adapters
-
-
-def _adapters_only(args: argparse.Namespace) -> None:
-    """Refuse (exit 2) the adapter-stream options on a weights stream."""
-    given = [option for option, value in (("--keep", args.keep), ("--adapter-name", args.adapter_name),
-                                          ("--base-dir", args.base_dir),
-                                          ("--lora-aliases", getattr(args, "lora_aliases", None)))
-             if value is not None]
-    if given:
-        raise UsageError(f"{', '.join(given)}: for adapter streams (LoRA); {args.url} is a weights stream")
-
-
 def _weights_only(args: argparse.Namespace, *options: tuple[str, bool]) -> None:
     """Refuse (exit 2) the weights-stream ``options`` that were given (``(option, given)``) on an adapter
     stream."""
@@ -116,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the servers are engines spanning nodes, started with --worker-extension-cls "
                         "ckptstream.vllm_loader.worker.WorkerExtension and a node agent on each other node: reload a "
                         "version only once every rank holds it; wait S seconds for them, then retry later")
-    adapters = _adapter_options(p, "adapter streams (LoRA): servers started with --enable-lora and "
+    adapters = add_adapter_options(p, "adapter streams (LoRA): servers started with --enable-lora and "
                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the base model",
                                 "the base model the servers serve: its identity is checked against the stream's")
     adapters.add_argument("--lora-aliases", metavar="FILE",
@@ -150,7 +127,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes-ready-timeout", type=float, metavar="S",
                    help="with --nnodes: seconds to wait for every node to hold a version before retrying later "
                         "(default 60)")
-    _adapter_options(p, "adapter streams (LoRA): vLLM serves the base model, each version a runtime adapter",
+    add_adapter_options(p, "adapter streams (LoRA): vLLM serves the base model, each version a runtime adapter",
                      "the base model to serve (default the directory the stream's stream.json names)")
 
     p = add_command(sub, "node-agent", run_node_agent, "keep this node's cache on the newest version for a vLLM "
@@ -221,9 +198,9 @@ def run_follow(args: argparse.Namespace) -> int:
     from ..vllm_loader import Follower
 
     _follow_logging()
-    if _is_adapter_stream(args):
+    if is_adapter_stream(args):
         return _follow_adapters(args)
-    _adapters_only(args)
+    refuse_adapter_options(args)
     follower = Follower(args.url, args.vllm_url, storage_options=storage_options(args), cache_dir=args.cache_dir,
                         pin=args.pin, replica_id=args.replica_id, poll_interval=args.poll_interval,
                         pause_mode=args.pause_mode, api_key=args.api_key, observers=_observers(args),
@@ -235,13 +212,6 @@ def run_follow(args: argparse.Namespace) -> int:
     with follower:
         follower.run(stop)
     return EXIT_OK
-
-
-def _is_adapter_stream(args: argparse.Namespace) -> bool:
-    from ..format import STREAM_KIND_ADAPTER
-    from ..reader import Stream
-
-    return Stream(args.url, storage_options=storage_options(args)).info().kind == STREAM_KIND_ADAPTER
 
 
 def _follow_adapters(args: argparse.Namespace) -> int:
@@ -275,12 +245,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError("--nnodes needs --master-addr (the head node's address, the same on every node)")
     if not 0 <= args.node_rank < args.nnodes:
         raise UsageError(f"--node-rank must be in 0..{args.nnodes - 1}")
-    if _is_adapter_stream(args):
+    if is_adapter_stream(args):
         _weights_only(args, ("--version", args.ref != LATEST), ("--pin", args.pin), ("--nnodes", args.nnodes > 1),
                       ("--nodes-ready-timeout", args.nodes_ready_timeout is not None),
                       ("--reload-only", args.reload_only), ("--verify-apply", args.verify_apply is not None))
     else:
-        _adapters_only(args)
+        refuse_adapter_options(args)
     _follow_logging()
     return serve(args.url, args.passthrough, version=args.ref, pin=args.pin, host=args.host, port=args.port,
                  keep=args.keep or DEFAULT_KEEP, adapter_name=args.adapter_name, base_dir=args.base_dir,
@@ -320,7 +290,7 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.fleet == bool(args.vllm_url):
         raise UsageError("give either --vllm-url (servers to load into) or --fleet (servers of a Ray fleet)")
     _follow_logging()
-    adapter = _is_adapter_stream(args)
+    adapter = is_adapter_stream(args)
     _refuse_other_kinds_options(args, adapter)
     if args.fleet:
         from .fleet import run_fleet_replay

@@ -248,3 +248,36 @@ def pulled_stream(url: str, options: dict[str, Any], *, bwlimit: float | None = 
     if bwlimit is not None:
         storage = ThrottledStorage(storage, bwlimit)
     return Stream(url, storage=storage, lease_ttl=lease_ttl)
+
+
+def add_adapter_options(parser: argparse.ArgumentParser, title: str, base_help: str) -> Any:
+    """The adapter-stream options of follow, serve and ``fleet up``, as a group of ``parser`` (returned)."""
+    from ..reader.adapter import DEFAULT_KEEP
+
+    adapters = parser.add_argument_group(title)
+    adapters.add_argument("--keep", type=positive_int, metavar="K",
+                          help=f"versions kept resident as NAME@VERSION (default {DEFAULT_KEEP}; vLLM's --max-loras "
+                               "at least K+1)")
+    adapters.add_argument("--adapter-name", metavar="NAME",
+                          help="the stable adapter name, meaning the newest version (default the URL's last part; "
+                               "'adapter' at a relay's root)")
+    adapters.add_argument("--base-dir", metavar="DIR", help=base_help)
+    return adapters
+
+
+def refuse_adapter_options(args: argparse.Namespace) -> None:
+    """Refuse (exit 2) the adapter-stream options on a weights stream."""
+    given = [option for option, value in (("--keep", args.keep), ("--adapter-name", args.adapter_name),
+                                          ("--base-dir", args.base_dir),
+                                          ("--lora-aliases", getattr(args, "lora_aliases", None)))
+             if value is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)}: for adapter streams (LoRA); {args.url} is a weights stream")
+
+
+def is_adapter_stream(args: argparse.Namespace) -> bool:
+    """Whether ``args.url`` is an adapter stream (its ``stream.json`` read with the command's storage options)."""
+    from ..format import STREAM_KIND_ADAPTER
+    from ..reader import Stream
+
+    return Stream(args.url, storage_options=storage_options(args)).info().kind == STREAM_KIND_ADAPTER

@@ -110,7 +110,7 @@ class ServerActor:
             try:
                 code = serve(spec.url, list(spec.vllm_args), version=LATEST, host=self.node, port=self.port,
                              stop=self._stop, vllm_log=vllm_log, config=config, on_exit=self._on_vllm_exit,
-                             **options)
+                             keep=spec.keep, adapter_name=spec.adapter_name, base_dir=spec.base_dir, **options)
                 self._exit = "stopped" if self._stop.is_set() and code == 0 else f"vLLM exited (serve returned {code})"
             except BaseException as exc:  # noqa: BLE001 - reported to the controller, which replaces this server
                 self._exit = f"{type(exc).__name__}: {exc}"

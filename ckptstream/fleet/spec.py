@@ -11,6 +11,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ..reader.adapter import DEFAULT_KEEP
 from ..vllm_loader.cache import safe_owner
 
 NAMESPACE = "ckptstream"
@@ -60,6 +61,9 @@ class FleetSpec:
     metrics_port: int | None = None
     cpus_per_replica: float = 1
     vllm_log_dir: str | None = None
+    keep: int = DEFAULT_KEEP  # adapter streams only, like the two below
+    adapter_name: str | None = None
+    base_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 0:

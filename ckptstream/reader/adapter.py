@@ -41,7 +41,8 @@ def _phrase(kind: str) -> str:
 
 
 def check_adapter_fits(info: AdapterInfo, *, base_hash: str | None, max_lora_rank: int | None,
-                       version: int | None, target_modules: Iterable[str] | None = None) -> None:
+                       version: int | None, target_modules: Iterable[str] | None = None,
+                       server: str = "the server") -> None:
     """Refuse an adapter that a server cannot serve.
 
     Args:
@@ -52,25 +53,26 @@ def check_adapter_fits(info: AdapterInfo, *, base_hash: str | None, max_lora_ran
         version: the version to be served, named in the error.
         target_modules: the modules the server can adapt, by their last name (``q_proj``; None: not
             checked); the last name of each of the adapter's targets must be one of them.
+        server: how the errors name the server (its URL, say).
 
     Raises:
         AdapterMismatchError: naming the version and what differs.
     """
     if base_hash is not None and info.base_hash is not None and base_hash != info.base_hash:
         raise AdapterMismatchError(
-            f"the adapter is of base model {info.base_name} ({info.base_hash}), but the server's model hashes to "
+            f"the adapter is of base model {info.base_name} ({info.base_hash}), but {server}'s model hashes to "
             f"{base_hash}", version=version,
             hint="Serve the base model the adapter was trained on (`ckptstream info URL` names it)")
     if max_lora_rank is not None and info.rank > max_lora_rank:
         raise AdapterMismatchError(
-            f"the adapter has rank {info.rank}, above the server's --max-lora-rank {max_lora_rank}", version=version,
+            f"the adapter has rank {info.rank}, above {server}'s --max-lora-rank {max_lora_rank}", version=version,
             hint=f"Start vLLM with --max-lora-rank {info.rank} or more")
     if target_modules is not None:
         allowed = set(target_modules)
         missing = sorted(t for t in info.target_modules if t.rsplit(".", 1)[-1] not in allowed)
         if missing:
             raise AdapterMismatchError(
-                f"the adapter targets modules the server cannot adapt: {', '.join(missing)} (it can adapt "
+                f"the adapter targets modules {server} cannot adapt: {', '.join(missing)} (it can adapt "
                 f"{', '.join(sorted(allowed)) or 'none'})", version=version,
                 hint="Serve the base model the adapter was trained on, with LoRA support for those modules")
 

@@ -216,6 +216,7 @@ class FakeLoraServer:
         self.label: str | None = None
         self.in_use: set[str] = set()  # the adapter names with requests, as vLLM's metrics would say
         self.max_lora_slots: int | None = None  # what max_loras() answers (None: not told)
+        self.max_rank: int | None = None  # what max_lora_rank() answers (None: not told)
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         if name in self.adapters:
@@ -244,6 +245,9 @@ class FakeLoraServer:
 
     def max_loras(self) -> int | None:
         return self.max_lora_slots
+
+    def max_lora_rank(self) -> int | None:
+        return self.max_rank
 
     def restart(self) -> None:
         self.adapters.clear()

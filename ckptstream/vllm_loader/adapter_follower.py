@@ -84,13 +84,16 @@ class AdapterFollower:
             from ..basehash import base_model_hash
 
             base_hash = base_model_hash(base_dir)
-        check_adapter_fits(info.adapter, base_hash=base_hash, max_lora_rank=None, version=None)
+        check_adapter_fits(info.adapter, base_hash=base_hash, max_lora_rank=None, version=None,
+                           server=f"--base-dir {base_dir}")
         self.name = name or default_adapter_name(url)
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
         clients = [VllmClient(u, api_key=api_key) if isinstance(u, str) else u for u in vllm_urls]
-        for client in clients:
+        for client in clients:  # refused now rather than every version by vLLM, one after another
             _check_slots(client, keep)
+            check_adapter_fits(info.adapter, base_hash=None, max_lora_rank=client.max_lora_rank(), version=None,
+                               server=client.url)
         self.servers = [ResidentAdapters(c, self.name, keep, aliases=None if aliases is None else Path(aliases))
                         for c in clients]
         replica_id = replica_id or default_replica_id(clients[0].url)
@@ -98,6 +101,7 @@ class AdapterFollower:
         self.cache = VersionCache(cache_dir or default_cache_dir(), info.stream_id, safe_owner(f"lora-{self.name}"))
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._dirs: set[int] = set()  # versions loaded whose directories something may still read
+        self._filled_below: int | None = None  # the newest version whose window _fill_below loaded
         self.record = ReplicaRecord(replica_id=replica_id, urls=[c.url for c in clients],
                                     host=socket.gethostname(), pid=os.getpid(), adapter=self.name)
         self.observers: list[FollowerObserver] = [*observers, ReplicaRecordWriter(self.stream.storage, log)]
@@ -118,8 +122,9 @@ class AdapterFollower:
     def step(self) -> int | None:
         """One round: bring every server to the newest version not refused (loaded where a server lacks it,
         the stable name moved where it means another), give a restarted server back every version the replica
-        held, then unload and release what is beyond the newest ``keep``; returns the version loaded, or
-        None."""
+        held, load the versions of the newest ``keep`` that came too quickly one after another to be loaded
+        each in its round, then unload and release what is beyond the newest ``keep``; returns the newest
+        version loaded, or None."""
         loaded = None
         target = self._target()
         if target is not None:
@@ -128,6 +133,8 @@ class AdapterFollower:
             if behind and (self._stable_version() is None or target >= self._stable_version()):
                 loaded = self._load(target, behind)
         self._restore(self.record.resident)
+        if target is not None and self._stable_version() == target and self._filled_below != target:
+            self._fill_below(target)
         evictions = [server.evict() for server in self.servers]
         resident = _common([e.resident for e in evictions])
         held_anywhere = set().union(*(e.resident for e in evictions))
@@ -189,10 +196,29 @@ class AdapterFollower:
             return newest
         return max((v for v in self.stream.versions() if v not in self.refused), default=None)
 
-    def _load(self, version: int, servers: Sequence[ResidentAdapters]) -> int | None:
-        """Have ``version`` resident and meant by the stable name on ``servers``; a version that is at fault
-        (corrupt, of another rank or base, refused by a server) is refused on every server, a failure of
-        storage raised (retried next round)."""
+    def _fill_below(self, newest: int) -> None:
+        """Load the versions among the newest ``keep`` up to ``newest`` (the version the stable name means) that
+        were never loaded: published while an earlier one was loading, or before this follower started. A
+        client told of version 16 may ask for ``<name>@16`` after 17 came. Oldest first; the stable name stays
+        on ``newest``; a version at fault is refused as the newest would be, one retired meanwhile skipped."""
+        committed = [v for v in self.stream.versions() if v <= newest]
+        keep = self.servers[0].keep
+
+        def window() -> list[int]:  # a refusal in it lets the next older version in
+            return [v for v in committed if v not in self.refused][-keep:]
+
+        tried: set[int] = set()
+        while missing := [v for v in window() if v not in self._dirs and v not in tried]:
+            for version in missing:
+                tried.add(version)
+                self._load(version, self.servers, announce=False)
+        self._filled_below = newest
+
+    def _load(self, version: int, servers: Sequence[ResidentAdapters], announce: bool = True) -> int | None:
+        """Have ``version`` resident on ``servers``, and meant by the stable name where it is the newest; a
+        version that is at fault (corrupt, of another rank or base, refused by a server) is refused on every
+        server, a failure of storage raised (retried next round). ``announce``: tell the observers (an older
+        version loaded to fill the window is only logged: its commit age is no measure of serving)."""
         started, read_before = time.perf_counter(), self._reads.read_seconds()
         try:
             path, base, fetched, decoded = prepare_version(self.stream, self.cache, version, keep=self._dirs,
@@ -219,8 +245,10 @@ class AdapterFollower:
             return None
         loaded = time.perf_counter()
         log.info("adapter %s: version %d resident (as %s@%d, %.1f MB fetched, prepared in %.2f s, loaded in "
-                 "%.2f s); %s means it", self.name, version, self.name, version, fetched / 1e6, prepared - started,
-                 loaded - prepared, self.name)
+                 "%.2f s)%s", self.name, version, self.name, version, fetched / 1e6, prepared - started,
+                 loaded - prepared, f"; {self.name} means it" if self._stable_version() == version else "")
+        if not announce:
+            return version
         notify(self.observers, "on_update", UpdateRecord(
             version, base, fetched, prepare_s=prepared - started, pause_s=0.0, reload_s=loaded - prepared,
             lag_s=commit_age(self.stream.manifest(version).created), decoded=decoded, fetch_s=fetch_s,

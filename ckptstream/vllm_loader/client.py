@@ -108,6 +108,9 @@ class AdapterControl(Protocol):
     def max_loras(self) -> int | None:
         """vLLM's ``--max-loras``, where the server tells it."""
 
+    def max_lora_rank(self) -> int | None:
+        """vLLM's ``--max-lora-rank``, where the server tells it."""
+
 
 class VllmClient:
     """Controls one vLLM server over HTTP (a ``VllmControl`` and an ``AdapterControl``).
@@ -383,6 +386,14 @@ class VllmClient:
     def max_loras(self) -> int | None:
         """vLLM's ``--max-loras`` (adapters in one batch), from the dev-mode ``/server_info``; None where the
         server does not tell (no ``VLLM_SERVER_DEV_MODE=1``, no ``--enable-lora``, another build)."""
+        return self._lora_setting("max_loras")
+
+    def max_lora_rank(self) -> int | None:
+        """vLLM's ``--max-lora-rank``, from the dev-mode ``/server_info``; None where the server does not tell."""
+        return self._lora_setting("max_lora_rank")
+
+    def _lora_setting(self, key: str) -> int | None:
+        """A positive integer of vLLM's LoRA config, from the dev-mode ``/server_info`` (None where not told)."""
         try:
             info = self._request("GET", "/server_info?config_format=json", timeout=max(self.timeout, 120))
         except VllmUnreachable:
@@ -390,7 +401,7 @@ class VllmClient:
         except VllmError:
             return None
         try:
-            value = info["vllm_config"]["lora_config"]["max_loras"]
+            value = info["vllm_config"]["lora_config"][key]
         except (TypeError, KeyError):
             return None
         return value if isinstance(value, int) and value > 0 else None

@@ -56,6 +56,11 @@ class FollowerMetrics(FollowerObserver):
                   "as <name>@<version>").set_function(lambda: float(len(self._resident)))
             gauge("ckptstream_adapter_oldest_resident_version", "The oldest version every server holds "
                   "(NaN before the first)").set_function(lambda: _or_nan(min(self._resident, default=None)))
+        # one series per resident version (at most --keep, plus a version draining): a gap left by a refused
+        # version shows, which a count and the oldest cannot say
+        self.resident_versions = Gauge("ckptstream_adapter_version_resident", "1 for each version every server "
+                                       "holds as <name>@<version> (an adapter stream's follower only)",
+                                       (*LABELS, "version"), registry=self.registry) if adapter else None
         gauge("ckptstream_versions_behind", "Newest committed version not refused minus the version served "
               "(NaN while unknown: a pinned follower, or the newest was just refused)").set_function(self._behind)
         gauge("ckptstream_heartbeat_age_seconds", "Seconds since the follower last reported (its replica "
@@ -93,7 +98,12 @@ class FollowerMetrics(FollowerObserver):
         with self._lock:
             self._heartbeat = record.heartbeat
             self._served = record.version
-            self._resident = list(record.resident)
+            left, self._resident = set(self._resident) - set(record.resident), list(record.resident)
+            if self.resident_versions is not None:
+                for version in left:
+                    self.resident_versions.remove(self._labels["replica"], self._labels["stream"], str(version))
+                for version in record.resident:
+                    self.resident_versions.labels(**self._labels, version=str(version)).set(1)
 
     def on_discovered(self, newest: int) -> None:
         with self._lock:

@@ -23,6 +23,7 @@ from ckptstream.testing.ray import RayCluster
 from ckptstream.vllm_loader import VllmClient
 from tests.helpers import PROMPTS, VLLM_CPU_ARGS, adapter_outputs, reference_outputs
 
+KEEP = 3
 START_TIMEOUT = 240.0
 UPDATE_TIMEOUT = 60.0
 
@@ -44,7 +45,7 @@ def fleet_setup(tmp_path_factory: pytest.TempPathFactory):
     try:
         ray.init(address=cluster.address, logging_level="WARNING")
         fleet = Fleet(url, replicas=2, vllm_args=VLLM_CPU_ARGS, cache_dir=str(root / "cache"), poll_interval=0.2,
-                      router="start", vllm_log_dir=str(root / "vllm-logs"))
+                      router="start", vllm_log_dir=str(root / "vllm-logs"), keep=KEEP)
         fleet.wait_for_version(0, resident=True, timeout=START_TIMEOUT)
         yield fleet, publisher, model, base, cluster, root
     finally:
@@ -69,6 +70,7 @@ def test_every_server_holds_each_version_and_the_router_answers_for_any(fleet_se
     fleet.wait_for_version(1, timeout=UPDATE_TIMEOUT)  # vLLM's label, as the controller polls it
     for server in fleet.status():
         assert (server.version, server.resident, server.state) == (1, [0, 1], "serving")
+        assert VllmClient(server.url).max_loras() == KEEP + 1  # the fleet's keep reached each server's serve
     assert sorted(fleet.urls(resident=0)) == sorted(fleet.urls(min_version=1)) == sorted(s.url for s in held)
     assert fleet.urls(resident=2) == [] and fleet.urls(min_version=2) == []
 

@@ -42,6 +42,18 @@ def test_cli_usage_errors(capsys):
     assert main(["fleet"]) == EXIT_USAGE
 
 
+def test_adapter_options_are_refused_on_a_weights_stream_before_ray(tmp_path, capsys):
+    import torch
+
+    from ckptstream import Publisher
+
+    url = str(tmp_path / "weights")
+    with Publisher(url) as publisher:
+        publisher.publish({"w": torch.ones(2)}).result()
+    assert main(["fleet", "up", url, "--replicas", "1", "--keep", "3", "--address", "127.0.0.1:9"]) == EXIT_USAGE
+    assert f"--keep: for adapter streams (LoRA); {url} is a weights stream" in capsys.readouterr().err
+
+
 def test_fleet_help_has_examples_and_imports_neither_torch_nor_ray():
     import subprocess
     import sys

@@ -4,7 +4,9 @@ disagree, lack version labels, or the storage fails for a while."""
 
 from __future__ import annotations
 
+import re
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
 from ckptstream.testing.fake_vllm import FakeLoraServer
 from ckptstream.vllm_loader import adapter_follower
 from ckptstream.vllm_loader.adapter_follower import AdapterFollower, default_adapter_name
+from ckptstream.vllm_loader.observe import OnUpdate
 from tests.helpers import corrupt_version
 
 RANK = 4
@@ -64,6 +67,35 @@ def test_a_restarted_server_gets_every_resident_version_and_the_stable_name_back
         a.restart()
         assert follower.step() == 2 and _means(a, 2) and _means(b, 2)
         assert follower.record.resident == [1, 2] and sorted(a.adapters) == ["lora1", "lora1@1", "lora1@2"]
+
+
+def test_versions_published_faster_than_the_rounds_are_all_resident(stream, tmp_path):
+    """The newest ``keep`` versions answer by name even when several came between two rounds (a rollout told
+    of version 2 asks for lora1@2 after 3 came): the older ones are loaded after the newest, which the stable
+    name means at once; one at fault in that window is refused and the next older one takes its place."""
+    url, publish = stream
+    publish(), publish()
+    server = FakeLoraServer()
+    updates = []
+    with _follower(url, [server], tmp_path, observers=[OnUpdate(updates.append)], metrics_port=0) as follower:
+        assert follower.step() == 2 and _means(server, 2)
+        assert follower.record.resident == [1, 2] and sorted(server.adapters) == ["lora1", "lora1@1", "lora1@2"]
+        assert [u.version for u in updates] == [2]  # the filled version is no update of what is served
+        publish(), publish()
+        assert follower.step() == 4 and _means(server, 4) and follower.record.resident == [3, 4]
+        bad, _ = publish(), publish()
+        corrupt_version(url, bad)
+        assert follower.step() == 6 and bad in follower.refused
+        assert follower.record.resident == [4, 6] and _means(server, 6)
+        before, bad, _ = publish(), publish(), publish()  # none of them resident before the round
+        corrupt_version(url, bad)
+        assert follower.step() == 9 and bad in follower.refused
+        assert follower.record.resident == [before, 9] and _means(server, 9)
+        follower.step()  # nothing new
+        assert follower.record.resident == [before, 9] and list(follower.refused) == [5, 8]
+        scrape = urllib.request.urlopen(follower.record.metrics_url, timeout=10).read().decode()
+        series = re.findall(r'^ckptstream_adapter_version_resident\{[^}]*version="(\d+)"\} 1\.0$', scrape, re.M)
+        assert sorted(map(int, series)) == [before, 9]  # the gap of the refused version shows
 
 
 def test_a_version_one_server_refuses_is_taken_back_from_the_others(stream, tmp_path):
@@ -158,6 +190,26 @@ def test_a_server_with_too_few_lora_slots_for_keep_is_refused(stream, tmp_path):
         _follower(url, [server], tmp_path)
     server.max_lora_slots = 3
     _follower(url, [server], tmp_path).close()
+
+
+def test_servers_and_a_base_the_adapter_does_not_fit_are_refused_before_anything_loads(stream, tmp_path,
+                                                                                      tiny_model):
+    """A server whose --max-lora-rank is below the stream's rank would refuse every version, one after
+    another: it is refused at the start, naming it; so is a --base-dir that is not the stream's base."""
+    from ckptstream.errors import AdapterMismatchError
+    from ckptstream.testing.models import TinyModelSpec, write_tiny_model
+
+    url, _ = stream
+    good, small = FakeLoraServer("http://a:1"), FakeLoraServer("http://b:2")
+    good.max_rank, small.max_rank = RANK, RANK // 2
+    with pytest.raises(AdapterMismatchError, match=f"rank {RANK}, above http://b:2's --max-lora-rank {RANK // 2}"):
+        _follower(url, [good, small], tmp_path)
+    other = write_tiny_model(tmp_path / "other", TinyModelSpec(seed=7))
+    with pytest.raises(AdapterMismatchError, match=f"--base-dir {other}'s model hashes to"):
+        _follower(url, [good], tmp_path, base_dir=other)
+    assert not good.adapters and not small.adapters
+    with _follower(url, [good], tmp_path, base_dir=tiny_model) as follower:
+        assert follower.step() == 0 and _means(good, 0)
 
 
 def test_resident_versions_are_not_waited_for_on_a_weights_stream(tmp_path):

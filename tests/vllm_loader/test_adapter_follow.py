@@ -70,6 +70,8 @@ def test_versions_are_resident_side_by_side_and_refused_ones_skipped(lora_server
             scrape = urllib.request.urlopen(follower.record.metrics_url, timeout=10).read().decode()
             assert re.search(r"^ckptstream_adapter_versions_resident\{[^}]*\} 2\.0$", scrape, re.M)
             assert re.search(r"^ckptstream_adapter_oldest_resident_version\{[^}]*\} 1\.0$", scrape, re.M)
+            assert sorted(re.findall(r'^ckptstream_adapter_version_resident\{[^}]*version="(\d+)"\} 1\.0$', scrape,
+                                     re.M)) == ["1", "2"]
             assert re.search(r"^ckptstream_version_served\{[^}]*\} 2\.0$", scrape, re.M)
 
             adapter_step(model, seed=8)
@@ -96,6 +98,22 @@ def test_a_weights_stream_is_refused_by_an_adapter_follower(tmp_path, tiny_model
         publisher.publish(dict(iter_hf_weights(tiny_model))).result()
     with pytest.raises(StreamKindError, match="weights"):
         AdapterFollower(url, ["http://127.0.0.1:9"], cache_dir=tmp_path / "cache")
+
+
+def test_an_adapter_of_a_rank_above_the_servers_is_refused_before_any_load(lora_server, tiny_model, tmp_path):
+    """vLLM tells its --max-lora-rank (dev-mode /server_info): a stream it would refuse version after version
+    is refused at the start, naming the server."""
+    from ckptstream.errors import AdapterMismatchError
+
+    server, aliases = lora_server
+    assert server.client.max_lora_rank() == RANK
+    url = str(tmp_path / "wide")
+    with Publisher(url, adapter_of=tiny_peft_model(tiny_model, rank=2 * RANK, seed=4)) as publisher:
+        publisher.publish().result()
+    held = server.client.lora_adapters()
+    with pytest.raises(AdapterMismatchError, match=f"rank {2 * RANK}, above {server.url}'s --max-lora-rank {RANK}"):
+        AdapterFollower(url, [server.url], aliases=aliases, cache_dir=tmp_path / "cache")
+    assert server.client.lora_adapters() == held
 
 
 def test_the_follow_command_serves_an_adapter_stream(lora_server, tiny_model, tmp_path):

@@ -18,7 +18,7 @@ import torch
 from ckptstream import Publisher, Stream
 from ckptstream.errors import EXIT_NOT_FOUND, EXIT_USAGE
 from ckptstream.hf import iter_hf_weights
-from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
+from ckptstream.testing.adapters import adapter_step, lora_tensors, tiny_peft_model
 from ckptstream.vllm_loader import VllmClient, free_port
 from tests.helpers import PROMPTS, VLLM_CPU_ARGS, adapter_outputs, reference_outputs
 
@@ -89,6 +89,13 @@ def test_serve_starts_the_base_and_serves_each_adapter_version(tmp_path, tiny_mo
         assert (record.replica_id, record.adapter, record.version, record.resident) == ("lora-serve", "policy", 1,
                                                                                       [0, 1])
         served = {version: adapter_outputs(client, f"policy@{version}") for version in (0, 1)}
+
+        adapter_step(model, fraction=0.5, seed=3)  # a training step stored as a delta on version 1
+        assert publisher.publish().result().version == 2 and Stream(url).manifest(2).kind == "delta"
+        _wait(lambda: stable_means(2), "version 2 loaded", serve, log)
+        served[2] = adapter_outputs(client, "policy@2")
+        assert served[2] == reference(2) == adapter_outputs(client, "policy")
+        Stream(url).wait_for_version(2, resident=True, timeout=60)
     finally:
         publisher.close()
         serve.send_signal(signal.SIGTERM)
@@ -97,12 +104,12 @@ def test_serve_starts_the_base_and_serves_each_adapter_version(tmp_path, tiny_mo
     assert Stream(url).replicas()[0].state == "stopped"
 
     # A reference server started the plain vLLM way on each version's materialized PEFT directory answers alike.
-    modules = [f"v{v}={Stream(url).materialize(v, tmp_path / f'plain-{v}')}" for v in (0, 1)]
+    modules = [f"v{v}={Stream(url).materialize(v, tmp_path / f'plain-{v}')}" for v in served]
     reference_server = vllm_servers(tiny_model, vllm_args=["--enable-lora", "--max-lora-rank", str(RANK),
                                                            "--max-loras", "3", "--max-cpu-loras", "4",
                                                            "--lora-modules", *modules])
     try:
-        for version in (0, 1):
+        for version in served:
             assert adapter_outputs(reference_server.client, f"v{version}") == served[version]
     finally:
         reference_server.stop()
