@@ -407,6 +407,10 @@ def _serve_adapters(url: str, vllm_args: Sequence[str], *, keep: int, name: str 
         if added:
             log.info("passing vLLM %s, which you did not set%s (set them to override)", ", ".join(added),
                      " and its CPU platform needs" if cpu else "")
+        if cpu:  # tests/vllm_loader/test_adapters.py::test_base_requests_beside_adapter_requests (a strict xfail)
+            log.warning("vLLM's CPU LoRA ops give base-model requests batched beside adapter requests the last "
+                        "adapter slot's weights (a vLLM bug, not on GPUs): ask for %s on a server of its own where "
+                        "its outputs matter", served_name)
         base_url = f"http://{'[::1]' if host == '::1' else host}:{port}"
 
         def follow(client: VllmClient) -> None:
