@@ -310,11 +310,13 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def _refuse_other_kinds_options(args: argparse.Namespace, adapter: bool) -> None:
-    """``replay``'s options for the other kind of stream than ``args.url``'s: a usage error naming them."""
-    fleet = (("--fleet", args.fleet), ("--servers", args.servers is not None), ("--name", args.name is not None))
+    """``replay``'s adapter-stream options on a weights stream, or beside ``--fleet`` (whose servers load the
+    versions with their own name and slots): a usage error naming them."""
     adapters = (("--adapter-name", args.adapter_name is not None), ("--max-resident", args.max_resident is not None),
                 ("--sequential", args.sequential))
-    given = [option for option, present in (fleet if adapter else adapters) if present]
-    if given:
-        kinds = ("weights", "an adapter") if adapter else ("adapter", "a weights")
-        raise UsageError(f"{', '.join(given)}: for {kinds[0]} streams; {args.url} is {kinds[1]} stream")
+    given = [option for option, present in adapters if present]
+    if given and not adapter:
+        raise UsageError(f"{', '.join(given)}: for adapter streams; {args.url} is a weights stream")
+    if given and args.fleet:
+        raise UsageError(f"{', '.join(given)}: not with --fleet (its servers load the versions as their "
+                         "followers name them, as many at once as they have free LoRA slots)")

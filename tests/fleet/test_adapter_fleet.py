@@ -2,8 +2,8 @@
 adapter stream (LoRA): every server starts on the base model the stream names and loads each version as
 `<name>@<version>`; the fleet's status, `urls(resident=)` and `wait_for_version(resident=True)` say which
 versions each server holds; requests through the router for any resident version, the stable name and the
-base model all succeed, each answered as that version answers on its own; a replay of the fleet loads the
-versions beside them, no server leaving the router."""
+base model all succeed, each answered as that version answers on its own; a replay of the fleet (Python and
+`replay --fleet`) loads the versions beside them, no server leaving the router."""
 
 from __future__ import annotations
 
@@ -117,6 +117,12 @@ def test_a_replay_of_the_fleet_loads_versions_beside_what_the_servers_serve(flee
         answer = json.loads(result.output.strip().splitlines()[-1])
         assert answer["model"].startswith(f"policy@{result.version}.replay-")
         assert answer["outputs"] == references[result.version]
+    done = subprocess.run([sys.executable, "-m", "ckptstream.cli", "replay", fleet.spec.url, "--fleet", "--versions",
+                           "1:1", "--address", cluster.address, "--json", "--", sys.executable, "-c", EVAL],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [result] = json.loads(done.stdout)
+    assert json.loads(result["output"].strip().splitlines()[-1])["outputs"] == references[1]
     # nobody set aside: both still serve, in the router, and no adapter of the replay is left
     assert [(s.state, s.version) for s in fleet.status()] == [("serving", 1), ("serving", 1)]
     assert len(fleet.urls(min_version=1)) == 2
