@@ -222,7 +222,7 @@ class AdapterFollower:
         started, read_before = time.perf_counter(), self._reads.read_seconds()
         try:
             path, base, fetched, decoded = prepare_version(self.stream, self.cache, version, keep=self._dirs,
-                                                           holder=f"adapter follower {self.name}")
+                                                           holder=f"adapter follower {self.record.replica_id}")
         except VersionNotFoundError as exc:  # retired meanwhile (or its base): not the version's fault
             if isinstance(exc, MissingBaseError):
                 self._refuse(version, exc)
