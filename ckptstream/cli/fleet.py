@@ -11,7 +11,6 @@ from dataclasses import asdict
 from typing import Any, Iterator
 
 from ..errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, FleetError
-from ..reader.adapter import DEFAULT_KEEP
 from .options import (SecretOption, UsageError, add_adapter_options, add_command, add_url, is_adapter_stream,
                       positive_int, positive_seconds, refuse_adapter_options, storage_options)
 from .output import print_json, table, version_text
@@ -127,7 +126,7 @@ def run_up(args: argparse.Namespace) -> int:
         raise UsageError("--rolling takes servers out of a router: give --router start or --router URL")
     if args.gpus_per_replica % args.nodes_per_replica:
         raise UsageError("--gpus-per-replica must split evenly over --nodes-per-replica")
-    if not is_adapter_stream(args):
+    if (args.keep, args.adapter_name, args.base_dir) != (None, None, None) and not is_adapter_stream(args):
         refuse_adapter_options(args)
     with connect_ray(args.address):
         fleet = Fleet(args.url, args.replicas, gpus_per_replica=args.gpus_per_replica,
@@ -135,7 +134,7 @@ def run_up(args: argparse.Namespace) -> int:
                       api_key=args.api_key, storage_options=storage_options(args) or None, router=args.router,
                       rolling=args.rolling, name=args.name, metrics_port=args.metrics_port,
                       poll_interval=args.poll_interval, cpus_per_replica=args.cpus_per_replica,
-                      vllm_log_dir=args.vllm_log_dir, keep=args.keep or DEFAULT_KEEP, adapter_name=args.adapter_name,
+                      vllm_log_dir=args.vllm_log_dir, keep=args.keep, adapter_name=args.adapter_name,
                       base_dir=args.base_dir)
         if args.wait:
             newest = Stream(fleet.spec.url, storage_options=fleet.spec.storage_options).resolve("latest")

@@ -94,8 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "ckptstream.vllm_loader.worker.WorkerExtension and a node agent on each other node: reload a "
                         "version only once every rank holds it; wait S seconds for them, then retry later")
     adapters = add_adapter_options(p, "adapter streams (LoRA): servers started with --enable-lora and "
-                                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the base model",
-                                "the base model the servers serve: its identity is checked against the stream's")
+                                      "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the base model",
+                                   "the base model the servers serve: its identity is checked against the stream's")
     adapters.add_argument("--lora-aliases", metavar="FILE",
                           help="the file the servers' CKPTSTREAM_LORA_ALIASES names, so that requests for NAME "
                                "arriving while it moves are answered")
@@ -128,7 +128,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --nnodes: seconds to wait for every node to hold a version before retrying later "
                         "(default 60)")
     add_adapter_options(p, "adapter streams (LoRA): vLLM serves the base model, each version a runtime adapter",
-                     "the base model to serve (default the directory the stream's stream.json names)")
+                        "the base model to serve (default the directory the stream's stream.json names)")
 
     p = add_command(sub, "node-agent", run_node_agent, "keep this node's cache on the newest version for a vLLM "
                     "engine spanning nodes, started elsewhere (every node but the head)", """
@@ -289,6 +289,8 @@ def run_replay(args: argparse.Namespace) -> int:
         raise UsageError("give the evaluation command after --, e.g. `-- python eval.py`")
     if args.fleet == bool(args.vllm_url):
         raise UsageError("give either --vllm-url (servers to load into) or --fleet (servers of a Ray fleet)")
+    if not args.fleet and (args.servers is not None or args.name is not None):
+        raise UsageError("--servers, --name: only with --fleet (they pick the Ray fleet and its servers)")
     _follow_logging()
     adapter = is_adapter_stream(args)
     _refuse_other_kinds_options(args, adapter)

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import FleetError, FleetNotFoundError, FleetTimeout
 from ..reader import Stream
+from ..format import STREAM_KIND_ADAPTER
 from ..reader.adapter import DEFAULT_KEEP
 from ..reader.replicas import ReplicaRecord
 from ..reader.selection import select_versions
@@ -52,7 +53,7 @@ class Fleet:
             server (for several servers per node), shown in ``status()`` as ``metrics_url``.
         vllm_log_dir: a directory (on each node) for the servers' vLLM output (default: the actors' logs).
         keep, adapter_name, base_dir: on an adapter stream, as for ``serve`` (``base_dir``: the base model's
-            directory on every node).
+            directory on every node); refused on a weights stream.
 
     Raises:
         FleetError: not connected to Ray, or a fleet of that name runs already.
@@ -62,17 +63,23 @@ class Fleet:
                  vllm_args: Sequence[str] = (), cache_dir: str | None = None, api_key: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, router: str | None = None, rolling: bool = False,
                  name: str | None = None, metrics_port: int | None = None, poll_interval: float = 1.0,
-                 cpus_per_replica: float = 1, vllm_log_dir: str | None = None, keep: int = DEFAULT_KEEP,
+                 cpus_per_replica: float = 1, vllm_log_dir: str | None = None, keep: int | None = None,
                  adapter_name: str | None = None, base_dir: str | None = None):
-        ray = _ray()
         url = stream_location(stream_url)
         spec = FleetSpec(url=url, name=name or fleet_name(url), replicas=replicas, gpus_per_replica=gpus_per_replica,
                          nodes_per_replica=nodes_per_replica, vllm_args=tuple(vllm_args), cache_dir=cache_dir,
                          api_key=api_key, storage_options=dict(storage_options) if storage_options else None,
                          router=router, rolling=rolling, poll_interval=poll_interval, metrics_port=metrics_port,
-                         cpus_per_replica=cpus_per_replica, vllm_log_dir=vllm_log_dir, keep=keep,
-                         adapter_name=adapter_name, base_dir=base_dir)
-        Stream(url, storage_options=spec.storage_options).resolve("latest")  # a missing stream fails here
+                         cpus_per_replica=cpus_per_replica, vllm_log_dir=vllm_log_dir,
+                         keep=DEFAULT_KEEP if keep is None else keep, adapter_name=adapter_name, base_dir=base_dir)
+        stream = Stream(url, storage_options=spec.storage_options)
+        stream.resolve("latest")  # a missing stream fails here
+        adapter_options = [option for option, value in (("keep", keep), ("adapter_name", adapter_name),
+                                                        ("base_dir", base_dir)) if value is not None]
+        if adapter_options and stream.info().kind != STREAM_KIND_ADAPTER:  # else every server would fail to start
+            raise FleetError(f"{', '.join(adapter_options)}: for adapter streams (LoRA); {url} is a weights stream",
+                             hint="Leave them out")
+        ray = _ray()
         if _find(spec.name) is not None:
             raise FleetError(f"a fleet named {spec.name} runs already on this cluster",
                              hint=f"Use Fleet.connect({url!r}), or stop it: `ckptstream fleet down {url}`")

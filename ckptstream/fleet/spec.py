@@ -73,6 +73,8 @@ class FleetSpec:
         if self.gpus_per_replica % self.nodes_per_replica:
             raise ValueError(f"gpus_per_replica ({self.gpus_per_replica}) must split evenly over "
                              f"nodes_per_replica ({self.nodes_per_replica})")
+        if self.keep < 1:
+            raise ValueError("keep must be 1 or more")
         if self.rolling and not self.router:
             raise ValueError("rolling updates take servers out of a router: give router='start' or a URL")
 

@@ -60,7 +60,7 @@ def check_adapter_fits(info: AdapterInfo, *, base_hash: str | None, max_lora_ran
     """
     if base_hash is not None and info.base_hash is not None and base_hash != info.base_hash:
         raise AdapterMismatchError(
-            f"the adapter is of base model {info.base_name} ({info.base_hash}), but {server}'s model hashes to "
+            f"the adapter is of base model {info.base_name} ({info.base_hash}), but the model of {server} hashes to "
             f"{base_hash}", version=version,
             hint="Serve the base model the adapter was trained on (`ckptstream info URL` names it)")
     if max_lora_rank is not None and info.rank > max_lora_rank:

@@ -37,8 +37,9 @@ class ReplicaRecord:
     ``updating``, ``error``, ``aside``, ``stopped``; a mirror's one of ``starting``, ``copying``, ``current``,
     ``error``, ``stopped``, with ``source`` the stream it copies and ``lag`` the versions selected there that it
     has not copied yet. A follower of an adapter stream (LoRA) names its stable adapter name in ``adapter``;
-    its ``version`` is the version that name means, and ``resident`` every version its servers hold as
-    ``<adapter>@<version>``, oldest first: a client may ask for any of them. ``heartbeat`` is seconds since
+    its ``version`` is the version that name means, ``resident`` every version its servers hold as
+    ``<adapter>@<version>``, oldest first (a client may ask for any of them), and ``keep`` how many of the
+    newest versions not refused, up to ``version``, it keeps resident. ``heartbeat`` is seconds since
     the epoch, written at least every heartbeat interval, also during long pulls.
     """
 
@@ -62,6 +63,7 @@ class ReplicaRecord:
     metrics_url: str | None = None  # where the follower serves Prometheus metrics (--metrics-port)
     adapter: str | None = None  # an adapter stream's follower: the stable adapter name its servers answer
     resident: list[int] = field(default_factory=list)  # an adapter stream's follower: versions held, oldest first
+    keep: int | None = None  # an adapter stream's follower: how many of the newest versions it keeps resident
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the last heartbeat."""
@@ -118,6 +120,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
     "metrics_url": lambda v: v is None or isinstance(v, str),
     "adapter": lambda v: v is None or isinstance(v, str),
     "resident": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "keep": lambda v: v is None or (_is_int(v) and v >= 1),
 }
 """What a readable record's known fields hold: a wrong type would break its readers' comparisons."""
 

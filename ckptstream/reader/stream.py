@@ -584,11 +584,13 @@ def _checked_version(version: int) -> int:
 
 def _declines(record: ReplicaRecord, version: int, resident: bool = False) -> str | None:
     """Why the live replica of ``record`` will not serve ``version`` (None: it may still); with ``resident``,
-    will not hold it itself: an adapter follower loads only the newest version, so it never loads one older
-    than what its stable name means."""
+    will not hold it itself: an adapter follower whose stable name means a newer version holds its newest
+    ``keep`` versions, so once it holds ``keep`` newer ones it never loads this one (a record without ``keep``,
+    from an older writer: once its stable name means a newer one)."""
     if record.pin is not None and record.pin < version:
         return f"is pinned to version {record.pin}"
-    if resident and record.version is not None and record.version > version:
-        return f"holds versions {record.resident} and loads only newer ones"
+    if resident and record.version is not None and record.version > version and version not in record.resident:
+        if record.keep is None or len([v for v in record.resident if v > version]) >= record.keep:
+            return f"holds versions {record.resident} and loads only newer ones"
     reason = record.refused.get(str(version))
     return None if reason is None else f"refused it: {reason}"

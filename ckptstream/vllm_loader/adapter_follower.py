@@ -47,7 +47,8 @@ class AdapterFollower:
     It reports like a weights follower: a replica record in the stream (``replicas/<replica_id>.json``, with
     the stable name in ``adapter`` and the versions every server holds in ``resident``: what
     ``Stream.wait_for_version`` reads), ``observers`` (``on_update`` per version loaded, with
-    ``pause_s`` 0: nothing pauses), and Prometheus metrics with ``metrics_port``.
+    ``pause_s`` 0: nothing pauses; per version the stable name moves to, not per older version loaded to
+    fill the window), and Prometheus metrics with ``metrics_port``.
 
     Args:
         url: the adapter stream.
@@ -101,9 +102,11 @@ class AdapterFollower:
         self.cache = VersionCache(cache_dir or default_cache_dir(), info.stream_id, safe_owner(f"lora-{self.name}"))
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._dirs: set[int] = set()  # versions loaded whose directories something may still read
-        self._filled_below: int | None = None  # the newest version whose window _fill_below loaded
+        self.keep = keep
+        # (newest, the committed versions up to it that may fill its window): listed once per newest version
+        self._window: tuple[int, list[int]] | None = None
         self.record = ReplicaRecord(replica_id=replica_id, urls=[c.url for c in clients],
-                                    host=socket.gethostname(), pid=os.getpid(), adapter=self.name)
+                                    host=socket.gethostname(), pid=os.getpid(), adapter=self.name, keep=keep)
         self.observers: list[FollowerObserver] = [*observers, ReplicaRecordWriter(self.stream.storage, log)]
         self.metrics_server = attach_metrics(self.observers, self.record, url, metrics_host, metrics_port)
         self._reported = 0.0
@@ -133,8 +136,12 @@ class AdapterFollower:
             if behind and (self._stable_version() is None or target >= self._stable_version()):
                 loaded = self._load(target, behind)
         self._restore(self.record.resident)
-        if target is not None and self._stable_version() == target and self._filled_below != target:
-            self._fill_below(target)
+        if target is not None and self._stable_version() == target:
+            try:
+                self._fill_below(target)
+            except Exception as exc:  # noqa: BLE001 - the newest version serves; the rest is tried next round
+                log.warning("adapter %s: versions below %d not all loaded yet (%s: %s); trying again next round",
+                            self.name, target, type(exc).__name__, exc)
         evictions = [server.evict() for server in self.servers]
         resident = _common([e.resident for e in evictions])
         held_anywhere = set().union(*(e.resident for e in evictions))
@@ -197,22 +204,34 @@ class AdapterFollower:
         return max((v for v in self.stream.versions() if v not in self.refused), default=None)
 
     def _fill_below(self, newest: int) -> None:
-        """Load the versions among the newest ``keep`` up to ``newest`` (the version the stable name means) that
-        were never loaded: published while an earlier one was loading, or before this follower started. A
-        client told of version 16 may ask for ``<name>@16`` after 17 came. Oldest first; the stable name stays
-        on ``newest``; a version at fault is refused as the newest would be, one retired meanwhile skipped."""
-        committed = [v for v in self.stream.versions() if v <= newest]
-        keep = self.servers[0].keep
+        """Have every server hold the versions among the newest ``keep`` not refused up to ``newest`` (the
+        version the stable name means), loading them where a server lacks one: published while an earlier one
+        was loading, before this follower started, or lost to a failed load. Newest first (the one a client
+        told of the version before ``newest`` asks for next); the stable name stays on ``newest``. A version
+        at fault is refused as the newest would be and lets the next older one in, down to the newest
+        2 × ``keep`` committed versions (a server refusing every version does not walk the whole history); one
+        retired meanwhile is dropped."""
+        if self._window is None or self._window[0] != newest:
+            self._window = (newest, [v for v in self.stream.versions() if v <= newest][-2 * self.keep:])
+        committed = self._window[1]
+        held = [set(server.resident()) for server in self.servers]
 
-        def window() -> list[int]:  # a refusal in it lets the next older version in
-            return [v for v in committed if v not in self.refused][-keep:]
+        def window() -> list[int]:  # newest first
+            return [v for v in committed if v not in self.refused][-self.keep:][::-1]
 
-        tried: set[int] = set()
-        while missing := [v for v in window() if v not in self._dirs and v not in tried]:
-            for version in missing:
-                tried.add(version)
-                self._load(version, self.servers, announce=False)
-        self._filled_below = newest
+        tried: set[int] = {newest}
+        while todo := [v for v in window() if v not in tried]:
+            version = todo[0]
+            tried.add(version)
+            lacking = [server for server, has in zip(self.servers, held) if version not in has]
+            if not lacking:
+                continue
+            if self._load(version, lacking, announce=False) is not None:
+                for server, has in zip(self.servers, held):
+                    if server in lacking:
+                        has.add(version)
+            elif version not in self.refused:  # retired meanwhile: not to be fetched again
+                committed.remove(version)
 
     def _load(self, version: int, servers: Sequence[ResidentAdapters], announce: bool = True) -> int | None:
         """Have ``version`` resident on ``servers``, and meant by the stable name where it is the newest; a

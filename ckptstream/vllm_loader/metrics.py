@@ -33,6 +33,7 @@ class FollowerMetrics(FollowerObserver):
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
         self._resident: list[int] = []
+        self.resident_versions: Gauge | None = None  # an adapter stream's follower only
         self._served: int | None = None
         self._newest: int | None = None
         self._heartbeat: float | None = None
@@ -56,11 +57,11 @@ class FollowerMetrics(FollowerObserver):
                   "as <name>@<version>").set_function(lambda: float(len(self._resident)))
             gauge("ckptstream_adapter_oldest_resident_version", "The oldest version every server holds "
                   "(NaN before the first)").set_function(lambda: _or_nan(min(self._resident, default=None)))
-        # one series per resident version (at most --keep, plus a version draining): a gap left by a refused
-        # version shows, which a count and the oldest cannot say
-        self.resident_versions = Gauge("ckptstream_adapter_version_resident", "1 for each version every server "
-                                       "holds as <name>@<version> (an adapter stream's follower only)",
-                                       (*LABELS, "version"), registry=self.registry) if adapter else None
+            # one series per resident version (--keep of them, and older ones while requests use them): a gap
+            # left by a refused version shows, which a count and the oldest cannot say
+            self.resident_versions = Gauge("ckptstream_adapter_version_resident", "1 for each version every "
+                                           "server holds as <name>@<version>", (*LABELS, "version"),
+                                           registry=self.registry)
         gauge("ckptstream_versions_behind", "Newest committed version not refused minus the version served "
               "(NaN while unknown: a pinned follower, or the newest was just refused)").set_function(self._behind)
         gauge("ckptstream_heartbeat_age_seconds", "Seconds since the follower last reported (its replica "

@@ -393,7 +393,8 @@ def _serve_adapters(url: str, vllm_args: Sequence[str], *, keep: int, name: str 
         raise SourceNotFoundError(f"the base model of the adapter stream {url}, {str(base)!r}, is no model "
                                   "directory here",
                                   hint="Pass --base-dir DIR: the base model's directory (config.json and weights)")
-    check_adapter_fits(adapter, base_hash=base_model_hash(base), max_lora_rank=None, version=None)  # before vLLM
+    check_adapter_fits(adapter, base_hash=base_model_hash(base), max_lora_rank=None, version=None,  # before vLLM
+                       server=str(base))
     name = name or default_adapter_name(url)
     served_name = base.resolve().name
     if served_name == name:  # vLLM refuses an adapter named like the model it serves

@@ -39,6 +39,9 @@ def test_cli_usage_errors(capsys):
     assert main(["replay", "/s", "--versions", "1:2", "--", "true"]) == EXIT_USAGE
     both = ["replay", "/s", "--fleet", "--vllm-url", "http://x:1", "--versions", "1:2", "--", "true"]
     assert main(both) == EXIT_USAGE
+    assert main(["replay", "/s", "--vllm-url", "http://x:1", "--servers", "2", "--versions", "1:2", "--", "true"]
+                ) == EXIT_USAGE
+    assert "--servers, --name: only with --fleet" in capsys.readouterr().err
     assert main(["fleet"]) == EXIT_USAGE
 
 
@@ -52,6 +55,13 @@ def test_adapter_options_are_refused_on_a_weights_stream_before_ray(tmp_path, ca
         publisher.publish({"w": torch.ones(2)}).result()
     assert main(["fleet", "up", url, "--replicas", "1", "--keep", "3", "--address", "127.0.0.1:9"]) == EXIT_USAGE
     assert f"--keep: for adapter streams (LoRA); {url} is a weights stream" in capsys.readouterr().err
+    from ckptstream.errors import FleetError
+    from ckptstream.fleet import Fleet
+
+    with pytest.raises(FleetError, match="keep, base_dir: for adapter streams"):  # before Ray: no server started
+        Fleet(url, keep=3, base_dir="/models/base")
+    with pytest.raises(ValueError, match="keep must be 1 or more"):
+        FleetSpec(url="/s", name="f", replicas=1, keep=0)
 
 
 def test_fleet_help_has_examples_and_imports_neither_torch_nor_ray():

@@ -52,7 +52,7 @@ def test_an_adapter_that_fits_the_server_passes():
 
 @pytest.mark.parametrize("server, message", [
     (dict(base_hash=content_hash(b"other")), "version 7: the adapter is of base model Qwen/Qwen3-8B "
-                                             f"\\({BASE}\\), but the server's model hashes to"),
+                                             f"\\({BASE}\\), but the model of the server hashes to"),
     (dict(max_lora_rank=8), "version 7: the adapter has rank 16, above the server's --max-lora-rank 8. "
                             "Start vLLM with --max-lora-rank 16 or more"),
     (dict(target_modules=["q_proj", "o_proj"]), "version 7: the adapter targets modules the server cannot adapt: "

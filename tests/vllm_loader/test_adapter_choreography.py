@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckptstream import Publisher
-from ckptstream.errors import StorageAccessError
+from ckptstream.errors import ReplicaRefused, StorageAccessError
 from ckptstream.reader import Stream
 from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
 from ckptstream.testing.fake_vllm import FakeLoraServer
@@ -96,6 +96,47 @@ def test_versions_published_faster_than_the_rounds_are_all_resident(stream, tmp_
         scrape = urllib.request.urlopen(follower.record.metrics_url, timeout=10).read().decode()
         series = re.findall(r'^ckptstream_adapter_version_resident\{[^}]*version="(\d+)"\} 1\.0$', scrape, re.M)
         assert sorted(map(int, series)) == [before, 9]  # the gap of the refused version shows
+
+
+def test_a_server_that_missed_a_version_of_the_window_gets_it_at_the_next_round(stream, tmp_path):
+    """One server's load of an older version of the window fails for a cause not the version's (the server
+    away for a moment, a fault injected into the fake): the newest version serves, the round goes on, a reader
+    waiting for that version to be resident is not refused, and the next round loads it there."""
+    from ckptstream.errors import VllmUnreachable
+
+    url, publish = stream
+    publish(), publish(), publish()
+    a, b = FakeLoraServer("http://a:1"), FakeLoraServer("http://b:2")
+    real_load, failures = b.load_lora_adapter, iter([VllmUnreachable("http://b:2 did not answer")])
+
+    def flaky_load(name: str, path: str) -> None:
+        if name == "lora1@2":
+            for failure in failures:
+                raise failure
+        real_load(name, path)
+
+    b.load_lora_adapter = flaky_load
+    with AdapterFollower(url, [a, b], keep=3, cache_dir=tmp_path / "cache", replica_id="r0") as follower:
+        assert follower.step() == 3 and _means(a, 3) and _means(b, 3)
+        assert "lora1@2" in a.adapters and "lora1@2" not in b.adapters  # the round's fill stopped there
+        assert follower.record.resident == [3] and not follower.refused and follower.record.state == "serving"
+        with pytest.raises(TimeoutError):  # not ReplicaRefused: it will hold version 2
+            Stream(url).wait_for_version(2, resident=True, timeout=0.3, poll_interval=0.1)
+        assert follower.step() is None and follower.record.resident == [1, 2, 3]
+        assert Stream(url).wait_for_version(2, resident=True, timeout=5)[0].replica_id == "r0"
+        with pytest.raises(ReplicaRefused, match="loads only newer"):  # 3 newer ones held: 0 never comes back
+            Stream(url).wait_for_version(0, resident=True, timeout=5)
+
+
+def test_a_server_refusing_every_older_version_does_not_walk_the_whole_history(stream, tmp_path):
+    url, publish = stream
+    for _ in range(7):
+        publish()
+    server = FakeLoraServer(refuse={3, 4, 5, 6})
+    with _follower(url, [server], tmp_path) as follower:  # keep 2: versions 4..7 are looked at, no older
+        assert follower.step() == 7 and _means(server, 7)
+        assert sorted(follower.refused) == [4, 5, 6] and follower.record.resident == [7]
+        assert follower.step() is None and sorted(follower.refused) == [4, 5, 6]
 
 
 def test_a_version_one_server_refuses_is_taken_back_from_the_others(stream, tmp_path):
@@ -205,7 +246,7 @@ def test_servers_and_a_base_the_adapter_does_not_fit_are_refused_before_anything
     with pytest.raises(AdapterMismatchError, match=f"rank {RANK}, above http://b:2's --max-lora-rank {RANK // 2}"):
         _follower(url, [good, small], tmp_path)
     other = write_tiny_model(tmp_path / "other", TinyModelSpec(seed=7))
-    with pytest.raises(AdapterMismatchError, match=f"--base-dir {other}'s model hashes to"):
+    with pytest.raises(AdapterMismatchError, match=f"the model of --base-dir {other} hashes to"):
         _follower(url, [good], tmp_path, base_dir=other)
     assert not good.adapters and not small.adapters
     with _follower(url, [good], tmp_path, base_dir=tiny_model) as follower:

@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-import torch
 
 from ckptstream.errors import AdapterRefused, VllmError
 from ckptstream.testing.lora_server import resolver_plugin_path, write_peft_adapter
 from ckptstream.testing.models import TinyModelSpec, write_tiny_model
 from ckptstream.vllm_loader.adapters import ResidentAdapters, version_name
-from ckptstream.vllm_loader.serve import adapter_vllm_settings
+from ckptstream.vllm_loader.serve import adapter_vllm_settings, vllm_platform_is_cpu
 from tests.helpers import PROMPTS
 
 RANK = 8
@@ -216,7 +215,7 @@ def test_requests_on_the_stable_name_finish_on_their_version_while_it_moves(lora
     assert adapters.evict().released == [1]
 
 
-@pytest.mark.xfail(not torch.cuda.is_available(), strict=True,
+@pytest.mark.xfail(vllm_platform_is_cpu(), strict=True,
                    reason="vLLM 0.32's CPU LoRA ops (lora/ops/torch_ops/lora_ops.py) index the adapter weights with "
                    "-1 for base-model tokens of a batch that also holds adapter tokens: they get the last adapter "
                    "slot's adapter (vLLM's GPU kernels skip -1: this passes on GPU vLLM 0.24, run on an H200)")
