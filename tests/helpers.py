@@ -248,6 +248,25 @@ class HookedStorage(WrapperStorage):
         self.inner.delete_tree(path)
 
 
+def watch_leases(root: str | os.PathLike[str]) -> tuple[str, list[tuple[str, int, float]]]:
+    """The local stream at ``root`` under a URL of a scheme of its own, read through a ``HookedStorage`` that
+    notes, at each read of a version's file, every lease held then as (holder, version, time to live); returns
+    (that URL, the notes)."""
+    from ckptstream.reader import read_leases
+    from ckptstream.storage import PosixStorage, register_backend
+
+    inner = PosixStorage(str(root))
+    seen: list[tuple[str, int, float]] = []
+
+    def look(operation: str, path: str) -> None:
+        if operation == "read" and path.startswith(f"{VERSIONS_DIR}/"):
+            seen.extend((r.holder, r.version, round(r.expires - r.heartbeat, 3)) for r in read_leases(inner).records)
+
+    scheme = f"hooked{uuid.uuid4().hex[:8]}"
+    register_backend(scheme, lambda _url, _options: HookedStorage(inner, look))
+    return f"{scheme}://stream", seen
+
+
 def once_before(operation: str, path: str, action: Callable[[], None]) -> Callable[[str, str], None]:
     """A ``HookedStorage`` hook that runs ``action()`` just before the first ``operation`` on ``path`` (another
     process's step at an exact point of the code under test, e.g. a gc just before a commit), and nothing at

@@ -256,28 +256,18 @@ def test_servers_and_a_base_the_adapter_does_not_fit_are_refused_before_anything
 def test_the_follower_holds_a_lease_named_by_its_replica_id_while_it_fetches(stream, tmp_path):
     """gc never removes a version an adapter follower is decoding: a lease ``adapter follower <replica id>``
     with its TTL while it reads the version's files, released after (as a weights follower's)."""
-    import uuid
-
     from ckptstream.reader import read_leases
-    from ckptstream.storage import PosixStorage, register_backend
-    from tests.helpers import HookedStorage
+    from ckptstream.storage import PosixStorage
+    from tests.helpers import watch_leases
 
     url, publish = stream
     publish()
-    inner = PosixStorage(url)
-    seen = []
-
-    def look(operation: str, path: str) -> None:
-        if operation == "read" and path.startswith("versions/"):
-            seen.extend((r.holder, r.version, round(r.expires - r.heartbeat, 3)) for r in read_leases(inner).records)
-
-    scheme = f"hooked{uuid.uuid4().hex[:8]}"
-    register_backend(scheme, lambda _url, _options: HookedStorage(inner, look))
-    with AdapterFollower(f"{scheme}://lora1", [FakeLoraServer()], keep=1, cache_dir=tmp_path / "cache",
+    watched, seen = watch_leases(url)
+    with AdapterFollower(watched, [FakeLoraServer()], keep=1, cache_dir=tmp_path / "cache", name="lora1",
                          replica_id="node7-8000", lease_ttl=30.0) as follower:
         assert follower.step() == 1
     assert seen and set(seen) == {("adapter follower node7-8000", 1, 30.0)}
-    assert read_leases(inner).records == []
+    assert read_leases(PosixStorage(url)).records == []
 
 
 def test_resident_versions_are_not_waited_for_on_a_weights_stream(tmp_path):

@@ -487,27 +487,17 @@ def test_a_follower_standing_aside_does_not_count_as_serving_the_stream(stream, 
 
 def test_follower_holds_a_lease_named_by_its_replica_id_while_it_fetches(stream, tmp_path):
     """The follower's pull holds a lease ``follower <replica id>`` with its configured TTL, released after."""
-    import uuid
-
     from ckptstream.reader import read_leases
-    from ckptstream.storage import PosixStorage, register_backend
-    from tests.helpers import HookedStorage
+    from ckptstream.storage import PosixStorage
+    from tests.helpers import watch_leases
 
     url, _ = stream
-    inner = PosixStorage(url)
-    seen = []
-
-    def look(operation: str, path: str) -> None:
-        if operation == "read" and path.startswith("versions/"):
-            seen.extend((r.holder, r.version, round(r.expires - r.heartbeat, 3)) for r in read_leases(inner).records)
-
-    scheme = f"hooked{uuid.uuid4().hex[:8]}"
-    register_backend(scheme, lambda _url, _options: HookedStorage(inner, look))
-    with Follower(f"{scheme}://stream", [FakeVllmClient()], cache_dir=tmp_path / "cache", replica_id="node7-8000",
+    watched, seen = watch_leases(url)
+    with Follower(watched, [FakeVllmClient()], cache_dir=tmp_path / "cache", replica_id="node7-8000",
                   lease_ttl=30.0) as follower:
         assert follower.step().version == 2
     assert seen and set(seen) == {("follower node7-8000", 2, 30.0)}
-    assert read_leases(inner).records == []
+    assert read_leases(PosixStorage(url)).records == []
 
 
 def test_weights_followers_and_engines_refuse_an_adapter_stream(tmp_path):
