@@ -214,22 +214,23 @@ class AdapterFollower:
         if self._window is None or self._window[0] != newest:
             self._window = (newest, [v for v in self.stream.versions() if v <= newest][-2 * self.keep:])
         committed = self._window[1]
-        held = [set(server.resident()) for server in self.servers]
 
         def window() -> list[int]:  # newest first
             return [v for v in committed if v not in self.refused][-self.keep:][::-1]
 
+        if set(window()) - {newest} <= set(self.record.resident):
+            return  # every server held them at the last round; _restore gives a restarted one them back
+        held = [set(server.resident()) for server in self.servers]
         tried: set[int] = {newest}
         while todo := [v for v in window() if v not in tried]:
             version = todo[0]
             tried.add(version)
-            lacking = [server for server, has in zip(self.servers, held) if version not in has]
+            lacking = [(server, has) for server, has in zip(self.servers, held) if version not in has]
             if not lacking:
                 continue
-            if self._load(version, lacking, announce=False) is not None:
-                for server, has in zip(self.servers, held):
-                    if server in lacking:
-                        has.add(version)
+            if self._load(version, [server for server, _ in lacking], announce=False) is not None:
+                for _, has in lacking:
+                    has.add(version)
             elif version not in self.refused:  # retired meanwhile: not to be fetched again
                 committed.remove(version)
 
