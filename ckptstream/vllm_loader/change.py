@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -58,19 +58,27 @@ def build_change(base_dir: Path, target_dir: Path, out: Path, *, stream_id: str,
         if sorted(names) != sorted(old_tensors.names()):
             return ChangeSummary(0, 0, 0, problem="the versions hold different tensors")
         total = sum(math.prod(shape) for _, shape in tensor_specs(target_dir).values())
-        change = _Change(max_fraction * total)
-        for name in names:
-            old, new = old_tensors.load(name), new_tensors.load(name)
-            assert old is not None and new is not None
-            if old.dtype != new.dtype or old.shape != new.shape:
-                return ChangeSummary(0, 0, 0, problem=f"{name} changed its dtype or shape")
-            flat_old, flat_new = old.reshape(-1), new.reshape(-1)
-            positions = torch.nonzero(bit_pattern(flat_old) != bit_pattern(flat_new)).reshape(-1)
-            if not change.add(name, tuple(new.shape), positions, flat_old[positions], flat_new[positions]):
-                return ChangeSummary(change.changed, total, len(change.shapes), problem=TOO_MANY)
+        pairs = ((name, old_tensors.load(name), new_tensors.load(name)) for name in names)
+        return write_change(pairs, out, total=total, max_fraction=max_fraction, stream_id=stream_id, base=base,
+                            version=version)
     finally:
         old_tensors.close()
         new_tensors.close()
+
+
+def write_change(pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], out: Path, *, total: int,
+                 max_fraction: float, stream_id: str, base: int, version: int) -> ChangeSummary:
+    """Write the change between the (name, old, new) tensor ``pairs`` (read one pair at a time) to ``out``,
+    ``total`` elements in all; none (``problem`` set, nothing written) where a pair differs in dtype or
+    shape, or more than ``max_fraction`` of the elements changed."""
+    change = _Change(max_fraction * total)
+    for name, old, new in pairs:
+        if old.dtype != new.dtype or old.shape != new.shape:
+            return ChangeSummary(0, 0, 0, problem=f"{name} changed its dtype or shape")
+        flat_old, flat_new = old.reshape(-1), new.reshape(-1)
+        positions = torch.nonzero(bit_pattern(flat_old) != bit_pattern(flat_new)).reshape(-1)
+        if not change.add(name, tuple(new.shape), positions, flat_old[positions], flat_new[positions]):
+            return ChangeSummary(change.changed, total, len(change.shapes), problem=TOO_MANY)
     return change.write(out, total, stream_id=stream_id, base=base, version=version)
 
 

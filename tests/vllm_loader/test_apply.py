@@ -1,0 +1,114 @@
+"""The in-place apply on a model whose loaders fill fused parameters slice by slice (``FusedModel``: fused qkv,
+MoE experts in ``w13``/``w2``, a tied embedding), against a full ``load_weights`` of the same version: every
+runtime parameter equal bit for bit. The planner traces all tensors in one ``load_weights`` call; its plans must
+equal those of one call per tensor, and a tensor whose loader misbehaves must be found alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstream.codec import bit_pattern
+from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint
+from ckptstream.testing.models import rl_like_step
+from ckptstream.vllm_loader.apply import InPlaceApplier, plan_tensor, plan_tensors, staging_problem
+from ckptstream.vllm_loader.change import write_change
+
+SPEC = FusedSpec(layers=3, experts=8)
+
+
+def _loaded(state: dict[str, torch.Tensor]) -> FusedModel:
+    model = FusedModel(SPEC)
+    with torch.no_grad():
+        model.load_weights(state.items())
+    return model
+
+
+def _change(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], out: Path) -> Path:
+    total = sum(t.numel() for t in new.values())
+    summary = write_change(((n, old[n], new[n]) for n in new), out, total=total, max_fraction=1.0,
+                           stream_id="s", base=0, version=1)
+    assert summary.problem is None and summary.changed
+    return out
+
+
+def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """The names of the parameters that differ bitwise."""
+    theirs = dict(b.named_parameters())
+    return [n for n, p in a.named_parameters() if not torch.equal(bit_pattern(p), bit_pattern(theirs[n]))]
+
+
+def _stage_and_apply(model: FusedModel, change: Path) -> dict:
+    applier = InPlaceApplier(model, torch.device("cpu"))
+    applier.stage(str(change))
+    staged = applier.staged(wait=True)
+    assert staged is not None and not staged.get("error"), staged
+    assert staging_problem([staged]) is None
+    return applier.apply()
+
+
+def test_batched_plans_equal_one_plan_per_tensor():
+    state = fused_checkpoint(SPEC)
+    model = _loaded(state)
+    specs = {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
+    batched = plan_tensors(model, specs)
+    assert batched == {name: plan_tensor(model, name, *spec) for name, spec in specs.items()}
+    assert batched["lm_head.weight"].targets == [] and batched["lm_head.weight"].problem is None  # tied: skipped
+    expert = batched["model.layers.1.mlp.experts.5.up_proj.weight"].targets
+    assert [t.param for t in expert] == ["layers.1.w13"]
+
+
+def test_a_change_to_every_expert_equals_a_full_load(tmp_path):
+    base = fused_checkpoint(SPEC)
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(1))
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    model = _loaded(base)
+    answer = _stage_and_apply(model, _change(base, new, tmp_path / "change.safetensors"))
+    assert answer.get("applied"), answer
+    assert _same_parameters(model, _loaded(new)) == []
+
+
+def test_an_old_value_that_differs_writes_nothing(tmp_path):
+    base = fused_checkpoint(SPEC)
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(2))
+    model = _loaded(base)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model.layers[2].w2.view(-1).view(torch.int16).add_(1)  # the server is not on the base version here
+        before["layers.2.w2"] = model.layers[2].w2.clone()
+    answer = _stage_and_apply(model, _change(base, new, tmp_path / "change.safetensors"))
+    assert "layers.2.w2" in answer["error"] and "nothing written" in answer["error"]
+    assert all(torch.equal(bit_pattern(p), bit_pattern(before[n])) for n, p in model.named_parameters())
+
+
+class _OneBadLoader(FusedModel):
+    """Copies one tensor through a transform and fails on another: only those two are unpatchable."""
+
+    def load_weights(self, weights):
+        passed = []
+        for name, weight in weights:
+            if name.endswith("layers.1.input_layernorm.weight"):
+                self.layers[1].norm.copy_(weight * 2)
+            elif name.endswith("layers.0.mlp.experts.3.down_proj.weight"):
+                raise RuntimeError("no loader for this")
+            else:
+                passed.append((name, weight))
+        return super().load_weights(passed)
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "per-tensor"])
+def test_a_misbehaving_loader_is_found_alone(batch):
+    state = fused_checkpoint(SPEC)
+    model = _OneBadLoader(SPEC)
+    specs = {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
+    plans = plan_tensors(model, specs) if batch else {n: plan_tensor(model, n, *s) for n, s in specs.items()}
+    problems = {name: plan.problem for name, plan in plans.items() if plan.problem}
+    assert sorted(problems) == ["model.layers.0.mlp.experts.3.down_proj.weight",
+                                "model.layers.1.input_layernorm.weight"]
+    assert "transformed copy" in problems["model.layers.1.input_layernorm.weight"]
+    assert "no loader for this" in problems["model.layers.0.mlp.experts.3.down_proj.weight"]
+    assert plans["model.layers.0.mlp.experts.2.down_proj.weight"].targets
