@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -247,6 +248,11 @@ def _map(layout: Target, positions: torch.Tensor, src_offset: torch.Tensor,
     return covered, dst
 
 
+def _repeated(values: list[int], counts: list[int]) -> torch.Tensor:
+    """Each value repeated its count times (numpy's: torch's CPU threads spin on a busy host)."""
+    return torch.from_numpy(numpy.repeat(numpy.asarray(values, dtype=numpy.int64), counts))
+
+
 def _flat(param: torch.Tensor) -> torch.Tensor:
     """A 1-D view of the whole storage of ``param`` in its dtype."""
     return torch.as_strided(param.detach(), (param.untyped_storage().nbytes() // param.element_size(),), (1,), 0)
@@ -378,11 +384,11 @@ class InPlaceApplier:
         written = torch.zeros(len(changed), dtype=torch.int64, device=self.device)
         per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for (param, _, *_), copies in layouts.items():
-            counts = torch.tensor([changed[i].positions.numel() for i, _ in copies])
+            counts = [changed[i].positions.numel() for i, _ in copies]
             positions = torch.cat([changed[i].positions for i, _ in copies]).to(self.device)
-            src_offset = torch.tensor([t.src_offset for _, t in copies]).repeat_interleave(counts).to(self.device)
-            dst_offset = torch.tensor([t.dst_offset for _, t in copies]).repeat_interleave(counts).to(self.device)
-            segment = torch.tensor([i for i, _ in copies]).repeat_interleave(counts).to(self.device)
+            src_offset = _repeated([t.src_offset for _, t in copies], counts).to(self.device)
+            dst_offset = _repeated([t.dst_offset for _, t in copies], counts).to(self.device)
+            segment = _repeated([i for i, _ in copies], counts).to(self.device)
             covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
             written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
             dtype = params[param].dtype

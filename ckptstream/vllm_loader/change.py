@@ -32,7 +32,10 @@ MAX_CHANGE_FRACTION = 0.05
 """Above this fraction of the elements changed, an update is reloaded fully: the staged positions and values
 (12 bytes per bf16 element changed, on the device) would cost more memory than a reload saves time."""
 
-_POSITIONS, _OLD, _NEW = "::positions", "::old", "::new"
+_POSITIONS, _OLD, _NEW = "positions", "old.", "new."
+_LAYOUT_KEY, _LAYOUT = "layout", "packed-1"
+"""A change file holds every changed tensor's positions in one tensor and their old and new values in one
+tensor per dtype, in the order of its ``tensors`` metadata: read in a few calls, however many tensors changed."""
 TOO_MANY = "too many elements changed"
 WHOLE = "a version since the served one stores tensors whole"
 
@@ -78,7 +81,7 @@ def write_change(pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], out: P
         flat_old, flat_new = old.reshape(-1), new.reshape(-1)
         positions = torch.nonzero(bit_pattern(flat_old) != bit_pattern(flat_new)).reshape(-1)
         if not change.add(name, tuple(new.shape), positions, flat_old[positions], flat_new[positions]):
-            return ChangeSummary(change.changed, total, len(change.shapes), problem=TOO_MANY)
+            return ChangeSummary(change.changed, total, change.tensors, problem=TOO_MANY)
     return change.write(out, total, stream_id=stream_id, base=base, version=version)
 
 
@@ -115,9 +118,9 @@ def build_change_from_deltas(stream: Stream, base_dir: Path, out: Path, *, base:
             for entry, positions, old, new in changes:
                 dtype = torch_dtype(entry.dtype)
                 if not change.add(entry.name, entry.shape, positions, old.view(dtype), new.view(dtype)):
-                    return ChangeSummary(change.changed, total, len(change.shapes), problem=TOO_MANY)
+                    return ChangeSummary(change.changed, total, change.tensors, problem=TOO_MANY)
         except TooManyChanges:
-            return ChangeSummary(budget + 1, total, len(change.shapes), problem=TOO_MANY)
+            return ChangeSummary(budget + 1, total, change.tensors, problem=TOO_MANY)
         finally:
             changes.close()  # (what has not started is cancelled)
     finally:
@@ -131,8 +134,14 @@ class _Change:
     def __init__(self, max_changed: float):
         self.max_changed = max_changed
         self.changed = 0
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.shapes: dict[str, list[int]] = {}
+        self.entries: list[list[Any]] = []  # [name, shape, dtype, elements], in the order added
+        self.positions: list[torch.Tensor] = []
+        self.values: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # dtype -> (old, new)
+        self._rank: list[int] = []  # each entry's place in its dtype's lists
+
+    @property
+    def tensors(self) -> int:
+        return len(self.entries)
 
     def add(self, name: str, shape: tuple[int, ...], positions: torch.Tensor, old: torch.Tensor,
             new: torch.Tensor) -> bool:
@@ -142,26 +151,46 @@ class _Change:
         self.changed += positions.numel()
         if self.changed > self.max_changed:
             return False
-        self.tensors[name + _POSITIONS] = positions
-        self.tensors[name + _OLD] = old.contiguous()
-        self.tensors[name + _NEW] = new.contiguous()
-        self.shapes[name] = list(shape)
+        dtype = str(new.dtype).removeprefix("torch.")
+        self.entries.append([name, list(shape), dtype, positions.numel()])
+        self.positions.append(positions)
+        olds, news = self.values.setdefault(dtype, ([], []))
+        self._rank.append(len(olds))
+        olds.append(old.contiguous())
+        news.append(new.contiguous())
         return True
 
     def write(self, out: Path, total: int, *, stream_id: str, base: int, version: int) -> ChangeSummary:
         from safetensors.torch import save_file
 
+        order = sorted(range(len(self.entries)), key=lambda i: self.entries[i][0])  # by name: one file per change
+        tensors = {_POSITIONS: torch.cat([self.positions[i] for i in order]) if order
+                   else torch.zeros(0, dtype=torch.int64)}
+        for dtype, (olds, news) in self.values.items():
+            mine = [i for i in order if self.entries[i][2] == dtype]
+            tensors[_OLD + dtype] = torch.cat([olds[self._rank[i]] for i in mine])
+            tensors[_NEW + dtype] = torch.cat([news[self._rank[i]] for i in mine])
         metadata = {"stream_id": stream_id, "base": str(base), "version": str(version),
-                    "shapes": json.dumps(self.shapes, sort_keys=True)}
-        save_file(self.tensors, str(out), metadata=metadata)
-        return ChangeSummary(self.changed, total, len(self.shapes))
+                    _LAYOUT_KEY: _LAYOUT, "tensors": json.dumps([self.entries[i] for i in order])}
+        save_file(tensors, str(out), metadata=metadata)
+        return ChangeSummary(self.changed, total, self.tensors)
 
 
 def read_change(handle: Any) -> Iterator[tuple[str, tuple[tuple[int, ...], torch.Tensor, torch.Tensor,
                                                       torch.Tensor]]]:
-    """Per changed tensor of an open change file (``safetensors.safe_open``): its name and (shape,
-    positions, old values, new values)."""
-    shapes = json.loads(handle.metadata()["shapes"])
-    for name, shape in shapes.items():
-        yield name, (tuple(shape), handle.get_tensor(name + _POSITIONS), handle.get_tensor(name + _OLD),
-                     handle.get_tensor(name + _NEW))
+    """Per changed tensor of an open change file (``safetensors.safe_open``), in the order written: its name
+    and (shape, positions, old values, new values), views of the file's few tensors."""
+    metadata = handle.metadata() or {}
+    if metadata.get(_LAYOUT_KEY) != _LAYOUT:
+        raise ValueError(f"not a change file of layout {_LAYOUT} (written by another ckptstream?)")
+    positions = handle.get_tensor(_POSITIONS)
+    values: dict[str, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
+    start = 0
+    for name, shape, dtype, count in json.loads(metadata["tensors"]):
+        if dtype not in values:
+            values[dtype] = (handle.get_tensor(_OLD + dtype), handle.get_tensor(_NEW + dtype), [0])
+        old, new, offset = values[dtype]
+        yield name, (tuple(shape), positions[start:start + count], old[offset[0]:offset[0] + count],
+                     new[offset[0]:offset[0] + count])
+        start += count
+        offset[0] += count

@@ -36,8 +36,12 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def _file_tensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A change file's metadata, and per changed tensor its positions, old and new values by name."""
     with safe_open(str(path), framework="pt") as handle:
-        return handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
+        tensors = {}
+        for name, (_, positions, old, new) in read_change(handle):
+            tensors.update({f"{name}:positions": positions, f"{name}:old": old, f"{name}:new": new})
+        return handle.metadata(), tensors
 
 
 @pytest.fixture
@@ -76,8 +80,8 @@ def test_the_change_from_the_deltas_equals_the_change_from_the_decoded_versions(
                         max_fraction=0.5) == summary
     (meta_a, tensors_a), (meta_b, tensors_b) = _file_tensors(from_deltas), _file_tensors(from_dirs)
     assert meta_a == meta_b and _same(tensors_a, tensors_b)
-    assert "layer.0.norm::positions" in tensors_a  # its other changes stay, the reverted element does not
-    assert 3 not in tensors_a["layer.0.norm::positions"].tolist()
+    assert "layer.0.norm:positions" in tensors_a  # its other changes stay, the reverted element does not
+    assert 3 not in tensors_a["layer.0.norm:positions"].tolist()
     assert _same(_apply(states[0], from_deltas), states[3])
 
 

@@ -1,0 +1,140 @@
+"""The in-place apply against the number of checkpoint tensors: MoE depths on ``FusedModel`` (vLLM's fused
+layout, no vLLM), 1 % of elements changed by a few ulps.
+
+Per depth it prints the checkpoint tensors, the elements changed and the change file's bytes, the first staging
+(the loaders traced: once per model), a later staging (plans reused), and the apply (what the pause holds), each
+the median of ``--repeat`` runs, and whether the patched model equals a full ``load_weights`` of the new version
+(``--check``). With ``--baseline MODULE`` (a copy of an older ``apply.py``, e.g.
+``git show 2643a1c:ckptstream/vllm_loader/apply.py > /tmp/apply_old.py``) the same figures for that applier
+are printed beside, in the same run.
+
+    python tools/bench_apply.py --layers 2 4 8 --experts 128 --hidden 256 --intermediate 96
+    python tools/bench_apply.py --device cuda --layers 8 16 --experts 128 --hidden 2048 --intermediate 768
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ckptstream.codec import bit_pattern  # noqa: E402
+from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint  # noqa: E402
+from ckptstream.testing.models import rl_like_step  # noqa: E402
+from ckptstream.vllm_loader import apply as current_apply  # noqa: E402
+from ckptstream.vllm_loader.change import write_change  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _load(spec: FusedSpec, state: dict[str, torch.Tensor], device: torch.device) -> FusedModel:
+    model = FusedModel(spec, device)
+    with torch.no_grad():
+        model.load_weights(state.items())
+    return model
+
+
+def _time_applier(module: Any, spec: FusedSpec, base: dict, new: dict, change: Path, device: torch.device,
+                  repeat: int, check: bool) -> dict[str, Any]:
+    """First staging, later stagings and applies (each on a fresh base model, plans kept) with ``module``."""
+    model = _load(spec, base, device)
+    applier = module.InPlaceApplier(model, device)
+    first = stage_s = None
+    stages, applies = [], []
+    for i in range(repeat + 1):
+        if i:
+            with torch.no_grad():
+                model.load_weights(base.items())  # back to the base version, plans kept
+        _sync(device)
+        started = time.perf_counter()
+        applier.stage(str(change))
+        result = applier.staged(wait=True)
+        stage_s = time.perf_counter() - started
+        assert result is not None and not result.get("error") and not result.get("unpatchable"), result
+        started = time.perf_counter()
+        answer = applier.apply()
+        apply_s = time.perf_counter() - started
+        assert answer.get("applied"), answer
+        if i == 0:
+            first = stage_s
+        else:
+            stages.append(stage_s)
+            applies.append(apply_s)
+    equal = None
+    if check:
+        reference = dict(_load(spec, new, device).named_parameters())
+        equal = all(torch.equal(bit_pattern(p), bit_pattern(reference[n])) for n, p in model.named_parameters())
+    return {"first_stage_s": first, "stage_s": statistics.median(stages), "apply_s": statistics.median(applies),
+            "equal": equal}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=96)
+    parser.add_argument("--fraction", type=float, default=0.01)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--check", action="store_true", help="compare with a full load_weights of the new version")
+    parser.add_argument("--baseline", help="path of an older apply.py to time beside the current one")
+    parser.add_argument("--threads", type=int, help="torch's CPU threads (1 on a busy host: OpenMP threads spin)")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    appliers = {"current": current_apply}
+    if args.baseline:
+        spec_ = importlib.util.spec_from_file_location("ckptstream.vllm_loader._baseline_apply", args.baseline)
+        baseline = importlib.util.module_from_spec(spec_)
+        sys.modules[spec_.name] = baseline  # (its dataclasses look their module up)
+        spec_.loader.exec_module(baseline)
+        appliers["baseline"] = baseline
+    rows = []
+    print(f"device {device}; experts {args.experts}, hidden {args.hidden}, intermediate {args.intermediate}; "
+          f"{args.fraction:.0%} of elements changed; medians of {args.repeat}")
+    print(f"{'applier':>9} {'layers':>6} {'tensors':>8} {'changed':>10} {'change MB':>9} {'1st stage s':>11} "
+          f"{'stage s':>8} {'apply s':>8} {'equal':>6}")
+    with tempfile.TemporaryDirectory() as scratch:
+        for layers in args.layers:
+            spec = FusedSpec(layers=layers, experts=args.experts, hidden=args.hidden,
+                             intermediate=args.intermediate, vocab=4096)
+            base = fused_checkpoint(spec)
+            new = {n: t.clone() for n, t in base.items()}
+            rl_like_step(new, fraction=args.fraction, max_ulps=3, generator=torch.Generator().manual_seed(1))
+            new["lm_head.weight"] = new["model.embed_tokens.weight"]
+            change = Path(scratch) / f"change-{layers}.safetensors"
+            total = sum(t.numel() for t in new.values())
+            summary = write_change(((n, base[n], new[n]) for n in new), change, total=total, max_fraction=1.0,
+                                   stream_id="bench", base=0, version=1)
+            for label, module in appliers.items():
+                figures = _time_applier(module, spec, base, new, change, device, args.repeat, args.check)
+                row = {"applier": label, "layers": layers, "tensors": len(new), "changed": summary.changed,
+                       "change_bytes": change.stat().st_size, **figures}
+                rows.append(row)
+                print(f"{label:>9} {layers:>6} {len(new):>8} {summary.changed:>10} "
+                      f"{row['change_bytes'] / 1e6:>9.1f} {figures['first_stage_s']:>11.3f} "
+                      f"{figures['stage_s']:>8.3f} {figures['apply_s']:>8.4f} {str(figures['equal']):>6}", flush=True)
+            del base, new
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
