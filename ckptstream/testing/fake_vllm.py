@@ -191,6 +191,10 @@ class FakeVllmClient:
         self._call("parameter_hashes")
         raise VllmError(f"{self.url} holds no parameters (a fake server)")
 
+    def canary(self) -> list[dict[str, Any]]:
+        self._call("canary")
+        raise VllmError(f"{self.url} computes nothing (a fake server)")
+
     def set_weight_version(self, version: str, check: bool = True) -> None:
         self._call("set_weight_version", version)
         self.weight_version_label = version

@@ -23,6 +23,12 @@ from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHO
                      SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD, TRANSFER_STATUS_METHOD)
 
 
+CANARY_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 7, 5, 3], [11] * 12)
+"""Token-id prompts whose greedy continuations and logprobs ``--verify-apply`` compares before and after a full
+reload (small ids: every vocabulary has them)."""
+CANARY_TOKENS = 4
+
+
 class VllmControl(Protocol):
     """What the follower needs of a vLLM server: ``VllmClient`` over HTTP, or a fake in tests
     (``ckptstream.testing.fake_vllm.FakeVllmClient``). Every call raises ``VllmError`` when the server
@@ -77,6 +83,10 @@ class VllmControl(Protocol):
 
     def parameter_hashes(self) -> list[dict[str, str]]:
         """Per rank: the hash of every runtime parameter."""
+
+    def canary(self) -> list[dict[str, Any]]:
+        """What the model computes for ``CANARY_PROMPTS``, each sent alone: per prompt its greedy ``token_ids``
+        and their ``logprobs`` (None where the server gives none)."""
 
     def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
         """Per rank of the engine (every node): host, node rank, rank and the complete versions under
@@ -323,6 +333,21 @@ class VllmClient:
 
     def parameter_hashes(self) -> list[dict[str, str]]:
         return self._extension_call(HASHES_METHOD, {}, timeout=self.reload_timeout)
+
+
+    def canary(self) -> list[dict[str, Any]]:
+        answers = []
+        for prompt in CANARY_PROMPTS:
+            try:
+                # (token ids in the logprobs: a server started with --skip-tokenizer-init has no tokenizer)
+                choice = self.complete(prompt, CANARY_TOKENS, logprobs=0, return_tokens_as_token_ids=True)
+                logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            except VllmUnreachable:
+                raise
+            except VllmError:  # a server that cannot give logprobs (a build without them): the tokens alone
+                choice, logprobs = self.complete(prompt, CANARY_TOKENS), None
+            answers.append({"token_ids": choice["token_ids"], "logprobs": logprobs})
+        return answers
 
     def _extension_call(self, method: str, kwargs: dict[str, Any], timeout: float | None = None) -> list[Any]:
         """Call a method of ckptstream's worker extension on every rank; its results, one per rank."""

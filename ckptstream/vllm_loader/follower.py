@@ -175,7 +175,7 @@ class Follower:
         self._polls = 0
         self._lock = threading.Lock()
         self._aside: set[str] = set()  # URLs of servers another process has taken over
-        self._in_place_off: str | None = None  # why in-place updates stopped (a --verify-apply mismatch)
+        self._in_place_off: dict[str, str] = {}  # server URL -> why its in-place updates stopped (--verify-apply)
         self._in_place_count: dict[str, int] = collections.Counter()  # per server URL
         self._explained: set[str] = set()  # fallback explanations logged (each once)
         self.record = ReplicaRecord(replica_id=replica_id, urls=[c.url for c in self.clients],
@@ -311,15 +311,17 @@ class Follower:
             restore = None  # gone: _revert decodes it again, outside the pause
         if path is not None and change is None and why_not is None:
             change, why_not = self._change(version, path)  # e.g. across a keyframe: both versions compared
-        pause_s = reload_s = 0.0
+        pause_s = reload_s = stage_s = 0.0
         in_place = 0
         fallbacks: collections.Counter[str] = collections.Counter()
         done: list[VllmControl] = []
         waiting: list[tuple[VllmControl, str]] = []  # to reload fully once decoded, and why
         verify: list[VllmControl] = []
         for client in targets:
-            if change is not None and self._in_place_off is None:
+            if change is not None and client.url not in self._in_place_off:
+                stage_started = time.perf_counter()
                 staged, fallback = self._stage(client, change)
+                stage_s += time.perf_counter() - stage_started
             else:
                 staged, fallback = None, why_not or "disabled"
             if staged is None and path is None:
@@ -372,7 +374,7 @@ class Follower:
         self.cache.prune({version})
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
                               fetch_s=fetch_s, decode_s=prepare_s - fetch_s, applied_in_place=in_place,
-                              fallbacks=dict(fallbacks), cache_s=cache_s)
+                              fallbacks=dict(fallbacks), cache_s=cache_s, stage_s=stage_s)
         self._notify("on_update", update)
         self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
         return update
@@ -471,7 +473,7 @@ class Follower:
         (``observe.FALLBACK_REASONS``): built from the stored deltas between them (``path`` None), else by
         comparing the cached ``path`` with the served version's. (None, None): none from the deltas (a
         version between stores tensors whole), the comparison may find one."""
-        if not self.config.apply_in_place or self._in_place_off is not None:
+        if not self.config.apply_in_place or all(c.url in self._in_place_off for c in self.clients):
             return None, "disabled"
         if self.current is None or not (self.cache.path(self.current) / MARKER_FILE).is_file():
             return None, "first_version"
@@ -545,33 +547,56 @@ class Follower:
         return every is not None and self._in_place_count[client.url] % max(1, every) == 0
 
     def _verify(self, client: VllmControl, version: int, path: Path) -> bool:
-        """Compare the patched parameters with a full reload of the same version (which then serves);
-        a mismatch, or a check that could not be made, stops in-place updates. Whether they were equal."""
+        """Compare the patched model with a full reload of the same version (which then serves): the hash of
+        every runtime parameter, and what the model computes (``CANARY_PROMPTS``' greedy tokens and their
+        logprobs, each prompt sent alone). A copy derived from a parameter after loading (dequantized,
+        reordered, packed) that a write in place misses shows only in the outputs. A difference, or a check
+        that could not be made, turns in-place updates off on that server, loudly. Whether they were equal."""
         try:
-            patched = client.parameter_hashes()
+            patched, computed = client.parameter_hashes(), client.canary()
             client.pause(self.pause_mode)
             try:
                 client.reload_weights(str(path))
                 client.reset_prefix_cache()
             finally:
                 client.resume()
-            reloaded = client.parameter_hashes()
+            reloaded, recomputed = client.parameter_hashes(), client.canary()
+            # Requests batched beside a canary can move its logprobs on some kernels: a reloaded model that
+            # answers differently twice cannot be compared (the parameters still are).
+            reproducible = recomputed == computed or client.canary() == recomputed
         except VllmUnreachable:
             raise
         except VllmError as exc:
-            self._in_place_off = (f"the in-place update of version {version} on {client.url} could not be "
-                                  f"verified: {exc}")
-            log.error("%s: in-place updates are off from now on (full reloads)", self._in_place_off)
-            return False
+            return self._in_place_off_on(client, f"the in-place update of version {version} on {client.url} "
+                                                 f"could not be verified: {exc}")
         differing = sorted({name for p, r in zip(patched, reloaded) for name in set(p) | set(r)
                             if p.get(name) != r.get(name)})
-        if not differing:
-            log.info("version %d on %s: the in-place update equals a full reload, every parameter bit for bit",
-                     version, client.url)
-            return True
-        self._in_place_off = (f"version {version} applied in place on {client.url} differed from a full reload "
-                              f"in {len(differing)} parameter(s), e.g. {differing[0]}")
-        log.error("%s: in-place updates are off from now on (full reloads)", self._in_place_off)
+        if differing:
+            return self._in_place_off_on(client, f"version {version} applied in place on {client.url} differed "
+                                                 f"from a full reload in {len(differing)} parameter(s), e.g. "
+                                                 f"{differing[0]}")
+        if not reproducible:
+            log.warning("version %d on %s: the canary prompts' outputs changed between two asks of the same "
+                        "weights (other requests batched beside them); the parameters alone were compared",
+                        version, client.url)
+        elif recomputed != computed:
+            prompt = next(i for i, (a, b) in enumerate(zip(computed, recomputed)) if a != b)
+            what = "tokens" if computed[prompt]["token_ids"] != recomputed[prompt]["token_ids"] else "logprobs"
+            return self._in_place_off_on(client, f"version {version} applied in place on {client.url} computed "
+                                                 f"other {what} than a full reload (canary prompt {prompt}) with "
+                                                 f"equal parameters: a copy derived from them after loading was "
+                                                 f"left stale")
+        compared = ("" if not reproducible else ", and the canary prompts' tokens and logprobs"
+                    if all(answer["logprobs"] is not None for answer in computed)
+                    else ", and the canary prompts' tokens (the server gave no logprobs)")
+        log.info("version %d on %s: the in-place update equals a full reload, every parameter bit for bit%s",
+                 version, client.url, compared)
+        return True
+
+    def _in_place_off_on(self, client: VllmControl, why: str) -> bool:
+        """Turn in-place updates off on ``client`` (full reloads from now on), saying why; False."""
+        self._in_place_off[client.url] = why
+        log.error("%s: in-place updates are off on %s from now on (full reloads)", why, client.url)
         return False
 
     def _explain(self, reason: str, detail: str) -> None:

@@ -43,6 +43,7 @@ class UpdateRecord:
     applied_in_place: int = 0  # servers that took it in place (only the changed elements written)
     fallbacks: dict[str, int] = field(default_factory=dict)  # servers reloaded fully instead, by FALLBACK_REASONS
     cache_s: float = 0.0  # decoding into the cache after serving it (a change applied from the fetched deltas)
+    stage_s: float = 0.0  # the change mapped onto the servers' parameters by their workers, while they generated
 
     def log_line(self) -> str:
         parts = [f"in place on {self.applied_in_place}"] if self.applied_in_place else []
@@ -51,7 +52,8 @@ class UpdateRecord:
         how = ", ".join(parts)
         return (f"version {self.version} serving: fetched {self.bytes_fetched / 1e6:.1f} MB"
                 f"{_base_text(self.version, self.base_version)}, "
-                f"fetch {self.fetch_s:.2f} s + decode {self.decode_s:.2f} s, pause {self.pause_s:.2f} s, "
+                f"fetch {self.fetch_s:.2f} s + decode {self.decode_s:.2f} s"
+                + (f" + stage {self.stage_s:.2f} s" if self.stage_s else "") + f", pause {self.pause_s:.2f} s, "
                 f"{how} {self.reload_s:.2f} s, lag {self.lag_s:.2f} s after commit"
                 + (f", decoded into the cache {self.cache_s:.2f} s after" if self.cache_s else ""))
 

