@@ -194,9 +194,7 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
         stream, rows = Stream(url), []
         load = None
         try:
-            stream.wait_for_version(0, timeout=900, poll_interval=0.5)
-            while 0 not in serve.updates:
-                time.sleep(0.05)
+            stream.wait_for_version(0, timeout=900, poll_interval=0.5)  # (serve starts vLLM on version 0)
             client = serve.client
             load = Load(client)
             time.sleep(2)  # the client's steady latency before the first update
