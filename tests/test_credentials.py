@@ -27,45 +27,13 @@ from ckptstream.relay import Relay
 from ckptstream.storage import open_storage
 from ckptstream.testing.fake_vllm import FakeVllmClient
 from ckptstream.weight_transfer import refuse_credentials
-from tests.helpers import random_state
-
-SECRET = "Pa55-w0rd-x7"
-"""The secret every test feeds in; it must come out nowhere."""
+from tests.helpers import CREDENTIAL_FORMS, SECRET, random_state
 
 
 # ------------------------------------------------------------------------------------------ refusal
 
-REFUSED = [  # (what a request carries, where the refusal says the credential is)
-    ({"url": f"http://reader:{SECRET}@127.0.0.1:9/s"}, "url (user:password@ in a URL)"),
-    ({"url": f"https://{SECRET}@host/s"}, "url (user:password@ in a URL)"),
-    ({"url": "s3://b/r", "storage_options": {"key": SECRET}}, "storage_options.key"),
-    ({"url": "s3://b/r", "storage_options": {"password": SECRET}}, "storage_options.password"),
-    ({"url": "s3://b/r", "storage_options": {"headers": {"Authorization": f"Bearer {SECRET}"}}},
-     "storage_options.headers.Authorization"),
-    ({"url": "s3://b/r", "storage_options": {"headers": {"Proxy-Authorization": SECRET}}},
-     "storage_options.headers.Proxy-Authorization"),
-    ({"url": "s3://b/r", "storage_options": {"headers": {"Cookie": f"session={SECRET}"}}},
-     "storage_options.headers.Cookie"),
-    ({"url": "s3://b/r", "storage_options": {"headers": {"X-Key": SECRET}}}, "storage_options.headers.X-Key"),
-    ({"url": "s3://b/r", "storage_options": {"headers": {"X-Api-Key": SECRET}}}, "storage_options.headers.X-Api-Key"),
-    ({"url": "s3://b/r", "storage_options": {"headers": {"X-Auth-Token": SECRET}}},
-     "storage_options.headers.X-Auth-Token"),
-    ({"url": "s3://b/r", "storage_options": {"headers": {"X-Forwarded": f"Basic {SECRET}"}}},
-     "storage_options.headers.X-Forwarded"),
-    ({"url": "s3://b/r", "storage_options": {"client_kwargs": {"aws_secret_access_key": SECRET}}},
-     "storage_options.client_kwargs.aws_secret_access_key"),
-    ({"url": "s3://b/r", "storage_options": {"config_kwargs": {"proxies": {"https": f"http://u:{SECRET}@proxy"}}}},
-     "storage_options.config_kwargs.proxies.https (user:password@ in a URL)"),
-    ({"url": "s3://b/r", "storage_options": {"client_kwargs": {"endpoint_url": f"http://u:{SECRET}@s3:9000"}}},
-     "storage_options.client_kwargs.endpoint_url (user:password@ in a URL)"),
-    ({"url": "s3://b/r", "storage_options": {"s3_additional_kwargs": {"SSECustomerKey": SECRET}}},
-     "storage_options.s3_additional_kwargs.SSECustomerKey"),
-    ({"url": "s3://b/r", "storage_options": {"mirrors": ["http://a/s", f"http://u:{SECRET}@b/s"]}},
-     "storage_options.mirrors[1] (user:password@ in a URL)"),
-]
 
-
-@pytest.mark.parametrize(("received", "where"), REFUSED, ids=[where for _, where in REFUSED])
+@pytest.mark.parametrize(("received", "where"), CREDENTIAL_FORMS, ids=[where for _, where in CREDENTIAL_FORMS])
 def test_each_form_of_credential_is_refused_naming_where_it_is_never_its_value(received, where):
     assert credential_paths(received) == [where]
     with pytest.raises(ValueError) as refused:
