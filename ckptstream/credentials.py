@@ -28,13 +28,14 @@ _LAST_WORDS = frozenset({"key", "keys", "apikey"})  # the name's last word: api_
 _NAMES = frozenset({"aws_access_key_id", "access_key_id"})
 _AUTHORIZATION_VALUES = ("bearer ", "basic ", "digest ")  # an Authorization header's value, under any name
 _HEADERS = "headers"
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+")  # X-Api-Key, api_key, SSECustomerKey: their words
 
 
 def is_credential_name(name: object) -> bool:
     """Whether an option or header called ``name`` holds a credential (``key``, ``aws_secret_access_key``,
     ``Authorization``, ``Cookie``, ``X-Api-Key``, ``X-Auth-Token``, ...)."""
     lowered = str(name).lower()
-    words = [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", str(name))]
+    words = [w.lower() for w in _WORD.findall(str(name))]
     return (lowered in _NAMES or any(s in lowered for s in _SUBSTRINGS) or not _WORDS.isdisjoint(words)
             or bool(words) and words[-1] in _LAST_WORDS)
 

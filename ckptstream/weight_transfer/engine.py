@@ -5,8 +5,9 @@ vLLM makes it in each worker when the server was started with ``--weight-transfe
 
 - ``/init_weight_transfer_engine`` ``{"init_info": {"url": ..., "storage_options": {...}, "cache_dir": ...,
   "prefetch": true}}``: open the stream. Storage credentials never travel in the request (vLLM logs
-  requests and RPC arguments): the server's environment gives them, as to any fsspec/AWS client; a
-  credential-like storage option is refused. With ``prefetch`` (the default) each worker watches the
+  requests and RPC arguments): the server's environment gives them, as to any fsspec/AWS client, and
+  ``$CKPTSTREAM_HTTP_TOKEN`` to an HTTP stream; a URL's userinfo, a credential-like option or header at
+  any depth is refused (``refuse_credentials``). With ``prefetch`` (the default) each worker watches the
   stream and, while the server keeps generating, decodes every new version into the host's shared cache
   and stages its change, so that the update itself is only the apply;
 - ``/update_weights`` ``{"update_info": {"version": 17}}`` (or ``"latest"``): the version is decoded and
@@ -39,13 +40,13 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
+from ..credentials import redact
 from ..errors import WeightTransferError
 from ..format import MARKER_FILE, STREAM_KIND_WEIGHTS
 from ..reader import Stream
 from ..vllm_loader.apply import InPlaceApplier, staging_problem
 from ..vllm_loader.cache import VersionCache, default_cache_dir, prepare_version, safe_owner
 from ..vllm_loader.change import MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change, build_change_from_deltas
-from ..credentials import redact
 from . import refuse_credentials
 
 log = logging.getLogger("ckptstream.weight_transfer")
