@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Union
 
+from .credentials import redact
 from .errors import (CommitOutcomeUnknownError, ForeignStreamError, IntegrityError, MissingBaseError,
                      VersionConflictError, VersionNotFoundError)
 from .format import (ASSETS_DIR, BUNDLE_INDEX_FILE, MANIFESTS_DIR, MAX_BUNDLE_INDEX_BYTES, MAX_MANIFEST_BYTES,
@@ -129,7 +130,7 @@ def export_bundle(stream: Stream, out: BundleFile, *, versions: list[int] | None
                 tar.addfile(_member_info(entry.name, entry.size), _source_file(stream, info, entry, progress))
     report = ExportReport(tuple(carried), since, len(members), sum(m.size for m in members), counted.count,
                           time.perf_counter() - start)
-    log.info("exported versions %s of %s (%d members, %d bytes)", list(carried), stream.url, report.members,
+    log.info("exported versions %s of %s (%d members, %d bytes)", list(carried), redact(stream.url), report.members,
              report.bundle_bytes)
     return report
 
@@ -506,7 +507,7 @@ class _Importer:
                 raise
             self._written.pop(version, None)
             committed.append(version)
-        log.info("imported %s into %s: committed %s, already there %s", self.name, self.dst.storage.url,
+        log.info("imported %s into %s: committed %s, already there %s", self.name, redact(self.dst.storage.url),
                  committed, skipped)
         return committed, skipped
 
@@ -523,7 +524,7 @@ class _Importer:
                             path, exc)
         if paths:
             log.info("removed the %d data file(s) the refused import had written to %s", len(paths),
-                     self.dst.storage.url)
+                     redact(self.dst.storage.url))
         self._written.clear()
 
     def refuse(self, message: str, member: str | None, version: int | None = None, *,

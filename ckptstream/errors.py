@@ -3,12 +3,14 @@
 Every error derives from :class:`CkptStreamError` and also from the builtin that matches its meaning
 (``FileNotFoundError``, ``FileExistsError``, ``ValueError``, ...), so callers can catch either. Each carries
 the ``version``, ``file`` and ``tensor`` it concerns (``None`` where not applicable), and its message says
-what failed and what to do next.
+what failed and what to do next, with any URL's userinfo redacted (``ckptstream.credentials``).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from .credentials import redact
 
 # CLI exit codes: one definition, used by the error classes below and by the command line.
 EXIT_OK = 0
@@ -49,7 +51,7 @@ class CkptStreamError(Exception):
         text = f"{', '.join(where)}: {message}" if where else message
         if hint:
             text = f"{text}. {hint}"
-        super().__init__(text)
+        super().__init__(redact(text))  # a URL's userinfo never reaches a message, a log line or an answer
 
 
 class IntegrityError(CkptStreamError, ValueError):

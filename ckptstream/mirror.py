@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .credentials import redact
 from .errors import EXIT_CONFLICT, CkptStreamError, IntegrityError, VersionNotFoundError
 from .format import LATEST, MANIFESTS_DIR, MAX_MANIFEST_BYTES, manifest_path
 from .polling import poll
@@ -102,7 +103,7 @@ class Mirror:
         self._checked: set[int] = set()  # versions found at the destination identical to the source's
         replica_id = self.config.replica_id or f"mirror-{socket.gethostname()}"
         replica_path(replica_id)  # a ValueError now rather than at the first heartbeat
-        self.record = ReplicaRecord(replica_id=replica_id, kind=KIND_MIRROR, source=src.url,
+        self.record = ReplicaRecord(replica_id=replica_id, kind=KIND_MIRROR, source=redact(src.url),
                                     host=socket.gethostname(), pid=os.getpid())
         self._lock = threading.Lock()
         self._following = False  # records are written only while following
@@ -143,7 +144,7 @@ class Mirror:
             todo = versions_to_carry(self.src, [v for v in wanted if v not in self.refused],
                                      lambda v: v in held)
         except CkptStreamError as exc:  # a chain broken at the source: each wanted version on its own
-            log.warning("%s; copying version by version", exc)
+            log.warning("%s; copying version by version", redact(exc))
             todo = sorted(v for v in wanted if v not in held and v not in self.refused)
         for version in todo:
             result = self._carry(version)
@@ -203,8 +204,8 @@ class Mirror:
         def failed(exc: Exception, wait: float) -> None:  # a store away or throttling: keep the copy, retry
             if getattr(exc, "exit_code", None) == EXIT_CONFLICT:  # diverged stores: copying on would be wrong
                 raise exc
-            self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
-            log.warning("%s; retrying in %.0f s", exc, wait)
+            self._report(state="error", last_error=f"{type(exc).__name__}: {redact(exc)}")
+            log.warning("%s; retrying in %.0f s", redact(exc), wait)
 
         try:
             poll(stop, wake, look, interval=self.config.poll_interval, on_error=failed,
@@ -227,7 +228,7 @@ class Mirror:
         try:
             write_replica(self.dst.storage, record)
         except Exception as exc:  # noqa: BLE001 - a report that cannot be written must not stop the copy
-            log.warning("cannot write the mirror's record: %s", exc)
+            log.warning("cannot write the mirror's record: %s", redact(exc))
 
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(self.config.heartbeat_interval):

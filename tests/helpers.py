@@ -373,3 +373,36 @@ def reference_outputs(client: Any, url: str, version: int, directory: Path) -> l
         return adapter_outputs(client, name)
     finally:
         client.unload_lora_adapter(name)
+
+
+SECRET = "Pa55-w0rd-x7"
+"""The secret the credential tests feed in; it must come out nowhere."""
+
+CREDENTIAL_FORMS = [  # (what a weight-transfer request carries, where its refusal says the credential is)
+    ({"url": f"http://reader:{SECRET}@127.0.0.1:9/s"}, "url (user:password@ in a URL)"),
+    ({"url": f"https://{SECRET}@host/s"}, "url (user:password@ in a URL)"),
+    ({"url": "s3://b/r", "storage_options": {"key": SECRET}}, "storage_options.key"),
+    ({"url": "s3://b/r", "storage_options": {"password": SECRET}}, "storage_options.password"),
+    ({"url": "s3://b/r", "storage_options": {"headers": {"Authorization": f"Bearer {SECRET}"}}},
+     "storage_options.headers.Authorization"),
+    ({"url": "s3://b/r", "storage_options": {"headers": {"Proxy-Authorization": SECRET}}},
+     "storage_options.headers.Proxy-Authorization"),
+    ({"url": "s3://b/r", "storage_options": {"headers": {"Cookie": f"session={SECRET}"}}},
+     "storage_options.headers.Cookie"),
+    ({"url": "s3://b/r", "storage_options": {"headers": {"X-Key": SECRET}}}, "storage_options.headers.X-Key"),
+    ({"url": "s3://b/r", "storage_options": {"headers": {"X-Api-Key": SECRET}}}, "storage_options.headers.X-Api-Key"),
+    ({"url": "s3://b/r", "storage_options": {"headers": {"X-Auth-Token": SECRET}}},
+     "storage_options.headers.X-Auth-Token"),
+    ({"url": "s3://b/r", "storage_options": {"headers": {"X-Forwarded": f"Basic {SECRET}"}}},
+     "storage_options.headers.X-Forwarded"),
+    ({"url": "s3://b/r", "storage_options": {"client_kwargs": {"aws_secret_access_key": SECRET}}},
+     "storage_options.client_kwargs.aws_secret_access_key"),
+    ({"url": "s3://b/r", "storage_options": {"config_kwargs": {"proxies": {"https": f"http://u:{SECRET}@proxy"}}}},
+     "storage_options.config_kwargs.proxies.https (user:password@ in a URL)"),
+    ({"url": "s3://b/r", "storage_options": {"client_kwargs": {"endpoint_url": f"http://u:{SECRET}@s3:9000"}}},
+     "storage_options.client_kwargs.endpoint_url (user:password@ in a URL)"),
+    ({"url": "s3://b/r", "storage_options": {"s3_additional_kwargs": {"SSECustomerKey": SECRET}}},
+     "storage_options.s3_additional_kwargs.SSECustomerKey"),
+    ({"url": "s3://b/r", "storage_options": {"mirrors": ["http://a/s", f"http://u:{SECRET}@b/s"]}},
+     "storage_options.mirrors[1] (user:password@ in a URL)"),
+]

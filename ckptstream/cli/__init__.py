@@ -16,6 +16,7 @@ import textwrap
 from typing import Sequence
 
 from .. import __version__
+from ..credentials import redact
 from ..errors import (EXIT_CONFLICT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE,
                       CkptStreamError)
 from . import bundle, fleet, follow, gc, inspect, materialize, mirror, publish, relay, tools
@@ -57,7 +58,7 @@ def _report(exc: Exception) -> int:
     if isinstance(exc, CkptStreamError):
         print(f"Error: {exc}", file=sys.stderr)
         return exc.exit_code
-    message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+    message = redact(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)  # ours are already
     print(f"Error: {message or type(exc).__name__} (set CKPTSTREAM_TRACEBACK=1 for details)", file=sys.stderr)
     if isinstance(exc, FileNotFoundError):
         return EXIT_NOT_FOUND

@@ -10,6 +10,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, Iterator
 
+from ..credentials import redact
 from ..errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, FleetError
 from .options import (SecretOption, UsageError, add_adapter_options, add_command, add_url, is_adapter_stream,
                       positive_int, positive_seconds, refuse_adapter_options, storage_options)
@@ -114,7 +115,8 @@ def _print_status(fleet: Any, as_json: bool) -> None:
     rows = [[str(s.slot), s.url or "-", version_text(s.version, s.resident), s.state,
              "-" if s.lag is None else str(s.lag), "-" if s.last_pause_s is None else f"{s.last_pause_s:.2f}s",
              "yes" if s.registered else "no", str(s.restarts), s.last_error or ""] for s in fleet.status()]
-    print(f"fleet {fleet.name} of {fleet.spec.url}" + (f", router {fleet.router_url()}" if fleet.spec.router else ""))
+    router = f", router {fleet.router_url()}" if fleet.spec.router else ""
+    print(f"fleet {fleet.name} of {redact(fleet.spec.url)}{router}")
     print(table(rows, ["SLOT", "URL", "VERSION", "STATE", "LAG", "PAUSE", "ROUTED", "RESTARTS", "LAST ERROR"]))
 
 

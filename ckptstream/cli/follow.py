@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from ..credentials import redact
 from ..errors import EXIT_ERROR, EXIT_OK, VllmUnreachable
 from ..reader.adapter import DEFAULT_KEEP
 from .options import (DEFAULT_LEASE_TTL, LATEST, SecretOption, UsageError, add_adapter_options, add_command,
@@ -234,7 +235,7 @@ def _follow_adapters(args: argparse.Namespace) -> int:
     # the follower asks each server its LoRA settings and adapters as it starts: servers started just before
     # (`vllm ... &` then `ckptstream follow`) are waited for, as a weights follower waits for them in its rounds
     for url in args.vllm_url:
-        logging.getLogger("ckptstream.follow").info("waiting for %s to answer", url)
+        logging.getLogger("ckptstream.follow").info("waiting for %s to answer", redact(url))
         try:
             VllmClient(url, api_key=args.api_key).wait_ready(timeout=READY_TIMEOUT, abort=stop)
         except VllmUnreachable:

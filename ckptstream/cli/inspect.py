@@ -8,6 +8,7 @@ import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from ..credentials import redact
 from ..errors import EXIT_OK, CkptStreamError
 from .options import VERSION_HELP, add_command, add_url, open_stream, version_ref
 from .output import human, print_json, table, version_summary, version_text
@@ -69,7 +70,7 @@ def run_info(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary)
         return EXIT_OK
-    print(f"stream       {args.url}\nstream_id    {info.stream_id}\ncreated      {info.created}\n"
+    print(f"stream       {redact(args.url)}\nstream_id    {info.stream_id}\ncreated      {info.created}\n"
           f"kind         {stream_kind_line(info)}")
     if info.adapter is not None:
         print(f"base model   {info.adapter.base_name} ({info.adapter.base_hash or 'hash unknown'})")
@@ -103,7 +104,7 @@ def run_ls(args: argparse.Namespace) -> int:
         print_json(rows)
         return EXIT_OK
     if not rows:
-        print(f"no versions in {args.url}", file=sys.stderr)
+        print(f"no versions in {redact(args.url)}", file=sys.stderr)
         return EXIT_OK
     adapter = stream.info().adapter
     if adapter is not None:  # (a weights stream's listing stays as it was)

@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from ..credentials import redact
 from ..errors import EXIT_OK, CkptStreamError
 from .options import VERSION_HELP, UsageError, add_command, add_pull_options, add_url, open_stream, version_ref
 from .output import human, print_json, progress
@@ -81,5 +82,5 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.json:
         print_json(results)
     elif not versions:
-        print(f"no versions in {args.url}", file=sys.stderr)
+        print(f"no versions in {redact(args.url)}", file=sys.stderr)
     return worst

@@ -15,6 +15,7 @@ import threading
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
+from ..credentials import redact
 from ..errors import VllmError
 from ..format import LATEST
 from ..vllm_loader.client import VllmClient
@@ -113,7 +114,7 @@ class ServerActor:
                              keep=spec.keep, adapter_name=spec.adapter_name, base_dir=spec.base_dir, **options)
                 self._exit = "stopped" if self._stop.is_set() and code == 0 else f"vLLM exited (serve returned {code})"
             except BaseException as exc:  # noqa: BLE001 - reported to the controller, which replaces this server
-                self._exit = f"{type(exc).__name__}: {exc}"
+                self._exit = f"{type(exc).__name__}: {redact(exc)}"
                 log.error("server %s: %s", self.replica_id, self._exit)
             finally:
                 self._exited.set()

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
+from ..credentials import redact
 from ..format import (LEASE_CLOCK_SKEW_SECONDS, LEASES_DIR, MAX_LEASE_RECORD_BYTES, MAX_LEASE_TTL, MAX_VERSION,
                       dumps_json, lease_path, loads_json)
 from ..storage import Storage
@@ -226,7 +227,7 @@ class LeaseSet:
             except PermissionError as exc:
                 self._writable = False
                 log.warning("cannot write a lease on version %d in %s (%s): pulling it without one, so gc may "
-                            "retire it meanwhile", version, self.storage.url, exc)
+                            "retire it meanwhile", version, redact(self.storage.url), exc)
                 return None
             if self._renewer is None:
                 self._renewer = threading.Thread(target=self._renew, name=f"ckptstream-lease-{version}", daemon=True)

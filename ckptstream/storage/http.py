@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urljoin, urlsplit
 
+from ..credentials import redact
 from ..errors import StorageAccessError, StorageCapabilityError
 from .base import (MAX_CONCURRENT_READS, SMALL_READ_BLOCK, Capabilities, Entry, RefusesWrites, Storage,
                    checked_small)
@@ -193,7 +194,7 @@ class HttpStorage(RefusesWrites, Storage):
                                          file=path, hint="Give the URL the stream is served from: redirects are "
                                                          "followed only within its scheme, host and port")
             if target.endswith("/") and not path.endswith("/"):
-                raise FileNotFoundError(f"{url} is a directory")
+                raise FileNotFoundError(f"{redact(url)} is a directory")
             url = target
         raise StorageAccessError(f"{method} {self.file_url(path)}: more than {MAX_REDIRECTS} redirects", file=path,
                                  hint="Give the URL the stream is served from")
@@ -275,7 +276,7 @@ def _release(response: urllib3.BaseHTTPResponse) -> None:
 def _check_status(response: urllib3.BaseHTTPResponse, url: str, path: str) -> None:
     status = response.status
     if status in (404, 410):
-        raise FileNotFoundError(f"{url}: not found (HTTP {status})")
+        raise FileNotFoundError(f"{redact(url)}: not found (HTTP {status})")
     if status in (401, 403):
         raise StorageAccessError(f"{url}: access refused (HTTP {status})", file=path,
                                  hint=f"Set the server's token: the `token` storage option (-o token=...) or "

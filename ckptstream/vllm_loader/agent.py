@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..credentials import redact
 from ..errors import CkptStreamError, VersionNotFoundError
 from ..polling import poll
 from ..reader import ReplicaRecord, Stream, replica_path
@@ -134,8 +135,8 @@ class NodeAgent:
         watcher: Watch | None = self.stream.storage.watch(MANIFESTS_DIR, self.wake.set)
 
         def failed(exc: Exception, wait: float) -> None:  # storage away: keep what is cached, retry
-            self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
-            log.warning("%s; retrying in %.0f s", exc, wait)
+            self._report(state="error", last_error=f"{type(exc).__name__}: {redact(exc)}")
+            log.warning("%s; retrying in %.0f s", redact(exc), wait)
             notify(self.observers, "on_error", exc, wait)
 
         try:

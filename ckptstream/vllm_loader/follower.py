@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+from ..credentials import redact
 from ..errors import (CkptStreamError, MissingBaseError, ModelMismatchError, NodesNotReady,
                       RouterError, VersionNotFoundError)
 from ..format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
@@ -217,7 +218,7 @@ class Follower:
                 self._report(state="serving" if self.current is not None else "starting")
 
         def failed(exc: Exception, wait: float) -> None:  # storage or servers away: keep serving, retry
-            self._report(state="error", last_error=f"{type(exc).__name__}: {exc}")
+            self._report(state="error", last_error=f"{type(exc).__name__}: {redact(exc)}")
             self._notify("on_error", exc, wait)
 
         try:

@@ -15,6 +15,7 @@ import time
 import urllib.parse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ..credentials import redact
 from ..reader import ReplicaRecord
 from .observe import FollowerObserver, UpdateRecord
 
@@ -163,7 +164,7 @@ def _or_nan(value: int | None) -> float:
 
 def _public_url(url: str) -> str:
     """``url`` without credentials or query (a label is visible to whoever scrapes)."""
-    parts = urllib.parse.urlsplit(url)
+    parts = urllib.parse.urlsplit(redact(url))
     if not parts.scheme or not parts.netloc:
-        return url
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, "", ""))
+        return parts.geturl()
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))

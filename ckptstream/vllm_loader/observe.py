@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Callable, Sequence
 
+from ..credentials import redact
 from ..errors import (CkptStreamError, IncompatibleStreamError, IntegrityError, MissingBaseError, ModelMismatchError,
                       VllmError)
 from ..reader import ReplicaRecord, write_replica
@@ -137,10 +138,10 @@ class LogLines(FollowerObserver):
         self.logger.info("%s", update.log_line())
 
     def on_refused(self, version: int, reason: str, error: BaseException) -> None:
-        self.logger.error("refused version %d: %s", version, error)
+        self.logger.error("refused version %d: %s", version, redact(error))
 
     def on_error(self, error: BaseException, retry_in: float) -> None:
-        self.logger.warning("%s; retrying in %.0f s", error, retry_in)
+        self.logger.warning("%s; retrying in %.0f s", redact(error), retry_in)
 
 
 class JsonLines(FollowerObserver):
@@ -175,7 +176,7 @@ class ReplicaRecordWriter(FollowerObserver):
         self.writable = storage.capabilities.writable
         if not self.writable:
             logger.info("%s is read-only: this follower writes no replica record (`ckptstream replicas` and "
-                        "wait_for_version do not see it)", storage.url)
+                        "wait_for_version do not see it)", redact(storage.url))
 
     def on_report(self, record: ReplicaRecord) -> None:
         if not self.writable:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ..credentials import redact
 from ..errors import CkptStreamError
 from ..format import STREAM_KIND_ADAPTER
 from ..reader import Stream
@@ -68,7 +69,7 @@ def replay(url: str, versions: str | Sequence[int], vllm_urls: Sequence[str | Vl
                                storage_options=config.storage_options, api_key=config.api_key,
                                lease_ttl=config.lease_ttl)
     if (adapter_name, max_resident, side_by_side) != (None, None, True):
-        raise ValueError(f"adapter_name, max_resident and side_by_side are for adapter streams; {url} is a "
+        raise ValueError(f"adapter_name, max_resident and side_by_side are for adapter streams; {redact(url)} is a "
                          f"weights stream")
     config = config.with_options(replica_id=config.replica_id or f"replay-{os.getpid()}", stand_aside=False,
                                  ephemeral_cache=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
 from ..basehash import base_model_hash
+from ..credentials import redact
 from ..errors import SourceNotFoundError, VllmArgumentError, VllmUnreachable
 from ..format import LATEST, STREAM_KIND_ADAPTER
 from ..lora_aliases import ALIASES_ENV
@@ -426,7 +427,7 @@ def _serve_adapters(url: str, vllm_args: Sequence[str], *, keep: int, name: str 
                 log.info("vLLM serves %s at %s; adapter %s follows the stream", served_name, base_url, name)
                 follower.run(stop)  # its first round at once: the newest version
 
-        log.info("starting vLLM on the base model %s for the adapter stream %s", base, url)
+        log.info("starting vLLM on the base model %s for the adapter stream %s", base, redact(url))
         return _run_child(vllm_command(str(base), host, port, args, served_name), env, base_url, config.api_key,
                           ready_timeout, stop, vllm_log, on_exit, follow)
 

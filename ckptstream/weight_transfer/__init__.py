@@ -18,6 +18,11 @@ process, and importing ``trainer`` calls it in a trainer. Nothing here imports v
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from ..credentials import credential_paths
+
 BACKEND = "ckptstream"
 """The backend's name in ``--weight-transfer-config`` and in vLLM's engine registries."""
 
@@ -42,19 +47,23 @@ def register() -> bool:
     return True
 
 
-_CREDENTIAL_WORDS = ("secret", "token", "password", "credential", "passphrase", "private")
-_CREDENTIAL_KEYS = frozenset({"key", "api_key", "access_key", "aws_access_key_id", "account_key", "sas"})
+CREDENTIALS_BELONG = ("the servers' environment: for S3, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE "
+                      "or ~/.aws; for other fsspec file systems, fsspec's configuration (FSSPEC_<PROTOCOL>_<OPTION> "
+                      "variables, ~/.config/fsspec); for an HTTP stream or a relay, $CKPTSTREAM_HTTP_TOKEN (sent as "
+                      "`Authorization: Bearer`, what a relay started with $CKPTSTREAM_RELAY_TOKEN checks)")
+"""Where the credentials of the servers' storage belong, rather than in a weight-transfer request."""
 
 
-def secret_options(options: object, prefix: str = "") -> list[str]:
-    """The names of the credential-like entries of (nested) storage options: what must not travel in a
-    request that vLLM logs (s3fs's ``key``/``secret``/``token``, botocore's ``aws_*``, any ``*password*``)."""
-    found: list[str] = []
-    if isinstance(options, dict):
-        for name, value in options.items():
-            lowered = str(name).lower()
-            if lowered in _CREDENTIAL_KEYS or any(word in lowered for word in _CREDENTIAL_WORDS):
-                found.append(prefix + str(name))
-            else:
-                found += secret_options(value, f"{prefix}{name}.")
-    return found
+def refuse_credentials(received: Mapping[str, Any], what: str) -> None:
+    """Refuse ``received`` (everything a weight-transfer request carries: the URL, the storage options at any
+    depth) if it holds a credential: vLLM logs requests and RPC arguments, and echoes failures in its answers.
+    The error names where each credential is (``url``, ``storage_options.headers.Authorization``), never its
+    value, and where credentials belong instead.
+
+    Raises:
+        ValueError: a URL with userinfo, a credential-like option or header (see ``ckptstream.credentials``).
+    """
+    found = credential_paths(received)
+    if found:
+        raise ValueError(f"{what} holds credentials ({', '.join(found)}): vLLM would log them with the request. "
+                         f"Give them to {CREDENTIALS_BELONG}")

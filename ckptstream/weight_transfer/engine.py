@@ -5,8 +5,9 @@ vLLM makes it in each worker when the server was started with ``--weight-transfe
 
 - ``/init_weight_transfer_engine`` ``{"init_info": {"url": ..., "storage_options": {...}, "cache_dir": ...,
   "prefetch": true}}``: open the stream. Storage credentials never travel in the request (vLLM logs
-  requests and RPC arguments): the server's environment gives them, as to any fsspec/AWS client; a
-  credential-like storage option is refused. With ``prefetch`` (the default) each worker watches the
+  requests and RPC arguments): the server's environment gives them, as to any fsspec/AWS client, and
+  ``$CKPTSTREAM_HTTP_TOKEN`` to an HTTP stream; a URL's userinfo, a credential-like option or header at
+  any depth is refused (``refuse_credentials``). With ``prefetch`` (the default) each worker watches the
   stream and, while the server keeps generating, decodes every new version into the host's shared cache
   and stages its change, so that the update itself is only the apply;
 - ``/update_weights`` ``{"update_info": {"version": 17}}`` (or ``"latest"``): the version is decoded and
@@ -31,7 +32,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -39,13 +40,14 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
+from ..credentials import redact
 from ..errors import WeightTransferError
 from ..format import MARKER_FILE, STREAM_KIND_WEIGHTS
 from ..reader import Stream
 from ..vllm_loader.apply import InPlaceApplier, staging_problem
 from ..vllm_loader.cache import VersionCache, default_cache_dir, prepare_version, safe_owner
 from ..vllm_loader.change import MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change, build_change_from_deltas
-from . import secret_options
+from . import refuse_credentials
 
 log = logging.getLogger("ckptstream.weight_transfer")
 
@@ -81,11 +83,7 @@ class CkptstreamInitInfo(WeightTransferInitInfo):
             raise ValueError("init_info.url must name the stream (a path or URL)")
         if not isinstance(self.storage_options, dict):
             raise ValueError("init_info.storage_options must be an object")
-        secrets = secret_options(self.storage_options)
-        if secrets:
-            raise ValueError(f"init_info.storage_options holds credentials ({', '.join(secrets)}): they would be "
-                             f"logged with the request. Give them to the server's environment instead "
-                             f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws, fsspec's config)")
+        refuse_credentials({f.name: getattr(self, f.name) for f in fields(self)}, "init_info")
         if not isinstance(self.poll_interval, (int, float)) or not 0 < self.poll_interval <= 3600:
             raise ValueError("init_info.poll_interval must be a number of seconds in (0, 3600]")
 
@@ -137,9 +135,13 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         """Open the stream and the host's cache; adopt the version the server was started from where its
         model directory is a materialized version of this stream (its marker says so)."""
         self.shutdown()
-        stream = Stream(init_info.url, storage_options=init_info.storage_options)
-        stream.require_kind(STREAM_KIND_WEIGHTS)  # adapters are loaded as LoRA adapters, not into the model
-        stream_id = stream.info().stream_id
+        try:
+            stream = Stream(init_info.url, storage_options=init_info.storage_options)
+            stream.require_kind(STREAM_KIND_WEIGHTS)  # adapters are loaded as LoRA adapters, not into the model
+            stream_id = stream.info().stream_id
+        except Exception as exc:  # noqa: BLE001 - vLLM logs the traceback and answers its text: redacted, unchained
+            raise WeightTransferError(f"cannot open the stream {redact(init_info.url)}: {type(exc).__name__}: "
+                                      f"{redact(exc)}") from None
         root = init_info.cache_dir or default_cache_dir(_model_bytes(self.model))
         owner = safe_owner(f"{socket.gethostname()}-{os.getpid()}-wt")
         with self._lock:
@@ -147,7 +149,7 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
             self.cache = VersionCache(root, stream_id, owner=owner)
             self.served = _marked_version(self.served_path, stream_id)
             self._prepared = None
-        log.info("weight transfer from %s (stream %s) on rank %d; serving %s", init_info.url, stream_id,
+        log.info("weight transfer from %s (stream %s) on rank %d; serving %s", redact(init_info.url), stream_id,
                  _rank(), "an outside model" if self.served is None else f"version {self.served}")
         if init_info.prefetch:
             self._stop = threading.Event()
@@ -245,7 +247,8 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         try:
             change = self.cache.change(base, version, build)
         except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the version is reloaded instead
-            log.warning("version %d on %d: building the change failed (%s); reloading it fully", version, base, exc)
+            log.warning("version %d on %d: building the change failed (%s); reloading it fully", version, base,
+                        redact(exc))
             return None, "no_change"
         if change is None:
             return None, "large_change" if built and built[0].changed else "no_change"
@@ -296,7 +299,7 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         try:
             outcome = (True, step())
         except Exception as exc:  # noqa: BLE001 - reported on every rank
-            outcome = (False, f"rank {_rank()}: {type(exc).__name__}: {exc}")
+            outcome = (False, f"rank {_rank()}: {type(exc).__name__}: {redact(exc)}")
         outcomes = self._gather(lambda: outcome)
         failures = [detail for ok, detail in outcomes if not ok]
         if failures:
@@ -331,7 +334,7 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
                     if not stop.is_set() and self.stream is stream and newest != self.served:
                         self._prepare(newest, prefetching=True)
             except Exception as exc:  # noqa: BLE001 - a prefetch is only a head start
-                log.warning("prefetching version %s failed: %s", tried, exc)
+                log.warning("prefetching version %s failed: %s", tried, redact(exc))
 
 
 def _rank() -> int:

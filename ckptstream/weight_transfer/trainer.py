@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from ..writer import Publisher
-from . import BACKEND, register, secret_options
+from . import BACKEND, refuse_credentials, register
 
 
 @dataclass
@@ -62,10 +62,9 @@ class CkptstreamTrainerInitInfo(TrainerInitInfo):
     def __post_init__(self) -> None:
         if not self.url:
             raise ValueError("CkptstreamTrainerInitInfo.url must name the stream")
-        secrets = secret_options(self.server_storage_options)
-        if secrets:
-            raise ValueError(f"server_storage_options holds credentials ({', '.join(secrets)}): give them to the "
-                             f"servers' environment; only the trainer's storage_options may hold its own")
+        # the trainer's own storage_options stay here; what the servers are sent must hold no credential
+        refuse_credentials(self.server_init_info(), "the init_info sent to the servers (server_url or url, "
+                                                    "server_storage_options; storage_options stay in the trainer)")
 
     def server_init_info(self) -> dict[str, Any]:
         """The ``init_info`` sent to every server (``engine.CkptstreamInitInfo``)."""

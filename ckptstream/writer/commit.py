@@ -15,6 +15,7 @@ import threading
 import uuid
 from typing import Mapping
 
+from ..credentials import redact
 from ..errors import (CkptStreamError, CommitOutcomeUnknownError, ForeignStreamError, IncompatibleStreamError,
                       IntegrityError, PublishError, VersionConflictError)
 from ..format import (DELTA, KEYFRAME, LATEST_HINT_FILE, MAX_ASSET_BYTES, MAX_MANIFEST_BYTES, MAX_STREAM_FILE_BYTES,
@@ -176,7 +177,7 @@ def _create_stream(storage: Storage, assets: Mapping[str, bytes], stream_id: str
                       kind=STREAM_KIND_WEIGHTS if adapter is None else STREAM_KIND_ADAPTER, adapter=adapter)
     try:
         storage.put_if_absent(STREAM_FILE, info.to_bytes())
-        log.info("created stream %s (%s)", storage.url, stream_id)
+        log.info("created stream %s (%s)", redact(storage.url), stream_id)
         return info
     except FileExistsError:
         return StreamInfo.from_bytes(storage.read_small(STREAM_FILE, MAX_STREAM_FILE_BYTES))
@@ -217,7 +218,7 @@ def adopt_stream(storage: Storage, raw_info: bytes, assets: Mapping[str, bytes])
         if existing.stream_id != info.stream_id:
             raise _foreign(storage, existing, info) from None
         return existing
-    log.info("created %s as a copy of stream %s", storage.url, info.stream_id)
+    log.info("created %s as a copy of stream %s", redact(storage.url), info.stream_id)
     return info
 
 

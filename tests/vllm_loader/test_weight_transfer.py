@@ -20,13 +20,17 @@ from safetensors.torch import load_file, save_file
 from ckptstream import Publisher, Stream
 from ckptstream.errors import VllmError
 from ckptstream.hf import iter_hf_weights
+from ckptstream.process import free_port
+from ckptstream.relay import Relay
+from ckptstream.storage.http import TOKEN_ENV as HTTP_TOKEN_ENV
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader.worker import EXTENSION_CLASS
 from ckptstream.weight_transfer import BACKEND
 from ckptstream.weight_transfer.client import HttpWeightSyncClient
-from tests.helpers import corrupt_version, new_bucket, packed_on_cpu
+from tests.helpers import CREDENTIAL_FORMS, SECRET, corrupt_version, new_bucket, packed_on_cpu
 
 
+RELAY_TOKEN = "relay-token"
 SERVER_ARGS = ["--weight-transfer-config", json.dumps({"backend": BACKEND}), "--worker-extension-cls", EXTENSION_CLASS]
 
 
@@ -83,8 +87,9 @@ def start_dir(local_run) -> Path:
 @pytest.fixture(scope="module")
 def server(start_dir, vllm_servers, s3_endpoint):
     """A server started from version 0 of the local stream (with the S3 stand-in's address and credentials
-    in its environment, the standard AWS way); stopped with the module (servers left running add up)."""
-    server = vllm_servers(start_dir, vllm_args=SERVER_ARGS)
+    in its environment, the standard AWS way, and a relay's token); stopped with the module (servers left
+    running add up)."""
+    server = vllm_servers(start_dir, vllm_args=SERVER_ARGS, env={HTTP_TOKEN_ENV: RELAY_TOKEN})
     yield server
     server.stop()
 
@@ -160,10 +165,34 @@ def test_a_corrupt_version_is_refused_and_the_last_good_one_served(server, tmp_p
 
 
 def test_credentials_never_travel_in_the_request(local_run, server):
+    """Each form of credential is refused before vLLM logs or uses it, naming where it is; an unreachable
+    stream's failure names the stream; the secret is in no answer and in no line of the server's log. A
+    relay's token reaches the stream from the server's environment."""
     client = HttpWeightSyncClient(server.url)
-    with pytest.raises(VllmError) as refused:
-        client.init_weight_transfer_engine({"url": local_run.url, "storage_options": {"secret": "hunter2"}})
-    assert "credentials" in str(refused.value) and "hunter2" not in str(refused.value)
+    closed = f"127.0.0.1:{free_port()}"
+    answers = []
+    for received, where in CREDENTIAL_FORMS:
+        with pytest.raises(VllmError) as refused:
+            client.init_weight_transfer_engine({**received, "cache_dir": str(local_run.root / "cache")})
+        answers.append(str(refused.value))
+        assert "credentials" in answers[-1] and where in answers[-1] and "CKPTSTREAM_HTTP_TOKEN" in answers[-1]
+    with pytest.raises(VllmError) as unreachable:  # a header not named as a credential is sent, never shown
+        client.init_weight_transfer_engine({"url": f"http://{closed}/s", "storage_options": {
+            "retries": 0, "headers": {"X-Trace": SECRET}}})
+    answers.append(str(unreachable.value))
+    assert f"cannot open the stream http://{closed}/s" in answers[-1] and "Connection refused" in answers[-1]
+    # where a token belongs: the server's environment ($CKPTSTREAM_HTTP_TOKEN), here a relay's
+    with Relay(local_run.url, token=RELAY_TOKEN) as relay:
+        client.init_weight_transfer_engine({"url": relay.url, "prefetch": False,
+                                            "cache_dir": str(local_run.root / "cache")})
+        _update(client, "latest")
+        assert relay.sent_bytes > 0
+    (status,) = server.client.weight_transfer_status()
+    assert status["version"] == Stream(local_run.url).latest()
+    log = Path(server.log.name).read_text(errors="replace")
+    assert "cannot open the stream" in log  # the failures are in the log, without the secret
+    for text in (*answers, log):
+        assert SECRET not in text
 
 
 def test_an_s3_stream_first_reloads_then_applies_in_place(server, s3_endpoint, tmp_path):
@@ -254,13 +283,23 @@ def test_two_ranks_agree_on_every_step(tp2_server, tmp_path):
         run.publisher.close()
 
 
-def test_credentials_are_found_in_nested_storage_options():
-    from ckptstream.weight_transfer import secret_options
+def test_credentials_are_refused_by_both_sides_init_info():
     from ckptstream.weight_transfer.engine import CkptstreamInitInfo
+    from ckptstream.weight_transfer.trainer import CkptstreamTrainerInitInfo
 
     options = {"endpoint_url": "http://s3", "client_kwargs": {"region_name": "x", "aws_secret_access_key": "s"},
                "key": "AKIA", "config_kwargs": {"retries": {"max_attempts": 3}}}
-    assert sorted(secret_options(options)) == ["client_kwargs.aws_secret_access_key", "key"]
-    with pytest.raises(ValueError, match="credentials"):
+    with pytest.raises(ValueError, match=r"credentials \(storage_options.client_kwargs.aws_secret_access_key, "
+                                         r"storage_options.key\)"):
         CkptstreamInitInfo(url="s3://b/run", storage_options=options)
+    with pytest.raises(ValueError, match=r"credentials \(url \(user:password@"):
+        CkptstreamInitInfo(url=f"http://reader:{SECRET}@host/s")
     assert CkptstreamInitInfo(url="s3://b/run", storage_options={"endpoint_url": "http://s3"}).prefetch
+    # the trainer's own options may hold its credentials; what it sends the servers may not
+    trainer = CkptstreamTrainerInitInfo(url=f"http://u:{SECRET}@h/s", server_url="s3://b/run", rank=0,
+                                        storage_options={"key": SECRET})
+    assert trainer.server_init_info()["url"] == "s3://b/run"
+    for refused in ({"server_url": f"http://u:{SECRET}@h/s"}, {"server_storage_options": {"headers": {"Cookie": "c"}}}):
+        with pytest.raises(ValueError, match="sent to the servers") as error:
+            CkptstreamTrainerInitInfo(url="s3://b/run", rank=0, **refused)
+        assert SECRET not in str(error.value)
