@@ -66,8 +66,9 @@ def _local_piece(name: str, tensor: Any) -> tuple[torch.Tensor | None, PieceOf |
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
     for placement in placements:
         if type(placement) is not Shard and not isinstance(placement, Replicate):
-            raise TypeError(f"tensor {name!r} is a DTensor placed {placement}: only Shard(dim) and Replicate "
-                            "placements can be published without a gather; call full_tensor() on it first")
+            raise TypeError(f"tensor {name!r} is a DTensor placed {type(placement).__name__} {placement}: only "
+                            "Shard(dim) and Replicate placements can be published without a gather; call "
+                            "full_tensor() on it first")
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise TypeError(f"tensor {name!r} is a DTensor of a device mesh this process is not part of")
