@@ -173,3 +173,24 @@ def test_a_rank_whose_pieces_fail_aborts_the_version_on_every_rank(tmp_path: Pat
     assert stream.versions() == [0, 3]
     assert [e.path for v in (1, 2) for e in stream.storage.list(f"versions/{v:012d}")] == []  # no debris left
     assert set(dict(stream.iter_tensors(3))) == {"cols.weight", "replicated.scale", "short.weight", "plain.steps"}
+
+
+def test_a_delta_never_applies_a_whole_tensor_to_pieces(tmp_path: Path) -> None:
+    """One process taking a stream published in pieces over (the whole tensors of its latest version): a
+    tensor stored in pieces in the base is written in full (zstd), never XORed against the pieces; a tensor
+    stored whole in both is a delta as always."""
+    import shutil
+
+    from ckptstream import Publisher
+
+    url = str(tmp_path / "stream")
+    shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "golden-pieces", url)
+    tensors = dict(Stream(url).iter_tensors(1))
+    tensors["norm.weight"][0] = 3.0
+    with Publisher(url, delta_max_ratio=4.0) as publisher:  # (tiny tensors: zstd frames outweigh their bytes)
+        manifest = publisher.publish(tensors).result()
+    assert manifest.version == 2 and manifest.kind == "delta" and manifest.format_version == 1
+    encodings = {t.name: t.encoding for t in manifest.tensors}
+    assert encodings == {"embed.weight": "zstd", "proj.weight": "zstd", "norm.weight": "xor-zstd",
+                         "tiny.bias": "unchanged"}
+    assert_same_tensors(dict(Stream(url).iter_tensors(2)), tensors)
