@@ -21,6 +21,7 @@ import torch
 
 from ..errors import CommitOutcomeUnknownError, PublishError, VersionConflictError
 from ..format import DELTA, ENCODING_PIECES, KEYFRAME, FileEntry, Manifest, TensorEntry
+from ..reader import Stream
 from ..storage import Storage
 from .config import PublisherConfig
 from .pieces import owner
@@ -138,6 +139,11 @@ class DistributedPublisher:
     def storage(self) -> Storage:
         """The stream's storage."""
         return self._publisher.storage
+
+    @property
+    def stream(self) -> Stream:
+        """The stream, for reading (its latest version, whether it exists)."""
+        return self._publisher.stream
 
     @property
     def config(self) -> PublisherConfig:

@@ -194,3 +194,69 @@ def test_a_delta_never_applies_a_whole_tensor_to_pieces(tmp_path: Path) -> None:
     assert encodings == {"embed.weight": "zstd", "proj.weight": "zstd", "norm.weight": "xor-zstd",
                          "tiny.bias": "unchanged"}
     assert_same_tensors(dict(Stream(url).iter_tensors(2)), tensors)
+
+
+def _killed_worker(rank: int, world: int, port: int, url: str, report: str) -> None:
+    """Version 0 on both ranks; in version 1 rank 1 is SIGKILLed once its piece's file is written, before it
+    reports it (the kill is real; the patch only decides when it happens)."""
+    import signal
+
+
+    from ckptstream.writer.distributed import DistributedPublisher
+
+    mesh = _start(rank, world, port)
+    state = _extras(mesh)
+    publisher = DistributedPublisher(url, timeout=datetime.timedelta(seconds=60))
+    publisher.publish_sharded(state, 0).result()
+    if rank == 1:
+        storage = publisher.storage
+        real_open_write = storage.open_write
+
+        class _Dying:
+            def __init__(self, path):
+                self.inner = real_open_write(path)
+
+            def __enter__(self):
+                return self.inner.__enter__()
+
+            def __exit__(self, *exc):
+                self.inner.__exit__(*exc)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        storage.open_write = _Dying
+    try:
+        publisher.publish_sharded(state, 1, keyframe=True).result()  # (a keyframe: every rank writes a file)
+        outcome = "committed"
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+        outcome = f"{type(exc).__name__}: {exc}"
+    Path(report, f"rank{rank}.json").write_text(json.dumps(outcome))
+    os._exit(0)  # (the group lost a rank: no orderly shutdown of it)
+
+
+def test_a_killed_rank_leaves_no_visible_version(tmp_path: Path) -> None:
+    url = str(tmp_path / "stream")
+    codes = run_ranks(_killed_worker, 2, url, str(tmp_path), timeout=240)
+    assert codes == [0, -9]
+    assert not json.loads((tmp_path / "rank0.json").read_text()).startswith("committed")
+    stream = Stream(url)
+    assert stream.versions() == [0]  # rank 1's written piece is debris for gc, invisible to readers
+    assert stream.latest() == 0 and len(dict(stream.iter_tensors(0))) == 4
+
+
+def test_a_whole_tensor_xor_on_pieces_is_refused_by_readers(tmp_path: Path, monkeypatch) -> None:
+    """A writer that XORs a whole tensor against its pieces (what the layout check above prevents: here it is
+    switched off to make one) is refused by every reader, naming the version and the tensor."""
+    import shutil
+
+    from ckptstream import IntegrityError, Publisher
+    from ckptstream.writer import publisher as publisher_module
+
+    url = str(tmp_path / "stream")
+    shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "golden-pieces", url)
+    tensors = dict(Stream(url).iter_tensors(1))
+    monkeypatch.setattr(publisher_module, "_same_layout_base", lambda base, pieces: base)
+    with Publisher(url, delta_max_ratio=4.0) as publisher:
+        assert publisher.publish(tensors).result().tensor("embed.weight").encoding == "unchanged"
+    with pytest.raises(IntegrityError, match="stores the tensor whole, its base version 1 in pieces") as refused:
+        dict(Stream(url).iter_tensors(2))
+    assert refused.value.version == 2 and refused.value.tensor in ("embed.weight", "proj.weight")
