@@ -90,7 +90,7 @@ def pieces_versions() -> list[dict[str, tuple[torch.Tensor, str]]]:
     }
     v1 = {name: (t.clone(), how) for name, (t, how) in v0.items()}
     v1["embed.weight"][0].view(-1)[5] *= 1.5     # rank 0's piece only: the other is unchanged
-    v1["proj.weight"][0][::3] += 1.0             # both pieces (columns 0 and 3, rows of 6)
+    v1["proj.weight"][0][::3] += 1.0             # rows 0 and 3: both pieces (columns [0, 3) and [3, 6))
     v1["norm.weight"][0][2] = 2.0
     return [v0, v1]
 
