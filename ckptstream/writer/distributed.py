@@ -109,10 +109,11 @@ class DistributedPublisher:
     """Publishes versions whose tensors are spread over the ranks of a ``torch.distributed`` job.
 
     Every rank of ``group`` calls ``publish`` with the same version and its own tensors (names disjoint
-    across ranks; a rank may have none). A version is a delta only if every rank's part can be one
-    (``delta_max_ratio`` applies to each rank's part). A new publisher, and one whose last version failed,
-    starts with a keyframe: the ranks never decode the stream to find a delta base (``base_cache_dir``
-    does not apply). Rank 0 creates the stream at its first commit.
+    across ranks; a rank may have none), or ``publish_sharded`` with the state dict of a model sharded with
+    DTensors (FSDP2), of which each rank writes its own shards. A version is a delta only if every rank's
+    part can be one (``delta_max_ratio`` applies to each rank's part). A new publisher, and one whose last
+    version failed, starts with a keyframe: the ranks never decode the stream to find a delta base
+    (``base_cache_dir`` does not apply). Rank 0 creates the stream at its first commit.
 
     Args:
         url: the stream, as for :class:`Publisher`; every rank must reach the same storage.

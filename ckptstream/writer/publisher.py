@@ -226,7 +226,9 @@ class Publisher:
             named_tensors: a state dict or (name, tensor) pairs under the names the receiver loads
                 (Hugging Face names for vLLM); any device, contiguous or not. With ``adapter_of``, default
                 the adapter's tensors (``peft.get_peft_model_state_dict``); any given instead must keep the
-                stream's rank and target modules.
+                stream's rank and target modules. A DTensor (a sharded model's parameter) is written as
+                this process's piece of the whole tensor (FORMAT.md, "Tensors in pieces"; see
+                ``DistributedPublisher.publish_sharded``), or not at all where another process writes it.
             version: the version number; default the latest version + 1 (0 for a new stream). Must be
                 greater than every version already in the stream.
             step: the training step, recorded in the manifest.

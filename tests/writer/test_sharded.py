@@ -60,7 +60,8 @@ def _step(model: torch.nn.Module, extras: dict[str, torch.Tensor], rank: int, ve
 
     with torch.no_grad():
         local = {n: p.to_local() for n, p in model.named_parameters()}
-        local.update({n: t.to_local() for n, t in extras.items() if n != "replicated.scale" and isinstance(t, DTensor)})
+        local.update({n: t.to_local() for n, t in extras.items()
+                      if n not in ("replicated.scale", "hsdp.weight") and isinstance(t, DTensor)})
         rl_like_step(local, fraction=0.02, generator=torch.Generator().manual_seed(1000 * version + rank))
         rl_like_step({"r": extras["replicated.scale"].to_local()}, generator=torch.Generator().manual_seed(version))
 
@@ -78,6 +79,13 @@ def _sharded_worker(rank: int, world: int, port: int, url: str, report: str) -> 
     model = _TinyLM().to(torch.bfloat16)
     fully_shard(model, mesh=mesh)
     extras = _extras(mesh)
+    if world == 4:  # HSDP's layout: replicated over the first mesh dimension, sharded over the second
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        extras["hsdp.weight"] = distribute_tensor(torch.randn(7, 10, generator=torch.Generator().manual_seed(9)),
+                                                  hsdp, [Replicate(), Shard(0)])
     kinds = []
     with DistributedPublisher(url, timeout=datetime.timedelta(seconds=60)) as publisher:
         for version in range(VERSIONS):
@@ -122,6 +130,8 @@ def test_fsdp2_model_published_from_its_shards(world: int, tmp_path: Path) -> No
     assert [p.offsets[1] for p in pieced["cols.weight"]] == ([0, 65] if world == 2 else [0, 33, 66, 99])
     assert len(pieced["short.weight"]) == min(world, 3)  # rank 3's shard of 3 rows is empty
     assert {"replicated.scale", "plain.steps"}.isdisjoint(pieced)  # written once, whole
+    if world == 4:  # each shard written by one of its two replicas
+        assert [(p.offsets, p.shape) for p in pieced["hsdp.weight"]] == [((0, 0), (4, 10)), ((4, 0), (3, 10))]
     assert {p.encoding for ps in pieced.values() for p in ps} <= {"xor-zstd", "unchanged"}  # deltas per piece
 
 
