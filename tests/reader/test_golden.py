@@ -127,16 +127,20 @@ def test_a_reader_of_format_2_refuses_pieces_and_reads_the_rest(golden, golden_p
     assert len(dict(golden.iter_tensors(1))) == len(EXPECTED["1"])  # streams of format 1 and 2: read as before
 
 
-def test_golden_pieces_mirror_and_bundle_as_any_stream(golden_pieces, tmp_path):
+def test_golden_pieces_mirror_bundle_and_relay_as_any_stream(golden_pieces, tmp_path):
     from ckptstream.bundle import export_bundle, import_bundle
     from ckptstream.mirror import Mirror
+    from ckptstream.relay import Relay
     from ckptstream.storage import open_storage
 
     Mirror(golden_pieces, open_storage(str(tmp_path / "mirror"))).run_once()
     bundle = tmp_path / "pieces.tar"
     export_bundle(golden_pieces, bundle)
     import_bundle(bundle, open_storage(str(tmp_path / "imported")))
-    for copy in (Stream(str(tmp_path / "mirror")), Stream(str(tmp_path / "imported"))):
-        assert copy.versions() == [0, 1]
-        got = {name: tensor_hash(t) for name, t in copy.iter_tensors(1)}
-        assert got == {name: spec["hash"] for name, spec in PIECES_EXPECTED["1"].items()}
+    with Relay(golden_pieces.url, token="t") as relay:  # (over HTTP: no listing, the latest-version hint)
+        copies = (Stream(str(tmp_path / "mirror")), Stream(str(tmp_path / "imported")),
+                  Stream(relay.url, storage_options={"token": "t"}))
+        for copy in copies:
+            assert copy.versions() == [0, 1]
+            got = {name: tensor_hash(t) for name, t in copy.iter_tensors(1)}
+            assert got == {name: spec["hash"] for name, spec in PIECES_EXPECTED["1"].items()}
