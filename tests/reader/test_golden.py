@@ -104,6 +104,13 @@ def test_golden_pieces_materialize_whole_and_from_a_base_copy(golden_pieces, tmp
     with pytest.raises(IntegrityError, match="differs from the base version") as refused:
         golden_pieces.check_materialized(out, 1)
     assert refused.value.tensor == "proj.weight"
+    # Pieces decoded on the base copy start from it: a damaged copy is named, never used.
+    tensors = load_file(base / "model.safetensors")
+    tensors["embed.weight"][6, 0] += 1.0  # in the piece that version 1 leaves unchanged
+    save_file(tensors, base / "model.safetensors")
+    with pytest.raises(IntegrityError, match="the given base copy differs") as refused:
+        golden_pieces.materialize(1, tmp_path / "v1-on-damaged", base_dir=base)
+    assert (refused.value.version, refused.value.tensor) == (0, "embed.weight")
 
 
 def test_golden_pieces_changes_are_those_of_the_whole_tensors(golden_pieces):
