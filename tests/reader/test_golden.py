@@ -151,3 +151,25 @@ def test_golden_pieces_mirror_bundle_and_relay_as_any_stream(golden_pieces, tmp_
             assert copy.versions() == [0, 1]
             got = {name: tensor_hash(t) for name, t in copy.iter_tensors(1)}
             assert got == {name: spec["hash"] for name, spec in PIECES_EXPECTED["1"].items()}
+
+
+def test_golden_pieces_change_for_in_place_updates(golden_pieces, tmp_path):
+    """What a follower applies in place (``vllm_loader.change``): built from the pieces' deltas and the
+    served version's copy, it holds exactly the elements that differ, with their old and new values."""
+    from safetensors import safe_open
+
+    from ckptstream.vllm_loader.change import build_change_from_deltas, read_change
+
+    base = golden_pieces.materialize(0, tmp_path / "v0")
+    out = tmp_path / "change.safetensors"
+    summary = build_change_from_deltas(golden_pieces, base, out, base=0, version=1, max_fraction=1.0)
+    assert summary.problem is None and summary.changed == 14
+    before, after = dict(golden_pieces.iter_tensors(0)), dict(golden_pieces.iter_tensors(1))
+    with safe_open(str(out), framework="pt") as handle:
+        changes = dict(read_change(handle))
+    assert set(changes) == {"embed.weight", "proj.weight", "norm.weight"}
+    for name, (shape, positions, old, new) in changes.items():
+        assert shape == tuple(after[name].shape)
+        patched = before[name].clone().reshape(-1)
+        patched[positions] = new
+        assert torch.equal(before[name].reshape(-1)[positions], old) and torch.equal(patched, after[name].reshape(-1))
