@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import torch
 import zstandard
 
-from .format import DTYPE_SIZES, LAYOUT_DENSE, LAYOUT_SPARSE, MAX_CHUNK_BYTES, content_hash
+from .format import (DTYPE_SIZES, ENCODING_PIECES, LAYOUT_DENSE, LAYOUT_SPARSE, MAX_CHUNK_BYTES, TensorEntry,
+                     content_hash, pieces_hash)
 
 def _torch_dtype_of(name: str) -> torch.dtype | None:
     """The torch dtype of a format dtype name, by the naming rule the two share (``F16`` float16,
@@ -93,6 +94,43 @@ def buffer_of(byte_tensor: torch.Tensor) -> memoryview:
 def tensor_hash(tensor: torch.Tensor) -> str:
     """The format's hash of a CPU tensor's raw bytes (the manifest's ``hash`` of a decoded tensor)."""
     return content_hash(buffer_of(as_bytes(tensor.contiguous())))
+
+
+def box_view(raw: torch.Tensor, shape: tuple[int, ...], itemsize: int, offsets: tuple[int, ...],
+             box: tuple[int, ...]) -> torch.Tensor:
+    """The bytes of the box ``offsets``/``box`` (a piece, FORMAT.md "Tensors in pieces") of a tensor of
+    ``shape`` whose raw bytes are ``raw`` (flat uint8, contiguous): a uint8 view of shape ``box`` with its
+    last dimension in bytes (strided where the box is not a run of whole rows)."""
+    if not shape:
+        return raw
+    whole = raw.view(*shape[:-1], shape[-1] * itemsize)
+    index = tuple(slice(o, o + n) for o, n in zip(offsets[:-1], box[:-1]))
+    return whole[(*index, slice(offsets[-1] * itemsize, (offsets[-1] + box[-1]) * itemsize))]
+
+
+def box_positions(positions: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int, ...],
+                  box: tuple[int, ...]) -> torch.Tensor:
+    """Element positions (flat, row-major) inside the box ``offsets``/``box`` as positions in the whole
+    tensor of ``shape``."""
+    out = torch.zeros_like(positions)
+    rest = positions
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        out += (rest % box[dim] + offsets[dim]) * stride
+        rest = rest // box[dim]
+        stride *= shape[dim]
+    return out
+
+
+def entry_hash(entry: TensorEntry, raw: torch.Tensor) -> str:
+    """The manifest's ``hash`` of a tensor whose raw bytes are ``raw`` (flat uint8, contiguous), as
+    ``entry`` stores it: the hash of the bytes, or for a tensor stored in pieces the hash of its boxes'
+    hashes."""
+    if entry.encoding != ENCODING_PIECES:
+        return content_hash(buffer_of(raw))
+    return pieces_hash(content_hash(buffer_of(box_view(raw, entry.shape, entry.itemsize, p.offsets or (),
+                                                       p.shape).contiguous()))
+                       for p in entry.pieces)
 
 
 def from_bytes(data: bytes | bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -20,12 +20,15 @@ import xxhash
 from .errors import IncompatibleStreamError, IntegrityError, TensorNotFoundError, UnsafeManifestError
 
 FORMAT_NAME = "ckptstream"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The newest format version this library reads; readers refuse streams and manifests with a larger one.
 Writers write the lowest version that holds what they write (``MANIFEST_FORMAT_VERSION``,
 ``stream_format_version``), so that older readers keep reading what they can read."""
 MANIFEST_FORMAT_VERSION = 1
-"""The format version of every manifest written (manifests are the same in versions 1 and 2)."""
+"""The format version of every manifest written without pieces (manifests are the same in versions 1 and 2)."""
+PIECES_FORMAT_VERSION = 3
+"""The format version that added tensors stored in pieces (FORMAT.md, "Tensors in pieces"): the lowest a
+manifest holding one may carry, so that readers of version 2 refuse it instead of misreading it."""
 ADAPTER_FORMAT_VERSION = 2
 """The format version that added stream kinds: the lowest a ``stream.json`` of a kind other than weights
 may carry, so that readers of version 1 refuse an adapter stream instead of reading it as a model's weights."""
@@ -120,11 +123,14 @@ ENCODING_RAW = "raw"            # stored bytes are the tensor's little-endian by
 ENCODING_ZSTD = "zstd"          # chunks of the tensor's bytes, optionally byte-shuffled, zstd-compressed
 ENCODING_XOR_ZSTD = "xor-zstd"  # like zstd, but of the XOR of the tensor's bytes with the base's
 ENCODING_UNCHANGED = "unchanged"  # bit-identical to the base version's tensor; no stored bytes
+ENCODING_PIECES = "pieces"  # stored as boxes of the whole tensor, each with an encoding of its own (format 3)
 LAYOUT_DENSE = "dense"    # a chunk's bytes, byte-shuffled if the tensor says so
 LAYOUT_SPARSE = "sparse"  # positions and values of the changed elements of an XOR chunk (xor-zstd only)
 KEYFRAME_ENCODINGS = frozenset({ENCODING_RAW})
 DELTA_ENCODINGS = frozenset({ENCODING_ZSTD, ENCODING_XOR_ZSTD, ENCODING_UNCHANGED})
 CHUNKED_ENCODINGS = frozenset({ENCODING_ZSTD, ENCODING_XOR_ZSTD})
+FULL_ENCODINGS = frozenset({ENCODING_RAW, ENCODING_ZSTD})
+"""Encodings that need no base: where a delta chain starts."""
 
 # safetensors dtype name -> item size in bytes.
 DTYPE_SIZES: dict[str, int] = {
@@ -391,6 +397,10 @@ class TensorEntry:
     lists ``(raw_bytes, stored_bytes, layout)`` of each independently compressed chunk for chunked
     encodings.
     ``changed`` counts elements whose bits differ from the base version (deltas only).
+
+    A tensor stored in pieces (encoding ``pieces``, FORMAT.md "Tensors in pieces") lists them in ``pieces``:
+    each an entry of its own (the tensor's name and dtype, the piece's shape, hash and stored bytes) whose
+    ``offsets`` say where its box starts in the whole tensor; its ``hash`` is ``pieces_hash`` of theirs.
     """
 
     name: str
@@ -405,6 +415,10 @@ class TensorEntry:
     shuffle: bool = False
     chunks: tuple[tuple[int, int, str], ...] = ()
     changed: int | None = None
+    offsets: tuple[int, ...] | None = None
+    """A piece's first element in the whole tensor, per dimension (None: a whole tensor)."""
+    pieces: tuple[TensorEntry, ...] = ()
+    """The pieces of a tensor stored in pieces, in ascending order of their ``offsets``."""
 
     @property
     def numel(self) -> int:
@@ -421,16 +435,116 @@ class TensorEntry:
     def nbytes(self) -> int:
         return self.numel * self.itemsize
 
+    @property
+    def stored_entries(self) -> tuple[TensorEntry, ...]:
+        """What is encoded on its own: the pieces of a tensor stored in pieces, else the entry itself."""
+        return self.pieces if self.encoding == ENCODING_PIECES else (self,)
+
+    def piece_at(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> TensorEntry | None:
+        """The piece of this tensor with that box (None if it is not stored in pieces or has no such piece)."""
+        for piece in self.pieces:
+            if piece.offsets == offsets and piece.shape == shape:
+                return piece
+        return None
+
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                               "hash": self.hash, "encoding": self.encoding}
-        if self.encoding != ENCODING_UNCHANGED:
+        if self.offsets is not None:  # a piece: its tensor gives the name and dtype
+            out: dict[str, Any] = {"offsets": list(self.offsets), "shape": list(self.shape), "hash": self.hash,
+                                   "encoding": self.encoding}
+        else:
+            out = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "hash": self.hash,
+                   "encoding": self.encoding}
+        if self.encoding == ENCODING_PIECES:
+            out["pieces"] = [p.to_json() for p in self.pieces]
+        elif self.encoding != ENCODING_UNCHANGED:
             out.update(file=self.file, offset=self.offset, length=self.length, stored_hash=self.stored_hash)
         if self.encoding in CHUNKED_ENCODINGS:
             out.update(shuffle=self.shuffle, chunks=[list(c) for c in self.chunks])
         if self.changed is not None:
             out["changed"] = self.changed
         return out
+
+
+def pieces_hash(hashes: Iterable[str]) -> str:
+    """The hash of a tensor stored in pieces: XXH3-128 of its pieces' hashes (each as the ASCII of its
+    notation, ``xxh3-128:`` and 32 hex digits), concatenated in the order of the pieces."""
+    return content_hash("".join(hashes).encode("ascii"))
+
+
+def pieces_problem(shape: tuple[int, ...], pieces: Iterable[TensorEntry]) -> str | None:
+    """Why ``pieces`` do not store a tensor of ``shape`` (FORMAT.md, "Tensors in pieces"), or None: each
+    piece a non-empty box inside the tensor, of its rank; the boxes exactly the non-empty cells of one grid
+    (per dimension, consecutive intervals covering it), each once, in ascending order of their offsets; no
+    two pieces in one data file."""
+    pieces = list(pieces)
+    if not pieces:
+        return "a tensor stored in pieces needs at least one piece"
+    cuts: list[set[tuple[int, int]]] = [set() for _ in shape]
+    files = set()
+    for piece in pieces:
+        offsets = piece.offsets
+        if offsets is None or len(offsets) != len(shape) or len(piece.shape) != len(shape):
+            return f"piece at {offsets} does not have the tensor's {len(shape)} dimensions"
+        if not piece.numel or any(o + n > d for o, n, d in zip(offsets, piece.shape, shape)):
+            return f"piece at {list(offsets)} of shape {list(piece.shape)} is empty or lies outside the tensor"
+        for dim, (o, n) in enumerate(zip(offsets, piece.shape)):
+            cuts[dim].add((o, n))
+        if piece.file is not None:
+            if piece.file in files:
+                return f"two pieces are stored in {piece.file}"
+            files.add(piece.file)
+    for dim, intervals in enumerate(cuts):
+        end = 0
+        for start, size in sorted(intervals):
+            if start != end:
+                return f"the pieces do not cut dimension {dim} into consecutive intervals"
+            end = start + size
+        if end != shape[dim]:
+            return f"the pieces do not cover dimension {dim}"
+    cells = 1
+    for intervals in cuts:
+        cells *= len(intervals)
+    boxes = [p.offsets for p in pieces]
+    if len(pieces) != cells or boxes != sorted(set(boxes)):  # type: ignore[type-var]
+        return "the pieces are not each cell of one grid once, in ascending order of their offsets"
+    return None
+
+
+def join_pieces(entries: Iterable[TensorEntry]) -> list[TensorEntry]:
+    """A version's entries with the parts of each tensor stored in pieces (one entry per writer, each
+    holding that writer's pieces) joined into one, its pieces in order, its ``hash`` and ``changed`` theirs;
+    ValueError where a name is given twice otherwise, or the pieces do not store their tensor."""
+    joined: dict[str, TensorEntry] = {}
+    for entry in entries:
+        held = joined.get(entry.name)
+        if held is None:
+            joined[entry.name] = entry
+            continue
+        if ENCODING_PIECES not in (held.encoding, entry.encoding) or held.encoding != entry.encoding:
+            raise ValueError(f"tensor {entry.name} is given twice")
+        if (held.dtype, held.shape) != (entry.dtype, entry.shape):
+            raise ValueError(f"the pieces of tensor {entry.name} disagree on its dtype or shape: "
+                             f"{held.dtype}{list(held.shape)} and {entry.dtype}{list(entry.shape)}")
+        joined[entry.name] = dataclasses.replace(held, pieces=held.pieces + entry.pieces)
+    out = []
+    for entry in joined.values():
+        if entry.encoding == ENCODING_PIECES:
+            pieces = tuple(sorted(entry.pieces, key=lambda p: p.offsets or ()))
+            problem = pieces_problem(entry.shape, pieces)
+            if problem is not None:
+                raise ValueError(f"tensor {entry.name}: {problem}")
+            counts = [p.changed for p in pieces]
+            entry = dataclasses.replace(entry, pieces=pieces, hash=pieces_hash(p.hash for p in pieces),
+                                        changed=None if None in counts else sum(c or 0 for c in counts))
+        out.append(entry)
+    return out
+
+
+def manifest_format_version(tensors: Iterable[TensorEntry]) -> int:
+    """The lowest format version of a manifest holding ``tensors``: ``PIECES_FORMAT_VERSION`` if one is
+    stored in pieces, else ``MANIFEST_FORMAT_VERSION`` (readers of version 1 read it)."""
+    pieced = any(t.encoding == ENCODING_PIECES for t in tensors)
+    return PIECES_FORMAT_VERSION if pieced else MANIFEST_FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -619,9 +733,10 @@ def _parse_manifest(body: Any, *, version: int, file: str, stream_id: str | None
     files = c.files(c.get(body, "files", list))
     file_sizes = {f.name: f.size for f in files}
     allowed = KEYFRAME_ENCODINGS if kind == KEYFRAME else DELTA_ENCODINGS
+    pieced = body["format_version"] >= PIECES_FORMAT_VERSION
     tensors = []
     for item in c.get(body, "tensors", list):
-        tensors.append(_parse_tensor(c, item, allowed, file_sizes))
+        tensors.append(_parse_tensor(c, item, allowed | {ENCODING_PIECES} if pieced else allowed, file_sizes))
     if len({t.name for t in tensors}) != len(tensors):
         raise c.fail("duplicate tensor names")
     metadata = c.get(body, "metadata", dict, optional=True) or {}
@@ -643,14 +758,21 @@ def _check_format(c: _Checker, body: Any) -> None:
             version=c.version, file=c.file, hint="Upgrade ckptstream to read this stream")
 
 
-def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: dict[str, int]) -> TensorEntry:
-    name = c.get(item, "name", str)
-    problem = tensor_name_problem(name)
-    if problem is not None:
-        raise c.fail(problem)
-    dtype = c.get(item, "dtype", str, name)
-    if dtype not in DTYPE_SIZES:
-        raise c.fail(f"unknown dtype {dtype!r}", name)
+def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: dict[str, int],
+                  whole: TensorEntry | None = None) -> TensorEntry:
+    """One element of ``tensors`` or, with ``whole`` (the tensor it belongs to), one of its ``pieces``."""
+    if whole is None:
+        name = c.get(item, "name", str)
+        problem = tensor_name_problem(name)
+        if problem is not None:
+            raise c.fail(problem)
+        dtype = c.get(item, "dtype", str, name)
+        if dtype not in DTYPE_SIZES:
+            raise c.fail(f"unknown dtype {dtype!r}", name)
+    else:
+        name, dtype = whole.name, whole.dtype
+        if not isinstance(item, dict) or "name" in item or "dtype" in item:
+            raise c.fail("a piece is an object without 'name' or 'dtype' (its tensor's are its own)", name)
     shape_list = c.get(item, "shape", list, name)
     if len(shape_list) > MAX_SHAPE_DIMS or not all(
             isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FILE_BYTES for d in shape_list):
@@ -662,6 +784,22 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
                         encoding=encoding, changed=c.count(item, "changed", optional=True, tensor=name))
     if entry.nbytes > MAX_FILE_BYTES:
         raise c.fail("tensor is larger than any file may be", name)
+    if whole is not None:
+        offsets = c.get(item, "offsets", list, name)
+        if len(offsets) > MAX_SHAPE_DIMS or not all(
+                isinstance(o, int) and not isinstance(o, bool) and 0 <= o <= MAX_FILE_BYTES for o in offsets):
+            raise c.fail(f"invalid piece offsets {offsets[:MAX_SHAPE_DIMS + 1]!r}", name)
+        entry = dataclasses.replace(entry, offsets=tuple(offsets))
+    if encoding == ENCODING_PIECES:
+        items = c.get(item, "pieces", list, name)
+        piece_encodings = allowed - {ENCODING_PIECES}
+        pieces = tuple(_parse_tensor(c, p, piece_encodings, file_sizes, entry) for p in items)
+        problem = pieces_problem(entry.shape, pieces)
+        if problem is not None:
+            raise c.fail(problem, name)
+        if entry.hash != pieces_hash(p.hash for p in pieces):
+            raise c.fail("the tensor's hash is not the hash of its pieces' hashes", name)
+        return dataclasses.replace(entry, pieces=pieces)
     if encoding == ENCODING_UNCHANGED:
         return entry
     file = c.file_name(item, "file", name)

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from ckptstream import IncompatibleStreamError, IntegrityError, UnsafeManifestError
 from ckptstream.errors import EXIT_NOT_FOUND, TensorNotFoundError
-from ckptstream.format import (ADAPTER_CONFIG_FILE, ADAPTER_FORMAT_VERSION, FORMAT_VERSION, MAX_JSON_DEPTH,
-                               MAX_SHAPE_DIMS, STREAM_FILE, STREAM_KIND_ADAPTER, STREAM_KIND_WEIGHTS, AdapterInfo,
-                               FileEntry, Manifest, StreamInfo, TensorEntry, content_hash,
-                               is_safe_file_name, manifest_path, parse_version_name, shard_groups, tensor_name_problem,
-                               version_name)
+from ckptstream.format import (ADAPTER_CONFIG_FILE, ADAPTER_FORMAT_VERSION, ENCODING_PIECES, FORMAT_VERSION,
+                               MAX_JSON_DEPTH, MAX_SHAPE_DIMS, PIECES_FORMAT_VERSION, STREAM_FILE, STREAM_KIND_ADAPTER,
+                               STREAM_KIND_WEIGHTS, AdapterInfo, FileEntry, Manifest, StreamInfo, TensorEntry,
+                               content_hash, is_safe_file_name, join_pieces, manifest_format_version, manifest_path,
+                               parse_version_name, pieces_hash, shard_groups, tensor_name_problem, version_name)
 
 
 def _manifest(**changes) -> Manifest:
@@ -236,3 +237,70 @@ def test_a_stream_json_of_an_unknown_or_incomplete_kind_is_refused(change, probl
     assert exc.value.file == STREAM_FILE
     with pytest.raises(ValueError, match="lacks the asset"):
         _adapter_stream(assets=()).to_bytes()  # nor does a writer write one
+
+
+def _pieced_manifest(boxes, *, format_version=PIECES_FORMAT_VERSION, whole_hash=None, **piece_changes) -> Manifest:
+    """A keyframe of one F32 [4, 6] tensor stored in the pieces ``boxes`` ((offsets, shape) each), each in a
+    file of its own."""
+    files, pieces = [], []
+    for i, (offsets, shape) in enumerate(boxes):
+        size = 4 * math.prod(shape)
+        files.append(FileEntry(f"p{i}.safetensors", 8 + size, content_hash(b"x")))
+        pieces.append(TensorEntry("w", "F32", shape, content_hash(bytes([i])), "raw", f"p{i}.safetensors", 8, size,
+                                  content_hash(bytes([i])), offsets=offsets, **piece_changes))
+    pieces_hashes = pieces_hash(p.hash for p in pieces)
+    whole = TensorEntry("w", "F32", (4, 6), whole_hash or pieces_hashes, ENCODING_PIECES, pieces=tuple(pieces))
+    return _manifest(files=tuple(files), tensors=(whole,), format_version=format_version)
+
+
+def test_a_tensor_in_pieces_round_trips_at_format_version_3():
+    boxes = [((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)), ((2, 3), (2, 3))]  # a 2 x 2 grid
+    manifest = _pieced_manifest(boxes)
+    assert manifest_format_version(manifest.tensors) == PIECES_FORMAT_VERSION
+    parsed = Manifest.from_bytes(manifest.to_bytes(), version=3)
+    assert parsed == manifest and parsed.format_version == 3
+    assert [(p.name, p.dtype, p.offsets) for p in parsed.tensor("w").pieces] == [("w", "F32", b) for b, _ in boxes]
+    assert b'"offsets"' in manifest.to_bytes() and manifest.to_bytes().count(b'"name"') == len(boxes) + 1
+
+
+@pytest.mark.parametrize("boxes, problem", [
+    ([((0, 0), (2, 6)), ((3, 0), (1, 6))], "consecutive intervals"),       # rows 2 missing
+    ([((0, 0), (3, 6)), ((2, 0), (2, 6))], "consecutive intervals"),       # overlapping rows
+    ([((0, 0), (2, 6)), ((2, 0), (1, 6))], "do not cover dimension 0"),     # the last row missing
+    ([((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3))], "not each cell of one grid"),  # a cell missing
+    ([((2, 0), (2, 6)), ((0, 0), (2, 6))], "ascending order"),
+    ([((0, 0), (4, 6)), ((0, 0), (4, 6))], "not each cell of one grid"),   # the same piece twice
+    ([((0,), (4,))], "dimensions"),
+    ([((0, 0), (0, 6)), ((0, 0), (4, 6))], "empty"),
+])
+def test_pieces_that_do_not_tile_their_tensor_are_refused(boxes, problem):
+    with pytest.raises(UnsafeManifestError, match=problem):
+        Manifest.from_bytes(_pieced_manifest(boxes).to_bytes(), version=3)
+
+
+def test_pieces_need_format_version_3_and_their_own_hash():
+    boxes = [((0, 0), (2, 6)), ((2, 0), (2, 6))]
+    with pytest.raises(UnsafeManifestError, match="encoding 'pieces' is not allowed"):
+        Manifest.from_bytes(_pieced_manifest(boxes, format_version=1).to_bytes(), version=3)
+    with pytest.raises(UnsafeManifestError, match="hash of its pieces' hashes"):
+        Manifest.from_bytes(_pieced_manifest(boxes, whole_hash=content_hash(b"w")).to_bytes(), version=3)
+    raw = _pieced_manifest(boxes).to_bytes()
+    body = json.loads(raw)
+    body["tensors"][0]["pieces"][1]["name"] = "w"  # a piece has its tensor's name, never one of its own
+    with pytest.raises(UnsafeManifestError, match="without 'name'"):
+        Manifest.from_bytes(_reseal(json.dumps(body, indent=1).encode()), version=3)
+    body = json.loads(raw)
+    body["tensors"][0]["pieces"][1]["file"] = body["tensors"][0]["pieces"][0]["file"]
+    with pytest.raises(UnsafeManifestError, match="two pieces are stored in p0.safetensors"):
+        Manifest.from_bytes(_reseal(json.dumps(body, indent=1).encode()), version=3)
+
+
+def test_join_pieces_joins_each_writers_pieces_in_order():
+    manifest = _pieced_manifest([((0, 0), (2, 6)), ((2, 0), (2, 6))])
+    whole = manifest.tensors[0]
+    parts = [dataclasses.replace(whole, hash="", pieces=(p,)) for p in reversed(whole.pieces)]  # rank 1 first
+    assert join_pieces(parts) == [whole]
+    with pytest.raises(ValueError, match="dimension 0 into consecutive intervals"):
+        join_pieces(parts[:1])  # rank 0's piece missing
+    with pytest.raises(ValueError, match="given twice"):
+        join_pieces([manifest.tensors[0], _manifest().tensors[0], _manifest().tensors[0]])

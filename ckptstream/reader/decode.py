@@ -14,8 +14,8 @@ import torch
 
 from .. import codec
 from ..errors import IntegrityError
-from ..format import (CHUNKED_ENCODINGS, ENCODING_RAW, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ENCODING_ZSTD,
-                      LAYOUT_SPARSE, Hasher, Manifest, TensorEntry, data_path)
+from ..format import (CHUNKED_ENCODINGS, ENCODING_PIECES, ENCODING_RAW, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD,
+                      ENCODING_ZSTD, FULL_ENCODINGS, LAYOUT_SPARSE, Hasher, Manifest, TensorEntry, data_path)
 from .files import DataFiles
 
 SPARSE_BATCH_BYTES = 64 << 20
@@ -173,7 +173,79 @@ def _step_down(manifests: Callable[[int], Manifest], manifest: Manifest,
         raise IntegrityError(f"delta has dtype/shape {entry.dtype}{list(entry.shape)} but its base "
                              f"version {base_manifest.version} has {previous.dtype}{list(previous.shape)}",
                              version=manifest.version, tensor=entry.name)
+    if (previous.encoding == ENCODING_PIECES) != (entry.encoding == ENCODING_PIECES):
+        raise IntegrityError(f"delta stores the tensor {'in pieces' if entry.pieces else 'whole'}, its base version "
+                             f"{base_manifest.version} {'in pieces' if previous.pieces else 'whole'}: a delta applies "
+                             "to a tensor stored the same way", version=manifest.version, tensor=entry.name,
+                             hint="The writer did not follow the ckptstream format; refusing this version")
     return base_manifest, previous
+
+
+def _piece_steps(manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry, piece: TensorEntry,
+                 stop: int | None = None) -> tuple[list[tuple[Manifest, TensorEntry]], TensorEntry | None]:
+    """The delta chain of ``piece`` (of ``entry``, a tensor of ``target`` stored in pieces), newest first, down
+    to a full encoding (at each step the base's piece with the same box, FORMAT.md "Tensors in pieces"), or
+    to version ``stop`` (then the tensor's entry there is returned too, else None)."""
+    steps: list[tuple[Manifest, TensorEntry]] = []
+    manifest, whole, current = target, entry, piece
+    while True:
+        steps.append((manifest, current))
+        if current.encoding in FULL_ENCODINGS:
+            return steps, None
+        base_manifest, previous = _step_down(manifests, manifest, whole)
+        found = previous.piece_at(current.offsets or (), current.shape)
+        if found is None:
+            raise IntegrityError(f"the delta's piece at {list(current.offsets or ())} of shape {list(current.shape)} "
+                                 f"has no piece of the same box in its base version {base_manifest.version}",
+                                 version=manifest.version, tensor=entry.name,
+                                 hint="The writer did not follow the ckptstream format; refusing this version")
+        if base_manifest.version == stop:
+            return steps, previous
+        manifest, whole, current = base_manifest, previous, found
+
+
+def _decode_pieces(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
+                   base: BaseTensors | None, pool: BufferPool | None) -> torch.Tensor:
+    """The raw bytes (uint8) of a tensor stored in pieces: each piece decoded down its own chain (to a full
+    encoding, or to the version of ``base``, whose copy of the whole tensor gives the piece's box), checked
+    against its hash and copied into its box (the tensor's hash is that of the pieces' hashes, checked when
+    the manifest was parsed). Holds the tensor and one piece at a time."""
+    out = _take(pool, entry.nbytes)
+    holds_base = False  # whether ``out`` holds the base copy's bytes (the boxes not decoded yet)
+    try:
+        for piece in entry.pieces:
+            steps, base_entry = _piece_steps(manifests, target, entry, piece, None if base is None else base.version)
+            box = piece.shape[:-1] + (piece.shape[-1] * entry.itemsize,) if piece.shape else (entry.itemsize,)
+            where = codec.box_view(out, entry.shape, entry.itemsize, piece.offsets or (), piece.shape)
+            data: torch.Tensor | None = None
+            if base is not None and base_entry is not None:
+                if not holds_base and not base.read_into(base_entry, out):
+                    raise IntegrityError("the local base copy lost the tensor while it was read", version=base.version,
+                                         tensor=entry.name, hint="Materialize this version without the base directory")
+                holds_base = True
+                data = _take(pool, piece.nbytes)
+                data.view(box).copy_(where)
+            verified: str | None = None
+            for manifest, current in reversed(steps):
+                data = apply_entry(files, manifest, current, data, pool)
+                if current.encoding != ENCODING_UNCHANGED:
+                    verified = current.stored_hash if current.encoding == ENCODING_RAW else None
+            assert data is not None
+            actual = verified if verified is not None else codec.tensor_hash(data)
+            if actual != piece.hash:
+                if base is not None and base_entry is not None:
+                    load_checked(base, base_entry)  # the local base copy is what differs? (raises, naming it)
+                raise IntegrityError(f"decoded piece at {list(piece.offsets or ())} hashes to {actual}, expected "
+                                     f"{piece.hash}", version=target.version, tensor=entry.name,
+                                     hint="A version in its delta chain is corrupt; run `ckptstream verify`")
+            where.copy_(data.view(box))
+            if pool is not None:
+                pool.give(data)
+    except BaseException:
+        if pool is not None:
+            pool.give(out)
+        raise
+    return out
 
 
 def decode_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
@@ -188,6 +260,9 @@ def decode_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target
     Returns:
         The tensor with the entry's dtype and shape, its bytes checked against the entry's hash.
     """
+    if entry.encoding == ENCODING_PIECES:
+        raw = _decode_pieces(files, manifests, target, entry, base, pool)
+        return raw.view(codec.torch_dtype(entry.dtype)).reshape(entry.shape)
     steps, base_entry = _chain_steps(manifests, target, entry, base)
     start: torch.Tensor | None = None
     if base is not None and base_entry is not None:
@@ -224,7 +299,7 @@ def load_checked(base: BaseTensors, entry: TensorEntry) -> torch.Tensor | None:
                              f"{entry.dtype}{list(entry.shape)}", version=base.version, tensor=entry.name,
                              hint="The local base directory is stale or foreign; materialize it again")
     raw = codec.as_bytes(tensor.contiguous())
-    if codec.tensor_hash(raw) != entry.hash:
+    if codec.entry_hash(entry, raw) != entry.hash:
         raise IntegrityError("the given base copy differs from the base version", version=base.version,
                              tensor=entry.name,
                              hint="The local base directory is stale or corrupt; materialize it again")
@@ -339,6 +414,10 @@ def plan_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target: 
     Raises:
         IntegrityError, MissingBaseError: the chain is broken (as :func:`decode_tensor`).
     """
+    if entry.encoding == ENCODING_PIECES:  # decoded whole, piece by piece
+        for piece in entry.pieces:
+            _piece_steps(manifests, target, entry, piece, None if base is None else base.version)  # (checked now)
+        return TensorPlan(entry, ((target, entry),), None, None)
     steps, base_entry = _chain_steps(manifests, target, entry, base)
     plan = TensorPlan(entry, tuple(steps), base_entry, None)
     deltas = plan.deltas
@@ -510,16 +589,35 @@ def changes_since(files: DataFiles, manifests: Callable[[int], Manifest], target
         TooManyChanges: the changes of its deltas outgrow ``budget`` bytes together.
         IntegrityError, MissingBaseError: a chunk cannot be decoded, or the chain is broken.
     """
-    found: list[tuple[torch.Tensor, torch.Tensor]] = []
-    manifest, current = target, entry
     left = [budget]
+    if entry.encoding == ENCODING_PIECES and target.version != base_version:
+        parts = []
+        for piece in entry.pieces:
+            steps, at_base = _piece_steps(manifests, target, entry, piece, base_version)
+            if at_base is None:
+                return None  # a piece stored whole since
+            found = [_changes(files, m, e, None, left) for m, e in steps
+                     if m.version > base_version and e.encoding == ENCODING_XOR_ZSTD]
+            positions, values = _fold(found, entry.itemsize)
+            parts.append((codec.box_positions(positions, entry.shape, piece.offsets or (), piece.shape), values))
+        positions, values = torch.cat([p for p, _ in parts]), torch.cat([v for _, v in parts])
+        order = torch.argsort(positions)
+        return positions[order], values[order]
+    found = []
+    manifest, current = target, entry
     while manifest.version != base_version:
         if current.encoding in (ENCODING_RAW, ENCODING_ZSTD):
             return None
         if current.encoding == ENCODING_XOR_ZSTD:
             found.append(_changes(files, manifest, current, None, left))
         manifest, current = _step_down(manifests, manifest, current)
-    int_dtype = codec.INT_OF_SIZE[entry.itemsize]
+    return _fold(found, entry.itemsize)
+
+
+def _fold(found: list[tuple[torch.Tensor, torch.Tensor]], itemsize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changes of several deltas of one tensor (each ascending positions, XOR values) as one: ascending
+    positions, values XORed together where they meet, elements changed back dropped."""
+    int_dtype = codec.INT_OF_SIZE[itemsize]
     if not found:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=int_dtype)
     if len(found) == 1:

@@ -161,7 +161,7 @@ class DataFiles:
         if not isinstance(header, dict):
             return "the safetensors header is not a JSON object", None
         data_start = SAFETENSORS_LENGTH.size + length
-        expected = {t.name: t for t in manifest.tensors if t.file == file.name}
+        expected = {t.name: t for whole in manifest.tensors for t in whole.stored_entries if t.file == file.name}
         for name, spec in header.items():
             if name == "__metadata__":
                 continue

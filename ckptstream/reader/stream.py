@@ -384,8 +384,8 @@ class Stream:
             IntegrityError, MissingBaseError: a delta cannot be decoded, or the chain is broken.
         """
         chain = {m.version: m for m in self.chain(version)}
-        if base not in chain or any(t.encoding in (ENCODING_RAW, ENCODING_ZSTD)
-                                    for v, m in chain.items() if v > base for t in m.tensors):
+        if base not in chain or any(s.encoding in (ENCODING_RAW, ENCODING_ZSTD)
+                                    for v, m in chain.items() if v > base for t in m.tensors for s in t.stored_entries):
             return None
         target = chain[version]
         if workers is None and not self.storage.is_posix:
@@ -397,7 +397,8 @@ class Stream:
             return sink(entry, *found)
 
         # In flight: each tensor's stored delta and what its sink holds (positions and two values per change).
-        return ordered_parallel(target.tensors, changes, lambda e: e.length + (e.changed or 0) * (8 + 2 * e.itemsize),
+        return ordered_parallel(target.tensors, changes, lambda e: sum(s.length for s in e.stored_entries)
+                                + (e.changed or 0) * (8 + 2 * e.itemsize),
                                 max_cost=DEFAULT_INFLIGHT_BYTES, workers=workers)
 
     def read_tensor(self, version: int, name: str) -> torch.Tensor:

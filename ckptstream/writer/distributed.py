@@ -20,9 +20,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import CommitOutcomeUnknownError, PublishError, VersionConflictError
-from ..format import DELTA, KEYFRAME, FileEntry, Manifest, TensorEntry
+from ..format import DELTA, ENCODING_PIECES, KEYFRAME, FileEntry, Manifest, TensorEntry
+from ..reader import Stream
 from ..storage import Storage
 from .config import PublisherConfig
+from .pieces import owner
 from .publisher import CommitFn, Part, Publisher
 from .snapshot import NamedTensors
 
@@ -107,10 +109,11 @@ class DistributedPublisher:
     """Publishes versions whose tensors are spread over the ranks of a ``torch.distributed`` job.
 
     Every rank of ``group`` calls ``publish`` with the same version and its own tensors (names disjoint
-    across ranks; a rank may have none). A version is a delta only if every rank's part can be one
-    (``delta_max_ratio`` applies to each rank's part). A new publisher, and one whose last version failed,
-    starts with a keyframe: the ranks never decode the stream to find a delta base (``base_cache_dir``
-    does not apply). Rank 0 creates the stream at its first commit.
+    across ranks; a rank may have none), or ``publish_sharded`` with the state dict of a model sharded with
+    DTensors (FSDP2), of which each rank writes its own shards. A version is a delta only if every rank's
+    part can be one (``delta_max_ratio`` applies to each rank's part). A new publisher, and one whose last
+    version failed, starts with a keyframe: the ranks never decode the stream to find a delta base
+    (``base_cache_dir`` does not apply). Rank 0 creates the stream at its first commit.
 
     Args:
         url: the stream, as for :class:`Publisher`; every rank must reach the same storage.
@@ -139,6 +142,11 @@ class DistributedPublisher:
         return self._publisher.storage
 
     @property
+    def stream(self) -> Stream:
+        """The stream, for reading (its latest version, whether it exists)."""
+        return self._publisher.stream
+
+    @property
     def config(self) -> PublisherConfig:
         """The options this publisher runs with."""
         return self._publisher.config
@@ -165,6 +173,24 @@ class DistributedPublisher:
         if version is None:
             raise ValueError("DistributedPublisher.publish needs an explicit version, the same on every rank")
         return self._publisher.publish(named_tensors, version, step=step, metadata=metadata, keyframe=keyframe)
+
+    def publish_sharded(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None, *,
+                        step: int | None = None, metadata: Mapping[str, Any] | None = None,
+                        keyframe: bool = False) -> Future[Manifest]:
+        """Publish a model sharded over the ranks (FSDP2's ``fully_shard``, any DTensor ``Shard(dim)`` /
+        ``Replicate`` layout) without gathering it: every rank passes its whole ``model.state_dict()``.
+
+        Each rank writes its own shard of every DTensor as a piece of that tensor (FORMAT.md, "Tensors in
+        pieces"); a tensor replicated on several ranks (a ``Replicate`` placement, or a plain tensor, which
+        must then be the same on every rank) is written by one of them, chosen by its name. Nothing crosses
+        ranks but the version's coordination. A version reads back as whole tensors. Deltas are per piece,
+        against the same rank's piece of the last version. Arguments, result and errors as :meth:`publish`.
+        """
+        rank, size = self._coordinator.rank, self._coordinator.size
+        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+        return self.publish(((name, tensor) for name, tensor in items
+                             if _is_dtensor(tensor) or owner(name, size) == rank),
+                            version, step=step, metadata=metadata, keyframe=keyframe)
 
     def wait(self) -> None:
         """Block until every version published so far is committed (on every rank); raise the first failure."""
@@ -203,6 +229,8 @@ def _commit_parts(parts: list[Any], commit: CommitFn) -> tuple[str, Any]:
     owner: dict[str, int] = {}
     for rank, (_, _, tensors) in enumerate(parts):
         for entry in tensors:
+            if entry.encoding == ENCODING_PIECES:
+                continue  # every rank writes its own pieces of it: joined (and checked) by the commit
             if entry.name in owner:
                 return "failed", f"tensor {entry.name} was published by ranks {owner[entry.name]} and {rank}"
             owner[entry.name] = rank
@@ -222,6 +250,12 @@ def _commit_parts(parts: list[Any], commit: CommitFn) -> tuple[str, Any]:
 def _failures(parts: list[Any]) -> str:
     """What the ranks' reports say failed ("" if nothing)."""
     return "; ".join(f"rank {rank} failed ({report})" for rank, (report, _, _) in enumerate(parts) if report)
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _natural(name: str) -> list[Any]:

@@ -35,7 +35,7 @@ import torch
 
 from .. import __version__, codec
 from ..errors import CkptStreamError, PublishError, VersionOrderError
-from ..format import DELTA, KEYFRAME, FileEntry, Manifest, TensorEntry, dumps_json
+from ..format import DELTA, KEYFRAME, FileEntry, Manifest, TensorEntry, dumps_json, join_pieces, manifest_format_version
 from ..parallel import default_workers, one_cpu_thread_each
 from ..reader import Stream
 from ..reader.adapter import check_adapter_tensors
@@ -44,9 +44,10 @@ from .base import BaseLookup
 from .commit import LazyStream, commit_manifest, load_assets, new_writer_id, utc_now, write_latest_hint
 from .config import PublisherConfig
 from .device_encode import DeviceCapture, DeviceDeltaEncoder, DeviceSnapshot, LandedVersion
-from .encode import DeltaEncoder, EncodedVersion, VersionEncoder
+from .encode import BaseVersion, DeltaEncoder, EncodedVersion, VersionEncoder
 from .files import DataFileWriter
 from .heap import HeapFreeze
+from .pieces import PieceOf, as_piece_entries, local_pieces, same_layout
 from .snapshot import NamedTensors, SnapshotBuffers
 
 log = logging.getLogger("ckptstream.publish")
@@ -121,6 +122,7 @@ class _Job:
     previous_version: int | None  # the publisher's last version before this one was numbered
     future: Future[Manifest] = field(default_factory=Future)
     capture: DeviceCapture | None = None  # the device snapshot (then ``tensors`` are filled when it lands)
+    pieces: dict[str, PieceOf] = field(default_factory=dict)  # the tensors written as pieces of a whole
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,9 @@ class Publisher:
             named_tensors: a state dict or (name, tensor) pairs under the names the receiver loads
                 (Hugging Face names for vLLM); any device, contiguous or not. With ``adapter_of``, default
                 the adapter's tensors (``peft.get_peft_model_state_dict``); any given instead must keep the
-                stream's rank and target modules.
+                stream's rank and target modules. A DTensor (a sharded model's parameter) is written as
+                this process's piece of the whole tensor (FORMAT.md, "Tensors in pieces"; see
+                ``DistributedPublisher.publish_sharded``), or not at all where another process writes it.
             version: the version number; default the latest version + 1 (0 for a new stream). Must be
                 greater than every version already in the stream.
             step: the training step, recorded in the manifest.
@@ -348,7 +352,8 @@ class Publisher:
             if self.adapter is not None:
                 named_tensors = self._adapter_tensors(job.version, named_tensors)
             assert named_tensors is not None
-            items = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+            items = local_pieces(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors,
+                                 job.pieces)
             first = next(items, None)
             items = itertools.chain([] if first is None else [first], items)
             on_device = self.config.device_delta
@@ -449,7 +454,7 @@ class Publisher:
             phases[name] = phases.get(name, 0.0) + now - clock[0]
             clock[0] = now
 
-        base = self._bases.current(job.version)
+        base = _same_layout_base(self._bases.current(job.version), job.pieces)
         hashes: list[Future[str]] = []  # on the host path
         landed: LandedVersion | None = None
         if job.capture is not None:
@@ -482,7 +487,8 @@ class Publisher:
                 phase("encode")
                 digests = landed.hashes() if landed is not None else [h.result() for h in hashes]
                 phase("hash")
-                part.files, part.tensors = self._files.write(job.version, encoded, digests)
+                part.files, tensors = self._files.write(job.version, encoded, digests)
+                part.tensors = as_piece_entries(tensors, job.pieces)
                 phase("write")
             except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
                 part.failure = exc
@@ -500,6 +506,11 @@ class Publisher:
         if not tensors:
             raise PublishError("a version needs at least one tensor; nothing was published", version=job.version,
                                hint="Pass the model's tensors to publish()")
+        try:
+            tensors = join_pieces(tensors)
+        except ValueError as exc:
+            raise PublishError(f"the version's tensors do not fit together: {exc}", version=job.version,
+                               hint="Every process must publish the same model's shards, each its own") from None
         info = self._stream_file.info()
         manifest = Manifest(
             version=job.version, kind=KEYFRAME if base is None else DELTA,
@@ -508,10 +519,20 @@ class Publisher:
             chain_length=0 if base is None else base.chain_length + 1, stream_id=info.stream_id,
             created=utc_now(), files=tuple(files), tensors=tuple(tensors), step=job.step, metadata=job.metadata,
             writer={"id": self.writer_id, "host": socket.gethostname(), "pid": os.getpid(),
-                    "library": f"ckptstream {__version__}"})
+                    "library": f"ckptstream {__version__}"}, format_version=manifest_format_version(tensors))
         commit_manifest(self.storage, manifest)
         write_latest_hint(self.storage, manifest.version)
         return manifest
+
+
+def _same_layout_base(base: BaseVersion | None, pieces: dict[str, PieceOf]) -> BaseVersion | None:
+    """``base`` without the tensors that a delta cannot apply to now: stored whole where the tensor is a piece
+    now or the other way round, or as pieces of other boxes (FORMAT.md, "Tensors in pieces")."""
+    if base is None:
+        return None
+    entries = base.manifest.tensor_map()
+    kept = {name: t for name, t in base.tensors.items() if same_layout(entries.get(name), pieces.get(name))}
+    return base if len(kept) == len(base.tensors) else BaseVersion(base.manifest, kept)
 
 
 def _checked_metadata(metadata: Mapping[str, Any] | None, step: int | None) -> dict[str, Any]:

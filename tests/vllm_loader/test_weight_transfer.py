@@ -303,3 +303,66 @@ def test_credentials_are_refused_by_both_sides_init_info():
         with pytest.raises(ValueError, match="sent to the servers") as error:
             CkptstreamTrainerInitInfo(url="s3://b/run", rank=0, **refused)
         assert SECRET not in str(error.value)
+
+
+def _sharded_trainer(rank: int, world: int, port: int, model_dir: str, url: str, server_url: str,
+                     report: str) -> None:
+    """One rank of an FSDP2 trainer (CPU, gloo) sending its weights through the ckptstream engine without a
+    gather; rank 0 writes the gathered weights (for the test only) as an HF directory beside the report."""
+    import datetime
+    import os
+    import shutil
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ckptstream.weight_transfer.trainer import CkptstreamTrainerInitInfo, ShardedModuleSource
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    engine = WeightTransferTrainerFactory.trainer_init(
+        CkptstreamTrainerInitInfo(url=url, rank=rank, cache_dir=str(Path(report, "cache")),
+                                  publisher_options={"assets": model_dir, "keyframe_every": 100}),
+        client=HttpWeightSyncClient([server_url]), source=ShardedModuleSource(model))
+    versions = [engine.send_weights()]
+    with torch.no_grad():  # a training step on each rank's own shards of the norms: in place on the server
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.to_local().mul_(1.0078125)
+    versions.append(engine.send_weights(step=1))
+    engine.shutdown()
+    full = {name: param.full_tensor().contiguous() for name, param in model.named_parameters()}
+    if rank == 0:
+        hf_dir = Path(report, "hf")
+        shutil.copytree(model_dir, hf_dir)
+        save_file(full, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+        Path(report, "versions.json").write_text(json.dumps(versions))
+    dist.destroy_process_group()
+
+
+def test_the_trainer_engine_sends_an_fsdp2_model_from_its_shards(local_run, server, tmp_path):
+    """Two FSDP2 ranks publish their own shards (pieces, no gather) through ``ShardedModuleSource``; the
+    server, updated in place from the pieces' deltas, serves exactly what it serves from an HF directory of
+    the same weights (gathered by the test)."""
+    from tests.helpers import run_ranks
+
+    url = str(tmp_path / "trained")
+    assert run_ranks(_sharded_trainer, 2, str(local_run.model), url, server.url, str(tmp_path), timeout=400) == [0, 0]
+    assert json.loads((tmp_path / "versions.json").read_text()) == [0, 1]
+    manifest = Stream(url).manifest(1)
+    assert manifest.kind == "delta" and manifest.format_version == 3
+    assert all(t.encoding == "pieces" and len(t.pieces) == 2 for t in manifest.tensors)
+    statuses = server.client.weight_transfer_status()
+    assert [(st["version"], st["mode"]) for st in statuses] == [(1, "in_place")] * len(statuses), statuses
+    updated, outputs = server.client.parameter_hashes(), server.outputs()
+    server.client.pause()
+    server.client.reload_weights(str(tmp_path / "hf"))
+    server.client.reset_prefix_cache()
+    server.client.resume()
+    assert server.client.parameter_hashes() == updated
+    assert server.outputs() == outputs
