@@ -352,10 +352,12 @@ def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: 
     earlier one: ``VersionCache.proven``), else decoded here by applying its delta to the newest cached and
     proven version of its chain (waiting instead if another follower is decoding it). Every other version
     but those in ``keep`` (which the caller still uses) is released and pruned. Returns (path, base version
-    used: the version itself when reused, bytes fetched, whether it was decoded here). Shared by the
-    follower, the node agent, the adapter follower and the weight-transfer engine."""
+    used: the version itself when reused, bytes read from the stream's storage meanwhile (``Stream.bytes_read``:
+    measured, not the manifests' sizes), whether it was decoded here). Shared by the follower, the node agent,
+    the adapter follower and the weight-transfer engine."""
+    read_before = stream.bytes_read()
     if cache.hold(version) and cache.proven(stream, version):
-        return cache.path(version), version, 0, False
+        return cache.path(version), version, stream.bytes_read() - read_before, False
     chain = stream.chain(version)
     chain_versions = {m.version for m in chain}
     base = next((v for v in reversed(cache.versions())
@@ -371,8 +373,7 @@ def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: 
             cache.release(base)
     if not decoded:  # another follower decoded it while this one waited
         base = version
-    fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base) if decoded else 0
-    return path, base, fetched, decoded
+    return path, base, stream.bytes_read() - read_before, decoded
 
 
 def _hold_base(stream: Stream, cache: VersionCache, version: int) -> bool:

@@ -41,14 +41,14 @@ from ..format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
 from ..hf import tensor_specs
 from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
 from ..reader.replicas import STATE_ASIDE, remember_refusal
-from ..storage import Watch, open_storage
-from ..storage.timing import TimedReads
+from ..storage import Watch
 from ..locks import unlock
 from ..polling import poll
 from . import takeover
 from .apply import staging_problem
 from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
-from .change import MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change, build_change_from_deltas
+from .change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
+                     build_change_from_deltas)
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from .gate import UpdateGate
 from .observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, attach_metrics, commit_age,
@@ -154,8 +154,8 @@ class Follower:
             raise ValueError("at least one vLLM server URL is needed")
         config = (config or FollowerConfig()).with_options(**options)
         self.config = config
-        self._reads = TimedReads(open_storage(url, config.storage_options))  # what is fetch in a prepare
-        self.stream = Stream(url, storage=self._reads, lease_ttl=config.lease_ttl)
+        self.stream = Stream(url, storage_options=config.storage_options, lease_ttl=config.lease_ttl)
+        self._reads = self.stream.meter  # what is fetch in a prepare, and what an update read
         info = self.stream.info()
         self.stream.require_kind(STREAM_KIND_WEIGHTS)  # an adapter stream is served by adapter followers
         self.clients: list[VllmControl] = [VllmClient(u, api_key=config.api_key) if isinstance(u, str) else u
@@ -288,18 +288,24 @@ class Follower:
             NodesNotReady: a node of an engine lacks it after ``nodes_ready_timeout`` (servers untouched).
             VllmError: a server failed to load it (servers reverted to the current version).
         """
+        try:
+            return self._load(version, clients)
+        finally:
+            self.stream.drop_kept_reads()  # what the change was built from and the decode did not read
+
+    def _load(self, version: int, clients: Sequence[VllmControl] | None) -> UpdateRecord:
         manifest = self.stream.manifest(version)
         self._check_against_served(manifest)  # before fetching anything
         self._report(state="updating")
         started, read_before = time.perf_counter(), self._reads.read_seconds()
+        bytes_before = self._reads.bytes_read()
         path: Path | None = None
         change, why_not = self._change(version, None)  # from the fetched deltas, before any decode
         if change is not None:
             assert self.current is not None
             base, decoded = self.current, False
-            fetched = sum(m.stored_bytes for m in self.stream.chain(version) if m.version > self.current)
         else:
-            path, base, fetched, decoded = self.prepare(version)
+            path, base, _, decoded = self.prepare(version)
         prepare_s = time.perf_counter() - started
         fetch_s = min(prepare_s, self._reads.read_seconds() - read_before)
         targets = list(self.clients if clients is None else clients)
@@ -370,6 +376,7 @@ class Follower:
             fallbacks["verify"] += 1
         self.current = version
         self.cache.prune({version})
+        fetched = self._reads.bytes_read() - bytes_before  # measured: what this update read from storage
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
                               fetch_s=fetch_s, decode_s=prepare_s - fetch_s, applied_in_place=in_place,
                               fallbacks=dict(fallbacks), cache_s=cache_s)
@@ -482,8 +489,9 @@ class Follower:
 
         def build(out: Path) -> None:
             if path is None:
-                built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
-                                                      version=version, max_fraction=MAX_CHANGE_FRACTION))
+                with self.stream.keeping_reads(KEPT_DELTAS_BYTES):  # the decode reads them from memory
+                    built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
+                                                          version=version, max_fraction=MAX_CHANGE_FRACTION))
             else:
                 built.append(build_change(self.cache.path(base), path, out, stream_id=stream_id, base=base,
                                           version=version, max_fraction=MAX_CHANGE_FRACTION))
