@@ -268,10 +268,13 @@ class Follower:
 
     def adopt(self, version: int) -> None:
         """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it);
-        the follower holds it in the cache from now on."""
+        the follower holds it in the cache from now on (and the workers of an engine spanning nodes, each
+        on its node: ``_hold_served``)."""
         self.cache.hold(version)
         self.current = version
         self._reference = self._reference or self._specs(self.stream.manifest(version))
+        for client in self.clients:
+            self._hold_served(client)
         self._report(version=version, state="serving")
 
     def load(self, version: int, clients: Sequence[VllmControl] | None = None) -> UpdateRecord:
@@ -294,11 +297,11 @@ class Follower:
             self.stream.drop_kept_reads()  # what the change was built from and the decode did not read
 
     def _load(self, version: int, clients: Sequence[VllmControl] | None) -> UpdateRecord:
+        bytes_before = self._reads.bytes_read()
         manifest = self.stream.manifest(version)
         self._check_against_served(manifest)  # before fetching anything
         self._report(state="updating")
         started, read_before = time.perf_counter(), self._reads.read_seconds()
-        bytes_before = self._reads.bytes_read()
         path: Path | None = None
         change, why_not = self._change(version, None)  # from the fetched deltas, before any decode
         if change is not None:
@@ -469,7 +472,27 @@ class Follower:
         client.check_resumed()
         client.check_weight_version(str(serves))
         client.probe()
+        self._hold_served(client)
         return paused, reload_s, failed
+
+    def _hold_served(self, client: VllmControl) -> None:
+        """On an engine spanning nodes, have every rank hold the version it now serves on its node
+        (``cache.hold_served``): the node agents keep it, to restore after a failed reload, and need no
+        replica record to know it (a read-only stream has none). A failure is logged: the servers serve on."""
+        if self.config.nodes_ready_timeout is None:
+            return
+        try:
+            ranks = client.hold_served()
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            log.warning("%s: its ranks could not hold the version they serve (%s); a node agent may delete it",
+                        client.url, exc)
+            return
+        unheld = [f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks if r.get("version") is None]
+        if unheld:
+            log.warning("%s: %s serve(s) no version of the cache, which its agent may delete",
+                        client.url, ", ".join(dict.fromkeys(unheld)))
 
     # ----------------------------------------------------------------------------------- in place
 
