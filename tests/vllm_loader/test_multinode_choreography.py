@@ -130,7 +130,7 @@ def test_the_agent_keeps_the_version_the_head_serves(engine):
     for step in (1, 2, 3):
         publisher.publish(_state(step)).result()
         assert agent.step() == step
-    assert agent.cache.versions() == [0, 3]  # 0: what the head's record says the engine serves
+    assert agent.cache.versions() == [0, 3]  # 0: what the engine serves (its workers on node 1 hold it)
 
 
 def test_over_http_the_agent_keeps_what_the_engine_serves_and_a_failed_reload_restores_it(tmp_path):
