@@ -441,3 +441,53 @@ def test_will_read_is_a_hint_that_never_fails_a_read(tmp_path):
         target.will_read("data", 100, 10)
         target.will_read("missing", 0, 10)
     assert storage.read("data") == b"x" * 10
+
+
+def test_timed_reads_count_the_bytes_every_kind_of_read_returns(tmp_path):
+    from ckptstream.storage.timing import TimedReads
+
+    storage = open_storage(str(tmp_path))
+    storage.put("data", bytes(range(100)))
+    meter = TimedReads(storage)
+    assert meter.read("data", 10, 20) == bytes(range(10, 20)) and meter.bytes_read() == 10
+    meter.read_small("data", 1000)
+    buffer = bytearray(5)
+    meter.read_into("data", 0, memoryview(buffer))
+    meter.read_ranges("data", [(0, 3), (50, 60)])
+    meter.read_ranges_into("data", [(0, memoryview(bytearray(7)))])
+    assert meter.bytes_read() == 10 + 100 + 5 + 13 + 7
+    with meter.open_read("data") as f:
+        assert f.read() == bytes(range(100))
+    assert meter.bytes_read() == 235
+    meter.size("data"), meter.exists("data"), meter.list("")  # metadata: no bytes
+    assert meter.bytes_read() == 235 and meter.read_seconds() > 0
+
+
+def test_kept_reads_serve_a_range_read_while_keeping_once_within_their_bound(tmp_path):
+    from ckptstream.storage.kept import KeptReads
+    from ckptstream.storage.timing import TimedReads
+
+    storage = open_storage(str(tmp_path))
+    storage.put("data", bytes(range(100)))
+    meter = TimedReads(storage)
+    kept = KeptReads(meter)
+    kept.read("data", 0, 10)  # not keeping: passes through
+    assert kept.kept_bytes == 0 and meter.bytes_read() == 10
+    with kept.keeping(25):
+        kept.read("data", 0, 10)
+        kept.read_into("data", 10, memoryview(bytearray(10)))
+        kept.read("data", 20, 30)  # past the bound: read, not kept
+        kept.read("data", 95, 105)  # the end of the file: not the range asked, not kept
+    assert kept.kept_bytes == 20 and meter.bytes_read() == 10 + 35
+    assert kept.read_ranges("data", [(0, 10), (40, 41)]) == [bytes(range(10)), bytes([40])]
+    buffer = bytearray(10)
+    kept.read_ranges_into("data", [(10, memoryview(buffer))])
+    assert bytes(buffer) == bytes(range(10, 20)) and meter.bytes_read() == 45 + 1  # the kept ones from memory
+    assert kept.kept_bytes == 0
+    kept.read("data", 0, 10)  # served once: read again
+    assert meter.bytes_read() == 56
+    with kept.keeping(100):
+        kept.read("data", 0, 10)
+    kept.clear()
+    kept.read("data", 0, 10)
+    assert meter.bytes_read() == 76 and kept.kept_bytes == 0

@@ -111,7 +111,8 @@ def main() -> None:
             shutil.rmtree(bare_dir)
             equal = client.parameter_hashes() == served_hashes and client.generate(PROMPT, 8) == served_tokens
             client.set_weight_version(str(manifest.version))
-            rows.append(dict(version=manifest.version, stored=manifest.stored_bytes, lag=update.lag_s,
+            rows.append(dict(version=manifest.version, stored=manifest.stored_bytes, read=update.bytes_fetched,
+                             lag=update.lag_s,
                              prepare=update.prepare_s, pause=update.pause_s, reload=update.reload_s,
                              cache=update.cache_s,
                              how="in place" if update.applied_in_place else
@@ -120,7 +121,8 @@ def main() -> None:
                              naive_pause=naive_pause, naive_total=save_s + naive_pause))
             r = rows[-1]
             prepared = "change" if r["cache"] else "decode"  # (in place: the change built from the deltas)
-            print(f"  version {r['version']}: delta {r['stored'] / 1e6:6.2f} MB | ckptstream commit->serving "
+            print(f"  version {r['version']}: delta {r['stored'] / 1e6:6.2f} MB (read {r['read'] / 1e6:6.2f} MB) | "
+                  f"ckptstream commit->serving "
                   f"{r['lag']:5.2f} s (fetch+{prepared} {r['prepare']:4.2f} s, pause {r['pause']:4.2f} s, "
                   f"{r['how']} {r['reload']:4.2f} s; decoded into the cache {r['cache']:4.2f} s after) | bare "
                   f"reload {r['bare_pause']:4.2f} s | naive save {r['naive_save']:4.2f} s + pause "

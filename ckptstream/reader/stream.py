@@ -22,7 +22,9 @@ from ..format import (ADAPTER_WEIGHTS_FILE, DEFAULT_SHARD_BYTES, ENCODING_RAW, E
                       StreamInfo, TensorEntry, asset_path, content_hash, manifest_path, parse_version_name)
 from ..parallel import default_workers, ordered_parallel
 from ..storage import MAX_CONCURRENT_READS, Storage, open_storage
+from ..storage.kept import KeptReads
 from ..storage.readahead import ChunkedReads
+from ..storage.timing import TimedReads
 from .adapter import check_adapter_tensors, kind_error
 from .decode import (BufferPool, Writer, changes_since, decode_order, decode_tensor, decode_tensor_to, load_checked,
                      plan_tensor)
@@ -83,14 +85,33 @@ class Stream:
                  storage: Storage | None = None, lease_ttl: float = DEFAULT_LEASE_TTL):
         self.lease_ttl = check_lease_ttl(lease_ttl)
         self.url = url
-        self.storage = storage or open_storage(url, storage_options)
+        # Every read is measured right over the backend: what ``bytes_read`` says was read from storage.
+        self.storage = self.meter = TimedReads(storage or open_storage(url, storage_options))
         self._info: StreamInfo | None = None
         self._manifests: collections.OrderedDict[int, Manifest] = collections.OrderedDict()
         self._lock = threading.Lock()
         # Object stores serve a tensor's range per request: aligned chunks fetched concurrently instead.
         self._chunked = (ChunkedReads(self.storage)
                          if self.storage.capabilities.ranged_reads and not self.storage.is_posix else None)
-        self._files = DataFiles(self._chunked or self.storage)
+        self._kept = KeptReads(self._chunked or self.storage)
+        self._files = DataFiles(self._kept)
+
+    def bytes_read(self) -> int:
+        """Bytes read from the stream's storage through this ``Stream`` so far (manifests, data files, assets:
+        every read, measured where it happens, ``storage.timing.TimedReads``); the difference across a pull
+        is what it read."""
+        return self.meter.bytes_read()
+
+    def keeping_reads(self, max_bytes: int) -> contextlib.AbstractContextManager[None]:
+        """Inside the block, the data-file ranges read (at most ``max_bytes`` together) are kept in memory
+        after it, each for one more read of the same range (``storage.kept.KeptReads``): a version decoded
+        after its change was built from its deltas (``changes_since``) reads those deltas from memory.
+        ``drop_kept_reads()`` frees what is left."""
+        return self._kept.keeping(max_bytes)
+
+    def drop_kept_reads(self) -> None:
+        """Free the ranges kept by ``keeping_reads`` that were not read again."""
+        self._kept.clear()
 
     # ---------------------------------------------------------------------------------------- discovery
 

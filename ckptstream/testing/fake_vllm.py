@@ -14,8 +14,9 @@ Example::
     assert server.calls_of("reload_weights") == [...]
 
 An engine spanning nodes is a ``FakeVllmClient`` with ``nodes``: each ``FakeNode`` sees the paths under
-the head's cache root in a directory of its own (its "local disk"), answers ``cache_report`` with the
-real worker extension's code, and a reload fails (half-way, as in vLLM) when any node lacks the path.
+the head's cache root in a directory of its own (its "local disk"), answers ``cache_report`` and
+``hold_served`` with the real worker extension's code (its model path repointed by each reload, as vLLM's),
+and a reload fails (half-way, as in vLLM) when any node lacks the path.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from ..errors import AdapterRefused, VllmError, VllmUnreachable
@@ -43,6 +45,11 @@ class FakeNode:
     shared: str | None = None
     local: str | None = None
     loaded_version: int | None = None  # None also after a reload that failed half-way on this node
+    model: str | None = None  # where its workers last loaded the model from, as this node sees it
+    worker: WorkerExtension = field(init=False, repr=False)  # its workers' extension (one rank)
+
+    def __post_init__(self) -> None:
+        self.worker = _NodeWorker(self)
 
     def sees(self, path: str) -> str:
         """Where this node reads ``path``."""
@@ -53,6 +60,18 @@ class FakeNode:
         if absolute == shared or absolute.startswith(shared + "/"):
             return self.local + absolute[len(shared):]
         return path
+
+
+class _NodeWorker(WorkerExtension):
+    """The worker extension as vLLM mixes it into a worker of a fake node: its model path is the node's."""
+
+    def __init__(self, node: FakeNode):
+        self._node = node
+
+    @property
+    def vllm_config(self) -> Any:
+        return SimpleNamespace(model_config=SimpleNamespace(model=self._node.model),
+                               parallel_config=SimpleNamespace(node_rank=self._node.node_rank))
 
 
 @dataclass
@@ -149,6 +168,7 @@ class FakeVllmClient:
         missing = [node for node in self.nodes if not (Path(node.sees(path)) / MARKER_FILE).is_file()]
         if self.nodes:
             for node in self.nodes:  # a rank that lacks it fails half-way; the others load it
+                node.model = node.sees(path)  # (vLLM repoints the model's path before loading)
                 node.loaded_version = None if node in missing else \
                     int(json.loads((Path(node.sees(path)) / MARKER_FILE).read_text())["version"])
             if missing:
@@ -175,6 +195,14 @@ class FakeVllmClient:
             report = WorkerExtension().ckptstream_cache_report(node.sees(versions_dir))
             reports.append({**report, "host": node.host, "node_rank": node.node_rank, "rank": rank})
         return reports
+
+    def hold_served(self) -> list[dict[str, Any]]:
+        """One answer per node (one rank each), made by the real worker extension's code."""
+        self._call("hold_served")
+        if not self.nodes:
+            raise VllmError(f"{self.url} has no ckptstream worker extension (a fake without nodes)")
+        return [{**node.worker.ckptstream_hold_served(), "host": node.host, "node_rank": node.node_rank, "rank": rank}
+                for rank, node in enumerate(self.nodes)]
 
     def stage_change(self, path: str) -> list[dict[str, Any]]:
         self._call("stage_change", path)

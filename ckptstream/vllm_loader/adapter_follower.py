@@ -26,8 +26,6 @@ from typing import Any
 from ..errors import AdapterRefused, IntegrityError, MissingBaseError, VersionNotFoundError, VllmArgumentError
 from ..format import STREAM_KIND_ADAPTER
 from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
-from ..storage import open_storage
-from ..storage.timing import TimedReads
 from ..reader.adapter import check_adapter_fits
 from ..reader.adapter import DEFAULT_KEEP
 from ..reader.replicas import remember_refusal
@@ -75,8 +73,8 @@ class AdapterFollower:
                  heartbeat_interval: float = 5.0):
         if not vllm_urls:
             raise ValueError("at least one vLLM server URL is needed")
-        self._reads = TimedReads(open_storage(url, storage_options))  # what is fetch in a prepare
-        self.stream = Stream(url, storage=self._reads, lease_ttl=lease_ttl)
+        self.stream = Stream(url, storage_options=storage_options, lease_ttl=lease_ttl)
+        self._reads = self.stream.meter  # what is fetch in a prepare
         self.stream.require_kind(STREAM_KIND_ADAPTER)
         info = self.stream.info()
         assert info.adapter is not None  # an adapter stream's stream.json has its block

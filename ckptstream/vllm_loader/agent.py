@@ -5,8 +5,12 @@ vLLM's workers read ``weights_path`` on their own node, so the head (a ``Followe
 ``nodes_ready_timeout``) reloads a version only once every rank reports it complete there
 (``worker.WorkerExtension``). The agent drives no server: it discovers, decodes (a delta applied to its newest
 cached version, as the follower does: ``prepare_version``) and reports, in a replica record of kind
-``node`` naming its engine and node rank. It keeps the newest version and the one the head's record says
-the engine serves (every rank reloads that one if an update fails on any rank).
+``node`` naming its engine and node rank. It keeps the newest version and the one the engine serves (every
+rank reloads that one if an update fails on any rank), which it learns from its own node: the engine's
+workers there hold it in the cache (``cache.hold_served``, which the head has them do after each update), so
+it needs no record of the head's, and a read-only stream (HTTP, a relay) serves as well as a writable one.
+Until the workers hold a version (the head has them do it once the engine answers), the version prepared last
+counts as served: the one vLLM was started on.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from ..polling import poll
 from ..reader import ReplicaRecord, Stream, replica_path
 from ..reader.replicas import KIND_NODE
 from ..storage import Watch
-from ..format import MANIFESTS_DIR, MAX_REPLICA_RECORD_BYTES, STREAM_KIND_WEIGHTS
+from ..format import MANIFESTS_DIR, STREAM_KIND_WEIGHTS
 from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
 from .follower import FollowerConfig
 from .observe import FollowerObserver, ReplicaRecordWriter, attach_metrics, notify, refusal_reason
@@ -91,14 +95,11 @@ class NodeAgent:
 
     def prepare(self, version: int) -> Path:
         """Decode ``version`` into this node's cache (complete, with its marker) and report it."""
-        keep = {v for v in (self.current, self._served_by_head()) if v is not None}
-        path, base, fetched, _ = prepare_version(self.stream, self.cache, version, keep=keep,
+        served = self.served()
+        path, base, fetched, _ = prepare_version(self.stream, self.cache, version, keep=served,
                                                  holder=f"node agent {self.record.replica_id}")
         self.current = version
-        served = self._served_by_head()  # the base is done with, unless the engine serves it
-        if served is not None:
-            self.cache.hold(served)  # the engine's workers read it from here: no pruner may delete it
-        self.cache.prune({version} | ({served} if served is not None else set()))
+        self.cache.prune({version} | served)  # the base is done with, unless the engine serves it
         log.info("version %d ready in %s (%.1f MB fetched%s)", version, path, fetched / 1e6,
                  "" if base is None or base == version else f", delta on cached {base}")
         self._report(version=version, state="serving", last_error=None)
@@ -162,15 +163,10 @@ class NodeAgent:
         listed = self.stream.versions()
         return listed[-1] if listed else None
 
-    def _served_by_head(self) -> int | None:
-        """The version the engine serves, from its head's replica record (None if unreadable)."""
-        try:
-            path = replica_path(self.engine)
-            head = ReplicaRecord.from_bytes(self.stream.storage.read_small(path, MAX_REPLICA_RECORD_BYTES),
-                                            file=path)
-        except (OSError, ValueError, CkptStreamError):
-            return None
-        return head.version
+    def served(self) -> set[int]:
+        """What the engine serves on this node: the versions its workers hold in the cache
+        (``VersionCache.served``); until they hold one, the version prepared last (vLLM's start version)."""
+        return self.cache.served() or {v for v in (self.current,) if v is not None}
 
     def _report(self, **changes: Any) -> None:
         with self._lock:

@@ -7,6 +7,7 @@ Layout::
     <root>/<stream id>/.incoming-000000000008/     a version being written (renamed into place when complete)
     <root>/<stream id>/.locks/000000000007         its use lock: shared by every follower using the version
     <root>/<stream id>/.locks/000000000007.prepare its prepare lock: exclusive while it is being written
+    <root>/<stream id>/.locks/000000000007.served  its served lock: shared by the vLLM workers serving it
 
 A version's path depends only on the root, the stream and the version, so every follower of the stream
 on the host (and every node of a multi-node engine, for the same root) finds it at the same place, and it
@@ -19,6 +20,12 @@ complete stays so. A pruner deletes a version only after taking that lock exclus
 never one that another live follower uses. Every lock is a ``flock``, dropped by the kernel when its
 process dies (SIGKILL included): a killed follower blocks nobody, and the ``.incoming-*`` directory a
 killed preparer left is removed by the next preparer of that version (or by a pruner).
+
+The vLLM workers of an engine spanning nodes hold the served lock (shared) of the version they serve, each on
+its own node (``hold_served``, called through the worker extension: ``worker.WorkerExtension``), so that no
+pruner of the node deletes it, and so that the node agent learns from its own cache what its engine serves
+(``VersionCache.served``), with no replica record (a read-only stream has none): the version a failed reload
+restores on every rank is still there.
 
 A version is written by the reader (``Stream.write_into``) into the ``.incoming-*`` directory this module
 made, with a proof file (``.proof.json``: the manifest hash and each file's size, modification time and
@@ -56,6 +63,9 @@ LOCKS_DIR = ".locks"
 """The versions' lock files (kept apart so that a version's directory appears and goes in one rename)."""
 PREPARE_SUFFIX = ".prepare"
 """A version's prepare lock file: its use lock file's name with this suffix."""
+SERVED_SUFFIX = ".served"
+"""A version's served lock file (held by the vLLM workers that serve it): its use lock file's name with this
+suffix."""
 CHANGES_DIR = ".changes"
 """The changes between cached versions applied in place (``<base>-<version>.safetensors``, ``change.py``)."""
 
@@ -180,6 +190,21 @@ class VersionCache:
         """The versions this follower holds."""
         return set(self._holds)
 
+    def served(self) -> set[int]:
+        """The complete versions that vLLM workers of this host serve (they hold their served lock:
+        ``hold_served``); no pruner deletes them."""
+        found = set()
+        for version in self.versions():
+            path = self._lock_path(version, SERVED_SUFFIX)
+            if not path.exists():
+                continue
+            fd = try_lock(path, create=False)
+            if fd is None:  # held (or removed meanwhile, with the version)
+                found.add(version)
+            else:
+                unlock(fd)
+        return found
+
     def hold(self, version: int) -> bool:
         """Hold ``version`` (shared: no pruner deletes it until it is released), whether or not it is
         complete yet; returns whether it is complete. Waits only while a pruner is deleting it."""
@@ -232,7 +257,7 @@ class VersionCache:
             name = child.name.removeprefix(INCOMING_PREFIX)
             found.add(parse_version_name(name))
         for child in self._locks.iterdir():
-            found.add(parse_version_name(child.name.removesuffix(PREPARE_SUFFIX)))
+            found.add(parse_version_name(child.name.removesuffix(PREPARE_SUFFIX).removesuffix(SERVED_SUFFIX)))
         for version in sorted(v for v in found if v is not None and v not in keep):
             self._delete(version)
 
@@ -285,13 +310,18 @@ class VersionCache:
         return True
 
     def _delete(self, version: int) -> None:
-        """Delete ``version`` (its directory, leftovers and lock files) if nobody holds or prepares it."""
+        """Delete ``version`` (its directory, leftovers and lock files) if nobody holds, prepares or serves
+        it."""
         use = lock_file(self._lock_path(version), wait=False)
         if use is None:
             return
         try:
             prepare = lock_file(self._lock_path(version, PREPARE_SUFFIX), wait=False)
             if prepare is None:
+                return
+            served = lock_file(self._lock_path(version, SERVED_SUFFIX), wait=False)
+            if served is None:
+                unlock(prepare)
                 return
             try:
                 target = self.path(version)
@@ -300,10 +330,12 @@ class VersionCache:
                 shutil.rmtree(target, ignore_errors=True)
                 shutil.rmtree(self._incoming(version), ignore_errors=True)
                 self._lock_path(version, PREPARE_SUFFIX).unlink(missing_ok=True)
+                self._lock_path(version, SERVED_SUFFIX).unlink(missing_ok=True)
                 for change in [*(self.stream_dir / CHANGES_DIR).glob(f"*{version_name(version)}*"),
                                *self.stream_dir.glob(f"{INCOMING_PREFIX}*-*{version_name(version)}*.safetensors")]:
                     change.unlink(missing_ok=True)  # with what a killed builder left
             finally:
+                unlock(served)
                 unlock(prepare)
             self._lock_path(version).unlink(missing_ok=True)  # while locked: see locks.lock_file
         finally:
@@ -324,6 +356,23 @@ class VersionCache:
                 shutil.rmtree(child, ignore_errors=True)
             finally:
                 unlock(fd)
+
+
+def hold_served(directory: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """For a vLLM worker that serves ``directory``: if it is a complete version of a follower's cache, hold its
+    served lock (shared; waiting only while a pruner deletes it) and return (the version, the lock's descriptor
+    for ``locks.unlock``); else None (a model directory of another kind, or a version deleted meanwhile)."""
+    path = Path(directory).absolute()
+    version = parse_version_name(path.name)
+    locks = path.parent / LOCKS_DIR
+    if version is None or not locks.is_dir():
+        return None
+    fd = lock_file(locks / f"{version_name(version)}{SERVED_SUFFIX}", shared=True)
+    assert fd is not None  # a waiting lock is always granted
+    if not (path / MARKER_FILE).is_file():
+        unlock(fd)
+        return None
+    return version, fd
 
 
 def _file_stats(directory: Path) -> dict[str, list[int]]:
@@ -352,10 +401,12 @@ def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: 
     earlier one: ``VersionCache.proven``), else decoded here by applying its delta to the newest cached and
     proven version of its chain (waiting instead if another follower is decoding it). Every other version
     but those in ``keep`` (which the caller still uses) is released and pruned. Returns (path, base version
-    used: the version itself when reused, bytes fetched, whether it was decoded here). Shared by the
-    follower, the node agent, the adapter follower and the weight-transfer engine."""
+    used: the version itself when reused, bytes read from the stream's storage meanwhile (``Stream.bytes_read``:
+    measured, not the manifests' sizes), whether it was decoded here). Shared by the follower, the node agent,
+    the adapter follower and the weight-transfer engine."""
+    read_before = stream.bytes_read()
     if cache.hold(version) and cache.proven(stream, version):
-        return cache.path(version), version, 0, False
+        return cache.path(version), version, stream.bytes_read() - read_before, False
     chain = stream.chain(version)
     chain_versions = {m.version for m in chain}
     base = next((v for v in reversed(cache.versions())
@@ -371,8 +422,7 @@ def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: 
             cache.release(base)
     if not decoded:  # another follower decoded it while this one waited
         base = version
-    fetched = sum(m.stored_bytes for m in chain if base is None or m.version > base) if decoded else 0
-    return path, base, fetched, decoded
+    return path, base, stream.bytes_read() - read_before, decoded
 
 
 def _hold_base(stream: Stream, cache: VersionCache, version: int) -> bool:

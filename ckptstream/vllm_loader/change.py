@@ -32,6 +32,11 @@ MAX_CHANGE_FRACTION = 0.05
 """Above this fraction of the elements changed, an update is reloaded fully: the staged positions and values
 (12 bytes per bf16 element changed, on the device) would cost more memory than a reload saves time."""
 
+KEPT_DELTAS_BYTES = 1 << 30
+"""Stored delta bytes at most that an update keeps in memory (``Stream.keeping_reads``) between building its
+change from the deltas and decoding the version from the same deltas, so that each is read from storage
+once; deltas past it are read again (and counted as read again)."""
+
 _POSITIONS, _OLD, _NEW = "positions", "old.", "new."
 _LAYOUT_KEY, _LAYOUT = "layout", "packed-1"
 """A change file holds every changed tensor's positions in one tensor and their old and new values in one

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 from ..errors import AdapterRefused, VllmError, VllmUnreachable
 from ..httpjson import request_json
-from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, LABEL_METHOD, REPORT_METHOD,
-                     SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD, TRANSFER_STATUS_METHOD)
+from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, HOLD_METHOD, LABEL_METHOD,
+                     REPORT_METHOD, SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD, TRANSFER_STATUS_METHOD)
 
 
 CANARY_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 7, 5, 3], [11] * 12)
@@ -91,6 +91,10 @@ class VllmControl(Protocol):
     def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
         """Per rank of the engine (every node): host, node rank, rank and the complete versions under
         ``versions_dir`` on that rank's node with their manifest hashes (``worker.WorkerExtension``)."""
+
+    def hold_served(self) -> list[dict[str, Any]]:
+        """Every rank holds the cached version it serves on its node (``cache.hold_served``); per rank: host,
+        node rank, rank and that version."""
 
 
 class AdapterControl(Protocol):
@@ -309,6 +313,14 @@ class VllmClient:
         results = self._extension_call(REPORT_METHOD, {"versions_dir": str(versions_dir)})
         if not all(isinstance(r, dict) for r in results):
             raise VllmError(f"{self.url}/collective_rpc {REPORT_METHOD} answered {str(results)[:300]}")
+        return results
+
+    def hold_served(self) -> list[dict[str, Any]]:
+        """Have every rank hold the cached version it serves on its node (the server must have been started
+        with ckptstream's worker extension)."""
+        results = self._extension_call(HOLD_METHOD, {})
+        if not all(isinstance(r, dict) for r in results):
+            raise VllmError(f"{self.url}/collective_rpc {HOLD_METHOD} answered {str(results)[:300]}")
         return results
 
     def stage_change(self, path: str, poll_interval: float = 0.02) -> list[dict[str, Any]]:

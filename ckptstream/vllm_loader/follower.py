@@ -42,14 +42,14 @@ from ..format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
 from ..hf import tensor_specs
 from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
 from ..reader.replicas import STATE_ASIDE, remember_refusal
-from ..storage import Watch, open_storage
-from ..storage.timing import TimedReads
+from ..storage import Watch
 from ..locks import unlock
 from ..polling import poll
 from . import takeover
 from .apply import staging_problem
 from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
-from .change import MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change, build_change_from_deltas
+from .change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
+                     build_change_from_deltas)
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from .gate import UpdateGate
 from .observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, attach_metrics, commit_age,
@@ -155,8 +155,8 @@ class Follower:
             raise ValueError("at least one vLLM server URL is needed")
         config = (config or FollowerConfig()).with_options(**options)
         self.config = config
-        self._reads = TimedReads(open_storage(url, config.storage_options))  # what is fetch in a prepare
-        self.stream = Stream(url, storage=self._reads, lease_ttl=config.lease_ttl)
+        self.stream = Stream(url, storage_options=config.storage_options, lease_ttl=config.lease_ttl)
+        self._reads = self.stream.meter  # what is fetch in a prepare, and what an update read
         info = self.stream.info()
         self.stream.require_kind(STREAM_KIND_WEIGHTS)  # an adapter stream is served by adapter followers
         self.clients: list[VllmControl] = [VllmClient(u, api_key=config.api_key) if isinstance(u, str) else u
@@ -269,10 +269,13 @@ class Follower:
 
     def adopt(self, version: int) -> None:
         """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it);
-        the follower holds it in the cache from now on."""
+        the follower holds it in the cache from now on (and the workers of an engine spanning nodes, each
+        on its node: ``_hold_served``)."""
         self.cache.hold(version)
         self.current = version
         self._reference = self._reference or self._specs(self.stream.manifest(version))
+        for client in self.clients:
+            self._hold_served(client)
         self._report(version=version, state="serving")
 
     def load(self, version: int, clients: Sequence[VllmControl] | None = None) -> UpdateRecord:
@@ -289,6 +292,13 @@ class Follower:
             NodesNotReady: a node of an engine lacks it after ``nodes_ready_timeout`` (servers untouched).
             VllmError: a server failed to load it (servers reverted to the current version).
         """
+        try:
+            return self._load(version, clients)
+        finally:
+            self.stream.drop_kept_reads()  # what the change was built from and the decode did not read
+
+    def _load(self, version: int, clients: Sequence[VllmControl] | None) -> UpdateRecord:
+        bytes_before = self._reads.bytes_read()
         manifest = self.stream.manifest(version)
         self._check_against_served(manifest)  # before fetching anything
         self._report(state="updating")
@@ -298,9 +308,8 @@ class Follower:
         if change is not None:
             assert self.current is not None
             base, decoded = self.current, False
-            fetched = sum(m.stored_bytes for m in self.stream.chain(version) if m.version > self.current)
         else:
-            path, base, fetched, decoded = self.prepare(version)
+            path, base, _, decoded = self.prepare(version)
         prepare_s = time.perf_counter() - started
         fetch_s = min(prepare_s, self._reads.read_seconds() - read_before)
         targets = list(self.clients if clients is None else clients)
@@ -373,6 +382,7 @@ class Follower:
             fallbacks["verify"] += 1
         self.current = version
         self.cache.prune({version})
+        fetched = self._reads.bytes_read() - bytes_before  # measured: what this update read from storage
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
                               fetch_s=fetch_s, decode_s=prepare_s - fetch_s, applied_in_place=in_place,
                               fallbacks=dict(fallbacks), cache_s=cache_s, stage_s=stage_s)
@@ -465,7 +475,27 @@ class Follower:
         client.check_resumed()
         client.check_weight_version(str(serves))
         client.probe()
+        self._hold_served(client)
         return paused, reload_s, failed
+
+    def _hold_served(self, client: VllmControl) -> None:
+        """On an engine spanning nodes, have every rank hold the version it now serves on its node
+        (``cache.hold_served``): the node agents keep it, to restore after a failed reload, and need no
+        replica record to know it (a read-only stream has none). A failure is logged: the servers serve on."""
+        if self.config.nodes_ready_timeout is None:
+            return
+        try:
+            ranks = client.hold_served()
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            log.warning("%s: its ranks could not hold the version they serve (%s); a node agent may delete it",
+                        client.url, exc)
+            return
+        unheld = [f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks if r.get("version") is None]
+        if unheld:
+            log.warning("%s: %s serve(s) no version of the cache, which its agent may delete",
+                        client.url, ", ".join(dict.fromkeys(unheld)))
 
     # ----------------------------------------------------------------------------------- in place
 
@@ -485,8 +515,9 @@ class Follower:
 
         def build(out: Path) -> None:
             if path is None:
-                built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
-                                                      version=version, max_fraction=MAX_CHANGE_FRACTION))
+                with self.stream.keeping_reads(KEPT_DELTAS_BYTES):  # the decode reads them from memory
+                    built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
+                                                          version=version, max_fraction=MAX_CHANGE_FRACTION))
             else:
                 built.append(build_change(self.cache.path(base), path, out, stream_id=stream_id, base=base,
                                           version=version, max_fraction=MAX_CHANGE_FRACTION))

@@ -71,7 +71,8 @@ class FollowerMetrics(FollowerObserver):
                                        "Seconds from the commit of the last version loaded to serving it")
         self.commit_to_serving.set(math.nan)
         self.updates = counter("ckptstream_updates_total", "Versions loaded into the servers")
-        self.fetched = counter("ckptstream_fetched_bytes_total", "Stored bytes fetched to decode versions")
+        self.fetched = counter("ckptstream_fetched_bytes_total", "Bytes the updates read from the stream's storage "
+                               "(measured where the reads happen)")
         self.refused = Counter("ckptstream_refused_versions_total", "Versions refused, by reason (see "
                                "observe.REFUSAL_REASONS)", (*LABELS, "reason"), registry=self.registry)
         self.errors = counter("ckptstream_errors_total", "Rounds failed for a cause not the version's "

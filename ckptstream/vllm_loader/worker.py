@@ -8,6 +8,9 @@ and answers ``{"results": [one per rank]}``. They are:
   ``reload_weights``: every rank must hold the version, complete, at that path. A collective RPC blocks the
   engine loop while it runs, so the report is cheap: it lists one directory and reads each version's small
   marker file (``ckptstream.json``), never a tensor;
+- the served version held: after each update, the head has every rank hold the cached version it serves,
+  on its own node (``cache.hold_served``), so that the node's agent keeps it and learns that the engine
+  serves it (a failed reload restores it on every rank), without reading or writing the stream;
 - the version label, for vLLM builds without ``/update_weight_version`` (before 0.25): kept by the worker, so
   it is gone when the engine restarts, as vLLM's own label is;
 - the in-place apply of a change (``apply.py``, imported on first use: it needs torch): stage it in the
@@ -26,6 +29,8 @@ from typing import Any
 
 REPORT_METHOD = "ckptstream_cache_report"
 """The name ``/collective_rpc`` calls (``VllmClient.cache_report``)."""
+HOLD_METHOD = "ckptstream_hold_served"
+"""The name ``/collective_rpc`` calls (``VllmClient.hold_served``)."""
 LABEL_METHOD = "ckptstream_label"
 SET_LABEL_METHOD = "ckptstream_set_label"
 """The names ``/collective_rpc`` calls for the version label (``VllmClient`` where vLLM has no label routes)."""
@@ -82,6 +87,22 @@ class WorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         status = getattr(engine, "last_update", None)
         return dict(status) if isinstance(status, dict) else None
+
+    def ckptstream_hold_served(self) -> dict[str, Any]:
+        """Hold the cached version this rank serves, on its node: the directory its model was last loaded
+        from (vLLM repoints the model's path at every ``reload_weights``), released for the next one held.
+        This rank's host, node rank, rank and the version held (null: its model is no cached version)."""
+        from ..locks import unlock
+        from .cache import hold_served
+
+        previous = getattr(self, "_ckptstream_served", None)
+        self._ckptstream_served = hold_served(self.vllm_config.model_config.model)
+        if previous is not None:
+            unlock(previous[1])
+        held = self._ckptstream_served
+        parallel = getattr(self.vllm_config, "parallel_config", None)
+        return {"host": socket.gethostname(), "node_rank": getattr(parallel, "node_rank", None),
+                "rank": getattr(self, "rank", None), "version": None if held is None else held[0]}
 
     def ckptstream_cache_report(self, versions_dir: str) -> dict[str, Any]:
         """This rank's host, node rank, rank, and the complete versions under ``versions_dir`` (the

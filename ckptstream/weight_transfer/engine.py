@@ -26,6 +26,7 @@ pause. Leases (held while a version is decoded) keep gc off what is being read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,7 +47,8 @@ from ..format import MARKER_FILE, STREAM_KIND_WEIGHTS
 from ..reader import Stream
 from ..vllm_loader.apply import InPlaceApplier, staging_problem
 from ..vllm_loader.cache import VersionCache, default_cache_dir, prepare_version, safe_owner
-from ..vllm_loader.change import MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change, build_change_from_deltas
+from ..vllm_loader.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
+                                  build_change_from_deltas)
 from . import refuse_credentials
 
 log = logging.getLogger("ckptstream.weight_transfer")
@@ -218,9 +220,16 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
             return prepared
         assert self.stream is not None and self.cache is not None and self._info is not None
         keep = {self.served} - {None}
-        path = prepare_version(self.stream, self.cache, version, keep=keep,
-                               holder=f"weight transfer {self.cache.owner} rank {_rank()}")[0]
-        change, reason = self._change(version, path) if self._info.apply_in_place else (None, "disabled")
+        # The deltas the decode reads are kept for the change built from them next: each is read once.
+        keeping = (self.stream.keeping_reads(KEPT_DELTAS_BYTES) if self._info.apply_in_place
+                   else contextlib.nullcontext())
+        try:
+            with keeping:
+                path = prepare_version(self.stream, self.cache, version, keep=keep,
+                                       holder=f"weight transfer {self.cache.owner} rank {_rank()}")[0]
+            change, reason = self._change(version, path) if self._info.apply_in_place else (None, "disabled")
+        finally:
+            self.stream.drop_kept_reads()
         if change is not None:
             self._applier.stage(str(change))
         self._prepared = _Prepared(version, path, self.served, change, reason, prefetching)

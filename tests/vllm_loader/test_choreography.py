@@ -86,6 +86,33 @@ def test_the_change_is_offered_to_the_servers_unless_reload_only(stream, tmp_pat
         assert follower.step().fallbacks == {"large_change": 1} and len(offered.calls_of("stage_change")) == 1
 
 
+def test_each_delta_is_read_once_per_update_and_the_update_reports_what_it_read(stream_url, tmp_path):
+    """Two deltas since the served version: the change is built from them (offered to the server, which
+    refuses it), then the version is decoded from the same deltas, kept in memory meanwhile; what the update
+    reports fetched is what it read from storage, each delta's file once, as a plain reload reads."""
+    from ckptstream import Stream
+    from ckptstream.format import manifest_path
+    from ckptstream.storage import open_storage
+
+    state = {"w": torch.zeros(4096, dtype=torch.bfloat16)}
+    with Publisher(stream_url, keyframe_every=1000) as publisher:
+        publisher.publish(state).result()
+        offered, reloading = FakeVllmClient(), FakeVllmClient()
+        with Follower(stream_url, [offered], cache_dir=tmp_path / "a", replica_id="offered") as follower, \
+                Follower(stream_url, [reloading], cache_dir=tmp_path / "b", replica_id="reloading",
+                         apply_in_place=False) as other:
+            follower.step(), other.step()
+            for step in (1, 2):
+                state["w"][step] = 1.0  # one element of 4096
+                publisher.publish(state).result()
+            storage, reader = open_storage(stream_url), Stream(stream_url)
+            expected = sum(reader.manifest(v).stored_bytes + storage.size(manifest_path(v)) for v in (1, 2))
+            update, plain = follower.load(2), other.load(2)
+    assert offered.calls_of("stage_change") and update.fallbacks == {"no_extension": 1}
+    assert update.bytes_fetched == plain.bytes_fetched == expected
+    assert follower.stream._kept.kept_bytes == 0  # nothing kept past the update
+
+
 def test_failed_reload_on_one_server_reverts_both_and_refuses_the_version(stream, tmp_path):
     """A reload that fails half-way cannot be caused safely on a real server (its engine may die)."""
     url, publisher = stream

@@ -126,6 +126,43 @@ def test_a_delta_is_applied_from_its_fetched_bytes_before_it_is_decoded(run):
         run.full_reload_agrees(version)
 
 
+def test_what_an_update_reports_fetched_is_what_a_counting_relay_sent_each_delta_read_once(run):
+    """The stream served over HTTP by a relay, which counts the body bytes it sends: per update (a keyframe
+    reloaded, a delta applied in place, a delta reloaded fully after its change was built), the follower's
+    ``bytes_fetched`` (the figure of its log line and ``--json``) and its metric equal what the relay sent:
+    the version's manifest, its data files once each, and the assets its cached copy holds."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ckptstream.relay import Relay
+    from ckptstream.vllm_loader.observe import UpdateRecord
+
+    stream = Stream(run.url)
+    assets = sum(asset.size for asset in stream.info().assets)
+    with Relay(run.root / "stream") as relay, Follower(relay.url, [run.server.url], cache_dir=run.root / "cache",
+                                                       metrics_port=0) as follower:
+        updates: list[tuple[UpdateRecord, int]] = []
+
+        def load(version: int) -> UpdateRecord:
+            sent = relay.sent_bytes
+            update = follower.load(version)
+            updates.append((update, relay.sent_bytes - sent))
+            return update
+
+        assert load(0).fallbacks == {"first_version": 1}
+        assert load(run.publish(linears=False)).applied_in_place == 1
+        assert load(run.publish(linears=True)).fallbacks == {"unpatchable": 1}  # the change built, then reloaded
+        for update, sent in updates:
+            manifest_bytes = (run.root / "stream" / manifest_path(update.version)).stat().st_size
+            assert update.bytes_fetched == sent == stream.manifest(update.version).stored_bytes + manifest_bytes + \
+                assets, update
+        scrape = urllib.request.urlopen(follower.metrics_server.url, timeout=10).read().decode()
+        fetched = [s.value for family in text_string_to_metric_families(scrape) for s in family.samples
+                   if s.name == "ckptstream_fetched_bytes_total"]
+        assert fetched == [sum(sent for _, sent in updates)]
+
+
 def test_a_version_applied_in_place_whose_decode_fails_is_taken_back_on_every_server(run, caplog):
     with Follower(run.url, [run.server.url], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
         follower.step()

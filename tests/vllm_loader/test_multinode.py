@@ -147,6 +147,9 @@ def test_one_engine_over_two_nodes_waits_for_the_lagging_node_and_rolls_back_a_f
     os.kill(nodes.nodes[1].pid, signal.SIGCONT)
     _wait(lambda: nodes.serves(1), "version 1 served once node 1 has it")
     assert nodes.client.weight_version() == "1" and nodes.record().lagging == []
+    # Every rank holds the version it serves in its node's cache (what node 1's agent keeps, learnt there).
+    held = nodes.client.hold_served()
+    assert [(r["node_rank"], r["host"], r["version"]) for r in held] == [(0, "node0", 1), (1, "node1", 1)]
     outputs1 = nodes.outputs()
     assert outputs1 != outputs0
 
@@ -164,6 +167,7 @@ def test_one_engine_over_two_nodes_waits_for_the_lagging_node_and_rolls_back_a_f
         os.kill(nodes.nodes[0].pid, signal.SIGCONT)
     _wait(lambda: "2" in nodes.record().refused, "the head gives version 2 up")
     assert nodes.client.weight_version() == "1" and nodes.record().version == 1
+    assert [r["version"] for r in nodes.client.hold_served()] == [1, 1]
     assert nodes.outputs() == outputs1
 
     # The reference: the same engine reloaded from materialized directories (a path both nodes see).

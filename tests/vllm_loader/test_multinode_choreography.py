@@ -130,7 +130,51 @@ def test_the_agent_keeps_the_version_the_head_serves(engine):
     for step in (1, 2, 3):
         publisher.publish(_state(step)).result()
         assert agent.step() == step
-    assert agent.cache.versions() == [0, 3]  # 0: what the head's record says the engine serves
+    assert agent.cache.versions() == [0, 3]  # 0: what the engine serves (its workers on node 1 hold it)
+
+
+def test_over_http_the_agent_keeps_what_the_engine_serves_and_a_failed_reload_restores_it(tmp_path):
+    """A read-only stream (a relay) holds no replica records: the node agent learns what the engine serves
+    from its own node, where the engine's workers hold that version, and keeps it; a reload that fails on
+    node 1 puts every rank back on it; once the engine serves a newer version, the old one goes."""
+    from ckptstream.relay import Relay
+
+    url = str(tmp_path / "stream")
+    publisher = Publisher(url, keyframe_every=1000)
+    publisher.publish(_state(0)).result()
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    server = FakeVllmClient(nodes=[FakeNode(0, "host0"), FakeNode(1, "host1", shared=str(node0), local=str(node1))])
+    with Relay(url) as relay, \
+            Follower(relay.url, [server], FollowerConfig(cache_dir=node0, replica_id="eng", nodes_ready_timeout=0.05,
+                                                         nnodes=2, poll_interval=0.01)) as head, \
+            NodeAgent(relay.url, engine="eng", node_rank=1, nnodes=2, cache_dir=node1) as agent:
+        assert not head.stream.storage.capabilities.writable
+        agent.prepare(0)  # what node 1's vLLM starts on
+        server.reload_weights(str(head.prepare(0)[0]))
+        server.set_weight_version("0")
+        head.adopt(0)  # the engine answers: every rank holds version 0 on its node
+        for step in (1, 2, 3):
+            publisher.publish(_state(step)).result()
+            assert agent.step() == step
+        assert agent.cache.versions() == [0, 3] and agent.served() == {0}
+        lost = agent.cache.path(3)
+
+        def lose_node1_copy(method: str, argument: object) -> None:  # after node 1 reported it ready
+            if method == "reload_weights" and argument == str(head.cache.path(3)):
+                shutil.rmtree(lost)
+
+        server.on_call = lose_node1_copy
+        assert head.step() is None and "node 1 has no" in head.refused[3]
+        assert [n.loaded_version for n in server.nodes] == [0, 0] and server.weight_version_label == "0"
+        server.on_call = None
+        publisher.publish(_state(4)).result()
+        assert agent.step() == 4 and agent.cache.versions() == [0, 4]
+        assert head.step().version == 4 and [n.loaded_version for n in server.nodes] == [4, 4]
+        assert agent.served() == {4}
+        publisher.publish(_state(5)).result()
+        assert agent.step() == 5 and agent.cache.versions() == [4, 5]  # 0 is served no more
+    assert not (Path(url) / "replicas").exists()  # nothing was written to the stream
+    publisher.close()
 
 
 # ------------------------------------------------------------------------------------ wait_for_version
