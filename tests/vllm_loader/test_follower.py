@@ -26,13 +26,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckptstream import Publisher, Stream
-from ckptstream.format import data_path
 from ckptstream.hf import iter_hf_weights
 from ckptstream.storage import WrapperStorage, open_storage, register_backend
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import Follower, VllmClient, VllmUnreachable
 from ckptstream.vllm_loader import free_port
-from tests.helpers import PROMPTS, VLLM_CPU_ARGS
+from tests.helpers import PROMPTS, VLLM_CPU_ARGS, corrupt_version
 from tests.helpers import new_bucket
 
 
@@ -57,14 +56,10 @@ class Setup:
         return self.publisher.publish(self.state, **kwargs).result().version
 
     def publish_corrupt(self) -> int:
-        """A version committed, then damaged on storage (a bit flipped in its first stored tensor): refused
-        by followers and replays; the next version must be a keyframe (the delta chain is broken)."""
+        """A version committed, then damaged on storage: refused by followers and replays; the next version
+        must be a keyframe (the delta chain is broken)."""
         version = self.publish()
-        stored = next(t for t in Stream(self.url).manifest(version).tensors if t.length)
-        path = Path(self.url) / data_path(version, stored.file)
-        data = bytearray(path.read_bytes())
-        data[stored.offset + stored.length // 2] ^= 0x40
-        path.write_bytes(bytes(data))
+        corrupt_version(self.url, version)
         return version
 
     def serving(self, timeout: float = 300.0) -> int:
