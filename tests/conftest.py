@@ -156,7 +156,7 @@ def vllm_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_servers(vllm_log_dir: Path) -> Iterator:
     """Start real vLLM servers: ``start(model_dir, tensor_parallel=1, vllm_args=(), env=None) -> VllmServer``
     (``vllm_args`` after the CPU ones, ``env`` over this process's environment). Those still running are
-    stopped when the module's tests are done: servers left running add up (~2 GB each)."""
+    stopped when the module's tests are done: servers left running add up (~1.6 GiB each)."""
     started: list[VllmServer] = []
 
     def start(model_dir: Path, port: int | None = None, tensor_parallel: int = 1, vllm_args: Sequence[str] = (),
@@ -224,6 +224,7 @@ class ServerPool:
         for server in self._started:
             server.stop()
         self._idle, self._started = [], []
+
     def _reset(self, server: VllmServer) -> bool:
         """Put a server back into the state of a fresh start; a server that cannot be is stopped."""
         from ckptstream.httpjson import request_json
@@ -249,6 +250,7 @@ POOL_KEY = pytest.StashKey[ServerPool]()
 
 
 def uses_pool(item: pytest.Item | None) -> bool:
+    """Whether ``item`` takes servers from the pool (itself or through a fixture)."""
     return item is not None and "server_pool" in item.fixturenames
 
 
