@@ -116,8 +116,9 @@ def watch(command: list[str], interval: float, samples_path: str | None, label: 
         if not done.is_set():
             os.kill(child.pid, signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
+    signal.signal(signal.SIGINT, lambda signum, frame: None)  # Ctrl-C reaches the command itself (its group)
 
     def reap() -> None:
         """Wait for the command; orphans re-parented here are reaped as they end (no zombies)."""
@@ -145,6 +146,7 @@ def watch(command: list[str], interval: float, samples_path: str | None, label: 
         if out is not None:
             out.close()
     code = status[0] if status else 1
+    code = 128 - code if code < 0 else code  # ended by a signal: as a shell says it
     when = time.strftime("%H:%M:%S", time.localtime(wall_start + peak.at))
     print(f"\n{label}: peak memory {_fmt(peak.total)} (PSS of {len(peak.processes)} processes) at {when}, "
           f"{peak.at:.0f} s into {time.monotonic() - started:.0f} s", file=sys.stderr)
