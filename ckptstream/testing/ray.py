@@ -23,6 +23,16 @@ CLUSTER_MARKER = "CKPTSTREAM_TEST_RAY_CLUSTER"
 """The environment variable every process of a test cluster carries (its value: the cluster's temp dir)."""
 START_TIMEOUT = 120.0
 STOP_WAIT = 10.0
+MEMORY = 4 << 30
+"""Bytes of memory the cluster's tasks and actors may reserve (Ray's ``memory`` resource; Ray's default is the
+machine's available memory): the test fleets' actors and their vLLM servers take ~1-2 GiB each."""
+OBJECT_STORE_MEMORY = 256 << 20
+"""Bytes of the cluster's object store (shared memory): the fleets pass handles and records through it, not
+weights; Ray's default is 30 % of the machine's memory."""
+MEMORY_USAGE_THRESHOLD = "0.98"
+"""Ray's memory monitor kills workers once the *machine's* memory in use passes this fraction (default 0.95):
+it counts every process of the machine, so on a shared one, at 0.95, it killed a test fleet's actors for
+memory other jobs held (1.2 GiB still free of 24). At 0.98 it acts only just before the kernel would."""
 
 
 def _free_port() -> int:
@@ -68,20 +78,24 @@ def pid_alive(pid: int) -> bool:
 
 
 class RayCluster:
-    """A Ray head on 127.0.0.1 with ``num_cpus`` logical CPUs and no GPUs, no dashboard, no usage stats.
+    """A Ray head on 127.0.0.1 with ``num_cpus`` logical CPUs and no GPUs, no dashboard, no usage stats, and
+    explicit memory: ``memory`` bytes for its tasks and actors, ``object_store_memory`` bytes of object store.
 
     ``address`` is what ``ray.init(address=...)`` and ``ckptstream fleet --address`` take. ``close()`` (or
     ``with``) ends every process of the cluster and checks that none is left (``RuntimeError`` otherwise).
     """
 
-    def __init__(self, num_cpus: int = 8, env: dict[str, str] | None = None):
+    def __init__(self, num_cpus: int = 8, env: dict[str, str] | None = None, memory: int = MEMORY,
+                 object_store_memory: int = OBJECT_STORE_MEMORY):
         # Short: Ray's unix socket paths live under it and are limited to ~107 bytes.
         self.temp_dir = tempfile.mkdtemp(prefix="ckr-", dir="/tmp")
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.env = {**os.environ, **(env or {}), CLUSTER_MARKER: self.temp_dir, "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env = {"RAY_memory_usage_threshold": MEMORY_USAGE_THRESHOLD, **os.environ, **(env or {}),
+                    CLUSTER_MARKER: self.temp_dir, "RAY_USAGE_STATS_ENABLED": "0"}
         command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
-                   f"--port={self.port}", f"--num-cpus={num_cpus}", "--num-gpus=0", "--disable-usage-stats",
+                   f"--port={self.port}", f"--num-cpus={num_cpus}", "--num-gpus=0", f"--memory={memory}",
+                   f"--object-store-memory={object_store_memory}", "--disable-usage-stats",
                    "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
         done = subprocess.run(command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               timeout=START_TIMEOUT)

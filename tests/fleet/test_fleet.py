@@ -133,6 +133,8 @@ def test_both_servers_serve_each_version(setup):
 
 
 def test_replay_across_the_fleet_evaluates_each_version_once(setup):
+    while Stream(setup.url).latest() < 4:  # run on its own (the test before publishes versions 1-5)
+        setup.wait_all(setup.publish())
     newest = Stream(setup.url).latest()
     done = subprocess.run([*CLI, "replay", setup.url, "--fleet", "--address", setup.cluster.address, "--versions",
                            "1:4", "--json", "--", sys.executable, "-c", EVAL], capture_output=True, text=True,
@@ -168,7 +170,7 @@ def test_a_server_whose_vllm_is_killed_comes_back_on_the_newest_version(setup):
     gone_after = _until_unlisted(router, old.url, UPDATE_TIMEOUT)
     assert gone_after < DEREGISTER_WITHIN, f"the killed server stayed in the router {gone_after:.2f} s"
     version = setup.publish()  # published while it is away: it comes back on this one
-    _wait(lambda: setup.server(0).restarts == 1, UPDATE_TIMEOUT, "the fleet replaced the server")
+    _wait(lambda: setup.server(0).restarts == old.restarts + 1, UPDATE_TIMEOUT, "the fleet replaced the server")
     setup.wait_all(version, timeout=START_TIMEOUT)
     fresh = setup.server(0)
     assert fresh.url != old.url and "vLLM exited" in (fresh.last_error or "")
@@ -188,7 +190,7 @@ def test_a_killed_actor_process_is_replaced_while_the_fleet_scales(setup):
     setup.fleet.scale(2)
     version = setup.publish()
     setup.wait_all(version, timeout=START_TIMEOUT)
-    assert setup.server(0).restarts == 2 and "actor died" in (setup.server(0).last_error or "")
+    assert setup.server(0).restarts == old.restarts + 1 and "actor died" in (setup.server(0).last_error or "")
 
 
 def test_fleet_status_and_down_from_the_cli_leave_no_process(setup):

@@ -129,8 +129,9 @@ def test_observers_see_updates_refusals_and_errors_in_order_and_metrics_match(ru
     loop = threading.Thread(target=follower.run, args=(stop,))
     loop.start()
     try:
-        deadline = time.monotonic() + 30
-        while follower.current != good and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120  # the update's report, which follows the update itself
+        while ("report", "serving", good) not in recorder.events:
+            assert time.monotonic() < deadline, f"no report of serving version {good}: {recorder.events}"
             time.sleep(0.02)
         time.sleep(0.2)  # heartbeats meanwhile
         assert follower.current == good

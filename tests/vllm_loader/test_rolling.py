@@ -58,7 +58,7 @@ class CountingGate:
             self.out.append((server_url, version, _served_requests(server_url) - before))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # (one test's: its servers go back to the pool for the next test)
 def fleet(tmp_path_factory, server_pool):
     root = tmp_path_factory.mktemp("rolling")
     model = write_tiny_model(root / "model", TinyModelSpec())

@@ -57,7 +57,7 @@ def _outputs(client: VllmClient) -> list[list[int]]:
     return [client.generate(p, 8) for p in PROMPTS]
 
 
-def _wait(condition, timeout: float = 60.0) -> None:
+def _wait(condition, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -117,7 +117,7 @@ def test_replay_beside_serve_takes_the_server_over_and_gives_it_back(tmp_path):
         # The replay's versions are gone, serve's is intact (the cache is shared now: adapted from the
         # per-follower directories, where the replay's own was gone).
         cached = Path(cache) / stream_id
-        _wait(lambda: sorted(p.name for p in cached.iterdir()) == [".locks", f"{newest:012d}"], timeout=30)
+        _wait(lambda: sorted(p.name for p in cached.iterdir()) == [".locks", f"{newest:012d}"])
     finally:
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(timeout=120)
