@@ -130,7 +130,8 @@ def metric_reasons() -> str:
 # ---------------------------------------------------------------------------------------------- exit codes
 
 def exit_codes() -> str:
-    """``ckptstream.errors``' EXIT_* constants with their comments, and the error classes raising each."""
+    """``ckptstream.errors``' EXIT_* constants with their comments, and the error classes of ``ckptstream.errors``
+    (and the CLI's usage error) that carry each."""
     from ckptstream import errors
     from ckptstream.cli import options  # noqa: F401 - defines UsageError, a CkptStreamError
 
@@ -140,7 +141,7 @@ def exit_codes() -> str:
     while pending:
         kind = pending.pop()
         pending += kind.__subclasses__()
-        if kind.__module__.startswith("ckptstream"):
+        if kind.__module__ in ("ckptstream.errors", "ckptstream.cli.options"):  # not what other pages imported
             classes.setdefault(kind.exit_code, []).append(f"`{kind.__name__}`")
     out = ["| code | constant | meaning | raised as |", "|---|---|---|---|"]
     documented = re.findall(r"^(EXIT_\w+) = (\d+)\s*#\s*(.*)$", source, re.MULTILINE)
