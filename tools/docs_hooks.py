@@ -2,6 +2,7 @@
 outside docs/, made at build time so that they cannot drift.
 
 - ``index.md`` is README.md (its links into docs/ made relative to the site), ``format.md`` is FORMAT.md.
+- Docstrings' reST roles (``:class:``) are dropped from the API pages' HTML, their code kept.
 - A page's ``<!-- generated: NAME -->`` line is replaced by what ``GENERATED[NAME]`` makes: the CLI reference
   from the argparse definitions (``ckptstream.cli.build_parser``), the metrics from the follower's and the
   relay's Prometheus registries, the exit codes from ``ckptstream.errors``.
@@ -49,6 +50,14 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         return make()
 
     return MARKER.sub(generate, markdown)
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """Docstrings name objects with reST roles (``:class:`Stream```), which Markdown shows as text: keep the code."""
+    return SPHINX_ROLE.sub("", html)
+
+
+SPHINX_ROLE = re.compile(r":(?:class|mod|meth|func|attr|exc|data|obj):(?=<code>)")
 
 
 # ------------------------------------------------------------------------------------------ the CLI reference
