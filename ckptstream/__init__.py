@@ -3,7 +3,7 @@
 The public API: ``Publisher`` writes versions (keyframes and lossless deltas, committed by an atomic
 manifest); ``Stream`` lists, reads, verifies and materializes them; ``Mirror``, ``export_bundle`` /
 ``import_bundle`` and ``Relay`` carry a stream to other stores, air-gapped sites and HTTP readers. See
-README.md and FORMAT.md.
+README.md, docs/ and FORMAT.md.
 
 Names are imported on first use, so ``import ckptstream`` stays cheap (no torch until a name needs it).
 """

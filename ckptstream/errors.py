@@ -13,7 +13,7 @@ from typing import Any
 from .credentials import redact
 
 # CLI exit codes: one definition, used by the error classes below and by the command line.
-EXIT_OK = 0
+EXIT_OK = 0  # success
 EXIT_ERROR = 1  # unexpected error
 EXIT_USAGE = 2  # usage error
 EXIT_INTEGRITY = 3  # corrupt, truncated or unsafe data

@@ -119,7 +119,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pin", action="store_true", help="keep serving that version: do not follow")
     p.add_argument("--host", default="127.0.0.1", help="vLLM bind address (default loopback: the control "
                                                         "routes are unauthenticated)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="vLLM's port (default 8000)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes of the vLLM engine (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank: 0 runs the API server and the "
                                                              "follower, the others vLLM --headless and a node agent")

@@ -21,11 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream make-tiny-model ./big --size 1GB --shard-size 256MB
         ckptstream make-tiny-model ./llama --arch llama        # tied embeddings
         """, with_common=False)
-    p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--arch", default="qwen2", choices=list(ARCHITECTURES))
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the model into")
+    p.add_argument("--arch", default="qwen2", choices=list(ARCHITECTURES), help="model architecture (default qwen2)")
     p.add_argument("--size", type=byte_size, help="approximate weight bytes, e.g. 64MB, 1GB")
     p.add_argument("--shard-size", type=byte_size, help="split weights into shards of at most this size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
 
     p = add_command(sub, "make-tiny-adapter", run_make_tiny_adapter, "generate a random PEFT LoRA adapter of a "
@@ -35,9 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         ckptstream make-tiny-adapter ./base ./adapter --step 7     # a training step of ./adapter, in place
         """, with_common=False)
     p.add_argument("base_dir", metavar="BASE_DIR", help="the base model (e.g. make-tiny-model's)")
-    p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--rank", type=positive_int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the adapter into (PEFT's layout)")
+    p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--step", type=int, metavar="SEED",
                    help="instead, change OUT_DIR's adapter in place by one small training step drawn from SEED")
     p.add_argument("--json", action="store_true", help="print results as JSON")
@@ -58,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", help="where to put the model, stream and outputs (default: a temp dir)")
     p.add_argument("--versions", type=positive_int, default=8, help="versions to publish (default 8)")
     p.add_argument("--size", type=byte_size, default=parse_bytes("32MB"), help="model size (default 32MB)")
-    p.add_argument("--keyframe-every", type=positive_int, default=5)
+    p.add_argument("--keyframe-every", type=positive_int, default=5,
+                   help="a keyframe every N versions, deltas between (default 5)")
     p.add_argument("--no-serve", action="store_true", help="publish and check only, without vLLM")
     p.add_argument("--json", action="store_true", help="print results as JSON")
 

@@ -2,7 +2,7 @@
 
 ``Fleet(url, replicas=N, ...)`` on a running Ray cluster (``ray.init(address=...)`` first) starts a
 detached controller actor that runs one actor per server (per node of a multi-node engine), each running
-``ckptstream serve`` in-process; ``Fleet.connect(url)`` finds it again. See README.md, "Fleets on Ray".
+``ckptstream serve`` in-process; ``Fleet.connect(url)`` finds it again. See docs/guides/fleets.md.
 
 Names are imported on first use: importing this package imports no Ray.
 """

@@ -3,7 +3,7 @@
 Each follower has its own ``CollectorRegistry`` (never prometheus_client's global one: several followers may
 live in one process, e.g. the servers of a fleet in Ray actors), and every metric carries the labels
 ``replica`` (the replica id) and ``stream`` (the stream URL), so that the scrapes of a fleet are told apart.
-README "Metrics" lists the metrics.
+The docs site lists the metrics (docs/reference/metrics.md, generated from the registries here).
 """
 
 from __future__ import annotations
