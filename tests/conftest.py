@@ -23,10 +23,10 @@ POOL_GROUP = "vllm-pool"
 """The xdist group of every test that takes servers from ``server_pool``."""
 
 LONGEST_FIRST = (POOL_GROUP, "tests.fleet.test_fleet", "tests.vllm_loader.test_serve_replay", "tests.test_launch",
-                 "tests.vllm_loader.test_multinode", "tests.vllm_loader.test_follower", "tests.test_demo",
-                 "tests.vllm_loader.test_follow_http")
+                 "tests.vllm_loader.test_multinode", "tests.vllm_loader.test_follower", "tests.test_docs",
+                 "tests.test_demo", "tests.vllm_loader.test_follow_http", "tests.vllm_loader.test_in_place")
 """The groups that start vLLM servers or a Ray cluster, longest first (one after the other: ~500, 330, 150, 100,
-100, 70, 60 and 100 s in the last serial CI): handed out first, so that the light groups fill the gaps at the end
+100, 70, 165, 60, 100 and 150 s in serial runs): handed out first, so that the light groups fill the gaps at the end
 rather than a long group starting last."""
 
 
