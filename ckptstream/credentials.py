@@ -22,9 +22,10 @@ _URL = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<authority>[^/?#\
 # What names that hold credentials contain (s3fs's key/secret/token, botocore's aws_*, Azure's account_key and
 # sas_token, HTTP's Authorization, Proxy-Authorization, Cookie, X-Api-Key, X-Auth-Token, any *password*):
 _SUBSTRINGS = ("secret", "token", "password", "passwd", "passphrase", "credential", "private", "authorization",
-               "cookie", "signature")
+               "cookie")
 _WORDS = frozenset({"auth", "sas"})  # anywhere among the name's words
-_LAST_WORDS = frozenset({"key", "keys", "apikey"})  # the name's last word: api_key, X-Key, SSECustomerKey
+# the name's last word: api_key, X-Key, SSECustomerKey, X-Amz-Signature (not s3fs's signature_version)
+_LAST_WORDS = frozenset({"key", "keys", "apikey", "signature"})
 _NAMES = frozenset({"aws_access_key_id", "access_key_id"})
 _AUTHORIZATION_VALUES = ("bearer ", "basic ", "digest ")  # an Authorization header's value, under any name
 _HEADERS = "headers"
@@ -59,8 +60,12 @@ def credential_paths(value: object, path: str = "") -> list[str]:
             else:
                 found += credential_paths(item, where)
         return found
-    if isinstance(value, (list, tuple)):
-        return [p for i, item in enumerate(value) for p in credential_paths(item, f"{path}[{i}]")]
+    if isinstance(value, (list, tuple)):  # (headers as [name, value] pairs too)
+        found = []
+        for i, item in enumerate(value):
+            where = f"{path}[{i}]"
+            found += [where] if _is_authorization(item) else credential_paths(item, where)
+        return found
     if isinstance(value, str) and has_userinfo(value):
         return [f"{path} (user:password@ in a URL)"]
     return []

@@ -9,6 +9,7 @@ sizes), so readers can safely parse untrusted manifests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import struct
@@ -102,6 +103,8 @@ MAX_ZSTD_RATIO = 1 << 15
 """No zstd frame decodes to more than this many times its size (a block holds at most 128 KiB and takes
 at least 4 bytes): bounds what a dense chunk may claim, so a reader never allocates for a tensor more than
 its stored bytes can fill."""
+MAX_PIECES = 1 << 16
+"""The most pieces a tensor stored in pieces may have (FORMAT.md "Tensors in pieces": one per writing process)."""
 MAX_SHAPE_DIMS = 16
 """Most dimensions a tensor may have."""
 SAFETENSORS_LENGTH = struct.Struct("<Q")
@@ -442,10 +445,13 @@ class TensorEntry:
 
     def piece_at(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> TensorEntry | None:
         """The piece of this tensor with that box (None if it is not stored in pieces or has no such piece)."""
-        for piece in self.pieces:
-            if piece.offsets == offsets and piece.shape == shape:
-                return piece
-        return None
+        piece = self._pieces_by_box.get(tuple(offsets))
+        return piece if piece is not None and piece.shape == tuple(shape) else None
+
+    @functools.cached_property
+    def _pieces_by_box(self) -> dict[tuple[int, ...], TensorEntry]:
+        # (looked up per piece per step of a chain: a scan would cost the square of the pieces)
+        return {piece.offsets or (): piece for piece in self.pieces}
 
     def to_json(self) -> dict[str, Any]:
         if self.offsets is not None:  # a piece: its tensor gives the name and dtype
@@ -479,6 +485,8 @@ def pieces_problem(shape: tuple[int, ...], pieces: Iterable[TensorEntry]) -> str
     pieces = list(pieces)
     if not pieces:
         return "a tensor stored in pieces needs at least one piece"
+    if len(pieces) > MAX_PIECES:
+        return f"{len(pieces)} pieces, more than the {MAX_PIECES} a tensor may have"
     cuts: list[set[tuple[int, int]]] = [set() for _ in shape]
     files = set()
     for piece in pieces:

@@ -408,4 +408,8 @@ CREDENTIAL_FORMS = [  # (what a weight-transfer request carries, where its refus
      "storage_options.s3_additional_kwargs.SSECustomerKey"),
     ({"url": "s3://b/r", "storage_options": {"mirrors": ["http://a/s", f"http://u:{SECRET}@b/s"]}},
      "storage_options.mirrors[1] (user:password@ in a URL)"),
+    ({"url": "s3://b/r", "storage_options": {"headers": [["Authorization", f"Bearer {SECRET}"]]}},
+     "storage_options.headers[0][1]"),
+    ({"url": "s3://b/r", "storage_options": {"s3_additional_kwargs": {"X-Amz-Signature": SECRET}}},
+     "storage_options.s3_additional_kwargs.X-Amz-Signature"),
 ]

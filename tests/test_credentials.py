@@ -49,7 +49,8 @@ def test_what_holds_no_credential_passes():
                         "storage_options": {"endpoint_url": "http://127.0.0.1:9000", "region_name": "x",
                                             "headers": {"User-Agent": "rl", "X-Trace": "abc"}, "retries": 3,
                                             "s3_additional_kwargs": {"SSEKMSKeyId": "arn:k"},
-                                            "config_kwargs": {"retries": {"max_attempts": 3}}}}, "init_info")
+                                            "config_kwargs": {"retries": {"max_attempts": 3},
+                                                              "signature_version": "s3v4"}}}, "init_info")
 
 
 # ---------------------------------------------------------------------------------------- redaction

@@ -210,19 +210,21 @@ def _decode_pieces(files: DataFiles, manifests: Callable[[int], Manifest], targe
     encoding, or to the version of ``base``, whose copy of the whole tensor gives the piece's box), checked
     against its hash and copied into its box (the tensor's hash is that of the pieces' hashes, checked when
     the manifest was parsed). Holds the tensor and one piece at a time."""
+    chains = [(piece, *_piece_steps(manifests, target, entry, piece, None if base is None else base.version))
+              for piece in entry.pieces]
     out = _take(pool, entry.nbytes)
-    holds_base = False  # whether ``out`` holds the base copy's bytes (the boxes not decoded yet)
     try:
-        for piece in entry.pieces:
-            steps, base_entry = _piece_steps(manifests, target, entry, piece, None if base is None else base.version)
+        # The base copy fills the whole tensor: read before any piece is written into its box, so that a piece
+        # decoded from a full encoding is never overwritten by the base's bytes.
+        base_entry = next((found for _, _, found in chains if found is not None), None)
+        if base is not None and base_entry is not None and not base.read_into(base_entry, out):
+            raise IntegrityError("the local base copy lost the tensor while it was read", version=base.version,
+                                 tensor=entry.name, hint="Materialize this version without the base directory")
+        for piece, steps, base_entry in chains:
             box = piece.shape[:-1] + (piece.shape[-1] * entry.itemsize,) if piece.shape else (entry.itemsize,)
             where = codec.box_view(out, entry.shape, entry.itemsize, piece.offsets or (), piece.shape)
             data: torch.Tensor | None = None
             if base is not None and base_entry is not None:
-                if not holds_base and not base.read_into(base_entry, out):
-                    raise IntegrityError("the local base copy lost the tensor while it was read", version=base.version,
-                                         tensor=entry.name, hint="Materialize this version without the base directory")
-                holds_base = True
                 data = _take(pool, piece.nbytes)
                 data.view(box).copy_(where)
             verified: str | None = None

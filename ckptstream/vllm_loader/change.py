@@ -189,11 +189,20 @@ def read_change(handle: Any) -> Iterator[tuple[str, tuple[tuple[int, ...], torch
     if metadata.get(_LAYOUT_KEY) != _LAYOUT:
         raise ValueError(f"not a change file of layout {_LAYOUT} (written by another ckptstream?)")
     positions = handle.get_tensor(_POSITIONS)
+    entries = json.loads(metadata["tensors"])
     values: dict[str, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
-    start = 0
-    for name, shape, dtype, count in json.loads(metadata["tensors"]):
+    counts: dict[str, int] = {}
+    for _, _, dtype, count in entries:
+        if not isinstance(count, int) or count <= 0:
+            raise ValueError(f"a change file's tensor holds {count!r} changed elements")
+        counts[dtype] = counts.get(dtype, 0) + count
         if dtype not in values:
             values[dtype] = (handle.get_tensor(_OLD + dtype), handle.get_tensor(_NEW + dtype), [0])
+    if sum(counts.values()) != positions.numel() or any(
+            values[d][0].numel() != n or values[d][1].numel() != n for d, n in counts.items()):
+        raise ValueError("a change file's tensors do not hold the elements its metadata counts")
+    start = 0
+    for name, shape, dtype, count in entries:
         old, new, offset = values[dtype]
         yield name, (tuple(shape), positions[start:start + count], old[offset[0]:offset[0] + count],
                      new[offset[0]:offset[0] + count])

@@ -525,6 +525,9 @@ class Follower:
         try:
             change = self.cache.change(base, version, build)
         except Exception as exc:  # noqa: BLE001 - e.g. a full disk, a corrupt delta: the decode refuses that
+            # What was kept may be the bad read itself: the decode reads storage again, so that a transient
+            # fault does not refuse a good version.
+            self.stream.drop_kept_reads()
             self._explain("no_change", f"version {version} on {base}: building the change failed: {exc}")
             return None, "no_change"
         if change is None:  # too many elements changed (some counted), or the versions do not compare

@@ -81,7 +81,9 @@ def _local_piece(name: str, tensor: Any) -> tuple[torch.Tensor | None, PieceOf |
     if any(coordinate[dim] != owner(name, mesh.size(dim)) for dim in replicated):
         return None, None
     local = tensor.to_local()
-    if local.numel() == 0 and torch.Size(shape).numel() != 0:
+    if torch.Size(shape).numel() == 0:
+        return torch.empty(shape, dtype=local.dtype, device=local.device), None  # no element: written whole, once
+    if local.numel() == 0:
         return None, None  # an empty shard (a dimension shorter than the mesh): no piece
     if tuple(local.shape) == shape:
         return local, None  # the whole tensor (replicated, or a mesh of one)

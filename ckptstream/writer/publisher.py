@@ -359,6 +359,9 @@ class Publisher:
             on_device = self.config.device_delta
             if on_device is None:
                 on_device = first is not None and isinstance(first[1], torch.Tensor) and first[1].is_cuda
+            # The device encoder compares each tensor with the base's whole tensor: pieces (a sharded publish)
+            # go through the host encoder, which writes each piece as a delta on the same rank's piece.
+            on_device = on_device and not job.pieces
             if self.config.freeze_gc or (self.config.freeze_gc is None and on_device):
                 self._heap.hold()
                 if self._closed:  # closed meanwhile: its release has run

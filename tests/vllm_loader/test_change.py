@@ -3,6 +3,7 @@ decoded versions, against full decodes, bit for bit."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,18 @@ def test_a_corrupt_delta_is_refused_naming_version_file_and_tensor(chain):
     assert refused.value.version == 2 and refused.value.tensor == "layer.0.w"
     assert data_path(2, entry.file) in str(refused.value)
     assert not (tmp / "c.safetensors").exists()
+
+
+@pytest.mark.parametrize("counts", [[2, -1], [1, 1], [3, 3]], ids=["negative", "fewer", "more"])
+def test_a_change_file_whose_counts_disagree_with_its_tensors_is_refused(tmp_path, counts):
+    """The metadata's counts must be positive and add up to the file's positions and values (a bad file
+    would shift one tensor's positions onto another's values)."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "forged.safetensors"
+    tensors = {"positions": torch.arange(4), "old.bfloat16": torch.zeros(4, dtype=torch.bfloat16),
+               "new.bfloat16": torch.ones(4, dtype=torch.bfloat16)}
+    entries = [["a", [4], "bfloat16", counts[0]], ["b", [4], "bfloat16", counts[1]]]
+    save_file(tensors, str(path), metadata={"layout": "packed-1", "tensors": json.dumps(entries)})
+    with safe_open(str(path), framework="pt") as handle, pytest.raises(ValueError):
+        list(read_change(handle))
