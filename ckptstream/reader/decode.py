@@ -204,6 +204,21 @@ def _piece_steps(manifests: Callable[[int], Manifest], target: Manifest, entry: 
         manifest, whole, current = base_manifest, previous, found
 
 
+def _apply_steps(files: DataFiles, steps: list[tuple[Manifest, TensorEntry]], start: torch.Tensor | None,
+                 pool: BufferPool | None) -> tuple[torch.Tensor, str]:
+    """``start`` (None: nothing yet) with a delta chain's ``steps`` (newest first) applied oldest first; the
+    result and its hash. A keyframe's bytes (unchanged since) were checked against their stored hash as they
+    were read: that hash is the result's, with no second pass over them."""
+    out = start
+    verified: str | None = None  # the hash ``out`` is known to have, if a stored-hash check showed it
+    for manifest, current in reversed(steps):
+        out = apply_entry(files, manifest, current, out, pool)
+        if current.encoding != ENCODING_UNCHANGED:
+            verified = current.stored_hash if current.encoding == ENCODING_RAW else None
+    assert out is not None
+    return out, verified if verified is not None else codec.tensor_hash(out)
+
+
 def _decode_pieces(files: DataFiles, manifests: Callable[[int], Manifest], target: Manifest, entry: TensorEntry,
                    base: BaseTensors | None, pool: BufferPool | None) -> torch.Tensor:
     """The raw bytes (uint8) of a tensor stored in pieces: each piece decoded down its own chain (to a full
@@ -227,13 +242,7 @@ def _decode_pieces(files: DataFiles, manifests: Callable[[int], Manifest], targe
             if base is not None and base_entry is not None:
                 data = _take(pool, piece.nbytes)
                 data.view(box).copy_(where)
-            verified: str | None = None
-            for manifest, current in reversed(steps):
-                data = apply_entry(files, manifest, current, data, pool)
-                if current.encoding != ENCODING_UNCHANGED:
-                    verified = current.stored_hash if current.encoding == ENCODING_RAW else None
-            assert data is not None
-            actual = verified if verified is not None else codec.tensor_hash(data)
+            data, actual = _apply_steps(files, steps, data, pool)
             if actual != piece.hash:
                 if base is not None and base_entry is not None:
                     load_checked(base, base_entry)  # the local base copy is what differs? (raises, naming it)
@@ -272,15 +281,7 @@ def decode_tensor(files: DataFiles, manifests: Callable[[int], Manifest], target
         if not base.read_into(base_entry, start):
             raise IntegrityError("the local base copy lost the tensor while it was read", version=base.version,
                                  tensor=entry.name, hint="Materialize this version without the base directory")
-    out = start
-    verified: str | None = None  # the hash ``out`` is known to have, if a stored-hash check showed it
-    for manifest, current in reversed(steps):
-        out = apply_entry(files, manifest, current, out, pool)
-        if current.encoding != ENCODING_UNCHANGED:
-            verified = current.stored_hash if current.encoding == ENCODING_RAW else None
-    assert out is not None
-    # A keyframe's bytes (unchanged since) were checked as they were read: no second pass over them.
-    actual = verified if verified is not None else codec.tensor_hash(out)
+    out, actual = _apply_steps(files, steps, start, pool)
     if actual != entry.hash:
         if base is not None and base_entry is not None:
             load_checked(base, base_entry)  # the local base copy is what differs? (raises, naming it)
