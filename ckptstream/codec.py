@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 import zstandard
 
-from .format import (DTYPE_SIZES, ENCODING_PIECES, LAYOUT_DENSE, LAYOUT_SPARSE, MAX_CHUNK_BYTES, TensorEntry,
-                     content_hash, pieces_hash)
+from .format import (CHECK_MASK, DTYPE_SIZES, ENCODING_PIECES, LAYOUT_DENSE, LAYOUT_SPARSE, MAX_CHUNK_BYTES,
+                     ChangeCheck, TensorEntry, content_hash, pieces_hash)
 
 def _torch_dtype_of(name: str) -> torch.dtype | None:
     """The torch dtype of a format dtype name, by the naming rule the two share (``F16`` float16,
@@ -239,6 +239,60 @@ def encode_chunk(new: torch.Tensor, base: torch.Tensor | None, itemsize: int, *,
         return _compressor(level).compress(buffer_of(payload)), new.numel() // itemsize, LAYOUT_DENSE
     xor = _xor(new, base)
     return encode_xor_chunk(_changed_positions(xor, itemsize), itemsize, xor=xor, shuffle=shuffle, level=level)
+
+
+def encode_checked_chunk(new: torch.Tensor, base: torch.Tensor, itemsize: int, *, first: int,
+                         place: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None, shuffle: bool,
+                         level: int) -> tuple[bytes, int, str, ChangeCheck]:
+    """:func:`encode_chunk` of an ``xor-zstd`` chunk, and the check of its changes (FORMAT.md, "Change
+    checks"): ``first`` is the chunk's first element in its tensor, ``place`` (the whole tensor's shape, the
+    box's offsets and shape) that of a piece, whose positions the check takes in the whole tensor."""
+    xor = _xor(new, base)
+    positions = _changed_positions(xor, itemsize)
+    frame, changed, layout = encode_xor_chunk(positions, itemsize, xor=xor, shuffle=shuffle, level=level)
+    where = positions + first
+    if place is not None:
+        where = box_positions(where, *place)
+    ints = INT_OF_SIZE[itemsize]
+    return frame, changed, layout, ChangeCheck(changed, check_sum(where, base.view(ints)[positions]),
+                                               check_sum(where, new.view(ints)[positions]))
+
+
+_SIGNED = 1 << 64
+_CHECK_SEED = 0x9E3779B97F4A7C15 - _SIGNED  # the constants of format.check_element as int64
+_MIX_A = 0xBF58476D1CE4E5B9 - _SIGNED
+_MIX_B = 0x94D049BB133111EB - _SIGNED
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _check_mix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shift_right(x, 30)
+    x = x * _MIX_A  # (int64 products wrap: the low 64 bits of the unsigned product)
+    x = x ^ _shift_right(x, 27)
+    x = x * _MIX_B
+    return x ^ _shift_right(x, 31)
+
+
+def check_terms(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Each element's term of a change check (``format.check_element``) as int64 (its bits mod 2^64), for
+    int64 ``positions`` in the whole tensor and the elements' ``values`` (any dtype: their bits count), on
+    their device."""
+    size = values.element_size()
+    bits = values.reshape(-1).view(INT_OF_SIZE[size]).to(torch.int64)
+    if size < 8:
+        bits &= (1 << (8 * size)) - 1  # (int16 and int32 widen with their sign)
+    return _check_mix(_check_mix(positions + _CHECK_SEED) ^ bits)
+
+
+def check_sum(positions: torch.Tensor, values: torch.Tensor) -> int:
+    """The sum mod 2^64 of :func:`check_terms`: one of a change check's hashes, in [0, 2^64)."""
+    if not positions.numel():
+        return 0
+    return int(check_terms(positions, values).sum()) & CHECK_MASK
 
 
 def encode_xor_chunk(positions: torch.Tensor, itemsize: int, *, shuffle: bool, level: int,

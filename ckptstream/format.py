@@ -135,6 +135,13 @@ CHUNKED_ENCODINGS = frozenset({ENCODING_ZSTD, ENCODING_XOR_ZSTD})
 FULL_ENCODINGS = frozenset({ENCODING_RAW, ENCODING_ZSTD})
 """Encodings that need no base: where a delta chain starts."""
 
+CHECK_VERSION = 1
+"""The version of a delta entry's ``check`` field (FORMAT.md, "Change checks") that this ckptstream writes
+and verifies; a reader keeps a check of another version unread (``ChangeCheck.known`` False)."""
+CHECK_MASK = (1 << 64) - 1
+_CHECK_SEED = 0x9E3779B97F4A7C15
+_CHECK_HEX_RE = re.compile(r"[0-9a-f]{16}")
+
 # safetensors dtype name -> item size in bytes.
 DTYPE_SIZES: dict[str, int] = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -422,6 +429,8 @@ class TensorEntry:
     """A piece's first element in the whole tensor, per dimension (None: a whole tensor)."""
     pieces: tuple[TensorEntry, ...] = ()
     """The pieces of a tensor stored in pieces, in ascending order of their ``offsets``."""
+    check: ChangeCheck | None = None
+    """An ``xor-zstd`` entry's check of the change it makes (FORMAT.md, "Change checks"), if written."""
 
     @property
     def numel(self) -> int:
@@ -468,7 +477,69 @@ class TensorEntry:
             out.update(shuffle=self.shuffle, chunks=[list(c) for c in self.chunks])
         if self.changed is not None:
             out["changed"] = self.changed
+        if self.check is not None:
+            out["check"] = self.check.to_json()
         return out
+
+
+def check_mix(x: int) -> int:
+    """The 64-bit finalizer of splitmix64 (FORMAT.md, "Change checks"): ``x`` and the result in [0, 2^64)."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & CHECK_MASK
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & CHECK_MASK
+    return x ^ (x >> 31)
+
+
+def check_element(position: int, bits: int) -> int:
+    """One element's term of a change check: ``mix(mix(position + seed) XOR bits)``, mod 2^64, for the flat
+    ``position`` of the element in the whole tensor and its raw ``bits`` (its little-endian bytes read as an
+    unsigned integer). The reference form of ``codec.check_sum``, which sums these over many elements."""
+    return check_mix(check_mix((position + _CHECK_SEED) & CHECK_MASK) ^ bits)
+
+
+@dataclass(frozen=True)
+class ChangeCheck:
+    """A delta entry's ``check`` (FORMAT.md, "Change checks"): over the elements the delta changes (where
+    the XOR is non-zero), their ``count`` and two additive multiset hashes, of (position, old bits) and of
+    (position, new bits), each the sum mod 2^64 of ``check_element``. Additive: a tensor in pieces checks as
+    the sum of its pieces' checks, and ranks holding parts of a tensor as the sum of their parts.
+
+    Not cryptographic: the stored hashes prove the bytes; this proves that values served before an update
+    were the delta's base, and those after it the version's, without the whole tensor's bytes.
+    ``version`` other than ``CHECK_VERSION``: a check this ckptstream cannot read (``known`` False)."""
+
+    count: int = 0
+    old: int = 0
+    new: int = 0
+    version: int = CHECK_VERSION
+
+    @property
+    def known(self) -> bool:
+        return self.version == CHECK_VERSION
+
+    def __add__(self, other: ChangeCheck) -> ChangeCheck:
+        if not (self.known and other.known):
+            raise ValueError(f"change checks of version {self.version} and {other.version} do not add up")
+        return ChangeCheck(self.count + other.count, (self.old + other.old) & CHECK_MASK,
+                           (self.new + other.new) & CHECK_MASK)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "count": self.count, "old": f"{self.old:016x}", "new": f"{self.new:016x}"}
+
+    @classmethod
+    def from_json(cls, value: Any) -> ChangeCheck:
+        """A check as ``to_json`` writes it (ValueError otherwise); of an unknown version: kept unread."""
+        if not isinstance(value, dict) or type(value.get("version")) is not int:
+            raise ValueError("a change check is an object with an integer 'version'")
+        if value["version"] != CHECK_VERSION:
+            return cls(version=value["version"])
+        count, old, new = value.get("count"), value.get("old"), value.get("new")
+        if type(count) is not int or not 0 <= count <= MAX_FILE_BYTES:
+            raise ValueError(f"a change check's count {count!r} is not an integer in [0, {MAX_FILE_BYTES}]")
+        if not all(isinstance(h, str) and _CHECK_HEX_RE.fullmatch(h) for h in (old, new)):
+            raise ValueError("a change check's 'old' and 'new' are each 16 lowercase hex digits")
+        return cls(count, int(old, 16), int(new, 16))
 
 
 def pieces_hash(hashes: Iterable[str]) -> str:
@@ -818,6 +889,11 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
         raise c.fail(f"stored range [{offset}, {offset + length}) lies beyond the end of {file}", name)
     entry = dataclasses.replace(entry, file=file, offset=offset, length=length,
                                 stored_hash=c.hash(item, "stored_hash", name))
+    if encoding == ENCODING_XOR_ZSTD and item.get("check") is not None:
+        try:
+            entry = dataclasses.replace(entry, check=ChangeCheck.from_json(item["check"]))
+        except ValueError as exc:
+            raise c.fail(str(exc), name) from None
     if encoding == ENCODING_RAW:
         if length != entry.nbytes:
             raise c.fail(f"raw tensor stores {length} bytes but its shape and dtype need {entry.nbytes}", name)

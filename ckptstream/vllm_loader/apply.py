@@ -15,7 +15,11 @@ would change nothing served), so on CPU only the other parameters (norms, embedd
 
 Before writing anything, the runtime values at every mapped position must equal the change's old values
 (bitwise, in the parameter's dtype): a parameter transformed after loading, or a server not on the base
-version, is caught there and nothing is written. Imported by the worker extension only when used (torch).
+version, is caught there and nothing is written. A change of layout ``xor-1`` carries no old values: the
+worker reads them from its own parameters when it stages the change (new = old XOR the delta) and reports,
+per changed tensor, the publisher's check of the change summed over the positions it holds; the follower
+adds the ranks' sums up (``staging_problem``) and applies only where they equal the check (FORMAT.md
+"Change checks"). Imported by the worker extension only when used (torch).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import numpy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..codec import bit_pattern
-from ..format import Hasher
+from ..codec import INT_OF_SIZE, bit_pattern, check_terms
+from ..format import CHECK_MASK, ChangeCheck, Hasher
 
 _COPY = torch.ops.aten.copy_.default
 
@@ -270,12 +274,21 @@ class _Write:
 
 @dataclass
 class _Changed:
-    """A changed checkpoint tensor of a change file (host tensors)."""
+    """A changed checkpoint tensor of a change file (host tensors): its old and new values, or (``xor-1``)
+    the XOR of both and the publisher's check."""
 
     name: str
     positions: torch.Tensor
-    old: torch.Tensor
-    new: torch.Tensor
+    old: torch.Tensor | None
+    new: torch.Tensor | None
+    xor: torch.Tensor | None = None
+    check: ChangeCheck | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        values = self.new if self.new is not None else self.xor
+        assert values is not None
+        return values.dtype
 
 
 class InPlaceApplier:
@@ -304,8 +317,10 @@ class InPlaceApplier:
 
     def staged(self, wait: bool) -> dict[str, Any] | None:
         """The staging's result (``unpatchable``: {tensor: reason}, ``coverage``: {tensor: [positions written
-        here, positions changed]} for the tensors the model loads, ``elements``: writes staged, ``error``)
-        once done; None while it runs (and not ``wait``)."""
+        here, positions changed]} for the tensors the model loads, ``elements``: writes staged, ``error``;
+        for a change of layout ``xor-1`` also ``checks``: {tensor: {"held": the check of the changes at the
+        positions written here, "expected": the publisher's}}, as ``ChangeCheck.to_json``) once done; None
+        while it runs (and not ``wait``)."""
         if self._thread is None:
             return {"error": "nothing staged"}
         if wait:
@@ -351,10 +366,10 @@ class InPlaceApplier:
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 changed: list[_Changed] = []
                 unplanned: dict[str, TensorSpec] = {}
-                for name, (shape, positions, old, new) in read_change(change):
-                    changed.append(_Changed(name, positions, old, new))
+                for name, tensor in read_change(change):
+                    changed.append(_Changed(name, tensor.positions, tensor.old, tensor.new, tensor.xor, tensor.check))
                     if name not in self.plans:
-                        unplanned[name] = (tuple(shape), new.dtype)
+                        unplanned[name] = (tuple(tensor.shape), changed[-1].dtype)
                 if unplanned:
                     self.plans.update(plan_tensors(self.model, unplanned))
                 result, writes = self._map_all(changed)
@@ -367,7 +382,8 @@ class InPlaceApplier:
 
     def _map_all(self, changed: list[_Changed]) -> tuple[dict[str, Any], list[_Write]]:
         """Map every changed tensor onto the parameters: the copies that share a layout (parameter, dtype,
-        sizes and strides) in one batch each, the writes merged per parameter."""
+        sizes and strides) in one batch each, the writes merged per parameter. The old values of a change
+        without them (``xor-1``) are read from the parameters, and its checks summed per tensor."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         unpatchable: dict[str, str] = {}
         layouts: dict[tuple[Any, ...], list[tuple[int, Target]]] = {}  # layout -> [(tensor's index, copy)]
@@ -379,11 +395,12 @@ class InPlaceApplier:
             elif plan.targets:
                 loaded.append(i)
                 for target in plan.targets:
-                    key = (target.param, tensor.new.dtype, target.sizes, target.src_strides, target.dst_strides)
+                    key = (target.param, tensor.dtype, target.sizes, target.src_strides, target.dst_strides)
                     layouts.setdefault(key, []).append((i, target))
         written = torch.zeros(len(changed), dtype=torch.int64, device=self.device)
+        sums = torch.zeros(2, len(changed), dtype=torch.int64, device=self.device)  # per tensor: old, new
         per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        for (param, _, *_), copies in layouts.items():
+        for (param, checkpoint_dtype, *_), copies in layouts.items():
             counts = [changed[i].positions.numel() for i, _ in copies]
             positions = torch.cat([changed[i].positions for i, _ in copies]).to(self.device)
             src_offset = _repeated([t.src_offset for _, t in copies], counts).to(self.device)
@@ -392,14 +409,29 @@ class InPlaceApplier:
             covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
             written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
             dtype = params[param].dtype
-            old = torch.cat([changed[i].old for i, _ in copies]).to(self.device)[covered].to(dtype)
-            new = torch.cat([changed[i].new for i, _ in copies]).to(self.device)[covered].to(dtype)
+            if changed[copies[0][0]].xor is None:
+                old = torch.cat([changed[i].old for i, _ in copies]).to(self.device)[covered].to(dtype)
+                new = torch.cat([changed[i].new for i, _ in copies]).to(self.device)[covered].to(dtype)
+            else:  # the old values are this rank's own: the check of the change at its positions says if right
+                old = _flat(params[param])[index[covered]].to(checkpoint_dtype)
+                ints = INT_OF_SIZE[old.element_size()]
+                xor = torch.cat([changed[i].xor for i, _ in copies]).to(self.device)[covered]
+                new = (old.view(ints) ^ xor.view(ints)).view(checkpoint_dtype)
+                for row, values in enumerate((old, new)):
+                    sums[row].index_add_(0, segment[covered], check_terms(positions[covered], values))
+                old, new = old.to(dtype), new.to(dtype)
             per_param.setdefault(param, []).append((index[covered], old, new))
         writes = [_Write(param, *(torch.cat(parts) for parts in zip(*groups))) for param, groups in per_param.items()]
         counts_written = written.tolist()
         coverage = {changed[i].name: [counts_written[i], changed[i].positions.numel()] for i in loaded}
-        return {"unpatchable": unpatchable, "coverage": coverage,
-                "elements": sum(w.index.numel() for w in writes)}, writes
+        result: dict[str, Any] = {"unpatchable": unpatchable, "coverage": coverage,
+                                  "elements": sum(w.index.numel() for w in writes)}
+        if changed and changed[0].check is not None:
+            old_sums, new_sums = sums.tolist()
+            result["checks"] = {changed[i].name: {
+                "held": ChangeCheck(counts_written[i], old_sums[i] & CHECK_MASK, new_sums[i] & CHECK_MASK).to_json(),
+                "expected": changed[i].check.to_json()} for i in loaded if changed[i].check is not None}
+        return result, writes
 
 
 def parameter_hashes(model: torch.nn.Module) -> dict[str, str]:
@@ -417,7 +449,8 @@ def staging_problem(results: list[dict[str, Any]]) -> tuple[str, str] | None:
     """Whether a change staged on every rank of an engine (``InPlaceApplier.staged``, one result per rank)
     can be applied: None, or (the fallback reason of ``observe.FALLBACK_REASONS``, what went wrong). Every
     changed position of a tensor the model loads must be written by some rank (a rank writes its TP slice;
-    the slices add up): a loader that returned without copying would leave it stale."""
+    the slices add up): a loader that returned without copying would leave it stale. A change whose old
+    values the ranks read themselves (``xor-1``) must pass its checks (``check_problem``)."""
     errors = [str(r["error"]) for r in results if r.get("error")]
     if errors:
         return "apply_failed", f"staging failed on a rank: {errors[0]}"
@@ -434,4 +467,41 @@ def staging_problem(results: list[dict[str, Any]]) -> tuple[str, str] | None:
     if unpatchable:
         name, why = next(iter(sorted(unpatchable.items())))
         return "unpatchable", f"{len(unpatchable)} changed tensor(s) cannot be written in place, e.g. {name}: {why}"
+    return check_problem(results)
+
+
+def check_problem(results: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """Whether the ranks' checks of a change of layout ``xor-1`` (``staged``'s ``checks``) prove that they
+    serve its base and will serve the version after it: None, or (``check_failed``: the values differ, or
+    ``unverifiable``: the ranks' positions neither each cover the tensor nor split it, what went wrong).
+
+    Per changed tensor, the ranks that hold some of its positions either each hold all of them (replicated:
+    each rank's check must equal the publisher's) or hold each position once between them (a TP split: their
+    checks add up to the publisher's). A change without checks (``packed-1``) passes."""
+    expected: dict[str, ChangeCheck] = {}
+    held: dict[str, list[ChangeCheck]] = collections.defaultdict(list)
+    for r in results:
+        for name, check in (r.get("checks") or {}).items():
+            expected[name] = ChangeCheck.from_json(check["expected"])
+            part = ChangeCheck.from_json(check["held"])
+            if part.count:
+                held[name].append(part)
+    if expected and any(r.get("coverage") and r.get("checks") is None for r in results):
+        return "unverifiable", "some ranks staged the change without checks"
+    for name, want in sorted(expected.items()):
+        parts = held[name]
+        if not parts:
+            continue  # loaded by no rank: the coverage rule decides
+        if all(p.count == want.count for p in parts):
+            wrong = [p for p in parts if p != want]
+            if wrong:
+                return "check_failed", (f"{name}: {len(wrong)} of {len(parts)} ranks holding all its {want.count} "
+                                        "changed elements hold other values than the delta's base or result")
+        elif sum(p.count for p in parts) == want.count:
+            if sum(parts, ChangeCheck()) != want:
+                return "check_failed", (f"{name}: the {len(parts)} ranks holding its {want.count} changed elements "
+                                        "between them hold other values than the delta's base or result")
+        else:
+            return "unverifiable", (f"{name}: ranks hold {[p.count for p in parts]} of its {want.count} changed "
+                                    "elements: neither each all of them nor each once between them")
     return None

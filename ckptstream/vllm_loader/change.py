@@ -1,14 +1,17 @@
 """The change between two versions, in checkpoint names and coordinates: what workers apply in place.
 
-Built from the stored deltas between them and the cached older version (``build_change_from_deltas``:
-before the newer one is decoded), or by comparing both cached versions (``build_change``: across a
-keyframe).
+Built from the stored deltas alone (``build_change_unbased``: no copy of either version needed), from the
+stored deltas and the cached older version (``build_change_from_deltas``: before the newer one is decoded),
+or by comparing both cached versions (``build_change``: across a keyframe).
 
-Per checkpoint tensor that differs: the flat positions of the differing elements (int64, ascending) and
-their old and new values in the checkpoint's dtype, compared bit for bit (a NaN that stays NaN is no
-change; -0.0 and 0.0 differ). One safetensors file per (base, version) pair, written once per host in the
-shared cache (``VersionCache.change``) and read by every worker of the host from there: never sent over
-HTTP. The file's metadata names the stream, both versions and each tensor's shape.
+Per checkpoint tensor that differs: the flat positions of the differing elements (int64, ascending), compared
+bit for bit (a NaN that stays NaN is no change; -0.0 and 0.0 differ), and either their old and new values in
+the checkpoint's dtype (layout ``packed-1``), or the XOR of old and new bits and the publisher's check of the
+change (layout ``xor-1``, FORMAT.md "Change checks"): each worker then reads the old values from its own
+parameters and the checks, added up over the ranks, prove them the delta's base. One safetensors file per
+(base, version) pair, written once per host in the shared cache (``VersionCache.change``) and read by every
+worker of the host from there: never sent over HTTP. The file's metadata names the stream, both versions and
+each tensor's shape.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 
 from ..codec import bit_pattern, torch_dtype
-from ..format import TensorEntry
+from ..errors import IntegrityError
+from ..format import ENCODING_PIECES, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ChangeCheck, TensorEntry
 from ..hf import tensor_specs
 from ..reader.decode import TooManyChanges
 from ..reader.materialize import MaterializedBase
@@ -37,12 +41,28 @@ KEPT_DELTAS_BYTES = 1 << 30
 change from the deltas and decoding the version from the same deltas, so that each is read from storage
 once; deltas past it are read again (and counted as read again)."""
 
-_POSITIONS, _OLD, _NEW = "positions", "old.", "new."
-_LAYOUT_KEY, _LAYOUT = "layout", "packed-1"
-"""A change file holds every changed tensor's positions in one tensor and their old and new values in one
-tensor per dtype, in the order of its ``tensors`` metadata: read in a few calls, however many tensors changed."""
+_POSITIONS, _OLD, _NEW, _XOR = "positions", "old.", "new.", "xor."
+_LAYOUT_KEY, _LAYOUT, _XOR_LAYOUT = "layout", "packed-1", "xor-1"
+"""A change file holds every changed tensor's positions in one tensor and its values in one tensor per dtype
+and kind (old and new: ``packed-1``; the XOR of both: ``xor-1``), in the order of its ``tensors`` metadata:
+read in a few calls, however many tensors changed."""
 TOO_MANY = "too many elements changed"
 WHOLE = "a version since the served one stores tensors whole"
+UNCHECKED = "the version is not one delta on the served one whose every change has a check"
+"""Why no change is built from the deltas alone: a chain of deltas, or a delta without change checks (written
+by the device encoder or an older ckptstream); the caller builds one with the served version's copy."""
+
+
+class ChangedTensor(NamedTuple):
+    """A changed tensor of a change file: its shape, positions, and its old and new values (``packed-1``), or
+    the XOR of both and the publisher's check of the change (``xor-1``), views of the file's tensors."""
+
+    shape: tuple[int, ...]
+    positions: torch.Tensor
+    old: torch.Tensor | None
+    new: torch.Tensor | None
+    xor: torch.Tensor | None = None
+    check: ChangeCheck | None = None
 
 
 @dataclass(frozen=True)
@@ -133,36 +153,102 @@ def build_change_from_deltas(stream: Stream, base_dir: Path, out: Path, *, base:
     return change.write(out, total, stream_id=stream.info().stream_id, base=base, version=version)
 
 
-class _Change:
-    """The changed tensors of a change being built, up to a number of changed elements."""
+def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
+                         max_fraction: float) -> ChangeSummary:
+    """Write the change from ``base`` to ``version`` to ``out`` from the stored deltas alone (layout
+    ``xor-1``): per changed tensor the positions, the XOR of old and new bits, and the publisher's check;
+    no copy of either version is read. None (``problem`` set, nothing written) where ``version`` is not a
+    delta on ``base`` whose every ``xor-zstd`` entry has a check this ckptstream reads (``UNCHECKED``), their
+    tensors differ, or more than ``max_fraction`` of the elements changed.
 
-    def __init__(self, max_changed: float):
+    The stored bytes of the deltas are checked against their stored hashes, and each tensor's changes are
+    counted against its check; the values are checked where they are applied (``apply.staging_problem``).
+
+    Raises:
+        IntegrityError: a delta changes another number of elements than its check counts.
+    """
+    manifest = stream.manifest(version)
+    if manifest.base_version != base:
+        return ChangeSummary(0, 0, 0, problem=UNCHECKED)
+    checks = {entry.name: entry_check(entry) for entry in manifest.tensors}
+    if any(check is None for check in checks.values()):
+        return ChangeSummary(0, 0, 0, problem=UNCHECKED)
+    total = sum(e.numel for e in manifest.tensors)
+    if sorted(checks) != sorted(e.name for e in stream.manifest(base).tensors):
+        return ChangeSummary(0, 0, 0, problem="the versions hold different tensors")
+    budget = int(max_fraction * total)
+    # (a tensor's changes cost 8 bytes of position and at most 8 of value each while they are read)
+    changes = stream.changes_since(version, base, lambda entry, positions, xors: (entry, positions, xors),
+                                   max_tensor_bytes=(budget + 1) * 16)
+    if changes is None:
+        return ChangeSummary(0, 0, 0, problem=WHOLE)
+    change = _Change(max_fraction * total, (_XOR,), _XOR_LAYOUT)
+    try:
+        for entry, positions, xors in changes:
+            check = checks[entry.name]
+            assert check is not None
+            if positions.numel() != check.count:
+                raise IntegrityError(f"the delta changes {positions.numel()} elements, its check counts "
+                                     f"{check.count}", version=version, tensor=entry.name,
+                                     hint="The version is forged or damaged; run `ckptstream verify`")
+            if not change.add(entry.name, entry.shape, positions, xors.view(torch_dtype(entry.dtype)), check=check):
+                return ChangeSummary(change.changed, total, change.tensors, problem=TOO_MANY)
+    except TooManyChanges:
+        return ChangeSummary(budget + 1, total, change.tensors, problem=TOO_MANY)
+    finally:
+        changes.close()  # (what has not started is cancelled)
+    return change.write(out, total, stream_id=stream.info().stream_id, base=base, version=version)
+
+
+def entry_check(entry: TensorEntry) -> ChangeCheck | None:
+    """The check of the change a delta's ``entry`` makes on its base (a tensor in pieces: the sum of its
+    pieces'; unchanged: none changed), or None where one is missing or of a version this ckptstream cannot
+    read, or the entry is stored whole."""
+    if entry.encoding == ENCODING_PIECES:
+        parts = [entry_check(piece) for piece in entry.pieces]
+        return None if None in parts else sum((p for p in parts if p is not None), ChangeCheck())
+    if entry.encoding == ENCODING_UNCHANGED:
+        return ChangeCheck()
+    if entry.encoding == ENCODING_XOR_ZSTD and entry.check is not None and entry.check.known:
+        return entry.check
+    return None
+
+
+class _Change:
+    """The changed tensors of a change being built, up to a number of changed elements: per tensor its
+    positions and one tensor of values per kind (``kinds``: the prefixes of their names in the file)."""
+
+    def __init__(self, max_changed: float, kinds: tuple[str, ...] = (_OLD, _NEW), layout: str = _LAYOUT):
         self.max_changed = max_changed
+        self.kinds = kinds
+        self.layout = layout
         self.changed = 0
-        self.entries: list[list[Any]] = []  # [name, shape, dtype, elements], in the order added
+        self.entries: list[list[Any]] = []  # [name, shape, dtype, elements(, check)], in the order added
         self.positions: list[torch.Tensor] = []
-        self.values: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # dtype -> (old, new)
+        self.values: dict[str, list[list[torch.Tensor]]] = {}  # dtype -> per kind, the tensors' values
         self._rank: list[int] = []  # each entry's place in its dtype's lists
 
     @property
     def tensors(self) -> int:
         return len(self.entries)
 
-    def add(self, name: str, shape: tuple[int, ...], positions: torch.Tensor, old: torch.Tensor,
-            new: torch.Tensor) -> bool:
-        """Add a tensor's changed elements (none: nothing); False once the change holds too many."""
+    def add(self, name: str, shape: tuple[int, ...], positions: torch.Tensor, *values: torch.Tensor,
+            check: ChangeCheck | None = None) -> bool:
+        """Add a tensor's changed elements (none: nothing), one tensor of values per kind; False once the
+        change holds too many."""
         if not positions.numel():
             return True
         self.changed += positions.numel()
         if self.changed > self.max_changed:
             return False
-        dtype = str(new.dtype).removeprefix("torch.")
-        self.entries.append([name, list(shape), dtype, positions.numel()])
+        dtype = str(values[0].dtype).removeprefix("torch.")
+        self.entries.append([name, list(shape), dtype, positions.numel()]
+                            + ([] if check is None else [check.to_json()]))
         self.positions.append(positions)
-        olds, news = self.values.setdefault(dtype, ([], []))
-        self._rank.append(len(olds))
-        olds.append(old.contiguous())
-        news.append(new.contiguous())
+        lists = self.values.setdefault(dtype, [[] for _ in self.kinds])
+        self._rank.append(len(lists[0]))
+        for held, value in zip(lists, values):
+            held.append(value.contiguous())
         return True
 
     def write(self, out: Path, total: int, *, stream_id: str, base: int, version: int) -> ChangeSummary:
@@ -171,40 +257,53 @@ class _Change:
         order = sorted(range(len(self.entries)), key=lambda i: self.entries[i][0])  # by name: one file per change
         tensors = {_POSITIONS: torch.cat([self.positions[i] for i in order]) if order
                    else torch.zeros(0, dtype=torch.int64)}
-        for dtype, (olds, news) in self.values.items():
+        for dtype, lists in self.values.items():
             mine = [i for i in order if self.entries[i][2] == dtype]
-            tensors[_OLD + dtype] = torch.cat([olds[self._rank[i]] for i in mine])
-            tensors[_NEW + dtype] = torch.cat([news[self._rank[i]] for i in mine])
+            for kind, held in zip(self.kinds, lists):
+                tensors[kind + dtype] = torch.cat([held[self._rank[i]] for i in mine])
         metadata = {"stream_id": stream_id, "base": str(base), "version": str(version),
-                    _LAYOUT_KEY: _LAYOUT, "tensors": json.dumps([self.entries[i] for i in order])}
+                    _LAYOUT_KEY: self.layout, "tensors": json.dumps([self.entries[i] for i in order])}
         save_file(tensors, str(out), metadata=metadata)
         return ChangeSummary(self.changed, total, self.tensors)
 
 
-def read_change(handle: Any) -> Iterator[tuple[str, tuple[tuple[int, ...], torch.Tensor, torch.Tensor,
-                                                      torch.Tensor]]]:
-    """Per changed tensor of an open change file (``safetensors.safe_open``), in the order written: its name
-    and (shape, positions, old values, new values), views of the file's few tensors."""
+def read_change(handle: Any) -> Iterator[tuple[str, ChangedTensor]]:
+    """Per changed tensor of an open change file (``safetensors.safe_open``) of either layout, in the order
+    written: its name and ``ChangedTensor`` (views of the file's few tensors)."""
     metadata = handle.metadata() or {}
-    if metadata.get(_LAYOUT_KEY) != _LAYOUT:
-        raise ValueError(f"not a change file of layout {_LAYOUT} (written by another ckptstream?)")
+    layout = metadata.get(_LAYOUT_KEY)
+    if layout not in (_LAYOUT, _XOR_LAYOUT):
+        raise ValueError(f"not a change file of layout {_LAYOUT} or {_XOR_LAYOUT} (written by another ckptstream?)")
+    kinds = (_OLD, _NEW) if layout == _LAYOUT else (_XOR,)
     positions = handle.get_tensor(_POSITIONS)
     entries = json.loads(metadata["tensors"])
-    values: dict[str, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
+    values: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
     counts: dict[str, int] = {}
-    for _, _, dtype, count in entries:
+    checks: list[ChangeCheck | None] = []
+    for entry in entries:
+        dtype, count = entry[2], entry[3]
         if not isinstance(count, int) or count <= 0:
             raise ValueError(f"a change file's tensor holds {count!r} changed elements")
+        check = None
+        if layout == _XOR_LAYOUT:
+            check = ChangeCheck.from_json(entry[4] if len(entry) > 4 else None)
+            if not check.known or check.count != count:
+                raise ValueError(f"a change file's tensor {entry[0]!r} has no check of its {count} changes")
+        checks.append(check)
         counts[dtype] = counts.get(dtype, 0) + count
         if dtype not in values:
-            values[dtype] = (handle.get_tensor(_OLD + dtype), handle.get_tensor(_NEW + dtype), [0])
+            values[dtype] = ([handle.get_tensor(kind + dtype) for kind in kinds], [0])
     if sum(counts.values()) != positions.numel() or any(
-            values[d][0].numel() != n or values[d][1].numel() != n for d, n in counts.items()):
+            v.numel() != counts[d] for d, (held, _) in values.items() for v in held):
         raise ValueError("a change file's tensors do not hold the elements its metadata counts")
     start = 0
-    for name, shape, dtype, count in entries:
-        old, new, offset = values[dtype]
-        yield name, (tuple(shape), positions[start:start + count], old[offset[0]:offset[0] + count],
-                     new[offset[0]:offset[0] + count])
+    for (name, shape, dtype, count, *_), check in zip(entries, checks):
+        held, offset = values[dtype]
+        parts = [v[offset[0]:offset[0] + count] for v in held]
+        at = positions[start:start + count]
+        if layout == _LAYOUT:
+            yield name, ChangedTensor(tuple(shape), at, parts[0], parts[1])
+        else:
+            yield name, ChangedTensor(tuple(shape), at, None, None, parts[0], check)
         start += count
         offset[0] += count

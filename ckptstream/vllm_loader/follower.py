@@ -48,8 +48,8 @@ from ..polling import poll
 from . import takeover
 from .apply import staging_problem
 from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
-from .change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
-                     build_change_from_deltas)
+from .change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, UNCHECKED, WHOLE, ChangeSummary, build_change,
+                     build_change_from_deltas, build_change_unbased)
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from .gate import UpdateGate
 from .observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, attach_metrics, commit_age,
@@ -516,8 +516,13 @@ class Follower:
         def build(out: Path) -> None:
             if path is None:
                 with self.stream.keeping_reads(KEPT_DELTAS_BYTES):  # the decode reads them from memory
-                    built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
-                                                          version=version, max_fraction=MAX_CHANGE_FRACTION))
+                    # From the deltas alone where they carry change checks: the ranks read the old values
+                    # from what they serve, and the checks prove them right.
+                    built.append(build_change_unbased(self.stream, out, base=base, version=version,
+                                                      max_fraction=MAX_CHANGE_FRACTION))
+                    if built[0].problem == UNCHECKED:
+                        built[0] = build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
+                                                            version=version, max_fraction=MAX_CHANGE_FRACTION)
             else:
                 built.append(build_change(self.cache.path(base), path, out, stream_id=stream_id, base=base,
                                           version=version, max_fraction=MAX_CHANGE_FRACTION))

@@ -12,14 +12,15 @@ import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
 from .. import codec
 from ..format import (DELTA, ENCODING_RAW, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ENCODING_ZSTD, KEYFRAME,
-                      Manifest)
+                      ChangeCheck, Manifest)
 from ..parallel import ordered_parallel
+from .pieces import PieceOf
 
 log = logging.getLogger("ckptstream.publish")
 
@@ -40,7 +41,8 @@ class EncodedTensor:
 
     ``frames`` are the zstd frames of a chunked encoding (one per chunk, described by ``chunks``); a
     ``raw`` tensor stores the snapshot's bytes themselves and an ``unchanged`` one stores nothing.
-    ``changed`` counts elements whose bits differ from the base (deltas only).
+    ``changed`` counts elements whose bits differ from the base (deltas only); ``check`` is the check of
+    those changes (FORMAT.md, "Change checks"), where the encoder computes one (the host encoder does).
     """
 
     name: str
@@ -49,6 +51,7 @@ class EncodedTensor:
     frames: list[bytes] = field(default_factory=list)
     chunks: list[tuple[int, int, str]] = field(default_factory=list)
     changed: int | None = None
+    check: ChangeCheck | None = None
 
 
 @dataclass
@@ -69,6 +72,10 @@ class Encoder(Protocol):
         ...
 
 
+Pieces = Mapping[str, PieceOf]
+"""The tensors of a snapshot that are pieces of a whole tensor, by name: where each lies in its whole."""
+
+
 class KeyframeEncoder:
     """Keyframes: every tensor stored raw, as a plain safetensors file holds it."""
 
@@ -79,7 +86,8 @@ class KeyframeEncoder:
 class DeltaEncoder:
     """Deltas on the host: per tensor, the XOR against the base's tensor of the same name (or the tensor
     itself where the base has none of that dtype and shape), byte-shuffled and zstd-compressed in
-    independent chunks, encoded in parallel on ``executor``.
+    independent chunks, encoded in parallel on ``executor``. Each XOR gets its check (FORMAT.md, "Change
+    checks"), taken at positions in the whole tensor for a piece (``pieces``).
 
     Declines (None) as soon as the stored bytes outgrow ``max_ratio`` of the full bytes.
     """
@@ -92,7 +100,8 @@ class DeltaEncoder:
         self.shuffle = shuffle
         self.max_ratio = max_ratio
 
-    def encode(self, tensors: Snapshot, base: BaseVersion | None) -> EncodedVersion | None:
+    def encode(self, tensors: Snapshot, base: BaseVersion | None, pieces: Pieces | None = None
+               ) -> EncodedVersion | None:
         if base is None:
             return None
         plans: list[EncodedTensor] = []
@@ -104,36 +113,44 @@ class DeltaEncoder:
             new_bytes = codec.as_bytes(tensor)
             base_bytes = codec.as_bytes(previous) if previous is not None else None
             plans.append(EncodedTensor(name, tensor, ENCODING_XOR_ZSTD if previous is not None else ENCODING_ZSTD,
-                                       changed=0))
+                                       changed=0, check=ChangeCheck() if previous is not None else None))
             itemsize = tensor.element_size()
+            piece = (pieces or {}).get(name)
+            place = None if piece is None else (piece.shape, piece.offsets, piece.box)
             for start, end in codec.chunk_ranges(new_bytes.numel(), itemsize, self.chunk_bytes):
-                tasks.append((index, end - start, partial(
-                    codec.encode_chunk, new_bytes[start:end], None if base_bytes is None else base_bytes[start:end],
-                    itemsize, shuffle=self.shuffle, level=self.zstd_level)))
+                if base_bytes is None:
+                    task = partial(codec.encode_chunk, new_bytes[start:end], None, itemsize, shuffle=self.shuffle,
+                                   level=self.zstd_level)
+                else:
+                    task = partial(codec.encode_checked_chunk, new_bytes[start:end], base_bytes[start:end], itemsize,
+                                   first=start // itemsize, place=place, shuffle=self.shuffle, level=self.zstd_level)
+                tasks.append((index, end - start, task))
         return assemble_delta(plans, tasks, base.manifest, executor=self.executor, chunk_bytes=self.chunk_bytes,
                               max_ratio=self.max_ratio, shuffle=self.shuffle)
 
 
-ChunkTask = tuple[int, int, Callable[[], tuple[bytes, int, str]]]
+ChunkTask = tuple[int, int, Callable[[], tuple[bytes, int, str] | tuple[bytes, int, str, ChangeCheck]]]
 """One chunk to encode: the index of its tensor's plan, its raw bytes, and the call returning its stored
-frame, changed elements and layout."""
+frame, changed elements, layout and (the host encoder's ``xor-zstd`` chunks) the check of its changes."""
 
 
 def assemble_delta(plans: list[EncodedTensor], tasks: list[ChunkTask], base: Manifest, *, executor: Executor,
                    chunk_bytes: int, max_ratio: float, shuffle: bool) -> EncodedVersion | None:
     """Run the chunk tasks on ``executor`` (in order, bounded memory) and fill their tensors' plans: the
     delta on ``base``, or None as soon as the stored bytes outgrow ``max_ratio`` of the full bytes. A delta
-    plan without changes becomes ``unchanged``. Shared by the host and the device encoders."""
+    plan without changes becomes ``unchanged``; a plan keeps its check only where every chunk of it gave
+    one. Shared by the host and the device encoders."""
     limit = max_ratio * sum(plan.tensor.numel() * plan.tensor.element_size() for plan in plans)
     stored = 0
     results = ordered_parallel(tasks, lambda task: (task[0], task[1], *task[2]()), lambda task: task[1],
                                executor=executor, max_cost=max(chunk_bytes, 64 << 20) * 4)
     try:
-        for index, raw_len, frame, changed, layout in results:
+        for index, raw_len, frame, changed, layout, *check in results:
             plan = plans[index]
             plan.frames.append(frame)
             plan.chunks.append((raw_len, len(frame), layout))
             plan.changed = (plan.changed or 0) + changed
+            plan.check = plan.check + check[0] if plan.check is not None and check else None
             stored += len(frame)
             if stored > limit:
                 log.info("delta exceeds %.0f%% of the full size; writing a keyframe", 100 * max_ratio)
@@ -142,7 +159,7 @@ def assemble_delta(plans: list[EncodedTensor], tasks: list[ChunkTask], base: Man
         results.close()
     for plan in plans:
         if plan.encoding == ENCODING_XOR_ZSTD and plan.changed == 0:
-            plan.encoding, plan.frames, plan.chunks = ENCODING_UNCHANGED, [], []
+            plan.encoding, plan.frames, plan.chunks, plan.check = ENCODING_UNCHANGED, [], [], None
     return EncodedVersion(DELTA, base, plans, shuffle=shuffle)
 
 
@@ -162,12 +179,16 @@ class VersionEncoder:
         """Whether a delta against ``base`` may be tried (else the version is a keyframe)."""
         return not force_keyframe and base is not None and base.manifest.chain_length + 1 < self.keyframe_every
 
-    def try_delta(self, tensors: Snapshot, base: BaseVersion | None, *, force_keyframe: bool = False
-                  ) -> EncodedVersion | None:
-        """The delta against ``base``, or None where this version is to be a keyframe."""
+    def try_delta(self, tensors: Snapshot, base: BaseVersion | None, *, force_keyframe: bool = False,
+                  pieces: Pieces | None = None) -> EncodedVersion | None:
+        """The delta against ``base``, or None where this version is to be a keyframe. ``pieces`` (tensors
+        that are pieces of a whole) go to the host encoder only (``DeltaEncoder``)."""
         if not self.allows_delta(base, force_keyframe=force_keyframe):
             return None
         assert base is not None
+        if pieces:
+            assert isinstance(self.delta, DeltaEncoder), "pieces are encoded on the host"
+            return self.delta.encode(tensors, base, pieces)
         return self.delta.encode(tensors, base)
 
     def keyframe(self, tensors: Snapshot) -> EncodedVersion:

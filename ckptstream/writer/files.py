@@ -98,7 +98,7 @@ class DataFileWriter:
                         name=item.name, dtype=codec.dtype_name(item.tensor.dtype), shape=tuple(item.tensor.shape),
                         hash=hashes[i], encoding=item.encoding, file=name, offset=position, length=length,
                         stored_hash=stored_hasher.digest(), shuffle=encoded.shuffle, chunks=tuple(item.chunks),
-                        changed=item.changed)
+                        changed=item.changed, check=item.check)
                     position += length
             files.append(FileEntry(name, position, file_hasher.digest()))
         assert all(e is not None for e in entries)

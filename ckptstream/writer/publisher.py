@@ -474,7 +474,7 @@ class Publisher:
             hashes = [self._pool.submit(codec.tensor_hash, t) for _, t in job.tensors]
         try:
             if failure is None:
-                encoded = encoder.try_delta(job.tensors, base, force_keyframe=job.keyframe)
+                encoded = encoder.try_delta(job.tensors, base, force_keyframe=job.keyframe, pieces=job.pieces)
         except Exception as exc:  # noqa: BLE001 - the coordinator reports it (to every rank)
             failure = exc
         kind = self._coordinator.agree_kind(job.version, KEYFRAME if encoded is None else DELTA, failure)

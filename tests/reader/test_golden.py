@@ -168,7 +168,7 @@ def test_golden_pieces_change_for_in_place_updates(golden_pieces, tmp_path):
     with safe_open(str(out), framework="pt") as handle:
         changes = dict(read_change(handle))
     assert set(changes) == {"embed.weight", "proj.weight", "norm.weight"}
-    for name, (shape, positions, old, new) in changes.items():
+    for name, (shape, positions, old, new, *_) in changes.items():
         assert shape == tuple(after[name].shape)
         patched = before[name].clone().reshape(-1)
         patched[positions] = new

@@ -23,7 +23,7 @@ def _apply(tensors: dict[str, torch.Tensor], change: Path) -> dict[str, torch.Te
     """``tensors`` with ``change`` written into copies of them, the old values checked on the way."""
     patched = {name: t.clone() for name, t in tensors.items()}
     with safe_open(str(change), framework="pt") as handle:
-        for name, (shape, positions, old, new) in read_change(handle):
+        for name, (shape, positions, old, new, *_) in read_change(handle):
             flat = patched[name].view(-1)
             assert tuple(patched[name].shape) == shape
             assert torch.equal(bit_pattern(flat[positions]), bit_pattern(old)), name
@@ -40,7 +40,7 @@ def _file_tensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """A change file's metadata, and per changed tensor its positions, old and new values by name."""
     with safe_open(str(path), framework="pt") as handle:
         tensors = {}
-        for name, (_, positions, old, new) in read_change(handle):
+        for name, (_, positions, old, new, *_) in read_change(handle):
             tensors.update({f"{name}:positions": positions, f"{name}:old": old, f"{name}:new": new})
         return handle.metadata(), tensors
 
