@@ -13,9 +13,11 @@ from ckptstream import IncompatibleStreamError, IntegrityError, UnsafeManifestEr
 from ckptstream.errors import EXIT_NOT_FOUND, TensorNotFoundError
 from ckptstream.format import (ADAPTER_CONFIG_FILE, ADAPTER_FORMAT_VERSION, ENCODING_PIECES, FORMAT_VERSION,
                                MAX_JSON_DEPTH, MAX_SHAPE_DIMS, PIECES_FORMAT_VERSION, STREAM_FILE, STREAM_KIND_ADAPTER,
-                               STREAM_KIND_WEIGHTS, AdapterInfo, FileEntry, Manifest, StreamInfo, TensorEntry,
+                               STREAM_KIND_WEIGHTS, AdapterInfo, ChangeCheck, FileEntry, Manifest, StreamInfo,
+                               TensorEntry, check_element,
                                content_hash, is_safe_file_name, join_pieces, manifest_format_version, manifest_path,
                                parse_version_name, pieces_hash, shard_groups, tensor_name_problem, version_name)
+from tests.helpers import reseal
 
 
 def _manifest(**changes) -> Manifest:
@@ -177,6 +179,30 @@ def test_a_dense_chunk_cannot_claim_more_than_a_zstd_frame_holds():
     with pytest.raises(UnsafeManifestError, match="cannot be stored in a zstd frame of 100") as info:
         Manifest.from_bytes(delta(1 << 30, 100).to_bytes(), version=4)  # before: a 1 GiB buffer, then an error
     assert info.value.tensor == "w"
+
+
+def test_a_change_check_round_trips_and_one_of_an_unknown_version_is_kept_unread():
+    def delta(check: object) -> bytes:
+        entry = TensorEntry("w", "BF16", (8,), content_hash(b""), "xor-zstd", "d.zst", 0, 9, content_hash(b""),
+                            chunks=((16, 9, "sparse"),), changed=2)
+        raw = _manifest(version=4, kind="delta", base_version=3, keyframe_version=3, chain_length=1,
+                        files=(FileEntry("d.zst", 9, content_hash(b"")),), tensors=(entry,)).to_json()
+        raw["tensors"][0]["check"] = check
+        raw["manifest_hash"] = "xxh3-128:" + "0" * 32
+        return Manifest.from_bytes(reseal(json.dumps(raw, indent=1).encode()), version=4)
+
+    check = ChangeCheck(2, (1 << 64) - 1, 5)
+    assert delta(check.to_json()).tensors[0].check == check
+    assert check.to_json() == {"version": 1, "count": 2, "old": "ffffffffffffffff", "new": "0000000000000005"}
+    assert check + ChangeCheck(1, 2, 3) == ChangeCheck(3, 1, 8)  # sums mod 2^64
+    later = delta({"version": 2, "anything": [1]}).tensors[0].check
+    assert not later.known  # kept, unread: a reader needing it builds its change another way
+    for bad in ({"version": 1, "count": 2, "old": "0" * 15, "new": "0" * 16}, {"count": 2}, "0" * 16,
+                {"version": 1, "count": -1, "old": "0" * 16, "new": "0" * 16}):
+        with pytest.raises(UnsafeManifestError):
+            delta(bad)
+    # (golden terms, for other implementations: position 0 with bits 0; position 1 with the bits of bf16 1.0)
+    assert (check_element(0, 0), check_element(1, 0x3F80)) == (0x48218226FF3CD4BF, 0x424C7253238919CC)
 
 
 # ------------------------------------------------------------------------------------------- stream kinds

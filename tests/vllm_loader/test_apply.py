@@ -112,3 +112,84 @@ def test_a_misbehaving_loader_is_found_alone(batch):
     assert "transformed copy" in problems["model.layers.1.input_layernorm.weight"]
     assert "no loader for this" in problems["model.layers.0.mlp.experts.3.down_proj.weight"]
     assert plans["model.layers.0.mlp.experts.2.down_proj.weight"].targets
+
+
+class _TensorParallelRank(torch.nn.Module):
+    """One of two tensor-parallel ranks of a model whose embedding is split by rows (as vLLM's
+    VocabParallelEmbedding) and whose norm is replicated (each rank holds all of it)."""
+
+    def __init__(self, rank: int, vocab: int = 64, hidden: int = 16):
+        super().__init__()
+        self.rank = rank
+        self.embed = torch.nn.Parameter(torch.zeros(vocab // 2, hidden, dtype=torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(hidden, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, weight in weights:
+            if name == "embed.weight":
+                rows = self.embed.shape[0]
+                self.embed.copy_(weight[self.rank * rows:(self.rank + 1) * rows])
+            else:
+                self.norm.copy_(weight)
+
+
+def _stage(models: list[torch.nn.Module], change: Path) -> tuple[list[InPlaceApplier], list[dict]]:
+    appliers = [InPlaceApplier(model, torch.device("cpu")) for model in models]
+    for applier in appliers:
+        applier.stage(str(change))
+    return appliers, [applier.staged(wait=True) for applier in appliers]
+
+
+def test_ranks_splitting_a_tensor_add_their_checks_up_and_a_skewed_rank_fails_them(tmp_path):
+    """A change from the deltas alone (``xor-1``) staged on two TP ranks: each reads the old values of the
+    positions it holds from its own parameters and sums the check there; the head adds the split
+    embedding's sums and compares each rank's sum of the replicated norm. Right: both apply, each equal to a
+    load of the new version. One rank's rows not on the base: ``check_failed`` before anything is written.
+    A third rank holding the whole tensor beside the split: ``unverifiable``."""
+    from ckptstream import Publisher, Stream
+    from ckptstream.vllm_loader.change import build_change_unbased
+
+    generator = torch.Generator().manual_seed(4)
+    base = {"embed.weight": torch.randn(64, 16, generator=generator).to(torch.bfloat16),
+            "norm.weight": torch.randn(16, generator=generator).to(torch.bfloat16)}
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.1, max_ulps=3, generator=generator)
+    with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
+        publisher.publish(base).result()
+        publisher.publish(new).result()
+    change = tmp_path / "change.safetensors"
+    assert build_change_unbased(Stream(str(tmp_path / "stream")), change, base=0, version=1,
+                                max_fraction=1.0).problem is None
+
+    def ranks(state: dict[str, torch.Tensor]) -> list[_TensorParallelRank]:
+        models = [_TensorParallelRank(rank) for rank in (0, 1)]
+        with torch.no_grad():
+            for model in models:
+                model.load_weights(state.items())
+        return models
+
+    models = ranks(base)
+    appliers, results = _stage(models, change)
+    held = [r["checks"]["embed.weight"]["held"]["count"] for r in results]
+    assert sum(held) == results[0]["checks"]["embed.weight"]["expected"]["count"] and all(held)
+    assert staging_problem(results) is None
+    assert all(applier.apply().get("applied") for applier in appliers)
+    assert [_same_parameters(a, b) for a, b in zip(models, ranks(new))] == [[], []]
+
+    skewed = ranks(base)
+    with torch.no_grad():
+        skewed[1].embed.view(torch.int16).add_(1)  # rank 1's rows are not the delta's base
+    before = [{n: p.clone() for n, p in m.named_parameters()} for m in skewed]
+    appliers, results = _stage(skewed, change)
+    reason, detail = staging_problem(results)
+    assert reason == "check_failed" and "embed.weight" in detail
+    for applier in appliers:
+        applier.discard()
+    assert all(torch.equal(bit_pattern(p), bit_pattern(before[i][n]))
+               for i, m in enumerate(skewed) for n, p in m.named_parameters())
+
+    whole_rank = _TensorParallelRank(0, vocab=128)  # holds every row of the embedding
+    with torch.no_grad():
+        whole_rank.load_weights(base.items())
+    _, results = _stage([*ranks(base), whole_rank], change)
+    assert staging_problem(results)[0] == "unverifiable"

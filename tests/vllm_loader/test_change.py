@@ -3,6 +3,7 @@ decoded versions, against full decodes, bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,11 +12,12 @@ import torch
 from safetensors import safe_open
 
 from ckptstream import Publisher, Stream
-from ckptstream.codec import bit_pattern
+from ckptstream.codec import bit_pattern, check_sum
 from ckptstream.errors import IntegrityError
-from ckptstream.format import data_path
+from ckptstream.format import CHECK_MASK, ChangeCheck, check_element, data_path, manifest_path
 from ckptstream.testing.models import rl_like_step
-from ckptstream.vllm_loader.change import TOO_MANY, build_change, build_change_from_deltas, read_change
+from ckptstream.vllm_loader.change import (TOO_MANY, UNCHECKED, build_change, build_change_from_deltas,
+                                           build_change_unbased, read_change)
 from tests.helpers import random_state
 
 
@@ -140,3 +142,82 @@ def test_a_change_file_whose_counts_disagree_with_its_tensors_is_refused(tmp_pat
     save_file(tensors, str(path), metadata={"layout": "packed-1", "tensors": json.dumps(entries)})
     with safe_open(str(path), framework="pt") as handle, pytest.raises(ValueError):
         list(read_change(handle))
+
+
+def _expected_check(old: torch.Tensor, new: torch.Tensor) -> ChangeCheck:
+    """The check of the change from ``old`` to ``new`` (FORMAT.md "Change checks"), element by element."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[old.element_size()]
+    mask = (1 << (8 * old.element_size())) - 1
+    a, b = old.reshape(-1).view(ints).tolist(), new.reshape(-1).view(ints).tolist()
+    changed = [(p, x & mask, y & mask) for p, (x, y) in enumerate(zip(a, b)) if x != y]
+    return ChangeCheck(len(changed), sum(check_element(p, x) for p, x, _ in changed) & CHECK_MASK,
+                       sum(check_element(p, y) for p, _, y in changed) & CHECK_MASK)
+
+
+def test_each_delta_entry_carries_the_check_of_its_change(chain):
+    stream, states, _ = chain
+    for version in (1, 2, 3):
+        for entry in stream.manifest(version).tensors:
+            if entry.encoding == "xor-zstd":
+                assert entry.check == _expected_check(states[version - 1][entry.name], states[version][entry.name])
+            else:
+                assert entry.encoding == "unchanged" and entry.check is None
+
+
+def test_a_pieces_checks_add_up_to_the_whole_tensors():
+    """A tensor written as two pieces (columns [0, 5) and [5, 8): strided boxes of the whole): each piece's
+    check is taken at its elements' positions in the whole tensor, so the two add up to the whole's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptstream.format import Manifest
+    from ckptstream.writer.encode import BaseVersion, DeltaEncoder
+    from ckptstream.writer.pieces import PieceOf
+
+    old = torch.randn(6, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[[1, 6, 13, 40, 47]] += 1.0
+    boxes = {"w": PieceOf((6, 8), (0, 0), (6, 5))}, {"w": PieceOf((6, 8), (0, 5), (6, 3))}
+    manifest = Manifest(version=0, kind="keyframe", base_version=None, keyframe_version=0, chain_length=0,
+                        stream_id="s", created="", files=(), tensors=())
+    checks = []
+    with ThreadPoolExecutor(2) as pool:
+        for box, columns in zip(boxes, (slice(0, 5), slice(5, 8))):
+            base = BaseVersion(manifest, {"w": old[:, columns].contiguous()})
+            encoder = DeltaEncoder(pool, chunk_bytes=16, max_ratio=100)
+            encoded = encoder.encode([("w", new[:, columns].contiguous())], base, box)
+            checks.append(encoded.tensors[0].check)
+    assert checks[0].count == 2 and checks[1].count == 3
+    assert checks[0] + checks[1] == _expected_check(old, new)
+
+
+def test_a_change_from_the_deltas_alone_holds_each_changes_xor_and_check(chain):
+    """From the deltas alone: the positions, the XOR of old and new bits (a rank holding the old values gets
+    the new ones from it) and each tensor's check. Not across several deltas, nor from a delta without
+    checks: the caller then builds the change with the served version's copy."""
+    stream, states, tmp = chain
+    out = tmp / "unbased.safetensors"
+    summary = build_change_unbased(stream, out, base=2, version=3, max_fraction=0.5)
+    assert summary.problem is None and summary.changed > 0
+    patched = {name: t.clone() for name, t in states[2].items()}
+    with safe_open(str(out), framework="pt") as handle:
+        assert handle.metadata()["layout"] == "xor-1"
+        for name, tensor in read_change(handle):
+            assert tensor.old is None and tensor.new is None
+            flat = patched[name].view(-1)
+            ints = {2: torch.int16, 4: torch.int32}[flat.element_size()]
+            old = flat[tensor.positions]
+            new = (old.view(ints) ^ tensor.xor.view(ints)).view(flat.dtype)
+            assert tensor.check == ChangeCheck(tensor.positions.numel(), check_sum(tensor.positions, old),
+                                               check_sum(tensor.positions, new))
+            flat[tensor.positions] = new
+    assert _same(patched, states[3])
+    assert build_change_unbased(stream, tmp / "chain.safetensors", base=0, version=3,
+                                max_fraction=0.5).problem == UNCHECKED
+    assert not (tmp / "chain.safetensors").exists()
+    manifest = stream.manifest(3)  # as a writer without checks (the device encoder) writes it
+    unchecked = dataclasses.replace(manifest, tensors=tuple(dataclasses.replace(t, check=None)
+                                                            for t in manifest.tensors))
+    stream.storage.delete(manifest_path(3))
+    stream.storage.put(manifest_path(3), unchecked.to_bytes())
+    assert build_change_unbased(Stream(stream.url), tmp / "none.safetensors", base=2, version=3,
+                                max_fraction=0.5).problem == UNCHECKED
