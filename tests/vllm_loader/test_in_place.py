@@ -101,12 +101,17 @@ class _WatchesApplies:
     def __init__(self, client: VllmClient, cache_dir: Path):
         self._client, self._cache_dir = client, cache_dir
         self.decoded_at_apply: list[bool] = []
+        self.layouts: list[str] = []
         self.answers: list[list[dict]] = []
 
     def apply_change(self) -> Any:
+        from safetensors import safe_open
+
         staged = next(Path(self._cache_dir).glob("*/.changes/*.safetensors"))
         version = staged.stem.split("-")[1]
         self.decoded_at_apply.append((next(Path(self._cache_dir).glob("*")) / version / MARKER_FILE).is_file())
+        with safe_open(str(staged), framework="pt") as change:
+            self.layouts.append(change.metadata()["layout"])
         self.answers.append(self._client.apply_change())
         return self.answers[-1]
 
@@ -122,8 +127,60 @@ def test_a_delta_is_applied_from_its_fetched_bytes_before_it_is_decoded(run):
         update = follower.step()
         assert update.version == version and update.applied_in_place == 1 and update.fallbacks == {}
         assert client.decoded_at_apply == [False] and update.cache_s > 0  # decoded after serving it
+        assert client.layouts == ["xor-1"]  # from the deltas alone: the old values are the server's own
         assert (follower.cache.path(version) / MARKER_FILE).is_file()
         run.full_reload_agrees(version)
+
+
+def _forge(url: str, version: int, name: str) -> None:
+    """An attacker's delta: one changed element of ``name`` in ``version`` gets another new value (still a
+    change), its stored bytes re-encoded into a file of their own with their stored hash, the manifest
+    resealed; its change check and its tensor hash are left as the publisher wrote them."""
+    from ckptstream import codec
+    from ckptstream.format import FileEntry, content_hash, data_path
+
+    stream, storage = Stream(url), open_storage(url)
+    manifest = stream.manifest(version)
+    entry = manifest.tensor(name)
+    base, new = stream.read_tensor(manifest.base_version, name), stream.read_tensor(version, name)
+    old_bits, new_bits = codec.bit_pattern(base).reshape(-1), codec.bit_pattern(new).reshape(-1).clone()
+    position = next(p for p in torch.nonzero(old_bits != new_bits).view(-1).tolist()
+                    if int(new_bits[p] ^ 2) != int(old_bits[p]))
+    new_bits[position] ^= 2
+    frames, start = [], 0
+    for raw, _, _ in entry.chunks:
+        frames.append(codec.encode_chunk(new_bits.view(torch.uint8)[start:start + raw],
+                                         old_bits.view(torch.uint8)[start:start + raw], entry.itemsize,
+                                         shuffle=entry.shuffle, level=1))
+        start += raw
+    data = b"".join(frame for frame, _, _ in frames)
+    file = "delta-f0f0f0f0f0f0-00001-of-00001.zst"
+    storage.put(data_path(version, file), data)
+    forged = dataclasses.replace(entry, file=file, offset=0, length=len(data), stored_hash=content_hash(data),
+                                 chunks=tuple((raw, len(frame), layout) for (raw, _, _), (frame, _, layout)
+                                              in zip(entry.chunks, frames)))
+    assert forged.check == entry.check
+    storage.delete(manifest_path(version))
+    storage.put(manifest_path(version), dataclasses.replace(
+        manifest, files=(*manifest.files, FileEntry(file, len(data), content_hash(data))),
+        tensors=tuple(forged if t.name == name else t for t in manifest.tensors)).to_bytes())
+
+
+def test_a_forged_delta_is_refused_by_its_change_check_before_anything_is_applied(run, caplog):
+    """A delta whose stored bytes and stored hash an attacker rewrote consistently, its change check left:
+    the change is built from it (its bytes hash right), but the values the server would serve after it
+    fail the check when staged, so nothing is applied; the full decode then refuses the version (its
+    tensor's hash) and the server serves version 0 on, its parameters untouched."""
+    with Follower(run.url, [run.server.url], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+        follower.step()
+        served = run.server.client.parameter_hashes()
+        version = run.publish_only(lambda name: "norm" in name)
+        _forge(run.url, version, "model.norm.weight")
+        assert follower.step() is None
+        assert "full reload instead of in place (check_failed): " in caplog.text
+        assert "model.norm.weight" in caplog.text and "model.norm.weight" in follower.refused[version]
+        assert run.server.client.parameter_hashes() == served
+        assert run.server.client.weight_version() == "0" and follower.current == 0
 
 
 def test_what_an_update_reports_fetched_is_what_a_counting_relay_sent_each_delta_read_once(run):
@@ -219,12 +276,13 @@ def test_an_apply_that_finds_other_values_writes_nothing_and_reloads_the_version
         client.resume()
         version = run.publish(linears=False)
         update = follower.step()
-        assert update.version == version and update.fallbacks == {"apply_failed": 1}
-        assert "differ from the base version" in caplog.text
+        # (the change from the deltas alone: its check refuses the server's values when staged)
+        assert update.version == version and update.fallbacks == {"check_failed": 1}
+        assert "other values than the delta's base" in caplog.text
         run.full_reload_agrees(version)
 
 
-def test_tensor_parallel_ranks_each_write_their_slices(tmp_path, vllm_servers):
+def test_tensor_parallel_ranks_each_write_their_slices(tmp_path, vllm_servers, caplog):
     """TP=2: the embedding is split by vocabulary rows and the qkv biases by heads; norms are replicated."""
     run = Run(tmp_path, None)
     run.server = vllm_servers(run.model, tensor_parallel=2)
@@ -237,7 +295,8 @@ def test_tensor_parallel_ranks_each_write_their_slices(tmp_path, vllm_servers):
             assert len(run.server.client.parameter_hashes()) == 2
             run.full_reload_agrees(version)  # on both ranks
         # Rank 1's half of the embedding (vocabulary rows 256-511) no longer holds the served values, rank
-        # 0's does: rank 0 writes its part of the next change, rank 1 refuses its part.
+        # 0's does: the ranks' checks of the next change (from the deltas alone) add up to another sum than
+        # the publisher's, so no rank applies anything and both reload the version.
         path = Stream(run.url).materialize(version, run.root / "skewed")
         weights = load_file(path / "model.safetensors")
         rows = weights["model.embed_tokens.weight"].view(torch.int16)
@@ -252,10 +311,9 @@ def test_tensor_parallel_ranks_each_write_their_slices(tmp_path, vllm_servers):
             follower.adopt(version)
             newest = run.publish(linears=False)
             update = follower.step()
-            assert update.version == newest and update.fallbacks == {"apply_failed": 1}
-            (answers,) = watched.answers
-            assert [bool(a.get("error")) for a in answers] == [False, True]
-            assert "embed_tokens" in answers[1]["error"]
+            assert update.version == newest and update.fallbacks == {"check_failed": 1}
+            assert watched.answers == []  # applied on no rank
+            assert "model.embed_tokens.weight: the 2 ranks holding" in caplog.text
             assert client.weight_version() == str(newest)
             run.full_reload_agrees(newest)  # every rank reloaded it: rank 0's patch was overwritten too
     finally:
