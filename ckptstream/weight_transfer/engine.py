@@ -48,7 +48,7 @@ from ..reader import Stream
 from ..vllm_loader.inplace.apply import InPlaceApplier, staging_problem
 from ..vllm_loader.follow.cache import VersionCache, default_cache_dir, safe_owner
 from ..vllm_loader.inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
-                                  build_change_from_deltas)
+                                          build_change_from_deltas)
 from . import refuse_credentials
 
 log = logging.getLogger("ckptstream.weight_transfer")

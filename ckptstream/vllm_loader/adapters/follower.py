@@ -35,7 +35,7 @@ from ..client import AdapterControl, VllmClient
 from ..follow.follower import default_replica_id
 from ..metrics_server import attach_metrics
 from ..observe import (FollowerObserver, ReplicaRecordWriter, UpdateRecord, commit_age, notify,
-                      refusal_reason)
+                       refusal_reason)
 
 log = logging.getLogger("ckptstream.follow")
 

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 
 from ...credentials import redact
 from ...errors import (CkptStreamError, MissingBaseError, NodesNotReady,
-                      RouterError, VersionNotFoundError)
+                       RouterError, VersionNotFoundError)
 from ...format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
 from ...reader import ReplicaRecord, Stream, replica_path
 from ...reader.replicas import STATE_ASIDE, remember_refusal
@@ -50,7 +50,7 @@ from .cache import Acquired, VersionCache, default_cache_dir, safe_owner
 from ..client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from ..metrics_server import attach_metrics
 from ..observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, commit_age,
-                      notify, refusal_reason)
+                       notify, refusal_reason)
 
 log = logging.getLogger("ckptstream.follow")
 
