@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckptstream import Publisher, Stream, codec  # noqa: E402
 from ckptstream.format import ChangeCheck, Manifest  # noqa: E402
 from ckptstream.testing.models import rl_like_step  # noqa: E402
-from ckptstream.vllm_loader.change import build_change_from_deltas, build_change_unbased  # noqa: E402
+from ckptstream.vllm_loader.inplace.change import build_change_from_deltas, build_change_unbased  # noqa: E402
 from ckptstream.writer.encode import BaseVersion, DeltaEncoder  # noqa: E402
 
 PAGE = 4096

@@ -76,7 +76,7 @@ class WorkerExtension:
 
     def ckptstream_parameter_hashes(self) -> dict[str, str]:
         """xxh3-128 of every runtime parameter of this rank, by name."""
-        from .apply import parameter_hashes
+        from .inplace.apply import parameter_hashes
 
         return parameter_hashes(self.model_runner.get_model())
 
@@ -93,7 +93,7 @@ class WorkerExtension:
         from (vLLM repoints the model's path at every ``reload_weights``), released for the next one held.
         This rank's host, node rank, rank and the version held (null: its model is no cached version)."""
         from ..locks import unlock
-        from .cache import hold_served
+        from .follow.cache import hold_served
 
         previous = getattr(self, "_ckptstream_served", None)
         self._ckptstream_served = hold_served(self.vllm_config.model_config.model)
@@ -138,7 +138,7 @@ def _applier(worker: Any) -> Any:
     method of the extension to ``/collective_rpc``)."""
     applier = getattr(worker, "_ckptstream_in_place", None)
     if applier is None:
-        from .apply import InPlaceApplier
+        from .inplace.apply import InPlaceApplier
 
         model = worker.model_runner.get_model()
         applier = worker._ckptstream_in_place = InPlaceApplier(model, next(model.parameters()).device)

@@ -13,8 +13,8 @@ import torch
 from ckptstream.codec import bit_pattern
 from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint
 from ckptstream.testing.models import rl_like_step
-from ckptstream.vllm_loader.apply import InPlaceApplier, plan_tensor, plan_tensors, staging_problem
-from ckptstream.vllm_loader.change import write_change
+from ckptstream.vllm_loader.inplace.apply import InPlaceApplier, plan_tensor, plan_tensors, staging_problem
+from ckptstream.vllm_loader.inplace.change import write_change
 
 SPEC = FusedSpec(layers=3, experts=8)
 
@@ -147,7 +147,7 @@ def test_ranks_splitting_a_tensor_add_their_checks_up_and_a_skewed_rank_fails_th
     load of the new version. One rank's rows not on the base: ``check_failed`` before anything is written.
     A third rank holding the whole tensor beside the split: ``unverifiable``."""
     from ckptstream import Publisher, Stream
-    from ckptstream.vllm_loader.change import build_change_unbased
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
 
     generator = torch.Generator().manual_seed(4)
     base = {"embed.weight": torch.randn(64, 16, generator=generator).to(torch.bfloat16),

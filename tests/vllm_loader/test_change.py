@@ -16,8 +16,8 @@ from ckptstream.codec import bit_pattern, check_sum
 from ckptstream.errors import IntegrityError
 from ckptstream.format import CHECK_MASK, ChangeCheck, check_element, data_path, manifest_path
 from ckptstream.testing.models import rl_like_step
-from ckptstream.vllm_loader.change import (TOO_MANY, UNCHECKED, build_change, build_change_from_deltas,
-                                           build_change_unbased, read_change)
+from ckptstream.vllm_loader.inplace.change import (TOO_MANY, UNCHECKED, build_change, build_change_from_deltas,
+                                                   build_change_unbased, read_change)
 from tests.helpers import random_state
 
 

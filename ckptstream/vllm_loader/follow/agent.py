@@ -4,7 +4,7 @@ this node's cache, at the path the head will name in ``reload_weights``.
 vLLM's workers read ``weights_path`` on their own node, so the head (a ``Follower`` with
 ``nodes_ready_timeout``) reloads a version only once every rank reports it complete there
 (``worker.WorkerExtension``). The agent drives no server: it discovers, decodes (a delta applied to its newest
-cached version, as the follower does: ``prepare_version``) and reports, in a replica record of kind
+cached version, as the follower does: ``VersionCache.acquire``) and reports, in a replica record of kind
 ``node`` naming its engine and node rank. It keeps the newest version and the one the engine serves (every
 rank reloads that one if an update fails on any rank), which it learns from its own node: the engine's
 workers there hold it in the cache (``cache.hold_served``, which the head has them do after each update), so
@@ -23,16 +23,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..credentials import redact
-from ..errors import CkptStreamError, VersionNotFoundError
-from ..polling import poll
-from ..reader import ReplicaRecord, Stream, replica_path
-from ..reader.replicas import KIND_NODE
-from ..storage import Watch
-from ..format import MANIFESTS_DIR, STREAM_KIND_WEIGHTS
-from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
-from .follower import FollowerConfig
-from .observe import FollowerObserver, ReplicaRecordWriter, attach_metrics, notify, refusal_reason
+from ...credentials import redact
+from ...errors import CkptStreamError, VersionNotFoundError
+from ...polling import poll
+from ...reader import ReplicaRecord, Stream, replica_path
+from ...reader.replicas import KIND_NODE
+from ...storage import Watch
+from ...format import MANIFESTS_DIR, STREAM_KIND_WEIGHTS
+from .cache import VersionCache, default_cache_dir, safe_owner
+from .config import FollowerConfig
+from ..metrics_server import attach_metrics
+from ..observe import FollowerObserver, ReplicaRecordWriter, notify, refusal_reason
 
 log = logging.getLogger("ckptstream.agent")
 
@@ -96,8 +97,8 @@ class NodeAgent:
     def prepare(self, version: int) -> Path:
         """Decode ``version`` into this node's cache (complete, with its marker) and report it."""
         served = self.served()
-        path, base, fetched, _ = prepare_version(self.stream, self.cache, version, keep=served,
-                                                 holder=f"node agent {self.record.replica_id}")
+        path, base, fetched, _ = self.cache.acquire(self.stream, version, keep=served,
+                                                    holder=f"node agent {self.record.replica_id}")
         self.current = version
         self.cache.prune({version} | served)  # the base is done with, unless the engine serves it
         log.info("version %d ready in %s (%.1f MB fetched%s)", version, path, fetched / 1e6,

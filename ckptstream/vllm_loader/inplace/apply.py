@@ -34,8 +34,8 @@ import numpy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..codec import INT_OF_SIZE, bit_pattern, check_terms
-from ..format import CHECK_MASK, ChangeCheck, Hasher
+from ...codec import INT_OF_SIZE, bit_pattern, check_terms
+from ...format import CHECK_MASK, ChangeCheck, Hasher
 
 _COPY = torch.ops.aten.copy_.default
 
