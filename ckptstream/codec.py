@@ -254,8 +254,9 @@ def encode_checked_chunk(new: torch.Tensor, base: torch.Tensor, itemsize: int, *
     if place is not None:
         where = box_positions(where, *place)
     ints = INT_OF_SIZE[itemsize]
-    return frame, changed, layout, ChangeCheck(changed, check_sum(where, base.view(ints)[positions]),
-                                               check_sum(where, new.view(ints)[positions]))
+    mixed = check_positions(where)
+    old, new_sum = (int(check_terms(mixed, values.view(ints)[positions]).sum()) & CHECK_MASK for values in (base, new))
+    return frame, changed, layout, ChangeCheck(changed, old, new_sum)
 
 
 _SIGNED = 1 << 64
@@ -264,35 +265,40 @@ _MIX_A = 0xBF58476D1CE4E5B9 - _SIGNED
 _MIX_B = 0x94D049BB133111EB - _SIGNED
 
 
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 values (torch's ``>>`` is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+def _check_mix_(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 values, in place (products wrap: the low 64 bits of the unsigned
+    product; shifts are logical: torch's ``>>`` is arithmetic, so the sign's copies are masked off)."""
+    x ^= (x >> 30) & ((1 << 34) - 1)
+    x *= _MIX_A
+    x ^= (x >> 27) & ((1 << 37) - 1)
+    x *= _MIX_B
+    x ^= (x >> 31) & ((1 << 33) - 1)
+    return x
 
 
-def _check_mix(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ _shift_right(x, 30)
-    x = x * _MIX_A  # (int64 products wrap: the low 64 bits of the unsigned product)
-    x = x ^ _shift_right(x, 27)
-    x = x * _MIX_B
-    return x ^ _shift_right(x, 31)
+def check_positions(positions: torch.Tensor) -> torch.Tensor:
+    """The positions' part of their elements' terms of a change check (``mix(p + seed)``, as int64), shared by
+    the terms of their old and new values (:func:`check_terms`)."""
+    return _check_mix_(positions + _CHECK_SEED)
 
 
-def check_terms(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def check_terms(mixed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Each element's term of a change check (``format.check_element``) as int64 (its bits mod 2^64), for
-    int64 ``positions`` in the whole tensor and the elements' ``values`` (any dtype: their bits count), on
-    their device."""
+    the :func:`check_positions` of its positions in the whole tensor and the elements' ``values`` (any dtype:
+    their bits count), on their device."""
     size = values.element_size()
     bits = values.reshape(-1).view(INT_OF_SIZE[size]).to(torch.int64)
     if size < 8:
         bits &= (1 << (8 * size)) - 1  # (int16 and int32 widen with their sign)
-    return _check_mix(_check_mix(positions + _CHECK_SEED) ^ bits)
+    bits ^= mixed
+    return _check_mix_(bits)
 
 
 def check_sum(positions: torch.Tensor, values: torch.Tensor) -> int:
-    """The sum mod 2^64 of :func:`check_terms`: one of a change check's hashes, in [0, 2^64)."""
+    """One of a change check's hashes (in [0, 2^64)) of the elements at ``positions`` with ``values``."""
     if not positions.numel():
         return 0
-    return int(check_terms(positions, values).sum()) & CHECK_MASK
+    return int(check_terms(check_positions(positions), values).sum()) & CHECK_MASK
 
 
 def encode_xor_chunk(positions: torch.Tensor, itemsize: int, *, shuffle: bool, level: int,

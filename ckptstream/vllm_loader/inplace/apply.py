@@ -34,7 +34,7 @@ import numpy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...codec import INT_OF_SIZE, bit_pattern, check_terms
+from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
 from ...format import CHECK_MASK, ChangeCheck, Hasher
 
 _COPY = torch.ops.aten.copy_.default
@@ -417,8 +417,9 @@ class InPlaceApplier:
                 ints = INT_OF_SIZE[old.element_size()]
                 xor = torch.cat([changed[i].xor for i, _ in copies]).to(self.device)[covered]
                 new = (old.view(ints) ^ xor.view(ints)).view(checkpoint_dtype)
+                mixed = check_positions(positions[covered])
                 for row, values in enumerate((old, new)):
-                    sums[row].index_add_(0, segment[covered], check_terms(positions[covered], values))
+                    sums[row].index_add_(0, segment[covered], check_terms(mixed, values))
                 old, new = old.to(dtype), new.to(dtype)
             per_param.setdefault(param, []).append((index[covered], old, new))
         writes = [_Write(param, *(torch.cat(parts) for parts in zip(*groups))) for param, groups in per_param.items()]
