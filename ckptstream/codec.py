@@ -12,6 +12,7 @@ import struct
 import threading
 from collections.abc import Sequence
 
+import numpy
 import torch
 import zstandard
 
@@ -250,55 +251,94 @@ def encode_checked_chunk(new: torch.Tensor, base: torch.Tensor, itemsize: int, *
     xor = _xor(new, base)
     positions = _changed_positions(xor, itemsize)
     frame, changed, layout = encode_xor_chunk(positions, itemsize, xor=xor, shuffle=shuffle, level=level)
-    where = positions + first
+    at = positions.numpy()  # (numpy from here: torch's CPU threads spin on a busy host, ~100 times slower)
+    where = at + first
     if place is not None:
-        where = box_positions(where, *place)
+        where = box_positions(torch.from_numpy(where), *place).numpy()
+    mixed = _host_positions(where)
     ints = INT_OF_SIZE[itemsize]
-    mixed = check_positions(where)
-    old, new_sum = (int(check_terms(mixed, values.view(ints)[positions]).sum()) & CHECK_MASK for values in (base, new))
-    return frame, changed, layout, ChangeCheck(changed, old, new_sum)
+    old, new_bits = (values.view(ints).numpy()[at] for values in (base, new))
+    return frame, changed, layout, ChangeCheck(changed, _host_total(_host_terms(mixed, old)),
+                                               _host_total(_host_terms(mixed, new_bits)))
 
 
 _SIGNED = 1 << 64
-_CHECK_SEED = 0x9E3779B97F4A7C15 - _SIGNED  # the constants of format.check_element as int64
-_MIX_A = 0xBF58476D1CE4E5B9 - _SIGNED
-_MIX_B = 0x94D049BB133111EB - _SIGNED
-
-
-def _check_mix_(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer on int64 values, in place (products wrap: the low 64 bits of the unsigned
-    product; shifts are logical: torch's ``>>`` is arithmetic, so the sign's copies are masked off)."""
-    x ^= (x >> 30) & ((1 << 34) - 1)
-    x *= _MIX_A
-    x ^= (x >> 27) & ((1 << 37) - 1)
-    x *= _MIX_B
-    x ^= (x >> 31) & ((1 << 33) - 1)
-    return x
+_CHECK_SEED, _MIX_A, _MIX_B = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # of format.check_element
 
 
 def check_positions(positions: torch.Tensor) -> torch.Tensor:
     """The positions' part of their elements' terms of a change check (``mix(p + seed)``, as int64), shared by
-    the terms of their old and new values (:func:`check_terms`)."""
-    return _check_mix_(positions + _CHECK_SEED)
+    the terms of their old and new values (:func:`check_terms`); on the positions' device."""
+    if positions.device.type == "cpu":
+        return torch.from_numpy(_host_positions(positions.numpy()).view(numpy.int64))
+    return _torch_positions(positions)
 
 
 def check_terms(mixed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Each element's term of a change check (``format.check_element``) as int64 (its bits mod 2^64), for
     the :func:`check_positions` of its positions in the whole tensor and the elements' ``values`` (any dtype:
     their bits count), on their device."""
-    size = values.element_size()
-    bits = values.reshape(-1).view(INT_OF_SIZE[size]).to(torch.int64)
-    if size < 8:
-        bits &= (1 << (8 * size)) - 1  # (int16 and int32 widen with their sign)
-    bits ^= mixed
-    return _check_mix_(bits)
+    bits = values.reshape(-1).view(INT_OF_SIZE[values.element_size()])
+    if bits.device.type == "cpu":
+        return torch.from_numpy(_host_terms(mixed.numpy().view(numpy.uint64), bits.numpy()).view(numpy.int64))
+    return _torch_terms(mixed, bits)
+
+
+def check_total(terms: torch.Tensor) -> int:
+    """The sum of check terms mod 2^64, in [0, 2^64)."""
+    if terms.device.type == "cpu":
+        return _host_total(terms.numpy().view(numpy.uint64))
+    return int(terms.sum()) & CHECK_MASK
 
 
 def check_sum(positions: torch.Tensor, values: torch.Tensor) -> int:
     """One of a change check's hashes (in [0, 2^64)) of the elements at ``positions`` with ``values``."""
-    if not positions.numel():
-        return 0
-    return int(check_terms(check_positions(positions), values).sum()) & CHECK_MASK
+    return check_total(check_terms(check_positions(positions), values))
+
+
+def _host_positions(positions: numpy.ndarray) -> numpy.ndarray:
+    return _check_mix_host_(positions.astype(numpy.uint64) + numpy.uint64(_CHECK_SEED))
+
+
+def _host_terms(mixed: numpy.ndarray, bits: numpy.ndarray) -> numpy.ndarray:
+    """The terms (uint64) of elements whose bits are ``bits`` (integers of their item size, any signedness)."""
+    unsigned = bits.view(f"u{bits.itemsize}").astype(numpy.uint64)
+    unsigned ^= mixed
+    return _check_mix_host_(unsigned)
+
+
+def _host_total(terms: numpy.ndarray) -> int:
+    return int(terms.sum(dtype=numpy.uint64))
+
+
+def _check_mix_host_(u: numpy.ndarray) -> numpy.ndarray:
+    """splitmix64's finalizer on uint64 values, in place (numpy's products wrap, its shifts are logical)."""
+    for shift, factor in ((30, _MIX_A), (27, _MIX_B)):
+        u ^= u >> numpy.uint64(shift)
+        u *= numpy.uint64(factor)
+    u ^= u >> numpy.uint64(31)
+    return u
+
+
+def _torch_positions(positions: torch.Tensor) -> torch.Tensor:
+    return _check_mix_torch_(positions.to(torch.int64, copy=True).add_(_CHECK_SEED - _SIGNED))
+
+
+def _torch_terms(mixed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    wide = bits.to(torch.int64)
+    if bits.element_size() < 8:
+        wide &= (1 << (8 * bits.element_size())) - 1  # (int16 and int32 widen with their sign)
+    return _check_mix_torch_(wide.bitwise_xor_(mixed))
+
+
+def _check_mix_torch_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_check_mix_host_` on int64 values on a device, in place (int64 products wrap to the same low
+    64 bits; torch's ``>>`` is arithmetic, so the sign's copies are masked off)."""
+    for shift, factor in ((30, _MIX_A), (27, _MIX_B)):
+        x ^= (x >> shift) & ((1 << (64 - shift)) - 1)
+        x *= factor - _SIGNED
+    x ^= (x >> 31) & ((1 << 33) - 1)
+    return x
 
 
 def encode_xor_chunk(positions: torch.Tensor, itemsize: int, *, shuffle: bool, level: int,

@@ -154,6 +154,21 @@ def _expected_check(old: torch.Tensor, new: torch.Tensor) -> ChangeCheck:
                        sum(check_element(p, y) for p, _, y in changed) & CHECK_MASK)
 
 
+def test_the_check_terms_on_the_host_and_on_a_device_agree():
+    """The host computes the check's mix through numpy, a device (a rank's parameters) through torch."""
+    from ckptstream import codec
+
+    generator = torch.Generator().manual_seed(2)
+    positions = torch.randint(0, 1 << 50, (1000,), generator=generator)
+    mixed = codec.check_positions(positions)
+    assert torch.equal(mixed, codec._torch_positions(positions))
+    for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        bits = torch.randint(-100, 100, (1000,), generator=generator).to(dtype)
+        assert torch.equal(codec.check_terms(mixed, bits), codec._torch_terms(mixed, bits)), dtype
+    assert codec.check_sum(torch.tensor([0, 1]), torch.tensor([0, 0x3F80], dtype=torch.int16)) == \
+        (check_element(0, 0) + check_element(1, 0x3F80)) & CHECK_MASK
+
+
 def test_each_delta_entry_carries_the_check_of_its_change(chain):
     stream, states, _ = chain
     for version in (1, 2, 3):
