@@ -291,6 +291,13 @@ def check_total(terms: torch.Tensor) -> int:
     return int(terms.sum()) & CHECK_MASK
 
 
+def change_check(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> ChangeCheck:
+    """The check (FORMAT.md, "Change checks") of changes at ``positions`` (int64, in the whole tensor) from
+    the values ``old`` to ``new``."""
+    mixed = check_positions(positions)
+    return ChangeCheck(positions.numel(), check_total(check_terms(mixed, old)), check_total(check_terms(mixed, new)))
+
+
 def check_sum(positions: torch.Tensor, values: torch.Tensor) -> int:
     """One of a change check's hashes (in [0, 2^64)) of the elements at ``positions`` with ``values``."""
     return check_total(check_terms(check_positions(positions), values))

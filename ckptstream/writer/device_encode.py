@@ -41,7 +41,7 @@ import torch
 
 from .. import codec
 from ..errors import PublishError
-from ..format import ENCODING_XOR_ZSTD, ENCODING_ZSTD, LAYOUT_SPARSE
+from ..format import ENCODING_XOR_ZSTD, ENCODING_ZSTD, LAYOUT_SPARSE, ChangeCheck
 from . import device_kernels
 from .device_kernels import MAX_SPAN_ELEMENTS, ChangeKernels, TorchKernels, TritonKernels, kernels_for
 from .encode import BaseVersion, DeltaEncoder, EncodedTensor, EncodedVersion, Snapshot, assemble_delta
@@ -141,6 +141,8 @@ class LandedTensor:
     """The format's hash of the tensor (``codec.tensor_hash`` of the mirror)."""
     prepared: object = None
     """What the ``prepare`` given to ``DeviceSnapshot.land`` made of the changes."""
+    check: ChangeCheck | None = None
+    """The check of the changes (FORMAT.md, "Change checks"), taken with ``prepare``."""
 
 
 Prepare = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
@@ -658,8 +660,12 @@ def _land_tensor(item: _TensorCapture, host: torch.Tensor, prepare: Prepare | No
     finally:
         item.values, item.whole = [], None
         item.positions = []
-    return LandedTensor((positions, values), codec.tensor_hash(host),
-                        None if prepare is None else prepare(host, positions, values))
+    if prepare is None:
+        return LandedTensor((positions, values), codec.tensor_hash(host))
+    # (the mirror holds the new values now: the old ones are them XOR the changes; numpy: no thread pool)
+    new = host.view(-1).view(values.dtype).numpy()[positions.numpy()]
+    check = codec.change_check(positions, torch.from_numpy(new ^ values.numpy()), torch.from_numpy(new))
+    return LandedTensor((positions, values), codec.tensor_hash(host), prepare(host, positions, values), check)
 
 
 def _hash_whole(host: torch.Tensor) -> LandedTensor:
@@ -773,5 +779,9 @@ class DeviceDeltaEncoder:
             tasks.extend((index, end - start, partial(_encode_chunk, landed.tensors[name], number, start, end, itemsize,
                                                       shuffle=host.shuffle, level=host.zstd_level))
                          for number, (start, end) in enumerate(ranges))
-        return assemble_delta(plans, tasks, base.manifest, executor=host.executor, chunk_bytes=chunk_bytes,
-                              max_ratio=host.max_ratio, shuffle=host.shuffle)
+        encoded = assemble_delta(plans, tasks, base.manifest, executor=host.executor, chunk_bytes=chunk_bytes,
+                                 max_ratio=host.max_ratio, shuffle=host.shuffle)
+        for plan in encoded.tensors if encoded is not None else ():
+            if plan.encoding == ENCODING_XOR_ZSTD:  # (its tensor landed: its chunks waited for it)
+                plan.check = landed.tensors[plan.name].result().check
+        return encoded

@@ -42,7 +42,7 @@ class EncodedTensor:
     ``frames`` are the zstd frames of a chunked encoding (one per chunk, described by ``chunks``); a
     ``raw`` tensor stores the snapshot's bytes themselves and an ``unchanged`` one stores nothing.
     ``changed`` counts elements whose bits differ from the base (deltas only); ``check`` is the check of
-    those changes (FORMAT.md, "Change checks"), where the encoder computes one (the host encoder does).
+    those changes (FORMAT.md, "Change checks") of an ``xor-zstd`` tensor.
     """
 
     name: str
@@ -138,8 +138,9 @@ def assemble_delta(plans: list[EncodedTensor], tasks: list[ChunkTask], base: Man
                    chunk_bytes: int, max_ratio: float, shuffle: bool) -> EncodedVersion | None:
     """Run the chunk tasks on ``executor`` (in order, bounded memory) and fill their tensors' plans: the
     delta on ``base``, or None as soon as the stored bytes outgrow ``max_ratio`` of the full bytes. A delta
-    plan without changes becomes ``unchanged``; a plan keeps its check only where every chunk of it gave
-    one. Shared by the host and the device encoders."""
+    plan without changes becomes ``unchanged``; a plan's check is the sum of its chunks' where each gave one
+    (the device encoder's chunks give none: it takes its tensors' checks as they land). Shared by the host
+    and the device encoders."""
     limit = max_ratio * sum(plan.tensor.numel() * plan.tensor.element_size() for plan in plans)
     stored = 0
     results = ordered_parallel(tasks, lambda task: (task[0], task[1], *task[2]()), lambda task: task[1],
