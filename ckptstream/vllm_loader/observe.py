@@ -66,7 +66,7 @@ FALLBACK_REASONS = ("disabled", "first_version", "multi_node", "no_change", "lar
 back), an engine spanning nodes, no change could be built (different tensors), too many elements changed,
 a server without ckptstream's worker extension, a tensor whose loader is not a plain copy, values served
 that the delta's change check refuses (the server is not on the delta's base, or the delta is forged), a
-change check the ranks' positions cannot add up to, an apply that failed on some rank (every rank then
+change check the ranks cannot add up to (they do not hold every changed position equally often), an apply that failed on some rank (every rank then
 reloads), and the reload of a ``--verify-apply`` check."""
 
 

@@ -145,7 +145,8 @@ def test_ranks_splitting_a_tensor_add_their_checks_up_and_a_skewed_rank_fails_th
     positions it holds from its own parameters and sums the check there; the head adds the split
     embedding's sums and compares each rank's sum of the replicated norm. Right: both apply, each equal to a
     load of the new version. One rank's rows not on the base: ``check_failed`` before anything is written.
-    A third rank holding the whole tensor beside the split: ``unverifiable``."""
+    A third rank holding the whole tensor beside the split holds each position twice with them: checked
+    twice over; beside one half only: ``unverifiable``."""
     from ckptstream import Publisher, Stream
     from ckptstream.vllm_loader.inplace.change import build_change_unbased
 
@@ -192,4 +193,6 @@ def test_ranks_splitting_a_tensor_add_their_checks_up_and_a_skewed_rank_fails_th
     with torch.no_grad():
         whole_rank.load_weights(base.items())
     _, results = _stage([*ranks(base), whole_rank], change)
+    assert staging_problem(results) is None
+    _, results = _stage([ranks(base)[0], whole_rank], change)
     assert staging_problem(results)[0] == "unverifiable"

@@ -34,7 +34,7 @@ import numpy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
+from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms, check_total
 from ...format import CHECK_MASK, ChangeCheck, Hasher
 
 _COPY = torch.ops.aten.copy_.default
@@ -319,8 +319,10 @@ class InPlaceApplier:
         """The staging's result (``unpatchable``: {tensor: reason}, ``coverage``: {tensor: [positions written
         here, positions changed]} for the tensors the model loads, ``elements``: writes staged, ``error``;
         for a change of layout ``xor-1`` also ``checks``: {tensor: {"held": the check of the changes at the
-        positions written here, "expected": the publisher's}}, as ``ChangeCheck.to_json``) once done; None
-        while it runs (and not ``wait``)."""
+        positions written here, "expected": the publisher's (both as ``ChangeCheck.to_json``),
+        "held_positions", "positions": the sum of ``codec.check_positions`` over the positions written here,
+        over all the tensor's changed positions (16 hex digits)}}) once done; None while it runs (and not
+        ``wait``)."""
         if self._thread is None:
             return {"error": "nothing staged"}
         if wait:
@@ -398,7 +400,7 @@ class InPlaceApplier:
                     key = (target.param, tensor.dtype, target.sizes, target.src_strides, target.dst_strides)
                     layouts.setdefault(key, []).append((i, target))
         written = torch.zeros(len(changed), dtype=torch.int64, device=self.device)
-        sums = torch.zeros(2, len(changed), dtype=torch.int64, device=self.device)  # per tensor: old, new
+        sums = torch.zeros(3, len(changed), dtype=torch.int64, device=self.device)  # per tensor: positions, old, new
         per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for (param, checkpoint_dtype, *_), copies in layouts.items():
             counts = [changed[i].positions.numel() for i, _ in copies]
@@ -418,7 +420,8 @@ class InPlaceApplier:
                 xor = torch.cat([changed[i].xor for i, _ in copies]).to(self.device)[covered]
                 new = (old.view(ints) ^ xor.view(ints)).view(checkpoint_dtype)
                 mixed = check_positions(positions[covered])
-                for row, values in enumerate((old, new)):
+                sums[0].index_add_(0, segment[covered], mixed)
+                for row, values in enumerate((old, new), 1):
                     sums[row].index_add_(0, segment[covered], check_terms(mixed, values))
                 old, new = old.to(dtype), new.to(dtype)
             per_param.setdefault(param, []).append((index[covered], old, new))
@@ -428,10 +431,12 @@ class InPlaceApplier:
         result: dict[str, Any] = {"unpatchable": unpatchable, "coverage": coverage,
                                   "elements": sum(w.index.numel() for w in writes)}
         if changed and changed[0].check is not None:
-            old_sums, new_sums = sums.tolist()
+            position_sums, old_sums, new_sums = ([v & CHECK_MASK for v in row] for row in sums.tolist())
             result["checks"] = {changed[i].name: {
-                "held": ChangeCheck(counts_written[i], old_sums[i] & CHECK_MASK, new_sums[i] & CHECK_MASK).to_json(),
-                "expected": changed[i].check.to_json()} for i in loaded if changed[i].check is not None}
+                "held": ChangeCheck(counts_written[i], old_sums[i], new_sums[i]).to_json(),
+                "held_positions": f"{position_sums[i]:016x}", "expected": changed[i].check.to_json(),
+                "positions": f"{check_total(check_positions(changed[i].positions)):016x}"}
+                for i in loaded if changed[i].check is not None}
         return result, writes
 
 
@@ -474,35 +479,32 @@ def staging_problem(results: list[dict[str, Any]]) -> tuple[str, str] | None:
 def check_problem(results: list[dict[str, Any]]) -> tuple[str, str] | None:
     """Whether the ranks' checks of a change of layout ``xor-1`` (``staged``'s ``checks``) prove that they
     serve its base and will serve the version after it: None, or (``check_failed``: the values differ, or
-    ``unverifiable``: the ranks' positions neither each cover the tensor nor split it, what went wrong).
+    ``unverifiable``: the ranks do not hold every changed position equally often, what went wrong).
 
-    Per changed tensor, the ranks that hold some of its positions either each hold all of them (replicated:
-    each rank's check must equal the publisher's) or hold each position once between them (a TP split: their
-    checks add up to the publisher's). A change without checks (``packed-1``) passes."""
-    expected: dict[str, ChangeCheck] = {}
-    held: dict[str, list[ChangeCheck]] = collections.defaultdict(list)
+    Per changed tensor, the ranks together hold each of its changed positions the same number of times *r*
+    (a TP split: once; a replicated norm: once per rank; kv heads replicated over ranks: twice, ...), which
+    their counts and their sums of the positions' mix show (*r* times the tensor's); then their checks' sums
+    must be *r* times the publisher's check (mod 2^64). A change without checks (``packed-1``) passes."""
+    expected: dict[str, tuple[ChangeCheck, int]] = {}
+    held: dict[str, list[tuple[ChangeCheck, int]]] = collections.defaultdict(list)
     for r in results:
         for name, check in (r.get("checks") or {}).items():
-            expected[name] = ChangeCheck.from_json(check["expected"])
+            expected[name] = ChangeCheck.from_json(check["expected"]), int(check["positions"], 16)
             part = ChangeCheck.from_json(check["held"])
             if part.count:
-                held[name].append(part)
+                held[name].append((part, int(check["held_positions"], 16)))
     if expected and any(r.get("coverage") and r.get("checks") is None for r in results):
         return "unverifiable", "some ranks staged the change without checks"
-    for name, want in sorted(expected.items()):
+    for name, (want, positions) in sorted(expected.items()):
         parts = held[name]
         if not parts:
             continue  # loaded by no rank: the coverage rule decides
-        if all(p.count == want.count for p in parts):
-            wrong = [p for p in parts if p != want]
-            if wrong:
-                return "check_failed", (f"{name}: {len(wrong)} of {len(parts)} ranks holding all its {want.count} "
-                                        "changed elements hold other values than the delta's base or result")
-        elif sum(p.count for p in parts) == want.count:
-            if sum(parts, ChangeCheck()) != want:
-                return "check_failed", (f"{name}: the {len(parts)} ranks holding its {want.count} changed elements "
-                                        "between them hold other values than the delta's base or result")
-        else:
-            return "unverifiable", (f"{name}: ranks hold {[p.count for p in parts]} of its {want.count} changed "
-                                    "elements: neither each all of them nor each once between them")
+        times, rest = divmod(sum(p.count for p, _ in parts), want.count)
+        if rest or sum(h for _, h in parts) & CHECK_MASK != times * positions & CHECK_MASK:
+            return "unverifiable", (f"{name}: ranks hold {[p.count for p, _ in parts]} of its {want.count} changed "
+                                    "elements, not each of them equally often")
+        total = sum((p for p, _ in parts), ChangeCheck())
+        if (total.old, total.new) != (times * want.old & CHECK_MASK, times * want.new & CHECK_MASK):
+            return "check_failed", (f"{name}: the {len(parts)} ranks holding its {want.count} changed elements "
+                                    f"({times} time(s) each) hold other values than the delta's base or result")
     return None
