@@ -47,7 +47,7 @@ from ..locks import unlock
 from ..polling import poll
 from . import takeover
 from .apply import staging_problem
-from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
+from .cache import CHANGES_DIR, VersionCache, default_cache_dir, prepare_version, safe_owner
 from .change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
                      build_change_from_deltas)
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
@@ -102,6 +102,10 @@ class FollowerConfig:
         verify_apply: every this many updates applied in place on a server, reload the version fully there
             too and compare every runtime parameter's hash with the patched one: a mismatch stops in-place
             updates for good, loudly. None: never.
+        cache_versions: whole versions kept in the cache once the servers loaded them: 1 (default) the served
+            one (and the incoming one while it is prepared); 0 none (``cache.VersionCache.drop_copies``): an
+            update applied in place needs only its change, and a full reload (a fallback, a restarted server)
+            decodes the version from storage on demand, on every node of an engine spanning nodes.
     """
 
     storage_options: Mapping[str, Any] | None = None
@@ -124,6 +128,7 @@ class FollowerConfig:
     update_gate: UpdateGate | None = None
     apply_in_place: bool = True
     verify_apply: int | None = None
+    cache_versions: int = 1
 
     def with_options(self, **options: Any) -> FollowerConfig:
         """A copy with ``options`` (field names; TypeError for any other) replaced."""
@@ -238,7 +243,11 @@ class Follower:
             return self._step(clients)
 
     def _step(self, clients: list[VllmControl]) -> UpdateRecord | None:
-        self._reconcile(clients)
+        try:
+            self._reconcile(clients)
+        except NodesNotReady as exc:  # a restarted engine, reloaded once every node has the version
+            log.info("%s; bringing the engine back to version %s once they have it", exc, self.current)
+            return None
         target = self._discover()
         if target is not None and self.pin is None:
             self._notify("on_discovered", target)
@@ -275,7 +284,8 @@ class Follower:
         self.current = version
         self._reference = self._reference or self._specs(self.stream.manifest(version))
         for client in self.clients:
-            self._hold_served(client)
+            self._hold_served(client, version)
+        self._keep_served()
         self._report(version=version, state="serving")
 
     def load(self, version: int, clients: Sequence[VllmControl] | None = None) -> UpdateRecord:
@@ -330,7 +340,7 @@ class Follower:
         for client in targets:
             if change is not None and client.url not in self._in_place_off:
                 stage_started = time.perf_counter()
-                staged, fallback = self._stage(client, change)
+                staged, fallback = self._stage(client, change, manifest)
                 stage_s += time.perf_counter() - stage_started
             else:
                 staged, fallback = None, why_not or "disabled"
@@ -353,15 +363,18 @@ class Follower:
                     verify.append(client)
         lag_s = commit_age(manifest.created)
         cache_s = 0.0
-        if path is None:
+        if path is None and (waiting or self.config.cache_versions > 0):
             if not waiting:
                 self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
             cache_started = time.perf_counter()
             try:
                 path, _, _, decoded = self.prepare(version)
-            except CkptStreamError:
-                log.error("version %d, applied in place, failed its decode; every server goes back to version %s",
-                          version, self.current)
+                if self.config.nodes_ready_timeout is not None:
+                    for client, _ in waiting:  # every node needs it whole for the full reload
+                        self._wait_for_nodes(client, manifest, path)
+            except (CkptStreamError, NodesNotReady):
+                log.error("version %d, applied in place, failed its decode or is not on every node; every server "
+                          "goes back to version %s", version, self.current)
                 for client in done:
                     with self._gate(client.url, version):
                         self._revert([client])
@@ -377,11 +390,13 @@ class Follower:
             if waiting:
                 lag_s = commit_age(manifest.created)
         for client in verify:
+            if path is None:  # (--cache-versions 0: nothing decoded yet)
+                path = self.prepare(version)[0]
             with self._gate(client.url, version):
                 self._verify(client, version, path)
             fallbacks["verify"] += 1
         self.current = version
-        self.cache.prune({version})
+        self._keep_served()
         fetched = self._reads.bytes_read() - bytes_before  # measured: what this update read from storage
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
                               fetch_s=fetch_s, decode_s=prepare_s - fetch_s, applied_in_place=in_place,
@@ -425,10 +440,15 @@ class Follower:
         return prepare_version(self.stream, self.cache, version, keep={self.current} - {None},
                                holder=f"follower {self.record.replica_id}")
 
-    def _current_path(self) -> Path:
-        """The cache directory of the current version, decoded again if it went missing."""
+    def _current_path(self, client: VllmControl | None = None) -> Path:
+        """The cache directory of the current version, decoded again if it went missing (``cache_versions``
+        0: decoded on demand), and, on an engine spanning nodes (``client``), complete on every node (each
+        node lacking it is asked for it); NodesNotReady if a node still lacks it after ``nodes_ready_timeout``."""
         assert self.current is not None
-        return self.prepare(self.current)[0]
+        path = self.prepare(self.current)[0]
+        if client is not None and self.config.nodes_ready_timeout is not None:
+            self._wait_for_nodes(client, self.stream.manifest(self.current), path)
+        return path
 
     def _load_into(self, client: VllmControl, version: int, path: Path | None, restore: Path | None = None,
                    restored: list[VllmControl] | None = None,
@@ -440,7 +460,8 @@ class Follower:
         given, it is reloaded before ``/resume`` (a rank whose reload failed half-way holds placeholders,
         and ranks that succeeded hold the new version); then the client is appended to ``restored``."""
         directory = path if path is not None else restore
-        if directory is None or not (directory / MARKER_FILE).is_file():
+        if (directory is None and change is None) or (directory is not None and
+                                                      not (directory / MARKER_FILE).is_file()):
             # vLLM treats a missing directory as a hub repository id and its engine dies of it.
             raise CkptStreamError(f"{directory} is not a complete materialized directory; not handing it to vLLM",
                                   version=version)
@@ -456,8 +477,11 @@ class Follower:
                 if change is None or failed is not None:
                     # A half-applied change is overwritten on every rank.
                     if path is None:
-                        assert restore is not None and self.current is not None
-                        client.reload_weights(str(restore))
+                        assert self.current is not None
+                        if restore is None:  # nothing cached to reload (--cache-versions 0): written back
+                            self._revert_change(client, version)
+                        else:
+                            client.reload_weights(str(restore))
                         serves = self.current
                     else:
                         client.reload_weights(str(path))
@@ -475,17 +499,27 @@ class Follower:
         client.check_resumed()
         client.check_weight_version(str(serves))
         client.probe()
-        self._hold_served(client)
+        self._hold_served(client, serves)
         return paused, reload_s, failed
 
-    def _hold_served(self, client: VllmControl) -> None:
-        """On an engine spanning nodes, have every rank hold the version it now serves on its node
-        (``cache.hold_served``): the node agents keep it, to restore after a failed reload, and need no
-        replica record to know it (a read-only stream has none). A failure is logged: the servers serve on."""
+    def _keep_served(self) -> None:
+        """Keep the current version in the cache (held) and delete the others nobody holds; with
+        ``cache_versions`` 0, not even its copy (once loaded, a change needs no whole version)."""
+        self.cache.prune({self.current} - {None})
+        if self.config.cache_versions == 0 and self.current is not None:
+            self.cache.release(self.current)
+            self.cache.drop_copies({self.current})
+
+    def _hold_served(self, client: VllmControl, version: int) -> None:
+        """On an engine spanning nodes, have every rank hold the version it now serves on its node, by number
+        (``cache.hold_served_version``: after an update applied in place, vLLM's model path names an older
+        version): the node agents keep it, to restore after a failed reload, and build the next change on it,
+        and need no replica record to know it (a read-only stream has none). A failure is logged: the servers
+        serve on."""
         if self.config.nodes_ready_timeout is None:
             return
         try:
-            ranks = client.hold_served()
+            ranks = client.hold_served(str(self.cache.stream_dir), version)
         except VllmUnreachable:
             raise
         except VllmError as exc:
@@ -506,10 +540,14 @@ class Follower:
         version between stores tensors whole), the comparison may find one."""
         if not self.config.apply_in_place or all(c.url in self._in_place_off for c in self.clients):
             return None, "disabled"
-        if self.current is None or not (self.cache.path(self.current) / MARKER_FILE).is_file():
+        if self.current is None:
             return None, "first_version"
-        if self.config.nodes_ready_timeout is not None:
-            return None, "multi_node"  # the change file would have to reach every node's cache
+        if not (self.cache.path(self.current) / MARKER_FILE).is_file():
+            if self.config.cache_versions == 0:
+                self._explain("no_change", f"version {version}: the served version {self.current} is not cached "
+                                           "(--cache-versions 0) to build the change on")
+                return None, "no_change"
+            return None, "first_version"
         built: list[ChangeSummary] = []
         base, stream_id = self.current, self.stream.info().stream_id
 
@@ -541,9 +579,17 @@ class Follower:
                      built[0].changed, built[0].total, base, built[0].tensors)
         return change, None
 
-    def _stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
+    def _stage(self, client: VllmControl, change: Path, manifest: Manifest) -> tuple[Path | None, str | None]:
         """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change, or
-        None and why it will be reloaded fully instead."""
+        None and why it will be reloaded fully instead. On an engine spanning nodes, only once every rank
+        has the change in its node's cache (each node's agent builds it: ``agent.py``); a node lacking it
+        after ``nodes_ready_timeout`` makes the version a full reload (``multi_node``)."""
+        if self.config.nodes_ready_timeout is not None:
+            try:
+                self._wait_for_nodes(client, manifest, change)
+            except NodesNotReady as exc:
+                self._explain("multi_node", f"{client.url}: {exc}")
+                return None, "multi_node"
         try:
             results = client.stage_change(str(change))
         except VllmUnreachable:
@@ -559,6 +605,16 @@ class Follower:
             self._explain(reason, f"{client.url}: {detail}")
             return None, reason
         return change, None
+
+    def _revert_change(self, client: VllmControl, version: int) -> None:
+        """Inside the pause, after an apply that failed on some rank: every rank writes back the old values
+        of what it applied (the served version is cached nowhere to reload). VllmError where a rank cannot."""
+        results = client.revert_change()
+        errors = [str(r.get("error")) for r in results if not isinstance(r, dict) or r.get("error")]
+        if errors:
+            raise VllmError(f"{client.url}: version {version} applied on some ranks could not be written back "
+                            f"({errors[0]})")
+        log.warning("version %d: the ranks that applied it wrote the old values back", version)
 
     def _apply_paused(self, client: VllmControl, version: int) -> str | None:
         """Inside the pause: every rank writes its staged change; None, or the fallback reason (the caller
@@ -658,16 +714,21 @@ class Follower:
         return True
 
     def _wait_for_nodes(self, client: VllmControl, manifest: Manifest, path: Path) -> None:
-        """Return once every rank of ``client``'s engine reports ``manifest``'s version complete, with its
-        manifest hash, in ``path``'s directory on its own node; NodesNotReady (naming the lagging nodes,
-        also in the replica record) after ``nodes_ready_timeout``. The servers keep serving meanwhile."""
+        """Return once every rank of ``client``'s engine reports, at ``path`` on its own node, ``manifest``'s
+        version complete with its manifest hash (a node lacking it is asked for it: its agent decodes it on
+        demand), or, for a change file (``VersionCache.change_path``), that file; NodesNotReady (naming the
+        lagging nodes, also in the replica record) after ``nodes_ready_timeout``. The servers keep serving
+        meanwhile."""
         assert self.config.nodes_ready_timeout is not None
         deadline = time.monotonic() + self.config.nodes_ready_timeout
         key = str(manifest.version)
+        change = path.parent.name == CHANGES_DIR
+        versions_dir = path.parent.parent if change else path.parent
         while True:
-            ranks = client.cache_report(str(path.parent))
+            ranks = client.cache_report(str(versions_dir), request=None if change else manifest.version)
             lagging = list(dict.fromkeys(f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks
-                                         if r.get("versions", {}).get(key) != manifest.manifest_hash))
+                                         if (path.name not in (r.get("changes") or []) if change else
+                                             r.get("versions", {}).get(key) != manifest.manifest_hash)))
             if lagging != self.record.lagging:
                 if lagging:
                     log.info("version %d: waiting for %s", manifest.version, ", ".join(lagging))
@@ -675,7 +736,8 @@ class Follower:
             if not lagging:
                 return
             if time.monotonic() >= deadline:
-                raise NodesNotReady(f"{', '.join(lagging)} of {client.url} lack(s) it in {path.parent} after "
+                what = f"its change {path.name} in {path.parent}" if change else f"it in {path.parent}"
+                raise NodesNotReady(f"{', '.join(lagging)} of {client.url} lack(s) {what} after "
                                     f"{self.config.nodes_ready_timeout:.0f} s", version=manifest.version,
                                     lagging=lagging, hint="Is the node agent (ckptstream serve --node-rank N) "
                                                           "running there?")
@@ -687,8 +749,8 @@ class Follower:
             return
         for client in clients:
             try:
-                self._load_into(client, self.current, self._current_path())
-            except (VllmError, CkptStreamError) as exc:
+                self._load_into(client, self.current, self._current_path(client))
+            except (VllmError, CkptStreamError, NodesNotReady) as exc:
                 log.error("could not restore version %d on %s: %s", self.current, client.url, exc)
 
     def _claim(self) -> contextlib.AbstractContextManager[list[VllmControl]]:
@@ -740,7 +802,7 @@ class Follower:
             if served != str(self.current):
                 log.info("%s serves %r, not version %d; reloading it", client.url, served, self.current)
                 client.wait_ready(timeout=60)
-                self._load_into(client, self.current, self._current_path())
+                self._load_into(client, self.current, self._current_path(client))
 
     def _adopt_served(self, clients: list[VllmControl]) -> None:
         try:
