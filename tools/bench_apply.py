@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckptstream.codec import bit_pattern  # noqa: E402
 from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint  # noqa: E402
 from ckptstream.testing.models import rl_like_step  # noqa: E402
-from ckptstream.vllm_loader import apply as current_apply  # noqa: E402
-from ckptstream.vllm_loader.change import write_change  # noqa: E402
+from ckptstream.vllm_loader.inplace import apply as current_apply  # noqa: E402
+from ckptstream.vllm_loader.inplace.change import write_change  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -52,8 +52,8 @@ from ckptstream.testing.adapters import adapter_step, lora_tensors, tiny_peft_mo
 from ckptstream.testing.lora_server import resolver_plugin_path  # noqa: E402
 from ckptstream.testing.models import TinyModelSpec, _layer_params, write_tiny_model  # noqa: E402
 from ckptstream.vllm_loader import BackgroundServe, VllmClient, vllm_command  # noqa: E402
-from ckptstream.vllm_loader.adapter_follower import AdapterFollower  # noqa: E402
-from ckptstream.vllm_loader.adapters import version_name  # noqa: E402
+from ckptstream.vllm_loader.adapters.follower import AdapterFollower  # noqa: E402
+from ckptstream.vllm_loader.adapters.resident import version_name  # noqa: E402
 from ckptstream.vllm_loader.serve import CPU_VLLM_ARGS, adapter_vllm_settings  # noqa: E402
 
 NAME = "policy"

@@ -223,7 +223,7 @@ def _follow_adapters(args: argparse.Namespace) -> int:
     import logging
 
     from ..vllm_loader import VllmClient
-    from ..vllm_loader.adapter_follower import AdapterFollower
+    from ..vllm_loader.adapters.follower import AdapterFollower
     from ..vllm_loader.serve import READY_TIMEOUT
 
     _weights_only(args, ("--pin", args.pin is not None),
@@ -281,7 +281,7 @@ def run_node_agent(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from ..vllm_loader.agent import NodeAgent
+    from ..vllm_loader.follow.agent import NodeAgent
 
     if not 0 < args.node_rank < args.nnodes:
         raise UsageError(f"--node-rank must be in 1..{args.nnodes - 1} (rank 0 is the head: `follow` or `serve`)")

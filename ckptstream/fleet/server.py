@@ -19,7 +19,8 @@ from ..credentials import redact
 from ..errors import VllmError
 from ..format import LATEST
 from ..vllm_loader.client import VllmClient
-from ..vllm_loader.follower import FollowerConfig, UpdateRecord
+from ..vllm_loader.follow.config import FollowerConfig
+from ..vllm_loader.observe import UpdateRecord
 from ..vllm_loader.observe import OnUpdate
 from ..vllm_loader.replay import replay
 from ..process import descendants, free_port

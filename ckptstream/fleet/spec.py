@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ..reader.adapter import DEFAULT_KEEP
-from ..vllm_loader.cache import safe_owner
+from ..vllm_loader.follow.cache import safe_owner
 
 NAMESPACE = "ckptstream"
 """The Ray namespace of every fleet's controller actor (detached, found again by name)."""

@@ -8,13 +8,14 @@ hand out the submodule to whoever asks after that submodule was imported.
 """
 
 from ..reader.selection import select_versions
-from .cache import VersionCache, default_cache_dir
+from .follow.cache import VersionCache, default_cache_dir
 from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
-from .follower import Follower, FollowerConfig
+from .follow.config import FollowerConfig
+from .follow.follower import Follower
 from .observe import FollowerObserver, JsonLines, OnUpdate, UpdateRecord
 from .replay import ReplayResult, replay
 from .serve import CPU_VLLM_ARGS, BackgroundServe, free_port, serve, vllm_command, vllm_platform_is_cpu
-from .takeover import Takeover
+from .follow.takeover import Takeover
 
 __all__ = ["CPU_VLLM_ARGS", "BackgroundServe", "Follower", "FollowerConfig", "FollowerObserver", "JsonLines",
            "OnUpdate", "ReplayResult", "Takeover", "UpdateRecord", "VersionCache", "VllmClient", "VllmControl",

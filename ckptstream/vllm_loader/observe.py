@@ -192,21 +192,3 @@ def _base_text(version: int, base: int | None) -> str:
         return ""
     # A version found in the cache already (e.g. an engine's head that waited for its nodes) decoded nothing.
     return " (already decoded)" if base == version else f" (delta on cached {base})"
-
-
-def attach_metrics(observers: list[FollowerObserver], record: ReplicaRecord, stream_url: str, host: str,
-                   port: int | None) -> Any:
-    """With ``port`` given, serve Prometheus metrics of ``record``'s follower or node agent (of the stream at
-    ``stream_url``) at
-    ``http://host:port/metrics`` (0: a free port), fed as one more of its ``observers``, and note their URL
-    in the record; returns the metrics server to close (None without ``port``)."""
-    if port is None:
-        return None
-    from .metrics import FollowerMetrics  # prometheus_client only when asked for
-
-    metrics = FollowerMetrics(record.replica_id, stream_url, adapter=record.adapter is not None)
-    server = metrics.serve(host, port)
-    observers.append(metrics)
-    record.metrics_url = server.url
-    return server
-

@@ -1,42 +1,23 @@
 """``ckptstream replay``: load versions one after another into running servers and evaluate each.
 
-On an adapter stream, the versions are loaded beside what the servers serve instead, as LoRA adapters, with
-nothing taken over (``adapter_replay.py``); what follows is about weights streams.
-
-The replay takes the servers over (``takeover.Takeover``) for its whole run: a ``serve``/``follow``
-keeping them current stands aside meanwhile, and brings them back to its newest version when the replay
-ends. The replay uses the followers' shared cache (``cache.py``): what they hold is reused, and what only
-the replay held is deleted at the end.
+On a weights stream the replay takes the servers over and loads each version into them (``follow.replay``); on
+an adapter stream it loads the versions beside what the servers serve, as LoRA adapters, with nothing taken over
+(``adapters.replay``).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..credentials import redact
-from ..errors import CkptStreamError
 from ..format import STREAM_KIND_ADAPTER
 from ..reader import Stream
-from ..reader.selection import select_versions
-from .client import VllmControl, VllmError
-from .follower import Follower, FollowerConfig
-from .takeover import Takeover
+from .adapters.replay import replay_adapters
+from .client import VllmControl
+from .follow.config import FollowerConfig
+from .follow.replay import ReplayResult, replay_weights
 
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """One version of a replay: how loading it went and what the command returned."""
-
-    version: int
-    load_s: float
-    exit_code: int | None  # None: the version could not be loaded, the command did not run
-    run_s: float
-    error: str | None = None
-    output: str | None = None  # the command's stdout and stderr, when the replay captured them
+__all__ = ["ReplayResult", "replay"]
 
 
 def replay(url: str, versions: str | Sequence[int], vllm_urls: Sequence[str | VllmControl], command: Sequence[str],
@@ -46,7 +27,7 @@ def replay(url: str, versions: str | Sequence[int], vllm_urls: Sequence[str | Vl
     """Load each selected version into the servers, then run ``command`` with ``CKPTSTREAM_VERSION``,
     ``CKPTSTREAM_URL`` and ``CKPTSTREAM_VLLM_URL`` in its environment. On an adapter stream, the versions are
     loaded as LoRA adapters beside what the servers serve, and the command also gets ``CKPTSTREAM_MODEL``
-    (``adapter_replay.replay_adapters``, which takes ``adapter_name``, ``max_resident`` and ``side_by_side``).
+    (``adapters.replay.replay_adapters``, which takes ``adapter_name``, ``max_resident`` and ``side_by_side``).
 
     Args:
         versions: ``A:B[:STEP]`` (see ``select_versions``), or the version numbers themselves.
@@ -62,8 +43,6 @@ def replay(url: str, versions: str | Sequence[int], vllm_urls: Sequence[str | Vl
         raise ValueError("give the evaluation command after --")
     config = (config or FollowerConfig()).with_options(**options)
     if Stream(url, storage_options=config.storage_options).info().kind == STREAM_KIND_ADAPTER:
-        from .adapter_replay import replay_adapters  # (it imports this module)
-
         return replay_adapters(url, versions, vllm_urls, command, name=adapter_name, max_resident=max_resident,
                                side_by_side=side_by_side, capture=capture, cache_dir=config.cache_dir,
                                storage_options=config.storage_options, api_key=config.api_key,
@@ -71,34 +50,5 @@ def replay(url: str, versions: str | Sequence[int], vllm_urls: Sequence[str | Vl
     if (adapter_name, max_resident, side_by_side) != (None, None, True):
         raise ValueError(f"adapter_name, max_resident and side_by_side are for adapter streams; {redact(url)} is a "
                          f"weights stream")
-    config = config.with_options(replica_id=config.replica_id or f"replay-{os.getpid()}", stand_aside=False,
-                                 ephemeral_cache=True)
-    with Follower(url, vllm_urls, config) as follower:
-        # Refused before the servers are touched.
-        selected = select_versions(follower.stream, versions) if isinstance(versions, str) else \
-            [follower.stream.resolve(v) for v in versions]
-        with Takeover([c.url for c in follower.clients], timeout=takeover_timeout):
-            return [_replay_one(follower, version, url, command, capture) for version in selected]
-
-
-def _replay_one(follower: Follower, version: int, url: str, command: Sequence[str], capture: bool) -> ReplayResult:
-    """Load ``version`` into the servers, then run ``command`` against it."""
-    started = time.perf_counter()
-    try:
-        follower.load(version)
-    except (CkptStreamError, VllmError) as exc:
-        return ReplayResult(version, time.perf_counter() - started, None, 0.0, str(exc))
-    load_s = time.perf_counter() - started
-    env = command_environment(version, url, follower.clients[0].url)
-    started = time.perf_counter()
-    if capture:
-        done = subprocess.run(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        code, output = done.returncode, done.stdout.decode("utf-8", "replace")
-    else:
-        code, output = subprocess.run(list(command), env=env).returncode, None
-    return ReplayResult(version, load_s, code, time.perf_counter() - started, output=output)
-
-
-def command_environment(version: int, url: str, vllm_url: str) -> dict[str, str]:
-    """The evaluation command's environment: this process's, with the version, the stream and the server."""
-    return {**os.environ, "CKPTSTREAM_VERSION": str(version), "CKPTSTREAM_URL": url, "CKPTSTREAM_VLLM_URL": vllm_url}
+    return replay_weights(url, versions, vllm_urls, command, config=config, takeover_timeout=takeover_timeout,
+                          capture=capture)

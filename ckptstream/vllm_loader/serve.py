@@ -40,11 +40,12 @@ from ..lora_aliases import ALIASES_ENV
 from ..process import die_with_parent, free_port, stop_process
 from ..reader import Stream
 from ..reader.adapter import DEFAULT_KEEP, check_adapter_fits
-from .adapter_follower import AdapterFollower, default_adapter_name
-from .agent import NodeAgent
-from .cache import safe_owner
+from .adapters.follower import AdapterFollower, default_adapter_name
+from .follow.agent import NodeAgent
+from .follow.cache import safe_owner
 from .client import VllmClient
-from .follower import Follower, FollowerConfig
+from .follow.config import FollowerConfig
+from .follow.follower import Follower
 from .observe import OnUpdate, UpdateRecord
 from .worker import EXTENSION_CLASS
 

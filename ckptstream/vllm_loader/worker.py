@@ -85,7 +85,7 @@ class WorkerExtension:
 
     def ckptstream_parameter_hashes(self) -> dict[str, str]:
         """xxh3-128 of every runtime parameter of this rank, by name."""
-        from .apply import parameter_hashes
+        from .inplace.apply import parameter_hashes
 
         return parameter_hashes(self.model_runner.get_model())
 
@@ -104,7 +104,7 @@ class WorkerExtension:
         from (vLLM repoints the model's path at every ``reload_weights``); released for the next one held.
         This rank's host, node rank, rank and the version held (null: its model is no cached version)."""
         from ..locks import unlock
-        from .cache import hold_served, hold_served_version
+        from .follow.cache import hold_served, hold_served_version
 
         previous = getattr(self, "_ckptstream_served", None)
         if versions_dir is not None and version is not None:
@@ -126,7 +126,7 @@ class WorkerExtension:
         change files there (``changes``: their names). With ``request``: a version the head needs complete
         there; where it is not, a request file asks the node's agent for it (``cache.REQUESTS_DIR``)."""
         from ..format import MARKER_FILE, parse_version_name, version_name
-        from .cache import CHANGES_DIR, REQUESTS_DIR
+        from .follow.cache import CHANGES_DIR, REQUESTS_DIR
 
         versions: dict[str, str | None] = {}
         try:
@@ -165,7 +165,7 @@ def _applier(worker: Any) -> Any:
     method of the extension to ``/collective_rpc``)."""
     applier = getattr(worker, "_ckptstream_in_place", None)
     if applier is None:
-        from .apply import InPlaceApplier
+        from .inplace.apply import InPlaceApplier
 
         model = worker.model_runner.get_model()
         applier = worker._ckptstream_in_place = InPlaceApplier(model, next(model.parameters()).device)

@@ -45,9 +45,9 @@ from ..credentials import redact
 from ..errors import WeightTransferError
 from ..format import MARKER_FILE, STREAM_KIND_WEIGHTS
 from ..reader import Stream
-from ..vllm_loader.apply import InPlaceApplier, staging_problem
-from ..vllm_loader.cache import VersionCache, default_cache_dir, prepare_version, safe_owner
-from ..vllm_loader.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
+from ..vllm_loader.inplace.apply import InPlaceApplier, staging_problem
+from ..vllm_loader.follow.cache import VersionCache, default_cache_dir, prepare_version, safe_owner
+from ..vllm_loader.inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
                                   build_change_from_deltas)
 from . import refuse_credentials
 

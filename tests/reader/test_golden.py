@@ -158,7 +158,7 @@ def test_golden_pieces_change_for_in_place_updates(golden_pieces, tmp_path):
     served version's copy, it holds exactly the elements that differ, with their old and new values."""
     from safetensors import safe_open
 
-    from ckptstream.vllm_loader.change import build_change_from_deltas, read_change
+    from ckptstream.vllm_loader.inplace.change import build_change_from_deltas, read_change
 
     base = golden_pieces.materialize(0, tmp_path / "v0")
     out = tmp_path / "change.safetensors"

@@ -16,7 +16,7 @@ CLASS = "tests.vllm_loader.stale_copy.BlindToPackedCopies"
 
 class BlindToPackedCopies(WorkerExtension):
     def ckptstream_stage(self, path: str) -> bool:
-        from ckptstream.vllm_loader import apply
+        from ckptstream.vllm_loader.inplace import apply
 
         apply._packed_copy = lambda model, param: False  # the planner no longer sees the packed LM head
         return super().ckptstream_stage(path)

@@ -16,8 +16,8 @@ from ckptstream.errors import ReplicaRefused, StorageAccessError
 from ckptstream.reader import Stream
 from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
 from ckptstream.testing.fake_vllm import FakeLoraServer
-from ckptstream.vllm_loader import adapter_follower
-from ckptstream.vllm_loader.adapter_follower import AdapterFollower, default_adapter_name
+from ckptstream.vllm_loader.adapters import follower as adapter_follower
+from ckptstream.vllm_loader.adapters.follower import AdapterFollower, default_adapter_name
 from ckptstream.vllm_loader.observe import OnUpdate
 from tests.helpers import corrupt_version
 
@@ -204,7 +204,7 @@ def test_a_storage_outage_is_retried_not_refused(stream, tmp_path, monkeypatch):
 def test_old_directories_go_under_constant_load_on_the_stable_name(stream, tmp_path, monkeypatch):
     """Requests on the stable name never stop (a rollout): a version it moved away from keeps its directory
     for ``STABLE_DRAIN_SECONDS`` only, not for ever."""
-    from ckptstream.vllm_loader import adapters
+    from ckptstream.vllm_loader.adapters import resident as adapters
 
     url, publish = stream
     server = FakeLoraServer()

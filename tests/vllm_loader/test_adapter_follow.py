@@ -13,7 +13,7 @@ import pytest
 from ckptstream import Publisher, Stream
 from ckptstream.errors import ReplicaRefused, StreamKindError
 from ckptstream.testing.adapters import adapter_step, tiny_peft_model
-from ckptstream.vllm_loader.adapter_follower import AdapterFollower
+from ckptstream.vllm_loader.adapters.follower import AdapterFollower
 from ckptstream.vllm_loader.observe import OnUpdate, UpdateRecord
 from tests.helpers import adapter_outputs, corrupt_version, reference_outputs, start_lora_server
 

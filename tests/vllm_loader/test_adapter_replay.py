@@ -22,8 +22,8 @@ from ckptstream import Publisher, Stream
 from ckptstream.errors import VersionNotFoundError
 from ckptstream.testing.adapters import adapter_step, tiny_peft_model
 from ckptstream.vllm_loader import VersionCache, replay
-from ckptstream.vllm_loader.adapter_follower import AdapterFollower
-from ckptstream.vllm_loader.adapter_replay import REPLAY_MARK
+from ckptstream.vllm_loader.adapters.follower import AdapterFollower
+from ckptstream.vllm_loader.adapters.replay import REPLAY_MARK
 from tests.helpers import PROMPTS, adapter_outputs, corrupt_version, reference_outputs, start_lora_server
 
 RANK = 8

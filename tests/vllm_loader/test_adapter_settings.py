@@ -9,7 +9,7 @@ import pytest
 
 from ckptstream.errors import VllmArgumentError, VllmError
 from ckptstream.lora_aliases import ALIASES_ENV, read_aliases, write_alias
-from ckptstream.vllm_loader.adapters import parse_version_name, version_name
+from ckptstream.vllm_loader.adapters.resident import parse_version_name, version_name
 from ckptstream.vllm_loader.client import lora_names_in_use
 from ckptstream.vllm_loader.serve import RUNTIME_LORA_ENV, adapter_vllm_settings
 

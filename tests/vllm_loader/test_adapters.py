@@ -26,7 +26,7 @@ import pytest
 from ckptstream.errors import AdapterRefused, VllmError
 from ckptstream.testing.lora_server import resolver_plugin_path, write_peft_adapter
 from ckptstream.testing.models import TinyModelSpec, write_tiny_model
-from ckptstream.vllm_loader.adapters import ResidentAdapters, version_name
+from ckptstream.vllm_loader.adapters.resident import ResidentAdapters, version_name
 from ckptstream.vllm_loader.serve import adapter_vllm_settings, vllm_platform_is_cpu
 from tests.helpers import PROMPTS
 

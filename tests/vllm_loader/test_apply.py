@@ -13,8 +13,8 @@ import torch
 from ckptstream.codec import bit_pattern
 from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint
 from ckptstream.testing.models import rl_like_step
-from ckptstream.vllm_loader.apply import InPlaceApplier, plan_tensor, plan_tensors, staging_problem
-from ckptstream.vllm_loader.change import write_change
+from ckptstream.vllm_loader.inplace.apply import InPlaceApplier, plan_tensor, plan_tensors, staging_problem
+from ckptstream.vllm_loader.inplace.change import write_change
 
 SPEC = FusedSpec(layers=3, experts=8)
 

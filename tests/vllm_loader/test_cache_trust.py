@@ -16,8 +16,8 @@ from ckptstream.errors import CkptStreamError
 from ckptstream.format import MARKER_FILE
 from ckptstream.testing.models import rl_like_step
 from ckptstream.vllm_loader import VersionCache
-from ckptstream.vllm_loader.cache import PROOF_FILE, default_cache_dir
-from ckptstream.vllm_loader.cache import prepare_version
+from ckptstream.vllm_loader.follow.cache import PROOF_FILE, default_cache_dir
+from ckptstream.vllm_loader.follow.cache import prepare_version
 from tests.helpers import random_state
 
 NOBODY = 65534

@@ -15,7 +15,7 @@ from ckptstream.codec import bit_pattern
 from ckptstream.errors import IntegrityError
 from ckptstream.format import data_path
 from ckptstream.testing.models import rl_like_step
-from ckptstream.vllm_loader.change import TOO_MANY, build_change, build_change_from_deltas, read_change
+from ckptstream.vllm_loader.inplace.change import TOO_MANY, build_change, build_change_from_deltas, read_change
 from tests.helpers import random_state
 
 

@@ -28,7 +28,7 @@ from ckptstream.testing.fake_vllm import FakeVllmClient
 from ckptstream.vllm_loader import Follower, FollowerConfig, Takeover, VersionCache, replay
 from ckptstream.reader.replicas import REFUSED_KEPT
 from ckptstream.vllm_loader.serve import default_vllm_settings, last_error_line, vllm_platform_is_cpu
-from ckptstream.vllm_loader.takeover import lock_path
+from ckptstream.vllm_loader.follow.takeover import lock_path
 from tests.helpers import preloaded_context, preloaded_process
 
 
@@ -531,7 +531,7 @@ def test_weights_followers_and_engines_refuse_an_adapter_stream(tmp_path):
     from ckptstream.errors import StreamKindError
     from ckptstream.testing.adapters import write_tiny_adapter
     from ckptstream.testing.models import TinyModelSpec, write_tiny_model
-    from ckptstream.vllm_loader.agent import NodeAgent
+    from ckptstream.vllm_loader.follow.agent import NodeAgent
     from ckptstream.writer.adapter import peft_dir_source
 
     base = write_tiny_model(tmp_path / "base", TinyModelSpec())

@@ -27,7 +27,7 @@ from ckptstream.hf import iter_hf_weights
 from ckptstream.reader import ReplicaRecord
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import VllmClient, free_port
-from ckptstream.vllm_loader.agent import node_record_id
+from ckptstream.vllm_loader.follow.agent import node_record_id
 from tests.helpers import PROMPTS, VLLM_CPU_ARGS
 
 ENGINE = "eng"

@@ -22,7 +22,7 @@ from ckptstream.reader import ReplicaRecord, Stream, write_replica
 from ckptstream.reader.replicas import KIND_NODE
 from ckptstream.testing.fake_vllm import FakeNode, FakeVllmClient
 from ckptstream.vllm_loader import Follower, FollowerConfig
-from ckptstream.vllm_loader.agent import NodeAgent, node_record_id
+from ckptstream.vllm_loader.follow.agent import NodeAgent, node_record_id
 from ckptstream.vllm_loader.serve import engine_id, multinode_vllm_args, vllm_headless_command
 from ckptstream.vllm_loader.worker import EXTENSION_CLASS
 

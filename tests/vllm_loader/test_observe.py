@@ -223,7 +223,7 @@ def test_refusal_reasons_come_from_the_error_classes():
 
 
 def test_a_node_agent_reports_through_the_same_observers(tmp_path):
-    from ckptstream.vllm_loader.agent import NodeAgent
+    from ckptstream.vllm_loader.follow.agent import NodeAgent
 
     url = str(tmp_path / "stream")
     recorder = Recorder()

@@ -28,15 +28,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import CkptStreamError, VllmError
-from ..format import STREAM_KIND_ADAPTER
-from ..reader import DEFAULT_LEASE_TTL, Stream
-from ..reader.selection import select_versions
-from .adapter_follower import default_adapter_name
-from .adapters import version_name
-from .cache import VersionCache, default_cache_dir, prepare_version
-from .client import VllmClient
-from .replay import ReplayResult, command_environment
+from ...errors import CkptStreamError, VllmError
+from ...format import STREAM_KIND_ADAPTER
+from ...reader import DEFAULT_LEASE_TTL, Stream
+from ...reader.selection import select_versions
+from .follower import default_adapter_name
+from .resident import version_name
+from ..follow.cache import VersionCache, default_cache_dir, prepare_version
+from ..client import VllmClient
+from ..follow.replay import ReplayResult, command_environment
 
 log = logging.getLogger("ckptstream.replay")
 

@@ -33,18 +33,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..credentials import redact
-from ..errors import CkptStreamError, VersionNotFoundError
-from ..polling import poll
-from ..reader import ReplicaRecord, Stream, replica_path
-from ..reader.replicas import KIND_NODE
-from ..storage import Watch
-from ..format import MANIFESTS_DIR, STREAM_KIND_WEIGHTS
+from ...credentials import redact
+from ...errors import CkptStreamError, VersionNotFoundError
+from ...polling import poll
+from ...reader import ReplicaRecord, Stream, replica_path
+from ...reader.replicas import KIND_NODE
+from ...storage import Watch
+from ...format import MANIFESTS_DIR, STREAM_KIND_WEIGHTS
 from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
-from .change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
-                     build_change_from_deltas)
-from .follower import FollowerConfig
-from .observe import FollowerObserver, ReplicaRecordWriter, attach_metrics, notify, refusal_reason
+from .config import FollowerConfig
+from ..metrics_server import attach_metrics
+from ..observe import FollowerObserver, ReplicaRecordWriter, notify, refusal_reason
+from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
+                             build_change_from_deltas)
 
 log = logging.getLogger("ckptstream.agent")
 

@@ -21,12 +21,12 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ..codec import bit_pattern, torch_dtype
-from ..format import TensorEntry
-from ..hf import tensor_specs
-from ..reader.decode import TooManyChanges
-from ..reader.materialize import MaterializedBase
-from ..reader.stream import Stream
+from ...codec import bit_pattern, torch_dtype
+from ...format import TensorEntry
+from ...hf import tensor_specs
+from ...reader.decode import TooManyChanges
+from ...reader.materialize import MaterializedBase
+from ...reader.stream import Stream
 
 MAX_CHANGE_FRACTION = 0.05
 """Above this fraction of the elements changed, an update is reloaded fully: the staged positions and values

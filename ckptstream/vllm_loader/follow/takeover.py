@@ -27,8 +27,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import CkptStreamError, VllmError
-from ..locks import try_lock, unlock
+from ...errors import CkptStreamError, VllmError
+from ...locks import try_lock, unlock
 
 RUNTIME_DIR_ENV = "CKPTSTREAM_RUNTIME_DIR"
 

@@ -23,17 +23,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import AdapterRefused, IntegrityError, MissingBaseError, VersionNotFoundError, VllmArgumentError
-from ..format import STREAM_KIND_ADAPTER
-from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
-from ..reader.adapter import check_adapter_fits
-from ..reader.adapter import DEFAULT_KEEP
-from ..reader.replicas import remember_refusal
-from .adapters import ResidentAdapters
-from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
-from .client import AdapterControl, VllmClient
-from .follower import default_replica_id
-from .observe import (FollowerObserver, ReplicaRecordWriter, UpdateRecord, attach_metrics, commit_age, notify,
+from ...errors import AdapterRefused, IntegrityError, MissingBaseError, VersionNotFoundError, VllmArgumentError
+from ...format import STREAM_KIND_ADAPTER
+from ...reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
+from ...reader.adapter import check_adapter_fits
+from ...reader.adapter import DEFAULT_KEEP
+from ...reader.replicas import remember_refusal
+from .resident import ResidentAdapters
+from ..follow.cache import VersionCache, default_cache_dir, prepare_version, safe_owner
+from ..client import AdapterControl, VllmClient
+from ..follow.follower import default_replica_id
+from ..metrics_server import attach_metrics
+from ..observe import (FollowerObserver, ReplicaRecordWriter, UpdateRecord, commit_age, notify,
                       refusal_reason)
 
 log = logging.getLogger("ckptstream.follow")
@@ -80,7 +81,7 @@ class AdapterFollower:
         assert info.adapter is not None  # an adapter stream's stream.json has its block
         base_hash = None
         if base_dir is not None:
-            from ..basehash import base_model_hash
+            from ...basehash import base_model_hash
 
             base_hash = base_model_hash(base_dir)
         check_adapter_fits(info.adapter, base_hash=base_hash, max_lora_rank=None, version=None,

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Collection
 
-from ..errors import AdapterRefused, VllmError
-from ..lora_aliases import write_alias
-from .client import AdapterControl
+from ...errors import AdapterRefused, VllmError
+from ...lora_aliases import write_alias
+from ..client import AdapterControl
 
 log = logging.getLogger("ckptstream.adapters")
 

@@ -25,118 +25,34 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
-from ..credentials import redact
-from ..errors import (CkptStreamError, MissingBaseError, ModelMismatchError, NodesNotReady,
+from ...credentials import redact
+from ...errors import (CkptStreamError, MissingBaseError, NodesNotReady,
                       RouterError, VersionNotFoundError)
-from ..format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
-from ..hf import tensor_specs
-from ..reader import DEFAULT_LEASE_TTL, ReplicaRecord, Stream, replica_path
-from ..reader.replicas import STATE_ASIDE, remember_refusal
-from ..storage import Watch
-from ..locks import unlock
-from ..polling import poll
+from ...format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
+from ...reader import ReplicaRecord, Stream, replica_path
+from ...reader.replicas import STATE_ASIDE, remember_refusal
+from ...storage import Watch
+from ...locks import unlock
+from ...polling import poll
 from . import takeover
-from .apply import staging_problem
+from .config import FollowerConfig
+from .in_place import InPlaceUpdates
+from .model_fit import ServedModelFit
 from .cache import CHANGES_DIR, VersionCache, default_cache_dir, prepare_version, safe_owner
-from .change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
-                     build_change_from_deltas)
-from .client import VllmClient, VllmControl, VllmError, VllmUnreachable
-from .gate import UpdateGate
-from .observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, attach_metrics, commit_age,
+from ..client import VllmClient, VllmControl, VllmError, VllmUnreachable
+from ..metrics_server import attach_metrics
+from ..observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, commit_age,
                       notify, refusal_reason)
 
 log = logging.getLogger("ckptstream.follow")
-
-"""Refused versions a follower remembers (and reports in its replica record), newest last."""
-
-
-@dataclass(frozen=True)
-class FollowerConfig:
-    """How a follower works; ``Follower``, ``serve`` and ``replay`` take one (or its fields as keywords).
-
-    Attributes:
-        storage_options: fsspec options of the stream's storage.
-        cache_dir: the cache root (default: ``default_cache_dir()``); versions are decoded into
-            ``<cache_dir>/<stream id>/<version>/``, shared by the stream's followers on the host (see
-            ``cache.py``); this follower holds at most the current and the incoming version (and the
-            base of a delta), and a restarted follower adopts the version its servers report.
-        pin: serve exactly this version and do not follow.
-        replica_id: name of this follower's record in the stream (``replicas/<id>.json``)
-            (default: ``<host>-<port of the first server>``).
-        poll_interval: seconds between discovery probes (inotify wakes the follower earlier on local paths).
-        pause_mode: vLLM ``/pause`` mode: ``keep`` (default: in-flight requests wait), ``wait``, ``abort``.
-        api_key: for servers started with ``--api-key`` (given as URLs).
-        heartbeat_interval: seconds between replica-record heartbeats (also during long pulls).
-        list_every: list the manifests every this many polls even if the next version is absent (versions
-            may skip numbers).
-        observers: where the follower's reports go besides its log lines and replica record
-            (``observe.FollowerObserver``: e.g. ``observe.JsonLines()``, ``observe.OnUpdate(callback)``).
-        metrics_port: serve Prometheus metrics (``metrics.py``) at ``http://<metrics_host>:<port>/metrics``
-            (0: a free port; the URL is logged and in the replica record's ``metrics_url``). None: no metrics.
-        metrics_host: the address the metrics are served on.
-        stand_aside: leave a server alone while another process has taken it over (``Takeover``); False
-            for the taker itself.
-        ephemeral_cache: on ``close()``, delete the versions it held that no other follower holds
-            (nobody adopts them later: a replay).
-        lease_ttl: time to live of the lease (``follower <replica id>``) held on each version while it is
-            fetched, renewed every third of it, so that gc keeps the version meanwhile.
-        nodes_ready_timeout: the servers are engines spanning nodes (started with ``--worker-extension-cls
-            ckptstream.vllm_loader.worker.WorkerExtension``): before reloading a version, ask every rank until
-            each reports it complete, with its manifest hash, at the path the reload names; give up on it
-            for now after this many seconds (retried at the next round, never loaded into some ranks only).
-            None: one-node servers, not asked.
-        nnodes: nodes of the engine, for the replica record (None: one node).
-        update_gate: entered around each server's update (``gate.UpdateGate``), e.g. a rolling update's
-            ``ckptstream.fleet.rolling.RouterGate`` taking it out of a router meanwhile; None: none.
-        apply_in_place: apply an update in place where it can be (see above); False: always reload.
-        verify_apply: every this many updates applied in place on a server, reload the version fully there
-            too and compare every runtime parameter's hash with the patched one: a mismatch stops in-place
-            updates for good, loudly. None: never.
-        cache_versions: whole versions kept in the cache once the servers loaded them: 1 (default) the served
-            one (and the incoming one while it is prepared); 0 none (``cache.VersionCache.drop_copies``): an
-            update applied in place needs only its change, and a full reload (a fallback, a restarted server)
-            decodes the version from storage on demand, on every node of an engine spanning nodes.
-    """
-
-    storage_options: Mapping[str, Any] | None = None
-    cache_dir: str | os.PathLike[str] | None = None
-    pin: int | None = None
-    replica_id: str | None = None
-    poll_interval: float = 1.0
-    pause_mode: str = "keep"
-    api_key: str | None = None
-    heartbeat_interval: float = 5.0
-    list_every: int = 10
-    observers: Sequence[FollowerObserver] = ()
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    stand_aside: bool = True
-    ephemeral_cache: bool = False
-    lease_ttl: float = DEFAULT_LEASE_TTL
-    nodes_ready_timeout: float | None = None
-    nnodes: int | None = None
-    update_gate: UpdateGate | None = None
-    apply_in_place: bool = True
-    verify_apply: int | None = None
-    cache_versions: int = 1
-
-    def with_options(self, **options: Any) -> FollowerConfig:
-        """A copy with ``options`` (field names; TypeError for any other) replaced."""
-        fields = {f.name for f in dataclasses.fields(self)}
-        unknown = set(options) - fields
-        if unknown:
-            raise TypeError(f"unknown follower option(s): {', '.join(sorted(unknown))}")
-        return dataclasses.replace(self, **options)
 
 
 class Follower:
@@ -170,6 +86,7 @@ class Follower:
         replica_path(replica_id)  # a ValueError now, rather than every replica record failing later
         self.cache = VersionCache(config.cache_dir or default_cache_dir(), info.stream_id, replica_id,
                                   ephemeral=config.ephemeral_cache)
+        self.in_place = InPlaceUpdates(config, self.stream, self.cache, self.clients)
         self.pin = config.pin
         self.poll_interval = config.poll_interval
         self.pause_mode = config.pause_mode
@@ -177,13 +94,10 @@ class Follower:
         self.list_every = max(1, config.list_every)
         self.current: int | None = None
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()
-        self._reference: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self.fit = ServedModelFit(self.clients[0])
         self._polls = 0
         self._lock = threading.Lock()
         self._aside: set[str] = set()  # URLs of servers another process has taken over
-        self._in_place_off: dict[str, str] = {}  # server URL -> why its in-place updates stopped (--verify-apply)
-        self._in_place_count: dict[str, int] = collections.Counter()  # per server URL
-        self._explained: set[str] = set()  # fallback explanations logged (each once)
         self.record = ReplicaRecord(replica_id=replica_id, urls=[c.url for c in self.clients],
                                     host=socket.gethostname(), pid=os.getpid(), pin=config.pin,
                                     engine=replica_id if config.nnodes else None,
@@ -282,7 +196,7 @@ class Follower:
         on its node: ``_hold_served``)."""
         self.cache.hold(version)
         self.current = version
-        self._reference = self._reference or self._specs(self.stream.manifest(version))
+        self.fit.adopt(self.stream.manifest(version))
         for client in self.clients:
             self._hold_served(client, version)
         self._keep_served()
@@ -310,11 +224,12 @@ class Follower:
     def _load(self, version: int, clients: Sequence[VllmControl] | None) -> UpdateRecord:
         bytes_before = self._reads.bytes_read()
         manifest = self.stream.manifest(version)
-        self._check_against_served(manifest)  # before fetching anything
+        self.fit.check(manifest)  # before fetching anything
         self._report(state="updating")
         started, read_before = time.perf_counter(), self._reads.read_seconds()
         path: Path | None = None
-        change, why_not = self._change(version, None)  # from the fetched deltas, before any decode
+        # from the fetched deltas, before any decode
+        change, why_not = self.in_place.change(version, None, self.current)
         if change is not None:
             assert self.current is not None
             base, decoded = self.current, False
@@ -330,7 +245,8 @@ class Follower:
         if restore is not None and not (restore / MARKER_FILE).is_file():
             restore = None  # gone: _revert decodes it again, outside the pause
         if path is not None and change is None and why_not is None:
-            change, why_not = self._change(version, path)  # e.g. across a keyframe: both versions compared
+            # e.g. across a keyframe: both versions compared
+            change, why_not = self.in_place.change(version, path, self.current)
         pause_s = reload_s = stage_s = 0.0
         in_place = 0
         fallbacks: collections.Counter[str] = collections.Counter()
@@ -338,7 +254,7 @@ class Follower:
         waiting: list[tuple[VllmControl, str]] = []  # to reload fully once decoded, and why
         verify: list[VllmControl] = []
         for client in targets:
-            if change is not None and client.url not in self._in_place_off:
+            if change is not None and client.url not in self.in_place.off:
                 stage_started = time.perf_counter()
                 staged, fallback = self._stage(client, change, manifest)
                 stage_s += time.perf_counter() - stage_started
@@ -359,7 +275,7 @@ class Follower:
                 fallbacks[fallback] += 1
             else:
                 in_place += 1
-                if self._verify_due(client):
+                if self.in_place.verify_due(client):
                     verify.append(client)
         lag_s = commit_age(manifest.created)
         cache_s = 0.0
@@ -390,10 +306,8 @@ class Follower:
             if waiting:
                 lag_s = commit_age(manifest.created)
         for client in verify:
-            if path is None:  # (--cache-versions 0: nothing decoded yet)
-                path = self.prepare(version)[0]
             with self._gate(client.url, version):
-                self._verify(client, version, path)
+                self.in_place.verify(client, version, path if path is not None else self.prepare(version)[0])
             fallbacks["verify"] += 1
         self.current = version
         self._keep_served()
@@ -473,13 +387,13 @@ class Follower:
             failed = None
             try:
                 if change is not None:
-                    failed = self._apply_paused(client, version)
+                    failed = self.in_place.apply_paused(client, version)
                 if change is None or failed is not None:
                     # A half-applied change is overwritten on every rank.
                     if path is None:
                         assert self.current is not None
                         if restore is None:  # nothing cached to reload (--cache-versions 0): written back
-                            self._revert_change(client, version)
+                            self.in_place.revert_paused(client, version)
                         else:
                             client.reload_weights(str(restore))
                         serves = self.current
@@ -531,171 +445,6 @@ class Follower:
             log.warning("%s: %s serve(s) no version of the cache, which its agent may delete",
                         client.url, ", ".join(dict.fromkeys(unheld)))
 
-    # ----------------------------------------------------------------------------------- in place
-
-    def _change(self, version: int, path: Path | None) -> tuple[Path | None, str | None]:
-        """The change from the served version to ``version`` in the cache, or why there is none
-        (``observe.FALLBACK_REASONS``): built from the stored deltas between them (``path`` None), else by
-        comparing the cached ``path`` with the served version's. (None, None): none from the deltas (a
-        version between stores tensors whole), the comparison may find one."""
-        if not self.config.apply_in_place or all(c.url in self._in_place_off for c in self.clients):
-            return None, "disabled"
-        if self.current is None:
-            return None, "first_version"
-        if not (self.cache.path(self.current) / MARKER_FILE).is_file():
-            if self.config.cache_versions == 0:
-                self._explain("no_change", f"version {version}: the served version {self.current} is not cached "
-                                           "(--cache-versions 0) to build the change on")
-                return None, "no_change"
-            return None, "first_version"
-        built: list[ChangeSummary] = []
-        base, stream_id = self.current, self.stream.info().stream_id
-
-        def build(out: Path) -> None:
-            if path is None:
-                with self.stream.keeping_reads(KEPT_DELTAS_BYTES):  # the decode reads them from memory
-                    built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
-                                                          version=version, max_fraction=MAX_CHANGE_FRACTION))
-            else:
-                built.append(build_change(self.cache.path(base), path, out, stream_id=stream_id, base=base,
-                                          version=version, max_fraction=MAX_CHANGE_FRACTION))
-
-        try:
-            change = self.cache.change(base, version, build)
-        except Exception as exc:  # noqa: BLE001 - e.g. a full disk, a corrupt delta: the decode refuses that
-            # What was kept may be the bad read itself: the decode reads storage again, so that a transient
-            # fault does not refuse a good version.
-            self.stream.drop_kept_reads()
-            self._explain("no_change", f"version {version} on {base}: building the change failed: {exc}")
-            return None, "no_change"
-        if change is None:  # too many elements changed (some counted), or the versions do not compare
-            if path is None and built and built[0].problem == WHOLE:
-                return None, None
-            reason = "large_change" if built and built[0].changed else "no_change"
-            self._explain(reason, f"version {version} on {base}: {built[0].problem if built else 'not built'}")
-            return None, reason
-        if built:
-            log.info("version %d: %d of %d elements changed since version %d, in %d tensors", version,
-                     built[0].changed, built[0].total, base, built[0].tensors)
-        return change, None
-
-    def _stage(self, client: VllmControl, change: Path, manifest: Manifest) -> tuple[Path | None, str | None]:
-        """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change, or
-        None and why it will be reloaded fully instead. On an engine spanning nodes, only once every rank
-        has the change in its node's cache (each node's agent builds it: ``agent.py``); a node lacking it
-        after ``nodes_ready_timeout`` makes the version a full reload (``multi_node``)."""
-        if self.config.nodes_ready_timeout is not None:
-            try:
-                self._wait_for_nodes(client, manifest, change)
-            except NodesNotReady as exc:
-                self._explain("multi_node", f"{client.url}: {exc}")
-                return None, "multi_node"
-        try:
-            results = client.stage_change(str(change))
-        except VllmUnreachable:
-            raise
-        except VllmError as exc:
-            self._explain("no_extension", f"{client.url}: {exc}")
-            return None, "no_extension"
-        problem = staging_problem(results)
-        if problem is not None:
-            with contextlib.suppress(VllmError):
-                client.discard_change()
-            reason, detail = problem
-            self._explain(reason, f"{client.url}: {detail}")
-            return None, reason
-        return change, None
-
-    def _revert_change(self, client: VllmControl, version: int) -> None:
-        """Inside the pause, after an apply that failed on some rank: every rank writes back the old values
-        of what it applied (the served version is cached nowhere to reload). VllmError where a rank cannot."""
-        results = client.revert_change()
-        errors = [str(r.get("error")) for r in results if not isinstance(r, dict) or r.get("error")]
-        if errors:
-            raise VllmError(f"{client.url}: version {version} applied on some ranks could not be written back "
-                            f"({errors[0]})")
-        log.warning("version %d: the ranks that applied it wrote the old values back", version)
-
-    def _apply_paused(self, client: VllmControl, version: int) -> str | None:
-        """Inside the pause: every rank writes its staged change; None, or the fallback reason (the caller
-        then reloads the version fully on every rank)."""
-        try:
-            results = client.apply_change()
-        except VllmUnreachable:
-            raise
-        except VllmError as exc:
-            results = [{"error": str(exc)}]
-        errors = [str(r.get("error")) for r in results if not isinstance(r, dict) or r.get("error")]
-        if errors:
-            log.warning("version %d: the in-place apply failed on %s (%s); reloading it fully on every rank",
-                        version, client.url, errors[0])
-            return "apply_failed"
-        return None
-
-    def _verify_due(self, client: VllmControl) -> bool:
-        self._in_place_count[client.url] += 1
-        every = self.config.verify_apply
-        return every is not None and self._in_place_count[client.url] % max(1, every) == 0
-
-    def _verify(self, client: VllmControl, version: int, path: Path) -> bool:
-        """Compare the patched model with a full reload of the same version (which then serves): the hash of
-        every runtime parameter, and what the model computes (``CANARY_PROMPTS``' greedy tokens and their
-        logprobs, each prompt sent alone). A copy derived from a parameter after loading (dequantized,
-        reordered, packed) that a write in place misses shows only in the outputs. A difference, or a check
-        that could not be made, turns in-place updates off on that server, loudly. Whether they were equal."""
-        try:
-            patched, computed = client.parameter_hashes(), client.canary()
-            client.pause(self.pause_mode)
-            try:
-                client.reload_weights(str(path))
-                client.reset_prefix_cache()
-            finally:
-                client.resume()
-            reloaded, recomputed = client.parameter_hashes(), client.canary()
-            # Requests batched beside a canary can move its logprobs on some kernels: a reloaded model that
-            # answers differently twice cannot be compared (the parameters still are).
-            reproducible = recomputed == computed or client.canary() == recomputed
-        except VllmUnreachable:
-            raise
-        except VllmError as exc:
-            return self._in_place_off_on(client, f"the in-place update of version {version} on {client.url} "
-                                                 f"could not be verified: {exc}")
-        differing = sorted({name for p, r in zip(patched, reloaded) for name in set(p) | set(r)
-                            if p.get(name) != r.get(name)})
-        if differing:
-            return self._in_place_off_on(client, f"version {version} applied in place on {client.url} differed "
-                                                 f"from a full reload in {len(differing)} parameter(s), e.g. "
-                                                 f"{differing[0]}")
-        if not reproducible:
-            log.warning("version %d on %s: the canary prompts' outputs changed between two asks of the same "
-                        "weights (other requests batched beside them); the parameters alone were compared",
-                        version, client.url)
-        elif recomputed != computed:
-            prompt = next(i for i, (a, b) in enumerate(zip(computed, recomputed)) if a != b)
-            what = "tokens" if computed[prompt]["token_ids"] != recomputed[prompt]["token_ids"] else "logprobs"
-            return self._in_place_off_on(client, f"version {version} applied in place on {client.url} computed "
-                                                 f"other {what} than a full reload (canary prompt {prompt}) with "
-                                                 f"equal parameters: a copy derived from them after loading was "
-                                                 f"left stale")
-        compared = ("" if not reproducible else ", and the canary prompts' tokens and logprobs"
-                    if all(answer["logprobs"] is not None for answer in computed)
-                    else ", and the canary prompts' tokens (the server gave no logprobs)")
-        log.info("version %d on %s: the in-place update equals a full reload, every parameter bit for bit%s",
-                 version, client.url, compared)
-        return True
-
-    def _in_place_off_on(self, client: VllmControl, why: str) -> bool:
-        """Turn in-place updates off on ``client`` (full reloads from now on), saying why; False."""
-        self._in_place_off[client.url] = why
-        log.error("%s: in-place updates are off on %s from now on (full reloads)", why, client.url)
-        return False
-
-    def _explain(self, reason: str, detail: str) -> None:
-        """Say once why updates are reloaded fully."""
-        if detail not in self._explained:
-            self._explained.add(detail)
-            log.warning("full reload instead of in place (%s): %s", reason, detail)
-
     def _gate(self, url: str, version: int) -> contextlib.AbstractContextManager[None]:
         gate = self.config.update_gate
         return gate.hold(url, version) if gate is not None else contextlib.nullcontext()
@@ -712,6 +461,18 @@ class Follower:
             return False
         log.warning("reload failed on %s; every rank reloaded version %s", client.url, self.current)
         return True
+
+    def _stage(self, client: VllmControl, change: Path, manifest: Manifest) -> tuple[Path | None, str | None]:
+        """``InPlaceUpdates.stage``, on an engine spanning nodes only once every rank has the change in its
+        node's cache (each node's agent builds it: ``agent.py``); a node lacking it after
+        ``nodes_ready_timeout`` makes the version a full reload (``multi_node``)."""
+        if self.config.nodes_ready_timeout is not None:
+            try:
+                self._wait_for_nodes(client, manifest, change)
+            except NodesNotReady as exc:
+                self.in_place.explain("multi_node", f"{client.url}: {exc}")
+                return None, "multi_node"
+        return self.in_place.stage(client, change)
 
     def _wait_for_nodes(self, client: VllmControl, manifest: Manifest, path: Path) -> None:
         """Return once every rank of ``client``'s engine reports, at ``path`` on its own node, ``manifest``'s
@@ -824,37 +585,6 @@ class Follower:
         log.info("servers already serve version %d (cached); resuming from it", version)
         self.adopt(version)
 
-    # ------------------------------------------------------------------------------------- validation
-
-    def _specs(self, manifest: Manifest) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return {t.name: (t.dtype, t.shape) for t in manifest.tensors}
-
-    def _served_reference(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
-        """Tensor names, dtypes and shapes of the model the servers were started with, when the model
-        directory vLLM names (``/v1/models`` root) is readable here."""
-        try:
-            root = self.clients[0].model_root()
-        except VllmError:
-            return None
-        if root and Path(root).is_dir() and any(Path(root).glob("*.safetensors")):
-            return tensor_specs(root)
-        return None
-
-    def _check_against_served(self, manifest: Manifest) -> None:
-        """Refuse a version whose tensors differ in name, dtype or shape from the served model's:
-        vLLM's reload would fail and leave the engine dead."""
-        if self._reference is None:
-            self._reference = self._served_reference() or self._specs(manifest)
-        incoming, reference = self._specs(manifest), self._reference
-        differing = [n for n in sorted(set(incoming) | set(reference)) if incoming.get(n) != reference.get(n)]
-        if not differing:
-            return
-        problems = [f"{n}: {_spec_text(incoming.get(n))} where the served model has {_spec_text(reference.get(n))}"
-                    for n in differing[:3]]
-        raise ModelMismatchError(f"does not fit the served model ({len(differing)} tensors differ; "
-                                 f"{'; '.join(problems)})", version=manifest.version, tensor=differing[0],
-                                 hint="Refused before touching vLLM; the servers keep the previous version")
-
     # ------------------------------------------------------------------------------------- discovery
 
     def _discover(self) -> int | None:
@@ -905,10 +635,6 @@ class Follower:
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(self.heartbeat_interval):
             self._report()
-
-
-def _spec_text(spec: tuple[str, tuple[int, ...]] | None) -> str:
-    return "nothing" if spec is None else f"{spec[0]}{list(spec[1])}"
 
 
 def default_replica_id(url: str) -> str:

@@ -59,10 +59,10 @@ import threading
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from ..errors import CkptStreamError
-from ..format import MARKER_FILE, parse_version_name, version_name
-from ..locks import LOCK_FILE, lock_file, try_lock, unlock
-from ..reader import Stream
+from ...errors import CkptStreamError
+from ...format import MARKER_FILE, parse_version_name, version_name
+from ...locks import LOCK_FILE, lock_file, try_lock, unlock
+from ...reader import Stream
 
 log = logging.getLogger("ckptstream.follow")
 

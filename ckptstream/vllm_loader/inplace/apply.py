@@ -30,8 +30,8 @@ import numpy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..codec import bit_pattern
-from ..format import Hasher
+from ...codec import bit_pattern
+from ...format import Hasher
 
 _COPY = torch.ops.aten.copy_.default
 

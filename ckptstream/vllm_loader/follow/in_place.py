@@ -1,0 +1,195 @@
+"""A follower's in-place updates: the change from the served version to the next one (built once per host in the
+cache), its staging on every worker of a server while it generates, its apply inside the pause, and the check of
+a patched server against a full reload (``--verify-apply``), which turns them off on a server that differs.
+
+Every reason against it, or failure of it, is a fallback reason (``observe.FALLBACK_REASONS``): the caller
+(``Follower``) then reloads the version fully.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from pathlib import Path
+from typing import Sequence
+
+from ...format import MARKER_FILE
+from ...reader import Stream
+from ..client import VllmControl, VllmError, VllmUnreachable
+from ..inplace.apply import staging_problem
+from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
+                              build_change_from_deltas)
+from .cache import VersionCache
+from .config import FollowerConfig
+
+log = logging.getLogger("ckptstream.follow")
+
+
+class InPlaceUpdates:
+    """The in-place side of one follower's updates (its servers ``clients``, its ``stream`` and ``cache``).
+
+    Attributes:
+        off: server URL -> why in-place updates stopped on it (``verify``), for good.
+    """
+
+    def __init__(self, config: FollowerConfig, stream: Stream, cache: VersionCache, clients: Sequence[VllmControl]):
+        self.config, self.stream, self.cache, self.clients = config, stream, cache, clients
+        self.off: dict[str, str] = {}
+        self._count: collections.Counter[str] = collections.Counter()  # updates applied in place, per server URL
+        self._explained: set[str] = set()  # fallback explanations logged (each once)
+
+    def change(self, version: int, path: Path | None, current: int | None) -> tuple[Path | None, str | None]:
+        """The change from the served version to ``version`` in the cache, or why there is none
+        (``observe.FALLBACK_REASONS``): built from the stored deltas between them (``path`` None), else by
+        comparing the cached ``path`` with the served version's. (None, None): none from the deltas (a
+        version between stores tensors whole), the comparison may find one."""
+        if not self.config.apply_in_place or all(c.url in self.off for c in self.clients):
+            return None, "disabled"
+        if current is None:
+            return None, "first_version"
+        if not (self.cache.path(current) / MARKER_FILE).is_file():
+            if self.config.cache_versions == 0:
+                self.explain("no_change", f"version {version}: the served version {current} is not cached "
+                                          "(--cache-versions 0) to build the change on")
+                return None, "no_change"
+            return None, "first_version"
+        built: list[ChangeSummary] = []
+        base, stream_id = current, self.stream.info().stream_id
+
+        def build(out: Path) -> None:
+            if path is None:
+                with self.stream.keeping_reads(KEPT_DELTAS_BYTES):  # the decode reads them from memory
+                    built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
+                                                          version=version, max_fraction=MAX_CHANGE_FRACTION))
+            else:
+                built.append(build_change(self.cache.path(base), path, out, stream_id=stream_id, base=base,
+                                          version=version, max_fraction=MAX_CHANGE_FRACTION))
+
+        try:
+            change = self.cache.change(base, version, build)
+        except Exception as exc:  # noqa: BLE001 - e.g. a full disk, a corrupt delta: the decode refuses that
+            # What was kept may be the bad read itself: the decode reads storage again, so that a transient
+            # fault does not refuse a good version.
+            self.stream.drop_kept_reads()
+            self.explain("no_change", f"version {version} on {base}: building the change failed: {exc}")
+            return None, "no_change"
+        if change is None:  # too many elements changed (some counted), or the versions do not compare
+            if path is None and built and built[0].problem == WHOLE:
+                return None, None
+            reason = "large_change" if built and built[0].changed else "no_change"
+            self.explain(reason, f"version {version} on {base}: {built[0].problem if built else 'not built'}")
+            return None, reason
+        if built:
+            log.info("version %d: %d of %d elements changed since version %d, in %d tensors", version,
+                     built[0].changed, built[0].total, base, built[0].tensors)
+        return change, None
+
+    def stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
+        """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change, or
+        None and why it will be reloaded fully instead."""
+        try:
+            results = client.stage_change(str(change))
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            self.explain("no_extension", f"{client.url}: {exc}")
+            return None, "no_extension"
+        problem = staging_problem(results)
+        if problem is not None:
+            with contextlib.suppress(VllmError):
+                client.discard_change()
+            reason, detail = problem
+            self.explain(reason, f"{client.url}: {detail}")
+            return None, reason
+        return change, None
+
+    def apply_paused(self, client: VllmControl, version: int) -> str | None:
+        """Inside the pause: every rank writes its staged change; None, or the fallback reason (the caller
+        then reloads the version fully on every rank)."""
+        try:
+            results = client.apply_change()
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            results = [{"error": str(exc)}]
+        errors = [str(r.get("error")) for r in results if not isinstance(r, dict) or r.get("error")]
+        if errors:
+            log.warning("version %d: the in-place apply failed on %s (%s); reloading it fully on every rank",
+                        version, client.url, errors[0])
+            return "apply_failed"
+        return None
+
+    def revert_paused(self, client: VllmControl, version: int) -> None:
+        """Inside the pause, after an apply that failed on some rank: every rank writes back the old values
+        of what it applied (the served version is cached nowhere to reload). VllmError where a rank cannot."""
+        results = client.revert_change()
+        errors = [str(r.get("error")) for r in results if not isinstance(r, dict) or r.get("error")]
+        if errors:
+            raise VllmError(f"{client.url}: version {version} applied on some ranks could not be written back "
+                            f"({errors[0]})")
+        log.warning("version %d: the ranks that applied it wrote the old values back", version)
+
+    def verify_due(self, client: VllmControl) -> bool:
+        self._count[client.url] += 1
+        every = self.config.verify_apply
+        return every is not None and self._count[client.url] % max(1, every) == 0
+
+    def verify(self, client: VllmControl, version: int, path: Path) -> bool:
+        """Compare the patched model with a full reload of the same version (which then serves): the hash of
+        every runtime parameter, and what the model computes (``CANARY_PROMPTS``' greedy tokens and their
+        logprobs, each prompt sent alone). A copy derived from a parameter after loading (dequantized,
+        reordered, packed) that a write in place misses shows only in the outputs. A difference, or a check
+        that could not be made, turns in-place updates off on that server, loudly. Whether they were equal."""
+        try:
+            patched, computed = client.parameter_hashes(), client.canary()
+            client.pause(self.config.pause_mode)
+            try:
+                client.reload_weights(str(path))
+                client.reset_prefix_cache()
+            finally:
+                client.resume()
+            reloaded, recomputed = client.parameter_hashes(), client.canary()
+            # Requests batched beside a canary can move its logprobs on some kernels: a reloaded model that
+            # answers differently twice cannot be compared (the parameters still are).
+            reproducible = recomputed == computed or client.canary() == recomputed
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            return self.turn_off(client, f"the in-place update of version {version} on {client.url} "
+                                                 f"could not be verified: {exc}")
+        differing = sorted({name for p, r in zip(patched, reloaded) for name in set(p) | set(r)
+                            if p.get(name) != r.get(name)})
+        if differing:
+            return self.turn_off(client, f"version {version} applied in place on {client.url} differed "
+                                                 f"from a full reload in {len(differing)} parameter(s), e.g. "
+                                                 f"{differing[0]}")
+        if not reproducible:
+            log.warning("version %d on %s: the canary prompts' outputs changed between two asks of the same "
+                        "weights (other requests batched beside them); the parameters alone were compared",
+                        version, client.url)
+        elif recomputed != computed:
+            prompt = next(i for i, (a, b) in enumerate(zip(computed, recomputed)) if a != b)
+            what = "tokens" if computed[prompt]["token_ids"] != recomputed[prompt]["token_ids"] else "logprobs"
+            return self.turn_off(client, f"version {version} applied in place on {client.url} computed "
+                                                 f"other {what} than a full reload (canary prompt {prompt}) with "
+                                                 f"equal parameters: a copy derived from them after loading was "
+                                                 f"left stale")
+        compared = ("" if not reproducible else ", and the canary prompts' tokens and logprobs"
+                    if all(answer["logprobs"] is not None for answer in computed)
+                    else ", and the canary prompts' tokens (the server gave no logprobs)")
+        log.info("version %d on %s: the in-place update equals a full reload, every parameter bit for bit%s",
+                 version, client.url, compared)
+        return True
+
+    def turn_off(self, client: VllmControl, why: str) -> bool:
+        """Turn in-place updates off on ``client`` (full reloads from now on), saying why; False."""
+        self.off[client.url] = why
+        log.error("%s: in-place updates are off on %s from now on (full reloads)", why, client.url)
+        return False
+
+    def explain(self, reason: str, detail: str) -> None:
+        """Say once why updates are reloaded fully."""
+        if detail not in self._explained:
+            self._explained.add(detail)
+            log.warning("full reload instead of in place (%s): %s", reason, detail)
