@@ -8,7 +8,7 @@ changed per step by 1–3 ulps, the stream a directory on the storage given by `
   (b) ``materialize`` of the newest version (keyframe + chain of deltas) from cold, as model bytes per
       second, and its ratio to (a) (target >= 0.8x);
   (c) the follower's apply-one-delta (``Stream.write_into`` with ``base_dir`` the previous version's
-      materialized directory, what ``prepare_version`` does) vs a plain copy of that directory's weight
+      materialized directory, what ``VersionCache.acquire`` does) vs a plain copy of that directory's weight
       files on the same machine (target <= 1.5x).
 Before every cold read the stream's files are evicted from the page cache with ``posix_fadvise(DONTNEED)``
 (``--drop-caches``: the whole page cache, as root; the run says which).

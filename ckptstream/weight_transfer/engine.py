@@ -46,9 +46,9 @@ from ..errors import WeightTransferError
 from ..format import MARKER_FILE, STREAM_KIND_WEIGHTS
 from ..reader import Stream
 from ..vllm_loader.inplace.apply import InPlaceApplier, staging_problem
-from ..vllm_loader.follow.cache import VersionCache, default_cache_dir, prepare_version, safe_owner
+from ..vllm_loader.follow.cache import VersionCache, default_cache_dir, safe_owner
 from ..vllm_loader.inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
-                                  build_change_from_deltas)
+                                          build_change_from_deltas)
 from . import refuse_credentials
 
 log = logging.getLogger("ckptstream.weight_transfer")
@@ -225,8 +225,8 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
                    else contextlib.nullcontext())
         try:
             with keeping:
-                path = prepare_version(self.stream, self.cache, version, keep=keep,
-                                       holder=f"weight transfer {self.cache.owner} rank {_rank()}")[0]
+                path = self.cache.acquire(self.stream, version, keep=keep,
+                                          holder=f"weight transfer {self.cache.owner} rank {_rank()}")[0]
             change, reason = self._change(version, path) if self._info.apply_in_place else (None, "disabled")
         finally:
             self.stream.drop_kept_reads()

@@ -16,7 +16,7 @@ from ckptstream.errors import ReplicaRefused, StorageAccessError
 from ckptstream.reader import Stream
 from ckptstream.testing.adapters import lora_tensors, tiny_peft_model
 from ckptstream.testing.fake_vllm import FakeLoraServer
-from ckptstream.vllm_loader.adapters import follower as adapter_follower
+from ckptstream.vllm_loader import VersionCache
 from ckptstream.vllm_loader.adapters.follower import AdapterFollower, default_adapter_name
 from ckptstream.vllm_loader.observe import OnUpdate
 from tests.helpers import corrupt_version
@@ -175,7 +175,7 @@ def test_a_storage_outage_is_retried_not_refused(stream, tmp_path, monkeypatch):
     decode only): the version is retried at the next round, never refused."""
     url, _ = stream
     server = FakeLoraServer()
-    real = adapter_follower.prepare_version
+    real = VersionCache.acquire
     failures = iter([StorageAccessError("HTTP 503 after 5 attempts", file="data/000000000000")])
 
     def flaky(*args, **kwargs):
@@ -183,7 +183,7 @@ def test_a_storage_outage_is_retried_not_refused(stream, tmp_path, monkeypatch):
             raise failure
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(adapter_follower, "prepare_version", flaky)
+    monkeypatch.setattr(VersionCache, "acquire", flaky)
     with _follower(url, [server], tmp_path, poll_interval=0.01) as follower:
         with pytest.raises(StorageAccessError):
             follower.step()

@@ -17,7 +17,6 @@ from ckptstream.format import MARKER_FILE
 from ckptstream.testing.models import rl_like_step
 from ckptstream.vllm_loader import VersionCache
 from ckptstream.vllm_loader.follow.cache import PROOF_FILE, default_cache_dir
-from ckptstream.vllm_loader.follow.cache import prepare_version
 from tests.helpers import random_state
 
 NOBODY = 65534
@@ -51,7 +50,7 @@ class _CountedChecks:
 
 def _prepare(stream: Stream, root: Path, version: int) -> tuple[Path, bool]:
     with VersionCache(root, stream.info().stream_id, "t") as cache:
-        path, _, _, decoded = prepare_version(stream, cache, version, keep=set(), holder="t")
+        path, _, _, decoded = cache.acquire(stream, version, keep=set(), holder="t")
         stream.check_materialized(path, version)  # what it hands to vLLM is the committed version
         return path, decoded
 

@@ -543,3 +543,41 @@ def test_weights_followers_and_engines_refuse_an_adapter_stream(tmp_path):
         Follower(url, [FakeVllmClient()], cache_dir=tmp_path / "cache")
     with pytest.raises(StreamKindError, match="adapter"):
         NodeAgent(url, engine="engine", node_rank=1, nnodes=2, cache_dir=tmp_path / "cache")
+
+
+def test_following_a_version_asks_the_cache_once_for_it_and_once_to_let_go_of_the_rest(tmp_path):
+    """The follower asks the cache for intentions ("a proven copy of version V, held for me", "keep only these"),
+    not for the steps behind them (hold, proof, decode, release): per version it follows, one call for the
+    version, one to let go of the others, and one for the change where it is applied in place."""
+    url = str(tmp_path / "stream")
+    weight = torch.zeros(4096, dtype=torch.bfloat16)  # large enough to be stored as a delta
+    calls: list[str] = []
+    depth = [0]  # calls into the cache under way: what the cache calls itself is not counted
+    stateful = ["acquire", "acquire_cached", "hold", "release", "proven", "materialize", "prune", "change",
+                "versions"]
+    with Publisher(url, keyframe_every=1000) as publisher:
+        publisher.publish({"w": weight}).result()
+        for apply_in_place in (False, True):
+            with Follower(url, [FakeVllmClient()], cache_dir=tmp_path / f"cache-{apply_in_place}",
+                          apply_in_place=apply_in_place) as follower:
+                follower.step()
+                for name in stateful:  # counted where the follower calls them, not where the cache calls itself
+                    method = getattr(follower.cache, name)
+
+                    def counted(*args, _method=method, _name=name, **kwargs):
+                        if not depth[0]:
+                            calls.append(_name)
+                        depth[0] += 1
+                        try:
+                            return _method(*args, **kwargs)
+                        finally:
+                            depth[0] -= 1
+
+                    setattr(follower.cache, name, counted)
+                weight[int(apply_in_place)] = 1.0  # one element changed
+                publisher.publish({"w": weight}).result()
+                calls.clear()
+                update = follower.step()
+                assert update is not None and update.version == follower.current
+                expected = ["change", "acquire", "prune"] if apply_in_place else ["acquire", "prune"]
+                assert calls == expected, apply_in_place

@@ -30,12 +30,12 @@ from ...reader.adapter import check_adapter_fits
 from ...reader.adapter import DEFAULT_KEEP
 from ...reader.replicas import remember_refusal
 from .resident import ResidentAdapters
-from ..follow.cache import VersionCache, default_cache_dir, prepare_version, safe_owner
+from ..follow.cache import VersionCache, default_cache_dir, safe_owner
 from ..client import AdapterControl, VllmClient
 from ..follow.follower import default_replica_id
 from ..metrics_server import attach_metrics
 from ..observe import (FollowerObserver, ReplicaRecordWriter, UpdateRecord, commit_age, notify,
-                      refusal_reason)
+                       refusal_reason)
 
 log = logging.getLogger("ckptstream.follow")
 
@@ -240,8 +240,8 @@ class AdapterFollower:
         version loaded to fill the window is only logged: its commit age is no measure of serving)."""
         started, read_before = time.perf_counter(), self._reads.read_seconds()
         try:
-            path, base, fetched, decoded = prepare_version(self.stream, self.cache, version, keep=self._dirs,
-                                                           holder=f"adapter follower {self.record.replica_id}")
+            path, base, fetched, decoded = self.cache.acquire(self.stream, version, keep=self._dirs,
+                                                              holder=f"adapter follower {self.record.replica_id}")
         except VersionNotFoundError as exc:  # retired meanwhile (or its base): not the version's fault
             if isinstance(exc, MissingBaseError):
                 self._refuse(version, exc)

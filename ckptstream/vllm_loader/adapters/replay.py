@@ -34,7 +34,7 @@ from ...reader import DEFAULT_LEASE_TTL, Stream
 from ...reader.selection import select_versions
 from .follower import default_adapter_name
 from .resident import version_name
-from ..follow.cache import VersionCache, default_cache_dir, prepare_version
+from ..follow.cache import VersionCache, default_cache_dir
 from ..client import VllmClient
 from ..follow.replay import ReplayResult, command_environment
 
@@ -168,8 +168,8 @@ class _AdapterReplay:
         left loaded."""
         started = time.perf_counter()
         try:
-            path = prepare_version(self.stream, self.cache, version, keep=keep,
-                                   holder=f"adapter replay {self.name}")[0]
+            path = self.cache.acquire(self.stream, version, keep=keep,
+                                      holder=f"adapter replay {self.name}")[0]
         except CkptStreamError as exc:
             log.error("replay: version %d refused: %s", version, exc)
             return _Loaded(version, None, time.perf_counter() - started, str(exc))

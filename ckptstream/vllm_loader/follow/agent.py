@@ -13,7 +13,7 @@ a request file in the node's cache (``VersionCache.request``), and the agent dec
 vLLM's workers read ``weights_path`` on their own node, so the head (a ``Follower`` with
 ``nodes_ready_timeout``) reloads a version only once every rank reports it complete there
 (``worker.WorkerExtension``). The agent drives no server: it discovers, decodes (a delta applied to its newest
-cached version, as the follower does: ``prepare_version``) and reports, in a replica record of kind
+cached version, as the follower does: ``VersionCache.acquire``) and reports, in a replica record of kind
 ``node`` naming its engine and node rank. It keeps the newest version and the one the engine serves (every
 rank reloads that one if an update fails on any rank), which it learns from its own node: the engine's
 workers there hold it in the cache by number (``cache.hold_served_version``, which the head has them do after
@@ -40,7 +40,7 @@ from ...reader import ReplicaRecord, Stream, replica_path
 from ...reader.replicas import KIND_NODE
 from ...storage import Watch
 from ...format import MANIFESTS_DIR, STREAM_KIND_WEIGHTS
-from .cache import VersionCache, default_cache_dir, prepare_version, safe_owner
+from .cache import VersionCache, default_cache_dir, safe_owner
 from .config import FollowerConfig
 from ..metrics_server import attach_metrics
 from ..observe import FollowerObserver, ReplicaRecordWriter, notify, refusal_reason
@@ -138,8 +138,8 @@ class NodeAgent:
     def _decode(self, version: int) -> Path:
         served = self.served()
         keep = served | self.cache.requested()
-        path, base, fetched, _ = prepare_version(self.stream, self.cache, version, keep=keep,
-                                                 holder=f"node agent {self.record.replica_id}")
+        path, base, fetched, _ = self.cache.acquire(self.stream, version, keep=keep,
+                                                    holder=f"node agent {self.record.replica_id}")
         self.cache.prune({version} | keep)  # the base is done with, unless the engine serves it
         log.info("version %d ready in %s (%.1f MB fetched%s)", version, path, fetched / 1e6,
                  "" if base is None or base == version else f", delta on cached {base}")

@@ -11,6 +11,10 @@ Layout::
     <root>/<stream id>/.changes/000000000006-000000000007.safetensors  a change applied in place (``change.py``)
     <root>/<stream id>/.requests/000000000007      a node's request: have version 7 complete (``request``)
 
+Its users ask for intentions, not steps: ``acquire`` (a proven copy of version V, held for me: reused, or
+decoded from the newest cached version of its chain), ``acquire_cached`` (the same, only if already here),
+``prune`` (keep only these), ``change`` (the change file between two versions, built once), ``close``.
+
 A version's path depends only on the root, the stream and the version, so every follower of the stream
 on the host (and every node of a multi-node engine, for the same root) finds it at the same place, and it
 is decoded once: the preparer holds the version's prepare lock exclusively while it writes; the others
@@ -85,6 +89,18 @@ class Prepared(NamedTuple):
     """A version ready in the cache: its directory, and whether this call decoded it (False: reused)."""
 
     path: Path
+    decoded: bool
+
+
+class Acquired(NamedTuple):
+    """A version held in the cache for its caller (``VersionCache.acquire``): its directory, the version its delta
+    was applied to (the version itself when the copy was reused, None for a decode from storage alone), the bytes
+    read from the stream's storage meanwhile (``Stream.bytes_read``: measured, not the manifests' sizes), and
+    whether this call decoded it."""
+
+    path: Path
+    base: int | None
+    fetched: int
     decoded: bool
 
 
@@ -190,6 +206,45 @@ class VersionCache:
             return False
         _write_proof(directory, manifest_hash)
         return True
+
+    def acquire(self, stream: Stream, version: int, *, keep: set[int], holder: str) -> Acquired:
+        """A proven copy of ``version``, held for this caller until ``prune`` or ``close``: reused when complete
+        and proven (another follower's decode, or an earlier one: ``proven``), else decoded here by applying its
+        delta to the newest cached and proven version of its chain (waiting instead if another follower is
+        decoding it). Every other version but those in ``keep`` (which the caller still uses) is released and
+        pruned. ``holder`` names the stream lease held while decoding. Used by the follower, the node agent, the
+        adapter follower and replay, and the weight-transfer engine.
+
+        Raises:
+            CkptStreamError: the version cannot be decoded (nothing of it is left held).
+        """
+        read_before = stream.bytes_read()
+        if self.hold(version) and self.proven(stream, version):
+            return Acquired(self.path(version), version, stream.bytes_read() - read_before, False)
+        chain_versions = {m.version for m in stream.chain(version)}
+        base = next((v for v in reversed(self.versions())
+                     if v in chain_versions and v != version and self._hold_base(stream, v)), None)
+        self.prune(keep | {v for v in (base, version) if v is not None})
+        try:
+            path, decoded = self.materialize(stream, version, base, holder=holder)
+        except BaseException:
+            self.release(version)  # refused: a pruner may delete what is left of it
+            raise
+        finally:
+            if base is not None and base not in keep:
+                self.release(base)
+        if not decoded:  # another follower decoded it while this one waited
+            base = version
+        return Acquired(path, base, stream.bytes_read() - read_before, decoded)
+
+    def acquire_cached(self, stream: Stream, version: int) -> Path | None:
+        """``version``'s directory, held, if a complete and proven copy is cached; else None (nothing held)."""
+        held = version in self._holds
+        if self.hold(version) and self.proven(stream, version):
+            return self.path(version)
+        if not held:
+            self.release(version)
+        return None
 
     def versions(self) -> list[int]:
         """Complete cached versions (a materialized directory has its marker; partial ones have none).
@@ -335,6 +390,11 @@ class VersionCache:
 
     # --------------------------------------------------------------------------------------- private
 
+    def _hold_base(self, stream: Stream, version: int) -> bool:
+        """Hold ``version`` as the base of a delta if it is still complete (a pruner may have deleted it) and
+        proven."""
+        return self.acquire_cached(stream, version) is not None
+
     def _lock_path(self, version: int, suffix: str = "") -> Path:
         return self._locks / f"{version_name(version)}{suffix}"
 
@@ -458,44 +518,3 @@ def _write_proof(directory: Path, manifest_hash: str | None) -> None:
     temporary = directory / f"{PROOF_FILE}.{os.getpid()}-{threading.get_ident()}"
     temporary.write_text(proof)
     os.replace(temporary, directory / PROOF_FILE)
-
-
-def prepare_version(stream: Stream, cache: VersionCache, version: int, *, keep: set[int],
-                    holder: str) -> tuple[Path, int | None, int, bool]:
-    """Have ``version`` in ``cache``, held: reused when complete and proven (another follower's decode, or an
-    earlier one: ``VersionCache.proven``), else decoded here by applying its delta to the newest cached and
-    proven version of its chain (waiting instead if another follower is decoding it). Every other version
-    but those in ``keep`` (which the caller still uses) is released and pruned. Returns (path, base version
-    used: the version itself when reused, bytes read from the stream's storage meanwhile (``Stream.bytes_read``:
-    measured, not the manifests' sizes), whether it was decoded here). Shared by the follower, the node agent,
-    the adapter follower and the weight-transfer engine."""
-    read_before = stream.bytes_read()
-    if cache.hold(version) and cache.proven(stream, version):
-        return cache.path(version), version, stream.bytes_read() - read_before, False
-    chain = stream.chain(version)
-    chain_versions = {m.version for m in chain}
-    base = next((v for v in reversed(cache.versions())
-                 if v in chain_versions and v != version and _hold_base(stream, cache, v)), None)
-    cache.prune(keep | {v for v in (base, version) if v is not None})
-    try:
-        path, decoded = cache.materialize(stream, version, base, holder=holder)
-    except BaseException:
-        cache.release(version)  # refused: a pruner may delete what is left of it
-        raise
-    finally:
-        if base is not None and base not in keep:
-            cache.release(base)
-    if not decoded:  # another follower decoded it while this one waited
-        base = version
-    return path, base, stream.bytes_read() - read_before, decoded
-
-
-def _hold_base(stream: Stream, cache: VersionCache, version: int) -> bool:
-    """Hold ``version`` as the base of a delta if it is still complete (a pruner may have deleted it) and
-    proven."""
-    held = version in cache.held()
-    if (held or cache.hold(version)) and cache.proven(stream, version):
-        return True
-    if not held:
-        cache.release(version)
-    return False

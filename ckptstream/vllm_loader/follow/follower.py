@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 
 from ...credentials import redact
 from ...errors import (CkptStreamError, MissingBaseError, NodesNotReady,
-                      RouterError, VersionNotFoundError)
+                       RouterError, VersionNotFoundError)
 from ...format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
 from ...reader import ReplicaRecord, Stream, replica_path
 from ...reader.replicas import STATE_ASIDE, remember_refusal
@@ -46,11 +46,11 @@ from . import takeover
 from .config import FollowerConfig
 from .in_place import InPlaceUpdates
 from .model_fit import ServedModelFit
-from .cache import CHANGES_DIR, VersionCache, default_cache_dir, prepare_version, safe_owner
+from .cache import CHANGES_DIR, Acquired, VersionCache, default_cache_dir, safe_owner
 from ..client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from ..metrics_server import attach_metrics
 from ..observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, commit_age,
-                      notify, refusal_reason)
+                       notify, refusal_reason)
 
 log = logging.getLogger("ckptstream.follow")
 
@@ -199,7 +199,8 @@ class Follower:
         self.fit.adopt(self.stream.manifest(version))
         for client in self.clients:
             self._hold_served(client, version)
-        self._keep_served()
+        if self.config.cache_versions == 0:  # loaded: its copy is no longer needed here
+            self._keep_served()
         self._report(version=version, state="serving")
 
     def load(self, version: int, clients: Sequence[VllmControl] | None = None) -> UpdateRecord:
@@ -348,11 +349,11 @@ class Follower:
                 with contextlib.suppress(VllmError):
                     client.discard_change()  # what a failed update staged on the device
 
-    def prepare(self, version: int) -> tuple[Path, int | None, int, bool]:
-        """Have ``version`` in the cache, held (see ``prepare_version``); returns (path, base version used:
-        the version itself when reused, bytes fetched, whether this follower decoded it)."""
-        return prepare_version(self.stream, self.cache, version, keep={self.current} - {None},
-                               holder=f"follower {self.record.replica_id}")
+    def prepare(self, version: int) -> Acquired:
+        """``version`` proven in the cache and held for this follower (``VersionCache.acquire``): (path, the
+        version its delta was applied to, bytes fetched, whether this follower decoded it)."""
+        return self.cache.acquire(self.stream, version, keep={self.current} - {None},
+                                  holder=f"follower {self.record.replica_id}")
 
     def _current_path(self, client: VllmControl | None = None) -> Path:
         """The cache directory of the current version, decoded again if it went missing (``cache_versions``
@@ -574,14 +575,8 @@ class Follower:
             return
         reported = served.pop()
         version = int(reported) if reported.isdigit() else None
-        if version is None or not self.cache.hold(version):
-            if version is not None:
-                self.cache.release(version)
-            return
-        if not self.cache.proven(self.stream, version):
-            log.warning("servers report version %d but its cached copy is not that version", version)
-            self.cache.release(version)
-            return
+        if version is None or self.cache.acquire_cached(self.stream, version) is None:
+            return  # not cached here, or not that version (``proven`` says why): the servers get ours
         log.info("servers already serve version %d (cached); resuming from it", version)
         self.adopt(version)
 
