@@ -292,7 +292,7 @@ def _stage(node: FakeNode, path: str) -> dict[str, Any]:
     """What a worker's ``InPlaceApplier.staged`` answers for the change file ``path`` (read on ``node``)."""
     from safetensors import safe_open
 
-    from ..vllm_loader.change import read_change
+    from ..vllm_loader.inplace.change import read_change
 
     node.staged = None
     try:

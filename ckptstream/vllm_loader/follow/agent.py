@@ -8,7 +8,7 @@ of the node stages it once the head sees it on every node (``Follower._stage``);
 whole (from the same reads, kept in memory: each delta is read from storage once), for a full reload (a
 fallback, a restart). With ``cache_versions`` 0 it decodes nothing on its own and keeps no whole version once
 the engine loaded it: a version the head must reload is asked for through the engine's workers, which leave
-a request file in the node's cache (``VersionCache.request``), and the agent decodes it then.
+a request file in the node's cache (``VersionCache.requested``), and the agent decodes it then.
 
 vLLM's workers read ``weights_path`` on their own node, so the head (a ``Follower`` with
 ``nodes_ready_timeout``) reloads a version only once every rank reports it complete there
@@ -184,8 +184,8 @@ class NodeAgent:
         return base, problem
 
     def step(self) -> int | None:
-        """Decode the versions the head asked for (``requests``), then prepare the newest version (or the pin)
-        if it is not the current one (``update``); returns it if prepared."""
+        """Decode the versions the head asked for (``VersionCache.requested``), then prepare the newest version
+        (or the pin) if it is not the current one (``update``); returns it if prepared."""
         self._serve_requests()
         target = self._discover()
         if target is None or str(target) in self.record.refused:
@@ -258,7 +258,10 @@ class NodeAgent:
                 log.error("cannot prepare version %d asked for by the head: %s", version, exc)
                 self.cache.drop_request(version)
         if self.config.cache_versions == 0:
-            self.cache.drop_copies(served - self.cache.requested())
+            loaded = served - self.cache.requested()
+            for version in loaded:
+                self.cache.release(version)
+            self.cache.drop_copies(loaded)
 
     def served(self) -> set[int]:
         """What the engine serves on this node: the versions its workers hold in the cache

@@ -9,7 +9,7 @@ Layout::
     <root>/<stream id>/.locks/000000000007.prepare its prepare lock: exclusive while it is being written
     <root>/<stream id>/.locks/000000000007.served  its served lock: shared by the vLLM workers serving it
     <root>/<stream id>/.changes/000000000006-000000000007.safetensors  a change applied in place (``change.py``)
-    <root>/<stream id>/.requests/000000000007      a node's request: have version 7 complete (``request``)
+    <root>/<stream id>/.requests/000000000007      a request: have version 7 complete here (``requested``)
 
 Its users ask for intentions, not steps: ``acquire`` (a proven copy of version V, held for me: reused, or
 decoded from the newest cached version of its chain), ``acquire_cached`` (the same, only if already here),
@@ -37,8 +37,8 @@ update applied in place, vLLM's model path still names the version it last reloa
 With ``copies=False`` (``--cache-versions 0``) a node keeps no whole version once its engine loaded it: the
 served version's directory is deleted (``drop_copies``), its served lock stays (what the engine serves stays
 known), and a version the engine must reload (a fallback, a restart) is decoded on demand: the head asks every
-rank for it (``worker.WorkerExtension``), which leaves a request file in its node's cache (``request``) that
-the node's agent reads (``requested``).
+rank for it (``worker.WorkerExtension``), which leaves a request file in its node's cache that the node's
+agent reads (``requested``).
 
 A version is written by the reader (``Stream.write_into``) into the ``.incoming-*`` directory this module
 made, with a proof file (``.proof.json``: the manifest hash and each file's size, modification time and
@@ -82,7 +82,7 @@ suffix."""
 CHANGES_DIR = ".changes"
 """The changes between cached versions applied in place (``<base>-<version>.safetensors``, ``change.py``)."""
 REQUESTS_DIR = ".requests"
-"""Versions a node must have complete (``request``): one empty file per version, named by it."""
+"""Versions a node must have complete (``requested``): one empty file per version, named by it."""
 
 
 class Prepared(NamedTuple):
@@ -340,15 +340,9 @@ class VersionCache:
             finally:
                 unlock(use)
 
-    def request(self, version: int) -> None:
-        """Ask this node's agent to have ``version`` complete (written by the worker extension: the head needs
-        it for a reload and the node keeps no copy)."""
-        requests = self.stream_dir / REQUESTS_DIR
-        requests.mkdir(mode=0o700, exist_ok=True)
-        (requests / version_name(version)).touch()
-
     def requested(self) -> set[int]:
-        """The versions asked for by ``request`` and not dropped since (``drop_request``)."""
+        """The versions the head asked this node for (a request file each, left by the worker extension's cache
+        report: ``worker.WorkerExtension``) and not dropped since (``drop_request``)."""
         requests = self.stream_dir / REQUESTS_DIR
         names = [p.name for p in requests.iterdir()] if requests.is_dir() else []
         return {v for v in map(parse_version_name, names) if v is not None}

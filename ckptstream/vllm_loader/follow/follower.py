@@ -289,9 +289,11 @@ class Follower:
                 if self.config.nodes_ready_timeout is not None:
                     for client, _ in waiting:  # every node needs it whole for the full reload
                         self._wait_for_nodes(client, manifest, path)
-            except (CkptStreamError, NodesNotReady):
-                log.error("version %d, applied in place, failed its decode or is not on every node; every server "
-                          "goes back to version %s", version, self.current)
+            except (CkptStreamError, NodesNotReady) as exc:
+                if done or not isinstance(exc, NodesNotReady):  # (a node lagging before anything changed: info)
+                    log.error("version %d, applied in place, %s; every server goes back to version %s", version,
+                              "is not on every node for a full reload" if isinstance(exc, NodesNotReady) else
+                              "failed its decode", self.current)
                 for client in done:
                     with self._gate(client.url, version):
                         self._revert([client])
