@@ -412,4 +412,8 @@ CREDENTIAL_FORMS = [  # (what a weight-transfer request carries, where its refus
      "storage_options.headers[0][1]"),
     ({"url": "s3://b/r", "storage_options": {"s3_additional_kwargs": {"X-Amz-Signature": SECRET}}},
      "storage_options.s3_additional_kwargs.X-Amz-Signature"),
+    ({"url": f"https://b.s3.amazonaws.com/r?X-Amz-Credential=AKIA%2F1&X-Amz-Signature={SECRET}"},
+     "url (a credential in a URL's query)"),
+    ({"url": "s3://b/r", "storage_options": {"mirrors": [f"https://a.blob.core.windows.net/c/r?sv=1&sig={SECRET}"]}},
+     "storage_options.mirrors[0] (a credential in a URL's query)"),
 ]

@@ -61,7 +61,12 @@ def test_what_holds_no_credential_passes():
     (f"https://{SECRET}@host/s/x.json", "https://***@host/s/x.json"),
     (f"GET http://u:p@{SECRET}@127.0.0.1:9/s/stream.json failed", "GET http://***@127.0.0.1:9/s/stream.json failed"),
     (f"{{'url': 'http://u:{SECRET}@h', 'b': \"s3://k:{SECRET}@bucket/r\"}}", "{'url': 'http://***@h', 'b': \"s3://***@bucket/r\"}"),
-    *[(kept, kept) for kept in ("s3://bucket/run@2 http://host/p?a=b@c mail me@example.org", "/dev/shm/x@2")],
+    (f"GET https://b.s3.amazonaws.com/r/x?X-Amz-Date=1&X-Amz-Signature={SECRET}#f failed",
+     "GET https://b.s3.amazonaws.com/r/x?X-Amz-Date=1&X-Amz-Signature=***#f failed"),
+    (f"'https://a.blob.core.windows.net/c?sv=1&sig={SECRET}&se=2', http://u:{SECRET}@h/x?token={SECRET}",
+     "'https://a.blob.core.windows.net/c?sv=1&sig=***&se=2', http://***@h/x?token=***"),
+    *[(kept, kept) for kept in ("s3://bucket/run@2 http://host/p?a=b@c mail me@example.org", "/dev/shm/x@2",
+                                "http://h/p?versionId=3 and then a&token=3 outside the URL")],
 ])
 def test_urls_lose_their_userinfo_wherever_they_are_in_a_text(text, shown):
     assert redact(text) == shown
