@@ -154,8 +154,13 @@ class NodeAgent:
             return None, None
         served = self.served()
         base = compared if compared is not None else (served.pop() if len(served) == 1 else None)
-        if base is None or base >= version or not self.cache.hold(base):
-            return None, None  # nothing served yet, or no copy of it here to build on
+        if base is None or base >= version:
+            return None, None  # nothing served yet
+        held = base in self.cache.held()
+        if not self.cache.hold(base):  # no copy of it here to build on (--cache-versions 0)
+            if not held:
+                self.cache.release(base)
+            return None, None
         built: list[ChangeSummary] = []
         stream_id = self.stream.info().stream_id
 

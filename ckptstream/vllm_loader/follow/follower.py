@@ -309,8 +309,16 @@ class Follower:
             if waiting:
                 lag_s = commit_age(manifest.created)
         for client in verify:
+            path = path if path is not None else self.prepare(version)[0]  # (--cache-versions 0)
+            if self.config.nodes_ready_timeout is not None:
+                try:  # the check reloads the version on every rank
+                    self._wait_for_nodes(client, manifest, path)
+                except NodesNotReady as exc:
+                    log.warning("version %d: not checked against a full reload on %s (%s)", version, client.url,
+                                exc)
+                    continue
             with self._gate(client.url, version):
-                self.in_place.verify(client, version, path if path is not None else self.prepare(version)[0])
+                self.in_place.verify(client, version, path)
             fallbacks["verify"] += 1
         self.current = version
         self._keep_served()
