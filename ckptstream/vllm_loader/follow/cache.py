@@ -348,6 +348,7 @@ class VersionCache:
         return {v for v in map(parse_version_name, names) if v is not None}
 
     def drop_request(self, version: int) -> None:
+        """Forget the head's request for ``version`` (served since, or refused here)."""
         (self.stream_dir / REQUESTS_DIR / version_name(version)).unlink(missing_ok=True)
 
     def prune(self, keep: set[int]) -> None:
