@@ -46,7 +46,8 @@ from . import takeover
 from .config import FollowerConfig
 from .in_place import InPlaceUpdates
 from .model_fit import ServedModelFit
-from .cache import CHANGES_DIR, Acquired, VersionCache, default_cache_dir, safe_owner
+from .nodes import EngineNodes
+from .cache import Acquired, VersionCache, default_cache_dir, safe_owner
 from ..client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from ..metrics_server import attach_metrics
 from ..observe import (FollowerObserver, LogLines, ReplicaRecordWriter, UpdateRecord, commit_age,
@@ -87,6 +88,7 @@ class Follower:
         self.cache = VersionCache(config.cache_dir or default_cache_dir(), info.stream_id, replica_id,
                                   ephemeral=config.ephemeral_cache)
         self.in_place = InPlaceUpdates(config, self.stream, self.cache, self.clients)
+        self.nodes = EngineNodes(config, self.cache, lambda lagging: self._report(lagging=lagging))
         self.pin = config.pin
         self.poll_interval = config.poll_interval
         self.pause_mode = config.pause_mode
@@ -193,12 +195,12 @@ class Follower:
     def adopt(self, version: int) -> None:
         """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it);
         the follower holds it in the cache from now on (and the workers of an engine spanning nodes, each
-        on its node: ``_hold_served``)."""
+        on its node: ``EngineNodes.hold_served``)."""
         self.cache.hold(version)
         self.current = version
         self.fit.adopt(self.stream.manifest(version))
         for client in self.clients:
-            self._hold_served(client, version)
+            self.nodes.hold_served(client, version)
         if self.config.cache_versions == 0:  # loaded: its copy is no longer needed here
             self._keep_served()
         self._report(version=version, state="serving")
@@ -241,7 +243,7 @@ class Follower:
         targets = list(self.clients if clients is None else clients)
         if path is not None and self.config.nodes_ready_timeout is not None:
             for client in targets:
-                self._wait_for_nodes(client, manifest, path)
+                self.nodes.wait_for(client, manifest, path)
         restore = self.cache.path(self.current) if self.current is not None and self.current != version else None
         if restore is not None and not (restore / MARKER_FILE).is_file():
             restore = None  # gone: _revert decodes it again, outside the pause
@@ -288,7 +290,7 @@ class Follower:
                 path, _, _, decoded = self.prepare(version)
                 if self.config.nodes_ready_timeout is not None:
                     for client, _ in waiting:  # every node needs it whole for the full reload
-                        self._wait_for_nodes(client, manifest, path)
+                        self.nodes.wait_for(client, manifest, path)
             except (CkptStreamError, NodesNotReady) as exc:
                 if done or not isinstance(exc, NodesNotReady):  # (a node lagging before anything changed: info)
                     log.error("version %d, applied in place, %s; every server goes back to version %s", version,
@@ -312,7 +314,7 @@ class Follower:
             path = path if path is not None else self.prepare(version)[0]  # (--cache-versions 0)
             if self.config.nodes_ready_timeout is not None:
                 try:  # the check reloads the version on every rank
-                    self._wait_for_nodes(client, manifest, path)
+                    self.nodes.wait_for(client, manifest, path)
                 except NodesNotReady as exc:
                     log.warning("version %d: not checked against a full reload on %s (%s)", version, client.url,
                                 exc)
@@ -372,7 +374,7 @@ class Follower:
         assert self.current is not None
         path = self.prepare(self.current)[0]
         if client is not None and self.config.nodes_ready_timeout is not None:
-            self._wait_for_nodes(client, self.stream.manifest(self.current), path)
+            self.nodes.wait_for(client, self.stream.manifest(self.current), path)
         return path
 
     def _load_into(self, client: VllmControl, version: int, path: Path | None, restore: Path | None = None,
@@ -424,7 +426,7 @@ class Follower:
         client.check_resumed()
         client.check_weight_version(str(serves))
         client.probe()
-        self._hold_served(client, serves)
+        self.nodes.hold_served(client, serves)
         return paused, reload_s, failed
 
     def _keep_served(self) -> None:
@@ -434,27 +436,6 @@ class Follower:
         if self.config.cache_versions == 0 and self.current is not None:
             self.cache.release(self.current)
             self.cache.drop_copies({self.current})
-
-    def _hold_served(self, client: VllmControl, version: int) -> None:
-        """On an engine spanning nodes, have every rank hold the version it now serves on its node, by number
-        (``cache.hold_served_version``: after an update applied in place, vLLM's model path names an older
-        version): the node agents keep it, to restore after a failed reload, and build the next change on it,
-        and need no replica record to know it (a read-only stream has none). A failure is logged: the servers
-        serve on."""
-        if self.config.nodes_ready_timeout is None:
-            return
-        try:
-            ranks = client.hold_served(str(self.cache.stream_dir), version)
-        except VllmUnreachable:
-            raise
-        except VllmError as exc:
-            log.warning("%s: its ranks could not hold the version they serve (%s); a node agent may delete it",
-                        client.url, exc)
-            return
-        unheld = [f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks if r.get("version") is None]
-        if unheld:
-            log.warning("%s: %s serve(s) no version of the cache, which its agent may delete",
-                        client.url, ", ".join(dict.fromkeys(unheld)))
 
     def _gate(self, url: str, version: int) -> contextlib.AbstractContextManager[None]:
         gate = self.config.update_gate
@@ -479,41 +460,11 @@ class Follower:
         ``nodes_ready_timeout`` makes the version a full reload (``multi_node``)."""
         if self.config.nodes_ready_timeout is not None:
             try:
-                self._wait_for_nodes(client, manifest, change)
+                self.nodes.wait_for(client, manifest, change)
             except NodesNotReady as exc:
                 self.in_place.explain("multi_node", f"{client.url}: {exc}")
                 return None, "multi_node"
         return self.in_place.stage(client, change)
-
-    def _wait_for_nodes(self, client: VllmControl, manifest: Manifest, path: Path) -> None:
-        """Return once every rank of ``client``'s engine reports, at ``path`` on its own node, ``manifest``'s
-        version complete with its manifest hash (a node lacking it is asked for it: its agent decodes it on
-        demand), or, for a change file (``VersionCache.change_path``), that file; NodesNotReady (naming the
-        lagging nodes, also in the replica record) after ``nodes_ready_timeout``. The servers keep serving
-        meanwhile."""
-        assert self.config.nodes_ready_timeout is not None
-        deadline = time.monotonic() + self.config.nodes_ready_timeout
-        key = str(manifest.version)
-        change = path.parent.name == CHANGES_DIR
-        versions_dir = path.parent.parent if change else path.parent
-        while True:
-            ranks = client.cache_report(str(versions_dir), request=None if change else manifest.version)
-            lagging = list(dict.fromkeys(f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks
-                                         if (path.name not in (r.get("changes") or []) if change else
-                                             r.get("versions", {}).get(key) != manifest.manifest_hash)))
-            if lagging != self.record.lagging:
-                if lagging:
-                    log.info("version %d: waiting for %s", manifest.version, ", ".join(lagging))
-                self._report(lagging=lagging)
-            if not lagging:
-                return
-            if time.monotonic() >= deadline:
-                what = f"its change {path.name} in {path.parent}" if change else f"it in {path.parent}"
-                raise NodesNotReady(f"{', '.join(lagging)} of {client.url} lack(s) {what} after "
-                                    f"{self.config.nodes_ready_timeout:.0f} s", version=manifest.version,
-                                    lagging=lagging, hint="Is the node agent (ckptstream serve --node-rank N) "
-                                                          "running there?")
-            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 
     def _revert(self, clients: list[VllmControl]) -> None:
         """Reload the current version into servers that took (part of) a failed update."""
