@@ -110,3 +110,10 @@ def test_the_follower_package_folders_point_one_way():
 
     assert uses("inplace", "follow") == [] and uses("inplace", "adapters") == []
     assert uses("follow", "adapters") == []
+
+
+def test_the_follower_package_modules_stay_readable():
+    """No module of vllm_loader over 600 lines: a module that grows past it holds more than one job."""
+    folder = PACKAGE / "vllm_loader"
+    long = {str(p.relative_to(folder)): n for p in folder.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert long == {}

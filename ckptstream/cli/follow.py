@@ -48,9 +48,17 @@ def _metrics_options() -> argparse.ArgumentParser:
     return options
 
 
+def _cache_versions_option(options: argparse.ArgumentParser) -> None:
+    options.add_argument("--cache-versions", type=int, choices=[0, 1], default=1, metavar="{0,1}",
+                         help="whole versions kept in the cache once the servers loaded them: 1 (default) the "
+                              "served one; 0 none: an update applied in place needs only its change, and a full "
+                              "reload (a fallback, a restart) decodes the version from storage on demand")
+
+
 def _update_options() -> argparse.ArgumentParser:
     """How follow and serve bring a new version into the servers."""
     options = argparse.ArgumentParser(add_help=False)
+    _cache_versions_option(options)
     options.add_argument("--reload-only", action="store_true",
                          help="always reload whole versions (default: apply a delta on the served version in "
                               "place, inside vLLM's workers, where it can be; else reload, saying why)")
@@ -69,7 +77,8 @@ def _weights_only(args: argparse.Namespace, *options: tuple[str, bool]) -> None:
 
 
 def _update_config(args: argparse.Namespace) -> dict[str, object]:
-    return {"apply_in_place": not args.reload_only, "verify_apply": args.verify_apply}
+    return {"apply_in_place": not args.reload_only, "verify_apply": args.verify_apply,
+            "cache_versions": args.cache_versions}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -145,6 +154,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", help="the cache root, the same path as the head's (default as for follow)")
     p.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
                    help="seconds between checks for a new version (default 1)")
+    p.add_argument("--reload-only", action="store_true",
+                   help="build no change for the head to apply in place (as the head's --reload-only)")
+    _cache_versions_option(p)
 
     p = add_command(sub, "replay", run_replay, "load versions one by one into running vLLM servers and evaluate "
                     "each (the command goes after --)", """
@@ -228,7 +240,8 @@ def _follow_adapters(args: argparse.Namespace) -> int:
 
     _weights_only(args, ("--pin", args.pin is not None),
                   ("--nodes-ready-timeout", args.nodes_ready_timeout is not None),
-                  ("--reload-only", args.reload_only), ("--verify-apply", args.verify_apply is not None))
+                  ("--reload-only", args.reload_only), ("--verify-apply", args.verify_apply is not None),
+                  ("--cache-versions", args.cache_versions != 1))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -263,7 +276,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if is_adapter_stream(args):
         _weights_only(args, ("--version", args.ref != LATEST), ("--pin", args.pin), ("--nnodes", args.nnodes > 1),
                       ("--nodes-ready-timeout", args.nodes_ready_timeout is not None),
-                      ("--reload-only", args.reload_only), ("--verify-apply", args.verify_apply is not None))
+                      ("--reload-only", args.reload_only), ("--verify-apply", args.verify_apply is not None),
+                      ("--cache-versions", args.cache_versions != 1))
     else:
         refuse_adapter_options(args)
     _follow_logging()
@@ -292,7 +306,8 @@ def run_node_agent(args: argparse.Namespace) -> int:
     with NodeAgent(args.url, engine=args.engine, node_rank=args.node_rank, nnodes=args.nnodes,
                    storage_options=storage_options(args), cache_dir=args.cache_dir,
                    poll_interval=args.poll_interval, metrics_port=args.metrics_port,
-                   metrics_host=args.metrics_host) as agent:
+                   metrics_host=args.metrics_host, apply_in_place=not args.reload_only,
+                   cache_versions=args.cache_versions) as agent:
         agent.run(stop)
     return EXIT_OK
 

@@ -16,7 +16,9 @@ Example::
 An engine spanning nodes is a ``FakeVllmClient`` with ``nodes``: each ``FakeNode`` sees the paths under
 the head's cache root in a directory of its own (its "local disk"), answers ``cache_report`` and
 ``hold_served`` with the real worker extension's code (its model path repointed by each reload, as vLLM's),
-and a reload fails (half-way, as in vLLM) when any node lacks the path.
+and a reload fails (half-way, as in vLLM) when any node lacks the path. With ``in_place``, its nodes also
+hold the tensors they loaded and stage and apply change files (``change.py``) read on their own node, as the
+worker extension does: every old value checked before anything is written on that node.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class FakeNode:
     loaded_version: int | None = None  # None also after a reload that failed half-way on this node
     model: str | None = None  # where its workers last loaded the model from, as this node sees it
     worker: WorkerExtension = field(init=False, repr=False)  # its workers' extension (one rank)
+    weights: dict[str, Any] = field(default_factory=dict, repr=False)  # with ``in_place``: what it serves
+    staged: Any = field(default=None, repr=False)  # with ``in_place``: (version, [(name, positions, old, new)])
+    applied: Any = field(default=None, repr=False)  # with ``in_place``: (version before, what the last apply wrote)
 
     def __post_init__(self) -> None:
         self.worker = _NodeWorker(self)
@@ -89,6 +94,7 @@ class FakeVllmClient:
         up: False makes every call raise ``VllmUnreachable`` (a dead server).
         nodes: the nodes of an engine spanning several (empty: one node, no worker extension).
         on_call: called with ``(method, argument)`` as each call arrives (a test's step at an exact point).
+        in_place: its nodes stage and apply changes (``FakeNode.weights``) instead of refusing them.
     """
 
     url: str = field(default_factory=lambda: f"http://fake-{uuid.uuid4().hex[:8]}:1")
@@ -100,6 +106,7 @@ class FakeVllmClient:
     up: bool = True
     nodes: list[FakeNode] = field(default_factory=list)
     on_call: Callable[[str, Any], None] | None = None
+    in_place: bool = False
     max_calls: int = 10_000
     calls: collections.deque[tuple[str, Any]] = field(init=False)
     reloaded: collections.deque[int] = field(init=False)
@@ -171,6 +178,8 @@ class FakeVllmClient:
                 node.model = node.sees(path)  # (vLLM repoints the model's path before loading)
                 node.loaded_version = None if node in missing else \
                     int(json.loads((Path(node.sees(path)) / MARKER_FILE).read_text())["version"])
+                if self.in_place:
+                    node.weights = {} if node in missing else _load_tensors(Path(node.sees(path)))
             if missing:
                 self.loaded = self.loaded_version = None
                 raise VllmError(f"{self.url}/collective_rpc reload_weights answered 500: node "
@@ -185,39 +194,78 @@ class FakeVllmClient:
     def reset_prefix_cache(self) -> None:
         self._call("reset_prefix_cache")
 
-    def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
+    def cache_report(self, versions_dir: str, request: int | None = None) -> list[dict[str, Any]]:
         """One report per node (one rank each), made by the real worker extension's code."""
         self._call("cache_report", versions_dir)
         if not self.nodes:
             raise VllmError(f"{self.url} has no ckptstream worker extension (a fake without nodes)")
         reports = []
         for rank, node in enumerate(self.nodes):
-            report = WorkerExtension().ckptstream_cache_report(node.sees(versions_dir))
+            report = WorkerExtension().ckptstream_cache_report(node.sees(versions_dir), request)
             reports.append({**report, "host": node.host, "node_rank": node.node_rank, "rank": rank})
         return reports
 
-    def hold_served(self) -> list[dict[str, Any]]:
+    def hold_served(self, versions_dir: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
         """One answer per node (one rank each), made by the real worker extension's code."""
-        self._call("hold_served")
+        self._call("hold_served", version)
         if not self.nodes:
             raise VllmError(f"{self.url} has no ckptstream worker extension (a fake without nodes)")
-        return [{**node.worker.ckptstream_hold_served(), "host": node.host, "node_rank": node.node_rank, "rank": rank}
+        return [{**node.worker.ckptstream_hold_served(None if versions_dir is None else node.sees(versions_dir),
+                                                      version),
+                 "host": node.host, "node_rank": node.node_rank, "rank": rank}
                 for rank, node in enumerate(self.nodes)]
 
     def stage_change(self, path: str) -> list[dict[str, Any]]:
+        """With ``in_place``: each node reads the change file at ``path`` on its own disk (an error where it
+        lacks it), as a worker stages it; else refused."""
         self._call("stage_change", path)
-        raise VllmError(f"{self.url} holds no parameters to patch (a fake server): it reloads whole versions")
+        if not (self.in_place and self.nodes):
+            raise VllmError(f"{self.url} holds no parameters to patch (a fake server): it reloads whole versions")
+        return [_stage(node, node.sees(path)) for node in self.nodes]
 
     def apply_change(self) -> list[dict[str, Any]]:
+        """With ``in_place``: each node checks every old value of what it staged against its tensors, then
+        writes the new ones (nothing where one differs: ``{"error": ...}``)."""
         self._call("apply_change")
-        raise VllmError(f"{self.url} has nothing staged (a fake server)")
+        if not (self.in_place and self.nodes):
+            raise VllmError(f"{self.url} has nothing staged (a fake server)")
+        return [_apply(node) for node in self.nodes]
 
     def discard_change(self) -> None:
         self._call("discard_change")
+        for node in self.nodes:
+            node.staged = node.applied = None
+
+    def revert_change(self) -> list[dict[str, Any]]:
+        """Each node writes back the old values of what its last apply wrote."""
+        self._call("revert_change")
+        results = []
+        for node in self.nodes:
+            before, changed = node.applied or (node.loaded_version, [])
+            for name, positions, old, _ in changed:
+                node.weights[name].reshape(-1)[positions] = old
+            node.applied, node.loaded_version = None, before
+            results.append({"reverted": sum(p.numel() for _, p, _, _ in changed)})
+        return results
 
     def parameter_hashes(self) -> list[dict[str, str]]:
+        """With ``in_place``: per node, the xxh3-128 of each tensor it holds."""
         self._call("parameter_hashes")
-        raise VllmError(f"{self.url} holds no parameters (a fake server)")
+        if not (self.in_place and self.nodes):
+            raise VllmError(f"{self.url} holds no parameters (a fake server)")
+        import torch
+
+        from ..format import Hasher
+
+        hashes = []
+        for node in self.nodes:
+            mine = {}
+            for name, tensor in node.weights.items():
+                hasher = Hasher()
+                hasher.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                mine[name] = hasher.digest()
+            hashes.append(mine)
+        return hashes
 
     def canary(self) -> list[dict[str, Any]]:
         self._call("canary")
@@ -231,6 +279,49 @@ class FakeVllmClient:
         self._call("check_weight_version", version)
         if self.weight_version_label != version:
             raise VllmError(f"{self.url} shows {self.weight_version_label}, not {version}")
+
+
+def _load_tensors(directory: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return {name: tensor for file in sorted(directory.glob("*.safetensors"))
+            for name, tensor in load_file(file).items()}
+
+
+def _stage(node: FakeNode, path: str) -> dict[str, Any]:
+    """What a worker's ``InPlaceApplier.staged`` answers for the change file ``path`` (read on ``node``)."""
+    from safetensors import safe_open
+
+    from ..vllm_loader.inplace.change import read_change
+
+    node.staged = None
+    try:
+        with safe_open(path, framework="pt") as handle:
+            version = int((handle.metadata() or {})["version"])
+            changed = [(name, positions.clone(), old.clone(), new.clone())
+                       for name, (_, positions, old, new) in read_change(handle)]
+    except Exception as exc:  # noqa: BLE001 - reported per rank, as the worker does
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    node.staged = (version, changed)
+    return {"unpatchable": {}, "coverage": {name: [p.numel(), p.numel()] for name, p, _, _ in changed},
+            "elements": sum(p.numel() for _, p, _, _ in changed)}
+
+
+def _apply(node: FakeNode) -> dict[str, Any]:
+    from ..codec import bit_pattern
+
+    staged, node.staged, node.applied = node.staged, None, None
+    if staged is None:
+        return {"error": "nothing staged"}
+    version, changed = staged
+    for name, positions, old, _ in changed:
+        held = node.weights.get(name)
+        if held is None or not bool((bit_pattern(held.reshape(-1)[positions]) == bit_pattern(old)).all()):
+            return {"error": f"{name}: elements differ from the base version; nothing written"}
+    for name, positions, _, new in changed:
+        node.weights[name].reshape(-1)[positions] = new
+    node.applied, node.loaded_version = (node.loaded_version, changed), version
+    return {"applied": sum(p.numel() for _, p, _, _ in changed)}
 
 
 class FakeLoraServer:

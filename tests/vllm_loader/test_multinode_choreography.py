@@ -21,6 +21,7 @@ from ckptstream.format import MARKER_FILE
 from ckptstream.reader import ReplicaRecord, Stream, write_replica
 from ckptstream.reader.replicas import KIND_NODE
 from ckptstream.testing.fake_vllm import FakeNode, FakeVllmClient
+from ckptstream.testing.models import rl_like_step
 from ckptstream.vllm_loader import Follower, FollowerConfig
 from ckptstream.vllm_loader.follow.agent import NodeAgent, node_record_id
 from ckptstream.vllm_loader.serve import engine_id, multinode_vllm_args, vllm_headless_command
@@ -269,3 +270,166 @@ def test_the_node_agent_command_prepares_each_version_and_reports_it(tmp_path):
         _, err = agent.communicate(timeout=30)
         publisher.close()
     assert agent.returncode == 0, err.decode()
+
+
+# ------------------------------------------------------------------------------------------ in place
+
+
+def _model(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Tensors large enough to be stored as deltas."""
+    return {"w": torch.randn(4096, generator=generator).to(torch.bfloat16),
+            "norm": torch.randn(512, generator=generator).to(torch.bfloat16)}
+
+
+def _cache_bytes(root: Path) -> int:
+    """Bytes of the regular files under ``root``: a node's host memory for the cache (a tmpfs there)."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+class InPlaceEngine:
+    """A stream at version 0 and a two-node fake engine that applies changes in place, its head follower and
+    node 1's agent, both with ``cache_versions``, on version 0."""
+
+    def __init__(self, tmp_path: Path, cache_versions: int = 1):
+        self.url = str(tmp_path / "stream")
+        self.generator = torch.Generator().manual_seed(0)
+        self.state = _model(self.generator)
+        self.publisher = Publisher(self.url, keyframe_every=1000)
+        self.publisher.publish(self.state).result()
+        self.node0, self.node1 = tmp_path / "node0", tmp_path / "node1"
+        self.server = FakeVllmClient(in_place=True, nodes=[FakeNode(0, "host0"), FakeNode(1, "host1",
+                                                                                          shared=str(self.node0),
+                                                                                          local=str(self.node1))])
+        self.head = Follower(self.url, [self.server], FollowerConfig(
+            cache_dir=self.node0, replica_id="eng", nodes_ready_timeout=0.05, nnodes=2, poll_interval=0.01,
+            cache_versions=cache_versions))
+        self.agent = NodeAgent(self.url, engine="eng", node_rank=1, nnodes=2, cache_dir=self.node1,
+                               poll_interval=0.01, cache_versions=cache_versions)
+        self.agent.prepare(0)
+        self.server.reload_weights(str(self.head.prepare(0)[0]))  # vLLM started on version 0 on both nodes
+        self.server.set_weight_version("0")
+        self.head.adopt(0)
+        self.agent.step()
+
+    def publish(self) -> int:
+        rl_like_step(self.state, fraction=0.01, max_ulps=3, generator=self.generator)
+        return self.publisher.publish(self.state).result().version
+
+    def served_equal_published(self) -> bool:
+        """Every node holds the published state bit for bit."""
+        return all(set(node.weights) == set(self.state) and all(
+            torch.equal(node.weights[n].view(torch.int16), t.view(torch.int16)) for n, t in self.state.items())
+            for node in self.server.nodes)
+
+    def close(self) -> None:
+        self.head.close()
+        self.agent.close()
+        self.publisher.close()
+
+
+@pytest.fixture
+def in_place_engine(tmp_path: Path):
+    engine = InPlaceEngine(tmp_path)
+    yield engine
+    engine.close()
+
+
+def test_every_rank_stages_the_change_from_its_own_node_before_any_rank_applies_it(in_place_engine):
+    engine = in_place_engine
+    server, head, agent = engine.server, engine.head, engine.agent
+    version = engine.publish()
+    assert head.step() is None  # node 1 has neither the change nor the version yet: nothing touched
+    assert not server.calls_of("stage_change") and not server.calls_of("pause")
+    assert [n.loaded_version for n in server.nodes] == [0, 0]
+    assert agent.step() == version
+    change = agent.cache.change_path(0, version)
+    assert change.is_file() and str(change) == server.nodes[1].sees(str(head.cache.change_path(0, version)))
+
+    staged_when_applied = []
+    server.on_call = lambda method, _: (staged_when_applied.append([n.staged is not None for n in server.nodes])
+                                        if method == "apply_change" else None)
+    update = head.step()
+    assert update is not None and update.applied_in_place == 1 and not update.fallbacks
+    assert staged_when_applied == [[True, True]]  # every rank staged before any applied
+    calls = [m for m, _ in server.calls if m in ("stage_change", "pause", "apply_change", "reload_weights", "resume")]
+    assert calls[-4:] == ["stage_change", "pause", "apply_change", "resume"]
+    assert [n.loaded_version for n in server.nodes] == [version, version] and engine.served_equal_published()
+    # Every rank holds the version it serves by number (its model path still names version 0): node 1's agent
+    # builds the next change on it.
+    assert agent.served() == {version} and head.cache.served() == {version}
+    following = engine.publish()
+    assert agent.step() == following and agent.cache.change_path(version, following).is_file()
+    assert head.step().applied_in_place == 1 and engine.served_equal_published()
+
+
+def test_one_rank_refusing_its_apply_makes_every_rank_reload_the_version(in_place_engine):
+    engine = in_place_engine
+    server, head, agent = engine.server, engine.head, engine.agent
+    version = engine.publish()
+    agent.step()
+    node1 = server.nodes[1]
+    node1.weights["norm"].view(-1)[:] = 0  # rank 1's runtime values are not version 0's: its apply refuses
+    update = head.step()
+    assert update is not None and update.applied_in_place == 0 and update.fallbacks == {"apply_failed": 1}
+    # Inside the pause every rank went back to version 0; then every rank reloaded the version fully.
+    assert server.calls_of("reload_weights")[-2:] == [str(head.cache.path(0)), str(head.cache.path(version))]
+    assert [n.loaded_version for n in server.nodes] == [version, version] and engine.served_equal_published()
+    assert server.weight_version_label == str(version) and not server.paused
+
+
+def test_without_cached_versions_a_full_reload_decodes_the_version_on_demand(tmp_path, capsys):
+    engine = InPlaceEngine(tmp_path / "none", cache_versions=0)
+    kept = InPlaceEngine(tmp_path / "kept")
+    try:
+        server, head, agent = engine.server, engine.head, engine.agent
+        # Once the engine loaded version 0, no node keeps a whole version: what it serves is known by number.
+        assert head.cache.versions() == [] and agent.cache.versions() == [] and agent.served() == {0}
+        version = engine.publish()
+        assert agent.step() == version and agent.cache.versions() == []  # nothing decoded on its own
+        # No change without a cached base (until the deltas carry their integrity fields): a full reload, for
+        # which the head asks node 1 for the version through the engine's workers.
+        assert head.step() is None
+        assert agent.cache.requested() == {version} and [n.loaded_version for n in server.nodes] == [0, 0]
+        agent.step()  # decodes it on demand
+        assert agent.cache.versions() == [version]
+        update = head.step()
+        assert update is not None and update.fallbacks == {"no_change": 1} and engine.served_equal_published()
+        agent.step()  # loaded by the engine: request done, copy dropped
+        assert agent.cache.requested() == set() and agent.cache.versions() == [] and head.cache.versions() == []
+        for other in (kept,):
+            other.publish()
+            other.agent.step()
+            other.head.step()
+        with capsys.disabled():
+            print(f"\nhost memory of the cache per node, {len(engine.state)} tensors of "
+                  f"{sum(t.numel() * t.element_size() for t in engine.state.values())} bytes: "
+                  f"--cache-versions 1: {_cache_bytes(kept.node0)} B (head), {_cache_bytes(kept.node1)} B (node 1); "
+                  f"--cache-versions 0: {_cache_bytes(engine.node0)} B (head), {_cache_bytes(engine.node1)} B (node 1)")
+        assert _cache_bytes(engine.node1) < _cache_bytes(kept.node1) / 4
+    finally:
+        engine.close()
+        kept.close()
+
+
+def test_an_engine_restarted_on_a_node_with_no_cached_version_gets_the_served_version_on_demand(in_place_engine):
+    engine = in_place_engine
+    server, head, agent = engine.server, engine.head, engine.agent
+    version = engine.publish()
+    agent.step()
+    assert head.step().applied_in_place == 1
+    # Node 1 comes back with an empty cache (a new host), and the engine restarted: it serves what it was
+    # started with, unlabelled.
+    agent.close()
+    shutil.rmtree(engine.node1)
+    engine.agent = agent = NodeAgent(engine.url, engine="eng", node_rank=1, nnodes=2, cache_dir=engine.node1,
+                                     poll_interval=0.01)
+    server.weight_version_label = "default"
+    for node in server.nodes:
+        node.loaded_version, node.weights = None, {}
+    assert head.step() is None  # node 1 lacks the served version: asked for it, nothing reloaded yet
+    assert agent.cache.requested() == {version} and not server.nodes[1].weights
+    agent.step()
+    assert agent.cache.versions() == [version]
+    head.step()
+    assert server.weight_version_label == str(version) and [n.loaded_version for n in server.nodes] == [version] * 2
+    assert engine.served_equal_published()

@@ -1,5 +1,14 @@
 """The node agent: on every node of a multi-node vLLM engine but the head, prepare each new version into
-this node's cache, at the path the head will name in ``reload_weights``.
+this node's cache, at the path the head will name in ``reload_weights``, and the change the head applies in
+place, at the path the head names in ``stage_change``.
+
+Per new version, the agent first builds the change from the version the engine serves to the new one
+(``change.py``: from the fetched deltas and its cached served version) into the node's cache, where every rank
+of the node stages it once the head sees it on every node (``Follower._stage``); then it decodes the version
+whole (from the same reads, kept in memory: each delta is read from storage once), for a full reload (a
+fallback, a restart). With ``cache_versions`` 0 it decodes nothing on its own and keeps no whole version once
+the engine loaded it: a version the head must reload is asked for through the engine's workers, which leave
+a request file in the node's cache (``VersionCache.requested``), and the agent decodes it then.
 
 vLLM's workers read ``weights_path`` on their own node, so the head (a ``Follower`` with
 ``nodes_ready_timeout``) reloads a version only once every rank reports it complete there
@@ -7,7 +16,8 @@ vLLM's workers read ``weights_path`` on their own node, so the head (a ``Followe
 cached version, as the follower does: ``VersionCache.acquire``) and reports, in a replica record of kind
 ``node`` naming its engine and node rank. It keeps the newest version and the one the engine serves (every
 rank reloads that one if an update fails on any rank), which it learns from its own node: the engine's
-workers there hold it in the cache (``cache.hold_served``, which the head has them do after each update), so
+workers there hold it in the cache by number (``cache.hold_served_version``, which the head has them do after
+each update, in place or not), so
 it needs no record of the head's, and a read-only stream (HTTP, a relay) serves as well as a writable one.
 Until the workers hold a version (the head has them do it once the engine answers), the version prepared last
 counts as served: the one vLLM was started on.
@@ -34,6 +44,8 @@ from .cache import VersionCache, default_cache_dir, safe_owner
 from .config import FollowerConfig
 from ..metrics_server import attach_metrics
 from ..observe import FollowerObserver, ReplicaRecordWriter, notify, refusal_reason
+from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
+                             build_change_from_deltas)
 
 log = logging.getLogger("ckptstream.agent")
 
@@ -54,9 +66,10 @@ class NodeAgent:
         nnodes: nodes of the engine.
         config: the follower options that apply (``storage_options``, ``cache_dir``, ``pin``,
             ``poll_interval``, ``heartbeat_interval``, ``list_every``, ``observers``, ``metrics_port``,
-            ``metrics_host``); ``options`` override fields. Its observers get ``on_report``,
-            ``on_discovered``, ``on_refused`` and ``on_error`` (it loads no server: no ``on_update``); in its
-            metrics, ``ckptstream_version_served`` is the newest version complete in this node's cache.
+            ``metrics_host``, ``apply_in_place``, ``cache_versions``); ``options`` override fields. Its
+            observers get ``on_report``, ``on_discovered``, ``on_refused`` and ``on_error`` (it loads no server:
+            no ``on_update``); in its metrics, ``ckptstream_version_served`` is the newest version prepared
+            here.
     """
 
     def __init__(self, url: str, *, engine: str, node_rank: int, nnodes: int,
@@ -96,18 +109,89 @@ class NodeAgent:
 
     def prepare(self, version: int) -> Path:
         """Decode ``version`` into this node's cache (complete, with its marker) and report it."""
-        served = self.served()
-        path, base, fetched, _ = self.cache.acquire(self.stream, version, keep=served,
-                                                    holder=f"node agent {self.record.replica_id}")
+        path = self._decode(version)
         self.current = version
-        self.cache.prune({version} | served)  # the base is done with, unless the engine serves it
-        log.info("version %d ready in %s (%.1f MB fetched%s)", version, path, fetched / 1e6,
-                 "" if base is None or base == version else f", delta on cached {base}")
         self._report(version=version, state="serving", last_error=None)
         return path
 
+    def update(self, version: int) -> None:
+        """A new version: the change from the served version to it built into this node's cache first (what
+        the head stages on every rank), then, unless ``cache_versions`` is 0, the version decoded whole (from
+        the deltas' reads kept meanwhile). Logs what it read from storage."""
+        read_before = self.stream.bytes_read()
+        try:
+            if self.config.cache_versions == 0:
+                self.cache.prune(self.served() | self.cache.requested())  # no whole version: only the change
+            base, problem = self._build_change(version)
+            if self.config.cache_versions == 0:
+                self.current = version
+                self._report(version=version, state="serving", last_error=None)
+            else:
+                self.prepare(version)
+                if base is not None and problem == WHOLE:  # (a keyframe between: both versions compared)
+                    self._build_change(version, base)
+        finally:
+            self.stream.drop_kept_reads()
+        log.info("version %d on node %d: %d bytes read from storage (cache_versions %d)", version,
+                 self.record.node_rank, self.stream.bytes_read() - read_before, self.config.cache_versions)
+
+    def _decode(self, version: int) -> Path:
+        served = self.served()
+        keep = served | self.cache.requested()
+        path, base, fetched, _ = self.cache.acquire(self.stream, version, keep=keep,
+                                                    holder=f"node agent {self.record.replica_id}")
+        self.cache.prune({version} | keep)  # the base is done with, unless the engine serves it
+        log.info("version %d ready in %s (%.1f MB fetched%s)", version, path, fetched / 1e6,
+                 "" if base is None or base == version else f", delta on cached {base}")
+        return path
+
+    def _build_change(self, version: int, compared: int | None = None) -> tuple[int | None, str | None]:
+        """The change from the version the engine serves on this node to ``version`` in this node's cache, at
+        the path the head stages (``VersionCache.change``): from the stored deltas and the cached served
+        version, or, with ``compared`` (the served version), by comparing both decoded versions. (The base
+        used, or None where no change was built; the builder's problem, if any.)"""
+        if not self.config.apply_in_place:
+            return None, None
+        served = self.served()
+        base = compared if compared is not None else (served.pop() if len(served) == 1 else None)
+        if base is None or base >= version:
+            return None, None  # nothing served yet
+        held = base in self.cache.held()
+        if not self.cache.hold(base):  # no copy of it here to build on (--cache-versions 0)
+            if not held:
+                self.cache.release(base)
+            return None, None
+        built: list[ChangeSummary] = []
+        stream_id = self.stream.info().stream_id
+
+        def build(out: Path) -> None:
+            if compared is not None:
+                built.append(build_change(self.cache.path(base), self.cache.path(version), out,
+                                          stream_id=stream_id, base=base, version=version,
+                                          max_fraction=MAX_CHANGE_FRACTION))
+                return
+            with self.stream.keeping_reads(KEPT_DELTAS_BYTES):  # the decode reads them from memory
+                built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
+                                                      version=version, max_fraction=MAX_CHANGE_FRACTION))
+
+        try:
+            change = self.cache.change(base, version, build)
+        except Exception as exc:  # noqa: BLE001 - e.g. a corrupt delta: the decode refuses that; the head reloads
+            self.stream.drop_kept_reads()
+            log.warning("version %d: no change from version %d built here (%s); the head reloads it fully",
+                        version, base, exc)
+            return None, None
+        problem = built[0].problem if built else None
+        if change is not None:
+            log.info("version %d: its change from version %d is in %s", version, base, change)
+        elif problem != WHOLE:
+            log.info("version %d: no change from version %d (%s); the head reloads it fully", version, base, problem)
+        return base, problem
+
     def step(self) -> int | None:
-        """Prepare the newest version (or the pin) if it is not the current one; returns it if prepared."""
+        """Decode the versions the head asked for (``VersionCache.requested``), then prepare the newest version
+        (or the pin) if it is not the current one (``update``); returns it if prepared."""
+        self._serve_requests()
         target = self._discover()
         if target is None or str(target) in self.record.refused:
             return None
@@ -116,7 +200,7 @@ class NodeAgent:
         if target == self.current:
             return None
         try:
-            self.prepare(target)
+            self.update(target)
         except VersionNotFoundError as exc:  # retired between discovery and fetch: move on
             log.info("version %d is gone (%s)", target, exc)
             return None
@@ -163,6 +247,26 @@ class NodeAgent:
             return newest
         listed = self.stream.versions()
         return listed[-1] if listed else None
+
+    def _serve_requests(self) -> None:
+        """Decode each version the head asked for (a full reload of it is due) unless the engine serves it or
+        a newer one already (the request is then dropped); with ``cache_versions`` 0, drop the copies of what
+        the engine serves (loaded: no longer needed here)."""
+        served = self.served()
+        for version in sorted(self.cache.requested()):
+            if served and version <= max(served):
+                self.cache.drop_request(version)
+                continue
+            try:
+                self._decode(version)
+            except CkptStreamError as exc:  # the head refuses it as well; asked again, decoded again
+                log.error("cannot prepare version %d asked for by the head: %s", version, exc)
+                self.cache.drop_request(version)
+        if self.config.cache_versions == 0:
+            loaded = served - self.cache.requested()
+            for version in loaded:
+                self.cache.release(version)
+            self.cache.drop_copies(loaded)
 
     def served(self) -> set[int]:
         """What the engine serves on this node: the versions its workers hold in the cache

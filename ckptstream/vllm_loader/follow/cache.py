@@ -8,6 +8,8 @@ Layout::
     <root>/<stream id>/.locks/000000000007         its use lock: shared by every follower using the version
     <root>/<stream id>/.locks/000000000007.prepare its prepare lock: exclusive while it is being written
     <root>/<stream id>/.locks/000000000007.served  its served lock: shared by the vLLM workers serving it
+    <root>/<stream id>/.changes/000000000006-000000000007.safetensors  a change applied in place (``change.py``)
+    <root>/<stream id>/.requests/000000000007      a request: have version 7 complete here (``requested``)
 
 Its users ask for intentions, not steps: ``acquire`` (a proven copy of version V, held for me: reused, or
 decoded from the newest cached version of its chain), ``acquire_cached`` (the same, only if already here),
@@ -29,7 +31,14 @@ The vLLM workers of an engine spanning nodes hold the served lock (shared) of th
 its own node (``hold_served``, called through the worker extension: ``worker.WorkerExtension``), so that no
 pruner of the node deletes it, and so that the node agent learns from its own cache what its engine serves
 (``VersionCache.served``), with no replica record (a read-only stream has none): the version a failed reload
-restores on every rank is still there.
+restores on every rank is still there. They hold it by version number (``hold_served_version``): after an
+update applied in place, vLLM's model path still names the version it last reloaded.
+
+With ``copies=False`` (``--cache-versions 0``) a node keeps no whole version once its engine loaded it: the
+served version's directory is deleted (``drop_copies``), its served lock stays (what the engine serves stays
+known), and a version the engine must reload (a fallback, a restart) is decoded on demand: the head asks every
+rank for it (``worker.WorkerExtension``), which leaves a request file in its node's cache that the node's
+agent reads (``requested``).
 
 A version is written by the reader (``Stream.write_into``) into the ``.incoming-*`` directory this module
 made, with a proof file (``.proof.json``: the manifest hash and each file's size, modification time and
@@ -72,6 +81,8 @@ SERVED_SUFFIX = ".served"
 suffix."""
 CHANGES_DIR = ".changes"
 """The changes between cached versions applied in place (``<base>-<version>.safetensors``, ``change.py``)."""
+REQUESTS_DIR = ".requests"
+"""Versions a node must have complete (``requested``): one empty file per version, named by it."""
 
 
 class Prepared(NamedTuple):
@@ -156,7 +167,7 @@ class VersionCache:
         """The file of the change from ``base`` to ``version`` (``change.py``), built once per host by
         ``build(path)`` into a temporary name renamed into place (None where it wrote nothing); deleted with
         either version."""
-        path = self.stream_dir / CHANGES_DIR / f"{version_name(base)}-{version_name(version)}.safetensors"
+        path = self.change_path(base, version)
         if not path.is_file():
             incoming = self.stream_dir / f"{INCOMING_PREFIX}{os.getpid()}-{threading.get_ident()}-{path.name}"
             try:
@@ -246,16 +257,17 @@ class VersionCache:
         return set(self._holds)
 
     def served(self) -> set[int]:
-        """The complete versions that vLLM workers of this host serve (they hold their served lock:
-        ``hold_served``); no pruner deletes them."""
+        """The versions that vLLM workers of this host serve (they hold their served lock: ``hold_served``,
+        ``hold_served_version``), complete in the cache or not (``drop_copies``); no pruner deletes them."""
         found = set()
-        for version in self.versions():
-            path = self._lock_path(version, SERVED_SUFFIX)
-            if not path.exists():
+        for path in self._locks.glob(f"*{SERVED_SUFFIX}"):
+            version = parse_version_name(path.name.removesuffix(SERVED_SUFFIX))
+            if version is None:
                 continue
             fd = try_lock(path, create=False)
-            if fd is None:  # held (or removed meanwhile, with the version)
-                found.add(version)
+            if fd is None:
+                if path.exists():  # held (not removed meanwhile, with the version)
+                    found.add(version)
             else:
                 unlock(fd)
         return found
@@ -301,6 +313,43 @@ class VersionCache:
         finally:
             if base is not None and base in newly_held:
                 self.release(base)
+
+    def change_path(self, base: int, version: int) -> Path:
+        """Where the change from ``base`` to ``version`` is (or would be): the same path on every node."""
+        return self.stream_dir / CHANGES_DIR / f"{version_name(base)}-{version_name(version)}.safetensors"
+
+    def drop_copies(self, versions: set[int]) -> None:
+        """Delete the directories of ``versions`` that no follower holds or prepares, served or not: their lock
+        files stay, so what the engine serves stays known (``--cache-versions 0``: a node keeps no whole
+        version once its engine loaded it)."""
+        for version in sorted(versions - self.held()):
+            use = lock_file(self._lock_path(version), wait=False)
+            if use is None:
+                continue
+            try:
+                prepare = lock_file(self._lock_path(version, PREPARE_SUFFIX), wait=False)
+                if prepare is None:
+                    continue
+                try:
+                    target = self.path(version)
+                    with contextlib.suppress(FileNotFoundError):
+                        (target / MARKER_FILE).unlink()  # first: a half-deleted directory never looks complete
+                    shutil.rmtree(target, ignore_errors=True)
+                finally:
+                    unlock(prepare)
+            finally:
+                unlock(use)
+
+    def requested(self) -> set[int]:
+        """The versions the head asked this node for (a request file each, left by the worker extension's cache
+        report: ``worker.WorkerExtension``) and not dropped since (``drop_request``)."""
+        requests = self.stream_dir / REQUESTS_DIR
+        names = [p.name for p in requests.iterdir()] if requests.is_dir() else []
+        return {v for v in map(parse_version_name, names) if v is not None}
+
+    def drop_request(self, version: int) -> None:
+        """Forget the head's request for ``version`` (served since, or refused here)."""
+        (self.stream_dir / REQUESTS_DIR / version_name(version)).unlink(missing_ok=True)
 
     def prune(self, keep: set[int]) -> None:
         """Release the versions held but not in ``keep``, then delete every version (complete or left
@@ -433,6 +482,17 @@ def hold_served(directory: str | os.PathLike[str]) -> tuple[int, int] | None:
         unlock(fd)
         return None
     return version, fd
+
+
+def hold_served_version(versions_dir: str | os.PathLike[str], version: int) -> int | None:
+    """For a vLLM worker that serves ``version`` of the cache at ``versions_dir`` (a stream's directory in a
+    follower's cache), complete there or not: hold its served lock (shared) and return the lock's descriptor
+    for ``locks.unlock``; None where ``versions_dir`` is no cache. After an update applied in place the model's
+    path still names the version last reloaded: the version number is what the engine serves."""
+    locks = Path(versions_dir).absolute() / LOCKS_DIR
+    if not locks.is_dir():
+        return None
+    return lock_file(locks / f"{version_name(version)}{SERVED_SUFFIX}", shared=True)
 
 
 def _file_stats(directory: Path) -> dict[str, list[int]]:

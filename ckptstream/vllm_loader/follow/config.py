@@ -54,6 +54,10 @@ class FollowerConfig:
         verify_apply: every this many updates applied in place on a server, reload the version fully there
             too and compare every runtime parameter's hash with the patched one: a mismatch stops in-place
             updates for good, loudly. None: never.
+        cache_versions: whole versions kept in the cache once the servers loaded them: 1 (default) the served
+            one (and the incoming one while it is prepared); 0 none (``cache.VersionCache.drop_copies``): an
+            update applied in place needs only its change, and a full reload (a fallback, a restarted server)
+            decodes the version from storage on demand, on every node of an engine spanning nodes.
     """
 
     storage_options: Mapping[str, Any] | None = None
@@ -76,6 +80,7 @@ class FollowerConfig:
     update_gate: UpdateGate | None = None
     apply_in_place: bool = True
     verify_apply: int | None = None
+    cache_versions: int = 1
 
     def with_options(self, **options: Any) -> FollowerConfig:
         """A copy with ``options`` (field names; TypeError for any other) replaced."""

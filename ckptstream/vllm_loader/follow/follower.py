@@ -46,6 +46,7 @@ from . import takeover
 from .config import FollowerConfig
 from .in_place import InPlaceUpdates
 from .model_fit import ServedModelFit
+from .nodes import EngineNodes
 from .cache import Acquired, VersionCache, default_cache_dir, safe_owner
 from ..client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from ..metrics_server import attach_metrics
@@ -87,6 +88,7 @@ class Follower:
         self.cache = VersionCache(config.cache_dir or default_cache_dir(), info.stream_id, replica_id,
                                   ephemeral=config.ephemeral_cache)
         self.in_place = InPlaceUpdates(config, self.stream, self.cache, self.clients)
+        self.nodes = EngineNodes(config, self.cache, lambda lagging: self._report(lagging=lagging))
         self.pin = config.pin
         self.poll_interval = config.poll_interval
         self.pause_mode = config.pause_mode
@@ -157,7 +159,11 @@ class Follower:
             return self._step(clients)
 
     def _step(self, clients: list[VllmControl]) -> UpdateRecord | None:
-        self._reconcile(clients)
+        try:
+            self._reconcile(clients)
+        except NodesNotReady as exc:  # a restarted engine, reloaded once every node has the version
+            log.info("%s; bringing the engine back to version %s once they have it", exc, self.current)
+            return None
         target = self._discover()
         if target is not None and self.pin is None:
             self._notify("on_discovered", target)
@@ -189,12 +195,14 @@ class Follower:
     def adopt(self, version: int) -> None:
         """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it);
         the follower holds it in the cache from now on (and the workers of an engine spanning nodes, each
-        on its node: ``_hold_served``)."""
+        on its node: ``EngineNodes.hold_served``)."""
         self.cache.hold(version)
         self.current = version
         self.fit.adopt(self.stream.manifest(version))
         for client in self.clients:
-            self._hold_served(client)
+            self.nodes.hold_served(client, version)
+        if self.config.cache_versions == 0:  # loaded: its copy is no longer needed here
+            self._keep_served()
         self._report(version=version, state="serving")
 
     def load(self, version: int, clients: Sequence[VllmControl] | None = None) -> UpdateRecord:
@@ -235,7 +243,7 @@ class Follower:
         targets = list(self.clients if clients is None else clients)
         if path is not None and self.config.nodes_ready_timeout is not None:
             for client in targets:
-                self._wait_for_nodes(client, manifest, path)
+                self.nodes.wait_for(client, manifest, path)
         restore = self.cache.path(self.current) if self.current is not None and self.current != version else None
         if restore is not None and not (restore / MARKER_FILE).is_file():
             restore = None  # gone: _revert decodes it again, outside the pause
@@ -251,7 +259,7 @@ class Follower:
         for client in targets:
             if change is not None and client.url not in self.in_place.off:
                 stage_started = time.perf_counter()
-                staged, fallback = self.in_place.stage(client, change)
+                staged, fallback = self._stage(client, change, manifest)
                 stage_s += time.perf_counter() - stage_started
             else:
                 staged, fallback = None, why_not or "disabled"
@@ -274,15 +282,20 @@ class Follower:
                     verify.append(client)
         lag_s = commit_age(manifest.created)
         cache_s = 0.0
-        if path is None:
+        if path is None and (waiting or self.config.cache_versions > 0):
             if not waiting:
                 self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
             cache_started = time.perf_counter()
             try:
                 path, _, _, decoded = self.prepare(version)
-            except CkptStreamError:
-                log.error("version %d, applied in place, failed its decode; every server goes back to version %s",
-                          version, self.current)
+                if self.config.nodes_ready_timeout is not None:
+                    for client, _ in waiting:  # every node needs it whole for the full reload
+                        self.nodes.wait_for(client, manifest, path)
+            except (CkptStreamError, NodesNotReady) as exc:
+                if done or not isinstance(exc, NodesNotReady):  # (a node lagging before anything changed: info)
+                    log.error("version %d, applied in place, %s; every server goes back to version %s", version,
+                              "is not on every node for a full reload" if isinstance(exc, NodesNotReady) else
+                              "failed its decode", self.current)
                 for client in done:
                     with self._gate(client.url, version):
                         self._revert([client])
@@ -298,11 +311,19 @@ class Follower:
             if waiting:
                 lag_s = commit_age(manifest.created)
         for client in verify:
+            path = path if path is not None else self.prepare(version)[0]  # (--cache-versions 0)
+            if self.config.nodes_ready_timeout is not None:
+                try:  # the check reloads the version on every rank
+                    self.nodes.wait_for(client, manifest, path)
+                except NodesNotReady as exc:
+                    log.warning("version %d: not checked against a full reload on %s (%s)", version, client.url,
+                                exc)
+                    continue
             with self._gate(client.url, version):
                 self.in_place.verify(client, version, path)
             fallbacks["verify"] += 1
         self.current = version
-        self.cache.prune({version})
+        self._keep_served()
         fetched = self._reads.bytes_read() - bytes_before  # measured: what this update read from storage
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
                               fetch_s=fetch_s, decode_s=prepare_s - fetch_s, applied_in_place=in_place,
@@ -346,10 +367,15 @@ class Follower:
         return self.cache.acquire(self.stream, version, keep={self.current} - {None},
                                   holder=f"follower {self.record.replica_id}")
 
-    def _current_path(self) -> Path:
-        """The cache directory of the current version, decoded again if it went missing."""
+    def _current_path(self, client: VllmControl | None = None) -> Path:
+        """The cache directory of the current version, decoded again if it went missing (``cache_versions``
+        0: decoded on demand), and, on an engine spanning nodes (``client``), complete on every node (each
+        node lacking it is asked for it); NodesNotReady if a node still lacks it after ``nodes_ready_timeout``."""
         assert self.current is not None
-        return self.prepare(self.current)[0]
+        path = self.prepare(self.current)[0]
+        if client is not None and self.config.nodes_ready_timeout is not None:
+            self.nodes.wait_for(client, self.stream.manifest(self.current), path)
+        return path
 
     def _load_into(self, client: VllmControl, version: int, path: Path | None, restore: Path | None = None,
                    restored: list[VllmControl] | None = None,
@@ -361,7 +387,8 @@ class Follower:
         given, it is reloaded before ``/resume`` (a rank whose reload failed half-way holds placeholders,
         and ranks that succeeded hold the new version); then the client is appended to ``restored``."""
         directory = path if path is not None else restore
-        if directory is None or not (directory / MARKER_FILE).is_file():
+        if (directory is None and change is None) or (directory is not None and
+                                                      not (directory / MARKER_FILE).is_file()):
             # vLLM treats a missing directory as a hub repository id and its engine dies of it.
             raise CkptStreamError(f"{directory} is not a complete materialized directory; not handing it to vLLM",
                                   version=version)
@@ -377,8 +404,11 @@ class Follower:
                 if change is None or failed is not None:
                     # A half-applied change is overwritten on every rank.
                     if path is None:
-                        assert restore is not None and self.current is not None
-                        client.reload_weights(str(restore))
+                        assert self.current is not None
+                        if restore is None:  # nothing cached to reload (--cache-versions 0): written back
+                            self.in_place.revert_paused(client, version)
+                        else:
+                            client.reload_weights(str(restore))
                         serves = self.current
                     else:
                         client.reload_weights(str(path))
@@ -396,27 +426,16 @@ class Follower:
         client.check_resumed()
         client.check_weight_version(str(serves))
         client.probe()
-        self._hold_served(client)
+        self.nodes.hold_served(client, serves)
         return paused, reload_s, failed
 
-    def _hold_served(self, client: VllmControl) -> None:
-        """On an engine spanning nodes, have every rank hold the version it now serves on its node
-        (``cache.hold_served``): the node agents keep it, to restore after a failed reload, and need no
-        replica record to know it (a read-only stream has none). A failure is logged: the servers serve on."""
-        if self.config.nodes_ready_timeout is None:
-            return
-        try:
-            ranks = client.hold_served()
-        except VllmUnreachable:
-            raise
-        except VllmError as exc:
-            log.warning("%s: its ranks could not hold the version they serve (%s); a node agent may delete it",
-                        client.url, exc)
-            return
-        unheld = [f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks if r.get("version") is None]
-        if unheld:
-            log.warning("%s: %s serve(s) no version of the cache, which its agent may delete",
-                        client.url, ", ".join(dict.fromkeys(unheld)))
+    def _keep_served(self) -> None:
+        """Keep the current version in the cache (held) and delete the others nobody holds; with
+        ``cache_versions`` 0, not even its copy (once loaded, a change needs no whole version)."""
+        self.cache.prune({self.current} - {None})
+        if self.config.cache_versions == 0 and self.current is not None:
+            self.cache.release(self.current)
+            self.cache.drop_copies({self.current})
 
     def _gate(self, url: str, version: int) -> contextlib.AbstractContextManager[None]:
         gate = self.config.update_gate
@@ -435,29 +454,17 @@ class Follower:
         log.warning("reload failed on %s; every rank reloaded version %s", client.url, self.current)
         return True
 
-    def _wait_for_nodes(self, client: VllmControl, manifest: Manifest, path: Path) -> None:
-        """Return once every rank of ``client``'s engine reports ``manifest``'s version complete, with its
-        manifest hash, in ``path``'s directory on its own node; NodesNotReady (naming the lagging nodes,
-        also in the replica record) after ``nodes_ready_timeout``. The servers keep serving meanwhile."""
-        assert self.config.nodes_ready_timeout is not None
-        deadline = time.monotonic() + self.config.nodes_ready_timeout
-        key = str(manifest.version)
-        while True:
-            ranks = client.cache_report(str(path.parent))
-            lagging = list(dict.fromkeys(f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks
-                                         if r.get("versions", {}).get(key) != manifest.manifest_hash))
-            if lagging != self.record.lagging:
-                if lagging:
-                    log.info("version %d: waiting for %s", manifest.version, ", ".join(lagging))
-                self._report(lagging=lagging)
-            if not lagging:
-                return
-            if time.monotonic() >= deadline:
-                raise NodesNotReady(f"{', '.join(lagging)} of {client.url} lack(s) it in {path.parent} after "
-                                    f"{self.config.nodes_ready_timeout:.0f} s", version=manifest.version,
-                                    lagging=lagging, hint="Is the node agent (ckptstream serve --node-rank N) "
-                                                          "running there?")
-            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+    def _stage(self, client: VllmControl, change: Path, manifest: Manifest) -> tuple[Path | None, str | None]:
+        """``InPlaceUpdates.stage``, on an engine spanning nodes only once every rank has the change in its
+        node's cache (each node's agent builds it: ``agent.py``); a node lacking it after
+        ``nodes_ready_timeout`` makes the version a full reload (``multi_node``)."""
+        if self.config.nodes_ready_timeout is not None:
+            try:
+                self.nodes.wait_for(client, manifest, change)
+            except NodesNotReady as exc:
+                self.in_place.explain("multi_node", f"{client.url}: {exc}")
+                return None, "multi_node"
+        return self.in_place.stage(client, change)
 
     def _revert(self, clients: list[VllmControl]) -> None:
         """Reload the current version into servers that took (part of) a failed update."""
@@ -465,8 +472,8 @@ class Follower:
             return
         for client in clients:
             try:
-                self._load_into(client, self.current, self._current_path())
-            except (VllmError, CkptStreamError) as exc:
+                self._load_into(client, self.current, self._current_path(client))
+            except (VllmError, CkptStreamError, NodesNotReady) as exc:
                 log.error("could not restore version %d on %s: %s", self.current, client.url, exc)
 
     def _claim(self) -> contextlib.AbstractContextManager[list[VllmControl]]:
@@ -518,7 +525,7 @@ class Follower:
             if served != str(self.current):
                 log.info("%s serves %r, not version %d; reloading it", client.url, served, self.current)
                 client.wait_ready(timeout=60)
-                self._load_into(client, self.current, self._current_path())
+                self._load_into(client, self.current, self._current_path(client))
 
     def _adopt_served(self, clients: list[VllmControl]) -> None:
         try:

@@ -48,10 +48,14 @@ class InPlaceUpdates:
         find one."""
         if not self.config.apply_in_place or all(c.url in self.off for c in self.clients):
             return None, "disabled"
-        if current is None or not (self.cache.path(current) / MARKER_FILE).is_file():
+        if current is None:
             return None, "first_version"
-        if self.config.nodes_ready_timeout is not None:
-            return None, "multi_node"  # the change file would have to reach every node's cache
+        if not (self.cache.path(current) / MARKER_FILE).is_file():
+            if self.config.cache_versions == 0:
+                self.explain("no_change", f"version {version}: the served version {current} is not cached "
+                                          "(--cache-versions 0) to build the change on")
+                return None, "no_change"
+            return None, "first_version"
         built: list[ChangeSummary] = []
         base, stream_id = current, self.stream.info().stream_id
 
@@ -122,6 +126,16 @@ class InPlaceUpdates:
                         version, client.url, errors[0])
             return "apply_failed"
         return None
+
+    def revert_paused(self, client: VllmControl, version: int) -> None:
+        """Inside the pause, after an apply that failed on some rank: every rank writes back the old values
+        of what it applied (the served version is cached nowhere to reload). VllmError where a rank cannot."""
+        results = client.revert_change()
+        errors = [str(r.get("error")) for r in results if not isinstance(r, dict) or r.get("error")]
+        if errors:
+            raise VllmError(f"{client.url}: version {version} applied on some ranks could not be written back "
+                            f"({errors[0]})")
+        log.warning("version %d: the ranks that applied it wrote the old values back", version)
 
     def verify_due(self, client: VllmControl) -> bool:
         self._count[client.url] += 1

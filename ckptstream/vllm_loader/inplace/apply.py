@@ -308,6 +308,7 @@ class InPlaceApplier:
         self._thread: threading.Thread | None = None
         self._result: dict[str, Any] | None = None
         self._writes: list[_Write] = []
+        self._applied: list[_Write] = []  # what the last apply wrote, for ``revert``
 
     def stage(self, path: str) -> None:
         """Read the change at ``path`` and map it onto this worker's parameters, in a background thread."""
@@ -332,13 +333,30 @@ class InPlaceApplier:
     def discard(self) -> None:
         if self._thread is not None:
             self._thread.join()
-        self._thread, self._result, self._writes = None, None, []
+        self._thread, self._result, self._writes, self._applied = None, None, [], []
+
+    def revert(self) -> dict[str, Any]:
+        """Write back the old values of what the last ``apply`` wrote (an apply that failed on another rank of
+        the engine): ``{"reverted": elements}`` (0: it wrote nothing), or ``{"error": ...}``. The old values
+        were checked equal to the runtime ones before that apply wrote anything: the parameters are the base
+        version's again, bit for bit."""
+        applied, self._applied = self._applied, []
+        try:
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            with torch.no_grad():
+                for write in applied:
+                    _flat(params[write.param]).index_put_((write.index,), write.old)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"reverted": sum(w.index.numel() for w in applied)}
 
     def apply(self) -> dict[str, Any]:
         """Write the staged change, after checking every old value: ``{"applied": elements}`` or
         ``{"error": ...}`` (then nothing was written)."""
         result = self.staged(wait=True) or {}
-        writes, self._writes = self._writes, []
+        writes, self._writes, self._applied = self._writes, [], []
         self._thread, self._result = None, None
         if result.get("error") or result.get("unpatchable"):
             return {"error": result.get("error") or "the change is not patchable here"}
@@ -351,6 +369,7 @@ class InPlaceApplier:
                     if count:
                         return {"error": f"{write.param}: {count} of {write.index.numel()} elements differ from "
                                          f"the base version; nothing written"}
+            self._applied = writes
             for write in writes:
                 _flat(params[write.param]).index_put_((write.index,), write.new)
         if self.device.type == "cuda":

@@ -1,0 +1,87 @@
+"""The nodes of an engine spanning nodes, as its head's follower sees them (``nodes_ready_timeout`` set): each
+rank reads a version's files, or stages a change, from its own node's cache, so the head asks every rank before
+using either (``wait_for``), and after each update has every rank hold the version it serves on its node
+(``hold_served``), which the node agents keep and build the next change on. Both go through the ckptstream
+worker extension's collective RPCs (``worker.py``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from ...errors import NodesNotReady
+from ...format import Manifest
+from ..client import VllmControl, VllmError, VllmUnreachable
+from .cache import CHANGES_DIR, VersionCache
+from .config import FollowerConfig
+
+log = logging.getLogger("ckptstream.follow")
+
+
+class EngineNodes:
+    """The nodes of a follower's engines: one-node servers (no ``nodes_ready_timeout``) ask nothing.
+
+    Args:
+        config: the follower's (``nodes_ready_timeout``, ``poll_interval``).
+        cache: its cache (the same path on every node).
+        on_lagging: told the nodes lagging behind (named ``node N (host)``) whenever they change: the follower
+            reports them in its replica record.
+    """
+
+    def __init__(self, config: FollowerConfig, cache: VersionCache, on_lagging: Callable[[list[str]], None]):
+        self.config, self.cache, self.on_lagging = config, cache, on_lagging
+        self._lagging: list[str] = []
+
+    def wait_for(self, client: VllmControl, manifest: Manifest, path: Path) -> None:
+        """Return once every rank of ``client``'s engine reports, at ``path`` on its own node, ``manifest``'s
+        version complete with its manifest hash (a node lacking it is asked for it: its agent decodes it on
+        demand), or, for a change file (``VersionCache.change_path``), that file; NodesNotReady (naming the
+        lagging nodes, also in the replica record) after ``nodes_ready_timeout``. The servers keep serving
+        meanwhile."""
+        assert self.config.nodes_ready_timeout is not None
+        deadline = time.monotonic() + self.config.nodes_ready_timeout
+        key = str(manifest.version)
+        change = path.parent.name == CHANGES_DIR
+        versions_dir = path.parent.parent if change else path.parent
+        while True:
+            ranks = client.cache_report(str(versions_dir), request=None if change else manifest.version)
+            lagging = list(dict.fromkeys(f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks
+                                         if (path.name not in (r.get("changes") or []) if change else
+                                             r.get("versions", {}).get(key) != manifest.manifest_hash)))
+            if lagging != self._lagging:
+                if lagging:
+                    log.info("version %d: waiting for %s", manifest.version, ", ".join(lagging))
+                self._lagging = lagging
+                self.on_lagging(lagging)
+            if not lagging:
+                return
+            if time.monotonic() >= deadline:
+                what = f"its change {path.name} in {path.parent}" if change else f"it in {path.parent}"
+                raise NodesNotReady(f"{', '.join(lagging)} of {client.url} lack(s) {what} after "
+                                    f"{self.config.nodes_ready_timeout:.0f} s", version=manifest.version,
+                                    lagging=lagging, hint="Is the node agent (ckptstream serve --node-rank N) "
+                                                          "running there?")
+            time.sleep(min(self.config.poll_interval, max(0.0, deadline - time.monotonic())))
+
+    def hold_served(self, client: VllmControl, version: int) -> None:
+        """On an engine spanning nodes, have every rank hold the version it now serves on its node, by number
+        (``cache.hold_served_version``: after an update applied in place, vLLM's model path names an older
+        version): the node agents keep it, to restore after a failed reload, and build the next change on it,
+        and need no replica record to know it (a read-only stream has none). A failure is logged: the servers
+        serve on."""
+        if self.config.nodes_ready_timeout is None:
+            return
+        try:
+            ranks = client.hold_served(str(self.cache.stream_dir), version)
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            log.warning("%s: its ranks could not hold the version they serve (%s); a node agent may delete it",
+                        client.url, exc)
+            return
+        unheld = [f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks if r.get("version") is None]
+        if unheld:
+            log.warning("%s: %s serve(s) no version of the cache, which its agent may delete",
+                        client.url, ", ".join(dict.fromkeys(unheld)))
