@@ -292,19 +292,35 @@ def _stage(node: FakeNode, path: str) -> dict[str, Any]:
     """What a worker's ``InPlaceApplier.staged`` answers for the change file ``path`` (read on ``node``)."""
     from safetensors import safe_open
 
+    from .. import codec
     from ..vllm_loader.inplace.change import read_change
 
     node.staged = None
+    checks: dict[str, dict[str, Any]] = {}
     try:
         with safe_open(path, framework="pt") as handle:
             version = int((handle.metadata() or {})["version"])
-            changed = [(name, positions.clone(), old.clone(), new.clone())
-                       for name, (_, positions, old, new) in read_change(handle)]
+            changed = []
+            for name, tensor in read_change(handle):
+                positions = tensor.positions.clone()
+                if tensor.xor is None:
+                    changed.append((name, positions, tensor.old.clone(), tensor.new.clone()))
+                    continue
+                # A change from the deltas alone: the old values are this rank's own (it holds every position),
+                # and its check of them is reported, as the worker does.
+                old = node.weights[name].reshape(-1)[positions].clone()
+                ints = codec.INT_OF_SIZE[old.element_size()]
+                new = (old.view(ints) ^ tensor.xor.view(ints)).view(old.dtype)
+                mixed = f"{codec.check_total(codec.check_positions(positions)):016x}"
+                checks[name] = {"held": codec.change_check(positions, old, new).to_json(), "held_positions": mixed,
+                                "expected": tensor.check.to_json(), "positions": mixed}
+                changed.append((name, positions, old, new))
     except Exception as exc:  # noqa: BLE001 - reported per rank, as the worker does
         return {"error": f"{type(exc).__name__}: {exc}"}
     node.staged = (version, changed)
-    return {"unpatchable": {}, "coverage": {name: [p.numel(), p.numel()] for name, p, _, _ in changed},
-            "elements": sum(p.numel() for _, p, _, _ in changed)}
+    result = {"unpatchable": {}, "coverage": {name: [p.numel(), p.numel()] for name, p, _, _ in changed},
+              "elements": sum(p.numel() for _, p, _, _ in changed)}
+    return {**result, "checks": checks} if checks else result
 
 
 def _apply(node: FakeNode) -> dict[str, Any]:

@@ -311,8 +311,8 @@ class InPlaceEngine:
         self.head.adopt(0)
         self.agent.step()
 
-    def publish(self) -> int:
-        rl_like_step(self.state, fraction=0.01, max_ulps=3, generator=self.generator)
+    def publish(self, fraction: float = 0.01) -> int:
+        rl_like_step(self.state, fraction=fraction, max_ulps=3, generator=self.generator)
         return self.publisher.publish(self.state).result().version
 
     def served_equal_published(self) -> bool:
@@ -368,13 +368,31 @@ def test_one_rank_refusing_its_apply_makes_every_rank_reload_the_version(in_plac
     version = engine.publish()
     agent.step()
     node1 = server.nodes[1]
-    node1.weights["norm"].view(-1)[:] = 0  # rank 1's runtime values are not version 0's: its apply refuses
+    # Rank 1's runtime values stop being version 0's after its staging (its change check passed): its apply
+    # refuses.
+    server.on_call = lambda method, _: node1.weights["norm"].view(-1).zero_() if method == "apply_change" else None
     update = head.step()
     assert update is not None and update.applied_in_place == 0 and update.fallbacks == {"apply_failed": 1}
     # Inside the pause every rank went back to version 0; then every rank reloaded the version fully.
     assert server.calls_of("reload_weights")[-2:] == [str(head.cache.path(0)), str(head.cache.path(version))]
     assert [n.loaded_version for n in server.nodes] == [version, version] and engine.served_equal_published()
     assert server.weight_version_label == str(version) and not server.paused
+
+
+def test_a_rank_not_on_the_deltas_base_fails_the_change_check_and_no_rank_applies(in_place_engine):
+    """The change from the deltas alone: each rank reads the old values from its own weights and reports its
+    check of them; rank 1's are not version 0's, so the head's sum differs from the publisher's check and no
+    rank is paused to apply: every rank reloads the version."""
+    engine = in_place_engine
+    server, head, agent = engine.server, engine.head, engine.agent
+    version = engine.publish()
+    agent.step()
+    server.nodes[1].weights["norm"].view(-1)[:] = 0
+    update = head.step()
+    assert update is not None and update.applied_in_place == 0 and update.fallbacks == {"check_failed": 1}
+    assert not server.calls_of("apply_change")
+    assert server.calls_of("reload_weights")[-1:] == [str(head.cache.path(version))]
+    assert [n.loaded_version for n in server.nodes] == [version, version] and engine.served_equal_published()
 
 
 def test_without_cached_versions_a_full_reload_decodes_the_version_on_demand(tmp_path, capsys):
@@ -386,14 +404,20 @@ def test_without_cached_versions_a_full_reload_decodes_the_version_on_demand(tmp
         assert head.cache.versions() == [] and agent.cache.versions() == [] and agent.served() == {0}
         version = engine.publish()
         assert agent.step() == version and agent.cache.versions() == []  # nothing decoded on its own
-        # No change without a cached base (until the deltas carry their integrity fields): a full reload, for
-        # which the head asks node 1 for the version through the engine's workers.
+        # The change from the deltas alone (they carry change checks): applied in place, no version decoded.
+        update = head.step()
+        assert update is not None and update.applied_in_place == 1 and engine.served_equal_published()
+        assert agent.cache.versions() == [] and head.cache.versions() == [] and agent.served() == {version}
+        # A change too large for in place: a full reload, for which the head asks node 1 for the version
+        # through the engine's workers.
+        version = engine.publish(fraction=0.2)
+        assert agent.step() == version and agent.cache.versions() == []
         assert head.step() is None
-        assert agent.cache.requested() == {version} and [n.loaded_version for n in server.nodes] == [0, 0]
+        assert agent.cache.requested() == {version} and [n.loaded_version for n in server.nodes] == [version - 1] * 2
         agent.step()  # decodes it on demand
         assert agent.cache.versions() == [version]
         update = head.step()
-        assert update is not None and update.fallbacks == {"no_change": 1} and engine.served_equal_published()
+        assert update is not None and update.fallbacks == {"large_change": 1} and engine.served_equal_published()
         agent.step()  # loaded by the engine: request done, copy dropped
         assert agent.cache.requested() == set() and agent.cache.versions() == [] and head.cache.versions() == []
         for other in (kept,):

@@ -44,8 +44,8 @@ from .cache import VersionCache, default_cache_dir, safe_owner
 from .config import FollowerConfig
 from ..metrics_server import attach_metrics
 from ..observe import FollowerObserver, ReplicaRecordWriter, notify, refusal_reason
-from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
-                             build_change_from_deltas)
+from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, UNCHECKED, WHOLE, ChangeSummary,
+                             build_change, build_change_from_deltas, build_change_unbased)
 
 log = logging.getLogger("ckptstream.agent")
 
@@ -147,9 +147,10 @@ class NodeAgent:
 
     def _build_change(self, version: int, compared: int | None = None) -> tuple[int | None, str | None]:
         """The change from the version the engine serves on this node to ``version`` in this node's cache, at
-        the path the head stages (``VersionCache.change``): from the stored deltas and the cached served
-        version, or, with ``compared`` (the served version), by comparing both decoded versions. (The base
-        used, or None where no change was built; the builder's problem, if any.)"""
+        the path the head stages (``VersionCache.change``): from the stored deltas alone where they carry change
+        checks, else from them and the cached served version, or, with ``compared`` (the served version), by
+        comparing both decoded versions. (The base used, or None where no change was built; the builder's
+        problem, if any.)"""
         if not self.config.apply_in_place:
             return None, None
         served = self.served()
@@ -157,10 +158,12 @@ class NodeAgent:
         if base is None or base >= version:
             return None, None  # nothing served yet
         held = base in self.cache.held()
-        if not self.cache.hold(base):  # no copy of it here to build on (--cache-versions 0)
+        copy = self.cache.hold(base)
+        if not copy:  # no copy of it here to build on (--cache-versions 0): from the deltas alone, or none
             if not held:
                 self.cache.release(base)
-            return None, None
+            if compared is not None:
+                return None, None
         built: list[ChangeSummary] = []
         stream_id = self.stream.info().stream_id
 
@@ -171,8 +174,12 @@ class NodeAgent:
                                           max_fraction=MAX_CHANGE_FRACTION))
                 return
             with self.stream.keeping_reads(KEPT_DELTAS_BYTES):  # the decode reads them from memory
-                built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
-                                                      version=version, max_fraction=MAX_CHANGE_FRACTION))
+                # From the deltas alone where they carry change checks: no copy of the served version needed.
+                built.append(build_change_unbased(self.stream, out, base=base, version=version,
+                                                  max_fraction=MAX_CHANGE_FRACTION))
+                if built[0].problem == UNCHECKED and copy:
+                    built[0] = build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
+                                                        version=version, max_fraction=MAX_CHANGE_FRACTION)
 
         try:
             change = self.cache.change(base, version, build)

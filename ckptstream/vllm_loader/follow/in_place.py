@@ -50,23 +50,20 @@ class InPlaceUpdates:
             return None, "disabled"
         if current is None:
             return None, "first_version"
-        if not (self.cache.path(current) / MARKER_FILE).is_file():
-            if self.config.cache_versions == 0:
-                self.explain("no_change", f"version {version}: the served version {current} is not cached "
-                                          "(--cache-versions 0) to build the change on")
-                return None, "no_change"
-            return None, "first_version"
+        cached = (self.cache.path(current) / MARKER_FILE).is_file()
+        if not cached and path is not None:
+            return self._uncached(version, current)
         built: list[ChangeSummary] = []
         base, stream_id = current, self.stream.info().stream_id
 
         def build(out: Path) -> None:
             if path is None:
                 with self.stream.keeping_reads(KEPT_DELTAS_BYTES):  # the decode reads them from memory
-                    # From the deltas alone where they carry change checks: the ranks read the old values
-                    # from what they serve, and the checks prove them right.
+                    # From the deltas alone where they carry change checks (no copy of the served version
+                    # needed): the ranks read the old values from what they serve, and the checks prove them.
                     built.append(build_change_unbased(self.stream, out, base=base, version=version,
                                                       max_fraction=MAX_CHANGE_FRACTION))
-                    if built[0].problem == UNCHECKED:
+                    if built[0].problem == UNCHECKED and cached:
                         built[0] = build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
                                                             version=version, max_fraction=MAX_CHANGE_FRACTION)
             else:
@@ -83,7 +80,9 @@ class InPlaceUpdates:
             return None, "no_change"
         if change is None:  # too many elements changed (some counted), or the versions do not compare
             if path is None and built and built[0].problem == WHOLE:
-                return None, None
+                return (None, None) if cached else self._uncached(version, current)
+            if built and built[0].problem == UNCHECKED:
+                return self._uncached(version, current)
             reason = "large_change" if built and built[0].changed else "no_change"
             self.explain(reason, f"version {version} on {base}: {built[0].problem if built else 'not built'}")
             return None, reason
@@ -91,6 +90,15 @@ class InPlaceUpdates:
             log.info("version %d: %d of %d elements changed since version %d, in %d tensors", version,
                      built[0].changed, built[0].total, base, built[0].tensors)
         return change, None
+
+    def _uncached(self, version: int, current: int) -> tuple[None, str]:
+        """Why no change to ``version`` is built where one needs the served version's copy, which is not cached."""
+        if self.config.cache_versions == 0:
+            self.explain("no_change", f"version {version}: the served version {current} is not cached "
+                                      "(--cache-versions 0) to build the change on, and the deltas since carry "
+                                      "no change checks")
+            return None, "no_change"
+        return None, "first_version"
 
     def stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
         """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change, or
