@@ -47,8 +47,8 @@ from ..format import MARKER_FILE, STREAM_KIND_WEIGHTS
 from ..reader import Stream
 from ..vllm_loader.inplace.apply import InPlaceApplier, staging_problem
 from ..vllm_loader.follow.cache import VersionCache, default_cache_dir, safe_owner
-from ..vllm_loader.inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary, build_change,
-                                          build_change_from_deltas)
+from ..vllm_loader.inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, UNCHECKED, WHOLE, ChangeSummary,
+                                          build_change, build_change_from_deltas, build_change_unbased)
 from . import refuse_credentials
 
 log = logging.getLogger("ckptstream.weight_transfer")
@@ -237,7 +237,8 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
 
     def _change(self, version: int, path: Path) -> tuple[Path | None, str | None]:
         """The change from the served version to ``version`` (from the deltas between them where they
-        connect, else by comparing the two decoded versions), or why there is none."""
+        connect: from them alone where they carry change checks; else by comparing the two decoded versions),
+        or why there is none."""
         base, base_dir = self.served, self.served_path
         if base is None or not (base_dir / MARKER_FILE).is_file():
             return None, "first_version"
@@ -246,8 +247,12 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         built: list[ChangeSummary] = []
 
         def build(out: Path) -> None:
-            summary = build_change_from_deltas(stream, base_dir, out, base=base, version=version,
-                                               max_fraction=MAX_CHANGE_FRACTION)
+            # From the deltas alone where they carry change checks (each rank reads the old values from its own
+            # parameters, and the ranks' checks prove them), else with the served version's decoded copy.
+            summary = build_change_unbased(stream, out, base=base, version=version, max_fraction=MAX_CHANGE_FRACTION)
+            if summary.problem == UNCHECKED:
+                summary = build_change_from_deltas(stream, base_dir, out, base=base, version=version,
+                                                   max_fraction=MAX_CHANGE_FRACTION)
             if summary.problem == WHOLE:  # a keyframe between them: compare the decoded versions
                 summary = build_change(base_dir, path, out, stream_id=stream_id, base=base, version=version,
                                        max_fraction=MAX_CHANGE_FRACTION)

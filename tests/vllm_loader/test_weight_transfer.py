@@ -253,8 +253,9 @@ def test_the_trainer_engine_publishes_and_updates_two_servers(local_run, server,
 
 
 def test_two_ranks_agree_on_every_step(tp2_server, tmp_path):
-    """TP=2: an apply that one rank refuses (its half of the embedding is not the served version's) is a
-    full reload on both; a corrupt version is refused by both before either touches a weight."""
+    """TP=2: a change that one rank's values fail (its half of the embedding is not the served version's:
+    the ranks' change checks do not add up) is a full reload on both, applied on neither; a corrupt version is
+    refused by both before either touches a weight."""
     run = Run(tmp_path, str(tmp_path / "stream"))
     client = HttpWeightSyncClient(tp2_server.url)
     client.init_weight_transfer_engine({"url": run.url, "cache_dir": str(tmp_path / "cache"), "prefetch": False})
@@ -274,7 +275,7 @@ def test_two_ranks_agree_on_every_step(tp2_server, tmp_path):
         _update(client, newest)
         statuses = tp2_server.client.weight_transfer_status()
         assert [(st["version"], st["mode"], st["fallback"]) for st in statuses] == [
-            (newest, "reload", "apply_failed")] * 2
+            (newest, "reload", "check_failed")] * 2
         run.equals_full_reload(tp2_server, newest)
 
         refused = _refused_corrupt(run, client, tp2_server, newest)
