@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream import Publisher, Stream  # noqa: E402
 from ckptstream.cli.options import parse_bytes  # noqa: E402
+from ckptstream.format import manifest_path  # noqa: E402
 from ckptstream.mirror import Mirror  # noqa: E402
 from ckptstream.relay import Relay  # noqa: E402
 from ckptstream.storage import open_storage  # noqa: E402
@@ -63,7 +64,10 @@ def main() -> None:
                     rl_like_step(state, generator=generator)
                 publisher.publish(state).result()
         stream = Stream(str(origin))
-        stored = sum(stream.manifest(v).stored_bytes for v in stream.versions())
+        # What a copy of the stream holds: the data files and the manifests (which name every chunk and its
+        # checks: a few percent of a small delta version).
+        stored = sum(stream.manifest(v).stored_bytes + (origin / manifest_path(v)).stat().st_size
+                     for v in stream.versions())
 
         with Relay(origin) as wan:  # every follower across the WAN
             follow_once(wan.url, args.followers, work, "direct")
