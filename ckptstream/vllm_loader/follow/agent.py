@@ -312,7 +312,8 @@ class NodeAgent:
         ``cache_versions`` 1: what every rank reloads after a failed update), then the change built again, on
         it."""
         base = self._served_base()
-        if self.current is None or base in (None, self._change_base) or base >= self.current:
+        if not self.config.apply_in_place or self.current is None or base in (None, self._change_base) \
+                or base >= self.current:
             return
         self._change_base = base
         log.info("the engine serves version %d now: the change to version %d built on it", base, self.current)
@@ -322,6 +323,8 @@ class NodeAgent:
             built, problem = self._build_change(self.current)
             if self.config.cache_versions > 0 and built is not None and problem == WHOLE:
                 self._build_change(self.current, built)
+        except CkptStreamError as exc:  # (gone, corrupt: the head reloads the next version fully)
+            log.warning("version %d: no change from version %d built here (%s)", self.current, base, exc)
         finally:
             self.stream.drop_kept_reads()
 
