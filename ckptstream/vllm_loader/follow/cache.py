@@ -38,7 +38,7 @@ With ``copies=False`` (``--cache-versions 0``) a node keeps no whole version onc
 served version's directory is deleted (``drop_copies``), its served lock stays (what the engine serves stays
 known), and a version the engine must reload (a fallback, a restart) is decoded on demand: the head asks every
 rank for it (``worker.WorkerExtension``), which leaves a request file in its node's cache that the node's
-agent reads (``requested``).
+agent reads (``requested``), until the workers hold the version they serve after the load (``hold_served_version``).
 
 A version is written by the reader (``Stream.write_into``) into the ``.incoming-*`` directory this module
 made, with a proof file (``.proof.json``: the manifest hash and each file's size, modification time and
