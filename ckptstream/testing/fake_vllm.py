@@ -191,6 +191,19 @@ class FakeVllmClient:
         self.loaded_version = int(json.loads(marker.read_text())["version"])
         self.reloaded.append(self.loaded_version)
 
+    def restart(self) -> None:
+        """The engine restarts: unlabelled, every rank forgets what it loaded and (its process gone) stops holding
+        the version it served."""
+        from ..locks import unlock
+
+        self.weight_version_label, self.loaded, self.loaded_version = "default", None, None
+        for node in self.nodes:
+            node.loaded_version, node.weights, node.staged, node.applied = None, {}, None, None
+            held = getattr(node.worker, "_ckptstream_served", None)
+            if held is not None:
+                unlock(held[1])
+            node.worker._ckptstream_served = None
+
     def reset_prefix_cache(self) -> None:
         self._call("reset_prefix_cache")
 

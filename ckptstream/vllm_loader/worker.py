@@ -13,7 +13,8 @@ and answers ``{"results": [one per rank]}``. They are:
   node lacks it (a node that keeps no whole version decodes one on demand: ``cache.py``);
 - the served version held: after each update, the head has every rank hold the version it serves, by number,
   on its own node (``cache.hold_served_version``), so that the node's agent keeps it and learns that the
-  engine serves it (a failed reload restores it on every rank), without reading or writing the stream;
+  engine serves it (a failed reload restores it on every rank), without reading or writing the stream; it
+  also removes the head's requests there (the load they were for is over);
 - the version label, for vLLM builds without ``/update_weight_version`` (before 0.25): kept by the worker, so
   it is gone when the engine restarts, as vLLM's own label is;
 - the in-place apply of a change (``apply.py``, imported on first use: it needs torch): stage it in the

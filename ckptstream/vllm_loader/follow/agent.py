@@ -19,8 +19,8 @@ rank reloads that one if an update fails on any rank), which it learns from its 
 workers there hold it in the cache by number (``cache.hold_served_version``, which the head has them do after
 each update, in place or not), so
 it needs no record of the head's, and a read-only stream (HTTP, a relay) serves as well as a writable one.
-Until the workers hold a version (the head has them do it once the engine answers), the version prepared last
-counts as served: the one vLLM was started on.
+Until the workers hold a version (the head has them do it once the engine answers), the version prepared first
+counts as served: the one vLLM was started on; while they hold none (the engine restarted), what they held last.
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ class NodeAgent:
                                   self.engine)
         self.pin = config.pin
         self.current: int | None = None
+        self._served: set[int] = set()  # what the workers held last (before they held any, the start version)
+        self._change_base: int | None = None  # the served version the change to the current one was built on
         self.record = ReplicaRecord(replica_id=record_id, kind=KIND_NODE, engine=self.engine, node_rank=node_rank,
                                     nnodes=nnodes, host=socket.gethostname(), pid=os.getpid(), pin=config.pin)
         self.wake = threading.Event()
@@ -110,6 +112,7 @@ class NodeAgent:
     def prepare(self, version: int) -> Path:
         """Decode ``version`` into this node's cache (complete, with its marker) and report it."""
         path = self._decode(version)
+        self._served = self._served or {version}  # the first one: vLLM's start version
         self.current = version
         self._report(version=version, state="serving", last_error=None)
         return path
@@ -121,7 +124,7 @@ class NodeAgent:
         read_before = self.stream.bytes_read()
         try:
             if self.config.cache_versions == 0:
-                self.cache.prune(self.served() | self.cache.requested())  # no whole version: only the change
+                self.cache.prune(self._keep())  # no whole version: only the change
             base, problem = self._build_change(version)
             if self.config.cache_versions == 0:
                 self.current = version
@@ -136,8 +139,7 @@ class NodeAgent:
                  self.record.node_rank, self.stream.bytes_read() - read_before, self.config.cache_versions)
 
     def _decode(self, version: int) -> Path:
-        served = self.served()
-        keep = served | self.cache.requested()
+        keep = self._keep()
         path, base, fetched, _ = self.cache.acquire(self.stream, version, keep=keep,
                                                     holder=f"node agent {self.record.replica_id}")
         self.cache.prune({version} | keep)  # the base is done with, unless the engine serves it
@@ -153,8 +155,9 @@ class NodeAgent:
         problem, if any.)"""
         if not self.config.apply_in_place:
             return None, None
-        served = self.served()
-        base = compared if compared is not None else (served.pop() if len(served) == 1 else None)
+        base = compared
+        if compared is None:
+            base = self._change_base = self._served_base()
         if base is None or base >= version:
             return None, None  # nothing served yet
         held = base in self.cache.held()
@@ -197,14 +200,22 @@ class NodeAgent:
 
     def step(self) -> int | None:
         """Decode the versions the head asked for (``VersionCache.requested``), then prepare the newest version
-        (or the pin) if it is not the current one (``update``); returns it if prepared."""
+        (or the pin) if it is not the current one (``update``), or else follow the engine to the version it
+        serves now (``_rebase``); then delete what this node no longer needs. Returns the version prepared."""
         self._serve_requests()
+        try:
+            return self._advance()
+        finally:
+            self._tidy()
+
+    def _advance(self) -> int | None:
         target = self._discover()
         if target is None or str(target) in self.record.refused:
             return None
         if self.pin is None:
             notify(self.observers, "on_discovered", target)
         if target == self.current:
+            self._rebase()
             return None
         try:
             self.update(target)
@@ -256,29 +267,76 @@ class NodeAgent:
         return listed[-1] if listed else None
 
     def _serve_requests(self) -> None:
-        """Decode each version the head asked for (a full reload of it is due) unless the engine serves it or
-        a newer one already (the request is then dropped); with ``cache_versions`` 0, drop the copies of what
-        the engine serves (loaded: no longer needed here)."""
-        served = self.served()
+        """Decode each version the head asked for (a full reload of it is due: of a new version, or of the
+        served one, which every rank reloads after a failed update or a restart) unless the engine serves a
+        newer one already (the request is then dropped: the head moved on)."""
+        served = self.cache.served()  # what the workers hold, never the start version standing in for it
         for version in sorted(self.cache.requested()):
-            if served and version <= max(served):
+            if served and version < max(served):
                 self.cache.drop_request(version)
-                continue
-            try:
-                self._decode(version)
-            except CkptStreamError as exc:  # the head refuses it as well; asked again, decoded again
-                log.error("cannot prepare version %d asked for by the head: %s", version, exc)
-                self.cache.drop_request(version)
-        if self.config.cache_versions == 0:
-            loaded = served - self.cache.requested()
-            for version in loaded:
+            elif version not in self.cache.held():  # (held: decoded here already)
+                try:
+                    self._decode(version)
+                except CkptStreamError as exc:  # the head refuses it as well; asked again, decoded again
+                    log.error("cannot prepare version %d asked for by the head: %s", version, exc)
+                    self.cache.drop_request(version)
+
+    def _tidy(self) -> None:
+        """Delete what this node no longer needs (``_keep``); with ``cache_versions`` 0, every whole version the
+        head does not ask for, once the engine holds what it serves (loaded: the workers then remove the head's
+        requests, done or given up: ``cache.hold_served_version``)."""
+        keep = self._keep()
+        self.cache.prune(keep)
+        if self.config.cache_versions == 0 and self.cache.served():
+            copies = keep - self.cache.requested()
+            for version in copies:
                 self.cache.release(version)
-            self.cache.drop_copies(loaded)
+            self.cache.drop_copies(copies)
+
+    def _keep(self) -> set[int]:
+        """The versions this node keeps: those the engine serves (every rank reloads it after a failed update)
+        and the head asked for, and the newest prepared."""
+        return self.served() | self.cache.requested() | {v for v in (self.current,) if v is not None}
+
+    def _served_base(self) -> int | None:
+        """The version the engine serves on this node, the base of the next change (None while its ranks hold
+        different ones, mid-update, or none)."""
+        served = self.served()
+        return served.pop() if len(served) == 1 else None
+
+    def _rebase(self) -> None:
+        """Follow the engine to the version it serves now if it moved since the change to the current version
+        was built (published while the head applied the one before it, that change was built on the version
+        served before, or on none, and that version's copy was the base of the current one's decode, then
+        deleted): its copy back (decoded from its delta on the copy of the version served before, still here;
+        ``cache_versions`` 1: what every rank reloads after a failed update), then the change built again, on
+        it."""
+        base = self._served_base()
+        if not self.config.apply_in_place or self.current is None or base in (None, self._change_base) \
+                or base >= self.current:
+            return
+        self._change_base = base
+        log.info("the engine serves version %d now: the change to version %d built on it", base, self.current)
+        try:
+            if self.config.cache_versions > 0:
+                self._decode(base)
+            built, problem = self._build_change(self.current)
+            if self.config.cache_versions > 0 and built is not None and problem == WHOLE:
+                self._build_change(self.current, built)
+        except CkptStreamError as exc:  # (gone, corrupt: the head reloads the next version fully)
+            log.warning("version %d: no change from version %d built here (%s)", self.current, base, exc)
+        finally:
+            self.stream.drop_kept_reads()
 
     def served(self) -> set[int]:
         """What the engine serves on this node: the versions its workers hold in the cache
-        (``VersionCache.served``); until they hold one, the version prepared last (vLLM's start version)."""
-        return self.cache.served() or {v for v in (self.current,) if v is not None}
+        (``VersionCache.served``); while they hold none, what they held last (a restarted engine: the head
+        brings it back to that version), and before they held any, the version prepared first (vLLM's start
+        version)."""
+        held = self.cache.served()
+        if held:
+            self._served = held
+        return held or set(self._served)
 
     def _report(self, **changes: Any) -> None:
         with self._lock:

@@ -38,7 +38,7 @@ With ``copies=False`` (``--cache-versions 0``) a node keeps no whole version onc
 served version's directory is deleted (``drop_copies``), its served lock stays (what the engine serves stays
 known), and a version the engine must reload (a fallback, a restart) is decoded on demand: the head asks every
 rank for it (``worker.WorkerExtension``), which leaves a request file in its node's cache that the node's
-agent reads (``requested``).
+agent reads (``requested``), until the workers hold the version they serve after the load (``hold_served_version``).
 
 A version is written by the reader (``Stream.write_into``) into the ``.incoming-*`` directory this module
 made, with a proof file (``.proof.json``: the manifest hash and each file's size, modification time and
@@ -488,11 +488,19 @@ def hold_served_version(versions_dir: str | os.PathLike[str], version: int) -> i
     """For a vLLM worker that serves ``version`` of the cache at ``versions_dir`` (a stream's directory in a
     follower's cache), complete there or not: hold its served lock (shared) and return the lock's descriptor
     for ``locks.unlock``; None where ``versions_dir`` is no cache. After an update applied in place the model's
-    path still names the version last reloaded: the version number is what the engine serves."""
-    locks = Path(versions_dir).absolute() / LOCKS_DIR
-    if not locks.is_dir():
+    path still names the version last reloaded: the version number is what the engine serves.
+
+    The head has its workers do this once it is done with a load (the update's, or the served version's back
+    after a failure), so the head's requests there (``VersionCache.requested``) are over, loaded or given up
+    (it asks again for what it still needs): they are removed, and the node's agent keeps no copy for them."""
+    directory = Path(versions_dir).absolute()
+    if not (directory / LOCKS_DIR).is_dir():
         return None
-    return lock_file(locks / f"{version_name(version)}{SERVED_SUFFIX}", shared=True)
+    fd = lock_file(directory / LOCKS_DIR / f"{version_name(version)}{SERVED_SUFFIX}", shared=True)
+    requests = directory / REQUESTS_DIR
+    for request in requests.iterdir() if requests.is_dir() else ():
+        request.unlink(missing_ok=True)
+    return fd
 
 
 def _file_stats(directory: Path) -> dict[str, list[int]]:

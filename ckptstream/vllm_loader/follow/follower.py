@@ -312,16 +312,11 @@ class Follower:
                 lag_s = commit_age(manifest.created)
         for client in verify:
             path = path if path is not None else self.prepare(version)[0]  # (--cache-versions 0)
-            if self.config.nodes_ready_timeout is not None:
-                try:  # the check reloads the version on every rank
-                    self.nodes.wait_for(client, manifest, path)
-                except NodesNotReady as exc:
-                    log.warning("version %d: not checked against a full reload on %s (%s)", version, client.url,
-                                exc)
-                    continue
-            with self._gate(client.url, version):
-                self.in_place.verify(client, version, path)
-            fallbacks["verify"] += 1
+            if self.nodes.ready_to_check(client, manifest, path):  # the check reloads it on every rank
+                with self._gate(client.url, version):
+                    self.in_place.verify(client, version, path)
+                self.nodes.hold_served(client, version)  # (reloaded: what the head asked the nodes for is over)
+                fallbacks["verify"] += 1
         self.current = version
         self._keep_served()
         fetched = self._reads.bytes_read() - bytes_before  # measured: what this update read from storage
@@ -346,7 +341,9 @@ class Follower:
                 except VllmError:
                     # A server whose reload failed got the last good version back inside its pause,
                     # else gets it now, before the gate lets it serve again.
-                    if not restored:
+                    if restored:  # (what the head asked the nodes for is over)
+                        self.nodes.hold_served(client, self.current)
+                    else:
                         self._revert([client])
                     raise
             loaded = True

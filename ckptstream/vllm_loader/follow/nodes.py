@@ -65,13 +65,27 @@ class EngineNodes:
                                                           "running there?")
             time.sleep(min(self.config.poll_interval, max(0.0, deadline - time.monotonic())))
 
-    def hold_served(self, client: VllmControl, version: int) -> None:
+    def ready_to_check(self, client: VllmControl, manifest: Manifest, path: Path) -> bool:
+        """Whether every rank of ``client``'s engine has ``manifest``'s version at ``path`` for the full reload
+        that checks an update applied in place (``--verify-apply``): at once on a one-node server, else
+        ``wait_for``; a node lacking it is logged (not checked this time)."""
+        if self.config.nodes_ready_timeout is None:
+            return True
+        try:
+            self.wait_for(client, manifest, path)
+        except NodesNotReady as exc:
+            log.warning("version %d: not checked against a full reload on %s (%s)", manifest.version, client.url,
+                        exc)
+            return False
+        return True
+
+    def hold_served(self, client: VllmControl, version: int | None) -> None:
         """On an engine spanning nodes, have every rank hold the version it now serves on its node, by number
         (``cache.hold_served_version``: after an update applied in place, vLLM's model path names an older
         version): the node agents keep it, to restore after a failed reload, and build the next change on it,
         and need no replica record to know it (a read-only stream has none). A failure is logged: the servers
-        serve on."""
-        if self.config.nodes_ready_timeout is None:
+        serve on. It also ends the head's requests to the nodes (``cache.hold_served_version``)."""
+        if self.config.nodes_ready_timeout is None or version is None:
             return
         try:
             ranks = client.hold_served(str(self.cache.stream_dir), version)
