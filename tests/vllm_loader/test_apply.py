@@ -133,11 +133,11 @@ class _TensorParallelRank(torch.nn.Module):
     """One of two tensor-parallel ranks of a model whose embedding is split by rows (as vLLM's
     VocabParallelEmbedding) and whose norm is replicated (each rank holds all of it)."""
 
-    def __init__(self, rank: int, vocab: int = 64, hidden: int = 16):
+    def __init__(self, rank: int, vocab: int = 64, hidden: int = 16, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.rank = rank
-        self.embed = torch.nn.Parameter(torch.zeros(vocab // 2, hidden, dtype=torch.bfloat16), requires_grad=False)
-        self.norm = torch.nn.Parameter(torch.zeros(hidden, dtype=torch.bfloat16), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.zeros(vocab // 2, hidden, dtype=dtype), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False)
 
     def load_weights(self, weights):
         for name, weight in weights:
@@ -211,3 +211,79 @@ def test_ranks_splitting_a_tensor_add_their_checks_up_and_a_skewed_rank_fails_th
     assert staging_problem(results) is None
     _, results = _stage([ranks(base)[0], whole_rank], change)
     assert staging_problem(results)[0] == "unverifiable"
+
+
+def _published(tmp_path: Path, seed: int) -> tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A stream of two bf16 versions of ``_TensorParallelRank``'s checkpoint, the second a delta on the first
+    (with change checks): (its path, version 0, version 1)."""
+    from ckptstream import Publisher
+
+    generator = torch.Generator().manual_seed(seed)
+    base = {"embed.weight": torch.randn(64, 16, generator=generator).to(torch.bfloat16),
+            "norm.weight": torch.randn(16, generator=generator).to(torch.bfloat16)}
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.1, max_ulps=3, generator=generator)
+    with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
+        publisher.publish(base).result()
+        publisher.publish(new).result()
+    return str(tmp_path / "stream"), base, new
+
+
+def _tp_ranks(state: dict[str, torch.Tensor], dtype: torch.dtype) -> list[_TensorParallelRank]:
+    models = [_TensorParallelRank(rank, dtype=dtype) for rank in (0, 1)]
+    with torch.no_grad():
+        for model in models:
+            model.load_weights(state.items())
+    return models
+
+
+@pytest.mark.parametrize("served", [torch.float16, torch.float32])
+def test_a_server_rounding_the_checkpoints_values_cannot_check_a_change_from_the_deltas_alone(tmp_path, served):
+    """A bf16 stream served as fp16 (``--dtype float16``): the ranks' runtime values are rounded, so the
+    checkpoint's old bits that a change from the deltas alone (``xor-1``) needs are not there. That is
+    ``unverifiable`` (the follower then stages the change with old values, ``packed-1``, which applies),
+    never ``check_failed`` (a forged delta or a server off the base). Served as fp32 (wider): checked."""
+    from ckptstream import Stream
+    from ckptstream.vllm_loader.inplace.change import build_change_from_deltas, build_change_unbased
+
+    url, base, new = _published(tmp_path, seed=5)
+    unbased, packed = tmp_path / "xor.safetensors", tmp_path / "packed.safetensors"
+    assert build_change_unbased(Stream(url), unbased, base=0, version=1, max_fraction=1.0).problem is None
+    base_dir = Path(Stream(url).materialize(0, tmp_path / "v0"))
+    assert build_change_from_deltas(Stream(url), base_dir, packed, base=0, version=1,
+                                    max_fraction=1.0).problem is None
+
+    appliers, results = _stage(_tp_ranks(base, served), unbased)
+    problem = staging_problem(results)
+    if served == torch.float32:
+        assert problem is None
+    else:
+        assert problem is not None and problem[0] == "unverifiable" and "float16" in problem[1], problem
+    for applier in appliers:
+        applier.discard()
+    models = _tp_ranks(base, served)
+    appliers, results = _stage(models, packed)
+    assert staging_problem(results) is None
+    assert all(applier.apply().get("applied") for applier in appliers)
+    assert [_same_parameters(a, b) for a, b in zip(models, _tp_ranks(new, served))] == [[], []]
+
+
+def test_ranks_that_read_different_changes_fail_the_check(tmp_path):
+    """Ranks on different nodes read the change from their own node's cache: a stale or foreign file on one
+    node shows as another expected check (or positions) of a tensor; never does one rank's word win."""
+    from ckptstream import Stream
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
+
+    url, base, _ = _published(tmp_path, seed=6)
+    change = tmp_path / "change.safetensors"
+    assert build_change_unbased(Stream(url), change, base=0, version=1, max_fraction=1.0).problem is None
+    _, results = _stage(_tp_ranks(base, torch.bfloat16), change)
+    assert staging_problem(results) is None
+    for field, other in (("expected", {**results[1]["checks"]["embed.weight"]["expected"], "old": "0" * 16}),
+                         ("positions", "0" * 16)):
+        for order in (results, results[::-1]):
+            forged = [order[0], {**order[1], "checks": {**order[1]["checks"], "embed.weight": {
+                **order[1]["checks"]["embed.weight"], field: other}}}]
+            problem = staging_problem(forged)
+            assert problem is not None and problem[0] == "check_failed" and "different" in problem[1], (field,
+                                                                                                       problem)
