@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ckptstream.codec import bit_pattern
+from ckptstream.format import MARKER_FILE
 from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint
 from ckptstream.testing.models import rl_like_step
 from ckptstream.vllm_loader.inplace.apply import InPlaceApplier, plan_tensor, plan_tensors, staging_problem
@@ -213,20 +214,22 @@ def test_ranks_splitting_a_tensor_add_their_checks_up_and_a_skewed_rank_fails_th
     assert staging_problem(results)[0] == "unverifiable"
 
 
-def _published(tmp_path: Path, seed: int) -> tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A stream of two bf16 versions of ``_TensorParallelRank``'s checkpoint, the second a delta on the first
-    (with change checks): (its path, version 0, version 1)."""
+def _published(tmp_path: Path, seed: int, steps: int = 1,
+               fraction: float = 0.1) -> tuple[str, list[dict[str, torch.Tensor]]]:
+    """A stream of bf16 versions of ``_TensorParallelRank``'s checkpoint, each after the first a delta on the
+    one before (with change checks, ``fraction`` of the elements changed): (its path, the versions' tensors)."""
     from ckptstream import Publisher
 
     generator = torch.Generator().manual_seed(seed)
-    base = {"embed.weight": torch.randn(64, 16, generator=generator).to(torch.bfloat16),
-            "norm.weight": torch.randn(16, generator=generator).to(torch.bfloat16)}
-    new = {n: t.clone() for n, t in base.items()}
-    rl_like_step(new, fraction=0.1, max_ulps=3, generator=generator)
+    states = [{"embed.weight": torch.randn(64, 16, generator=generator).to(torch.bfloat16),
+               "norm.weight": torch.randn(16, generator=generator).to(torch.bfloat16)}]
+    for _ in range(steps):
+        states.append({n: t.clone() for n, t in states[-1].items()})
+        rl_like_step(states[-1], fraction=fraction, max_ulps=3, generator=generator)
     with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
-        publisher.publish(base).result()
-        publisher.publish(new).result()
-    return str(tmp_path / "stream"), base, new
+        for state in states:
+            publisher.publish(state).result()
+    return str(tmp_path / "stream"), states
 
 
 def _tp_ranks(state: dict[str, torch.Tensor], dtype: torch.dtype) -> list[_TensorParallelRank]:
@@ -246,7 +249,7 @@ def test_a_server_rounding_the_checkpoints_values_cannot_check_a_change_from_the
     from ckptstream import Stream
     from ckptstream.vllm_loader.inplace.change import build_change_from_deltas, build_change_unbased
 
-    url, base, new = _published(tmp_path, seed=5)
+    url, (base, new) = _published(tmp_path, seed=5)
     unbased, packed = tmp_path / "xor.safetensors", tmp_path / "packed.safetensors"
     assert build_change_unbased(Stream(url), unbased, base=0, version=1, max_fraction=1.0).problem is None
     base_dir = Path(Stream(url).materialize(0, tmp_path / "v0"))
@@ -274,7 +277,7 @@ def test_ranks_that_read_different_changes_fail_the_check(tmp_path):
     from ckptstream import Stream
     from ckptstream.vllm_loader.inplace.change import build_change_unbased
 
-    url, base, _ = _published(tmp_path, seed=6)
+    url, (base, _) = _published(tmp_path, seed=6)
     change = tmp_path / "change.safetensors"
     assert build_change_unbased(Stream(url), change, base=0, version=1, max_fraction=1.0).problem is None
     _, results = _stage(_tp_ranks(base, torch.bfloat16), change)
@@ -287,3 +290,79 @@ def test_ranks_that_read_different_changes_fail_the_check(tmp_path):
             problem = staging_problem(forged)
             assert problem is not None and problem[0] == "check_failed" and "different" in problem[1], (field,
                                                                                                        problem)
+
+
+class _Ranks:
+    """The staging side of a server (``VllmControl``) whose ranks are ``models``, in this process."""
+
+    def __init__(self, models: list[torch.nn.Module]):
+        self.url = "http://ranks:1"
+        self.appliers = [InPlaceApplier(model, torch.device("cpu")) for model in models]
+        self.staged: list[str] = []  # the change files staged, by name
+
+    def stage_change(self, path: str) -> list[dict]:
+        self.staged.append(Path(path).name)
+        return _stage_all(self.appliers, path)
+
+    def discard_change(self) -> None:
+        for applier in self.appliers:
+            applier.discard()
+
+
+def _stage_all(appliers: list[InPlaceApplier], path: str) -> list[dict]:
+    for applier in appliers:
+        applier.stage(path)
+    return [applier.staged(wait=True) for applier in appliers]
+
+
+def test_a_follower_stages_the_change_with_old_values_where_its_ranks_cannot_check_one(tmp_path):
+    """A server rounding the checkpoint's values (bf16 served as fp16) cannot check a change from the deltas
+    alone: the follower builds the change with old values from its cached copy of the served version, stages
+    that (applied: equal to a load of the version), and stages it first from then on; so on ranks holding a
+    tensor's positions unevenly (kv heads replicated, q heads split). With no cached copy
+    (``--cache-versions 0``) or on an engine spanning nodes (the other nodes have no such change): a full
+    reload, ``unverifiable``."""
+    from ckptstream import Stream
+    from ckptstream.vllm_loader.follow.cache import VersionCache
+    from ckptstream.vllm_loader.follow.config import FollowerConfig
+    from ckptstream.vllm_loader.follow.in_place import InPlaceUpdates
+
+    url, states = _published(tmp_path, seed=7, steps=2, fraction=0.02)  # (in place: at most 5 %)
+    stream = Stream(url)
+    models = _tp_ranks(states[0], torch.float16)
+    ranks = _Ranks(models)
+    with VersionCache(tmp_path / "cache", stream.info().stream_id, "t") as cache:
+        cache.acquire(stream, 0, keep=set(), holder="t")
+        updates = InPlaceUpdates(FollowerConfig(), stream, cache, [ranks])
+        staged_names = []
+        for version in (1, 2):
+            change, why_not = updates.change(version, None, version - 1)
+            assert change is not None and why_not is None
+            staged, reason = updates.stage(ranks, change)
+            assert reason is None and staged is not None and staged.name.endswith(".packed-1.safetensors")
+            staged_names.append([change.name, staged.name] if version == 1 else [staged.name])
+            assert all(applier.apply().get("applied") for applier in ranks.appliers)
+            assert [_same_parameters(a, b) for a, b in zip(models, _tp_ranks(states[version], torch.float16))] \
+                == [[], []]
+            cache.acquire(stream, version, keep={version - 1}, holder="t")
+        assert ranks.url in updates.old_values and "float16" in updates.old_values[ranks.url]
+        assert ranks.staged == [name for names in staged_names for name in names]  # v2: old values first
+
+        change = cache.change_path(1, 2)
+        uneven = [_TensorParallelRank(0), _TensorParallelRank(0, vocab=128)]  # rows 0-31 held twice, the rest once
+        with torch.no_grad():
+            for model in uneven:
+                model.load_weights(states[1].items())
+        other = _Ranks(uneven)
+        staged, reason = InPlaceUpdates(FollowerConfig(), stream, cache, [other]).stage(other, change)
+        assert reason is None and other.staged == [change.name, staged.name]  # unverifiable, then old values
+        assert all(applier.apply().get("applied") for applier in other.appliers)
+
+        for config in (FollowerConfig(nodes_ready_timeout=5.0), FollowerConfig(cache_versions=0)):
+            if config.cache_versions == 0:
+                cache.release(1)
+                cache.drop_copies({1})
+                assert not (cache.path(1) / MARKER_FILE).is_file()
+            other = _Ranks(_tp_ranks(states[1], torch.float16))
+            staged, reason = InPlaceUpdates(config, stream, cache, [other]).stage(other, change)
+            assert (staged, reason) == (None, "unverifiable") and other.staged == [change.name]
