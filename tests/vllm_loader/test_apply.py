@@ -366,3 +366,34 @@ def test_a_follower_stages_the_change_with_old_values_where_its_ranks_cannot_che
             other = _Ranks(_tp_ranks(states[1], torch.float16))
             staged, reason = InPlaceUpdates(config, stream, cache, [other]).stage(other, change)
             assert (staged, reason) == (None, "unverifiable") and other.staged == [change.name]
+
+
+def test_the_weight_transfer_engine_stages_the_change_with_old_values_where_it_cannot_check_one(tmp_path):
+    """The weight-transfer backend (one rank here: vLLM's routes call the same methods on every rank) on a
+    model that rounds the checkpoint's values (bf16 served as fp16): each update is applied in place with the
+    change with old values, built from the served version's cached copy, never a full reload."""
+    from types import SimpleNamespace
+
+    from ckptstream import Stream
+    from ckptstream.weight_transfer.engine import (CkptstreamInitInfo, CkptstreamUpdateInfo,
+                                                   CkptstreamWeightTransferEngine)
+
+    url, states = _published(tmp_path, seed=8, steps=2, fraction=0.02)
+    start = Stream(url).materialize(0, tmp_path / "start")
+    model = _TensorParallelRank(0, vocab=128, dtype=torch.float16)  # one rank holding every row
+    with torch.no_grad():
+        model.load_weights(states[0].items())
+    config = SimpleNamespace(parallel_config=None, model_config=SimpleNamespace(model=str(start)))
+    engine = CkptstreamWeightTransferEngine(None, config, torch.device("cpu"), model)
+    engine.init_transfer_engine(CkptstreamInitInfo(url=url, cache_dir=str(tmp_path / "cache"), prefetch=False))
+    try:
+        for version in (1, 2):
+            engine.receive_weights(CkptstreamUpdateInfo(version=version))
+            assert engine.last_update["mode"] == "in_place", engine.last_update
+            expected = _TensorParallelRank(0, vocab=128, dtype=torch.float16)
+            with torch.no_grad():
+                expected.load_weights(states[version].items())
+            assert _same_parameters(model, expected) == []
+        assert engine._old_values is not None and "float16" in engine._old_values
+    finally:
+        engine.shutdown()
