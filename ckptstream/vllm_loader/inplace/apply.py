@@ -19,7 +19,9 @@ version, is caught there and nothing is written. A change of layout ``xor-1`` ca
 worker reads them from its own parameters when it stages the change (new = old XOR the delta) and reports,
 per changed tensor, the publisher's check of the change summed over the positions it holds; the follower
 adds the ranks' sums up (``staging_problem``) and applies only where they equal the check (FORMAT.md
-"Change checks"). Imported by the worker extension only when used (torch).
+"Change checks"). A rank whose parameter cannot hold the checkpoint's values (a narrower runtime dtype) has
+not their bits to check, and says so (``unverifiable``: the follower then stages the change with old values).
+Imported by the worker extension only when used (torch).
 """
 
 from __future__ import annotations
