@@ -438,8 +438,9 @@ class InPlaceApplier:
                 # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
                 # and the check sums) are not in them. A change with its old values (packed-1) compares them
                 # in the runtime dtype instead.
-                unverifiable.update({changed[i].name: f"{param} holds its values as {dtype}, which cannot hold "
-                                                      f"every {checkpoint_dtype} value of the checkpoint"
+                held, stored = (str(d).removeprefix("torch.") for d in (dtype, checkpoint_dtype))
+                unverifiable.update({changed[i].name: f"{param} holds its values as {held}, which cannot hold "
+                                                      f"every {stored} value of the checkpoint"
                                      for i, _ in copies})
             if changed[copies[0][0]].xor is None:
                 old = torch.cat([changed[i].old for i, _ in copies]).to(self.device)[covered].to(dtype)
