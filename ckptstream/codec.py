@@ -16,8 +16,8 @@ import numpy
 import torch
 import zstandard
 
-from .format import (CHECK_MASK, DTYPE_SIZES, ENCODING_PIECES, LAYOUT_DENSE, LAYOUT_SPARSE, MAX_CHUNK_BYTES,
-                     ChangeCheck, TensorEntry, content_hash, pieces_hash)
+from .format import (CHECK_MASK, CHECK_MIX_A, CHECK_MIX_B, CHECK_SEED, DTYPE_SIZES, ENCODING_PIECES, LAYOUT_DENSE,
+                     LAYOUT_SPARSE, MAX_CHUNK_BYTES, ChangeCheck, TensorEntry, content_hash, pieces_hash)
 
 def _torch_dtype_of(name: str) -> torch.dtype | None:
     """The torch dtype of a format dtype name, by the naming rule the two share (``F16`` float16,
@@ -263,7 +263,6 @@ def encode_checked_chunk(new: torch.Tensor, base: torch.Tensor, itemsize: int, *
 
 
 _SIGNED = 1 << 64
-_CHECK_SEED, _MIX_A, _MIX_B = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # of format.check_element
 
 
 def check_positions(positions: torch.Tensor) -> torch.Tensor:
@@ -304,7 +303,7 @@ def check_sum(positions: torch.Tensor, values: torch.Tensor) -> int:
 
 
 def _host_positions(positions: numpy.ndarray) -> numpy.ndarray:
-    return _check_mix_host_(positions.astype(numpy.uint64) + numpy.uint64(_CHECK_SEED))
+    return _check_mix_host_(positions.astype(numpy.uint64) + numpy.uint64(CHECK_SEED))
 
 
 def _host_terms(mixed: numpy.ndarray, bits: numpy.ndarray) -> numpy.ndarray:
@@ -320,7 +319,7 @@ def _host_total(terms: numpy.ndarray) -> int:
 
 def _check_mix_host_(u: numpy.ndarray) -> numpy.ndarray:
     """splitmix64's finalizer on uint64 values, in place (numpy's products wrap, its shifts are logical)."""
-    for shift, factor in ((30, _MIX_A), (27, _MIX_B)):
+    for shift, factor in ((30, CHECK_MIX_A), (27, CHECK_MIX_B)):
         u ^= u >> numpy.uint64(shift)
         u *= numpy.uint64(factor)
     u ^= u >> numpy.uint64(31)
@@ -328,11 +327,11 @@ def _check_mix_host_(u: numpy.ndarray) -> numpy.ndarray:
 
 
 def _torch_positions(positions: torch.Tensor) -> torch.Tensor:
-    return _check_mix_torch_(positions.to(torch.int64, copy=True).add_(_CHECK_SEED - _SIGNED))
+    return _check_mix_torch_(positions.to(torch.int64, copy=True).add_(CHECK_SEED - _SIGNED))
 
 
 def _torch_terms(mixed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    wide = bits.to(torch.int64)
+    wide = bits.to(torch.int64, copy=True)  # (mixed into in place below: never the caller's own int64 tensor)
     if bits.element_size() < 8:
         wide &= (1 << (8 * bits.element_size())) - 1  # (int16 and int32 widen with their sign)
     return _check_mix_torch_(wide.bitwise_xor_(mixed))
@@ -341,7 +340,7 @@ def _torch_terms(mixed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 def _check_mix_torch_(x: torch.Tensor) -> torch.Tensor:
     """:func:`_check_mix_host_` on int64 values on a device, in place (int64 products wrap to the same low
     64 bits; torch's ``>>`` is arithmetic, so the sign's copies are masked off)."""
-    for shift, factor in ((30, _MIX_A), (27, _MIX_B)):
+    for shift, factor in ((30, CHECK_MIX_A), (27, CHECK_MIX_B)):
         x ^= (x >> shift) & ((1 << (64 - shift)) - 1)
         x *= factor - _SIGNED
     x ^= (x >> 31) & ((1 << 33) - 1)

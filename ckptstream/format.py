@@ -139,7 +139,9 @@ CHECK_VERSION = 1
 """The version of a delta entry's ``check`` field (FORMAT.md, "Change checks") that this ckptstream writes
 and verifies; a reader keeps a check of another version unread (``ChangeCheck.known`` False)."""
 CHECK_MASK = (1 << 64) - 1
-_CHECK_SEED = 0x9E3779B97F4A7C15
+CHECK_SEED, CHECK_MIX_A, CHECK_MIX_B = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+"""A change check's constants (FORMAT.md, "Change checks"): the seed added to a position, and the two
+multipliers of splitmix64's finalizer (``check_mix``)."""
 _CHECK_HEX_RE = re.compile(r"[0-9a-f]{16}")
 
 # safetensors dtype name -> item size in bytes.
@@ -485,9 +487,9 @@ class TensorEntry:
 def check_mix(x: int) -> int:
     """The 64-bit finalizer of splitmix64 (FORMAT.md, "Change checks"): ``x`` and the result in [0, 2^64)."""
     x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & CHECK_MASK
+    x = (x * CHECK_MIX_A) & CHECK_MASK
     x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & CHECK_MASK
+    x = (x * CHECK_MIX_B) & CHECK_MASK
     return x ^ (x >> 31)
 
 
@@ -495,7 +497,7 @@ def check_element(position: int, bits: int) -> int:
     """One element's term of a change check: ``mix(mix(position + seed) XOR bits)``, mod 2^64, for the flat
     ``position`` of the element in the whole tensor and its raw ``bits`` (its little-endian bytes read as an
     unsigned integer). The reference form of ``codec.check_sum``, which sums these over many elements."""
-    return check_mix(check_mix((position + _CHECK_SEED) & CHECK_MASK) ^ bits)
+    return check_mix(check_mix((position + CHECK_SEED) & CHECK_MASK) ^ bits)
 
 
 @dataclass(frozen=True)
@@ -889,11 +891,16 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
         raise c.fail(f"stored range [{offset}, {offset + length}) lies beyond the end of {file}", name)
     entry = dataclasses.replace(entry, file=file, offset=offset, length=length,
                                 stored_hash=c.hash(item, "stored_hash", name))
-    if encoding == ENCODING_XOR_ZSTD and item.get("check") is not None:
+    if encoding == ENCODING_XOR_ZSTD and "check" in item:  # (null included: malformed, not absent)
         try:
             entry = dataclasses.replace(entry, check=ChangeCheck.from_json(item["check"]))
         except ValueError as exc:
             raise c.fail(str(exc), name) from None
+        if entry.check.known and entry.check.count > entry.numel:
+            raise c.fail(f"its change check counts {entry.check.count} changed elements of its {entry.numel}", name)
+        if entry.check.known and entry.changed is not None and entry.check.count != entry.changed:
+            raise c.fail(f"its change check counts {entry.check.count} changed elements, its 'changed' "
+                         f"{entry.changed}", name)
     if encoding == ENCODING_RAW:
         if length != entry.nbytes:
             raise c.fail(f"raw tensor stores {length} bytes but its shape and dtype need {entry.nbytes}", name)

@@ -198,7 +198,9 @@ def test_a_change_check_round_trips_and_one_of_an_unknown_version_is_kept_unread
     later = delta({"version": 2, "anything": [1]}).tensors[0].check
     assert not later.known  # kept, unread: a reader needing it builds its change another way
     for bad in ({"version": 1, "count": 2, "old": "0" * 15, "new": "0" * 16}, {"count": 2}, "0" * 16,
-                {"version": 1, "count": -1, "old": "0" * 16, "new": "0" * 16}):
+                {"version": 1, "count": -1, "old": "0" * 16, "new": "0" * 16}, None,
+                {"version": 1, "count": 9, "old": "0" * 16, "new": "0" * 16},  # more than the tensor's 8 elements
+                {"version": 1, "count": 3, "old": "0" * 16, "new": "0" * 16}):  # not its 'changed' (2)
         with pytest.raises(UnsafeManifestError):
             delta(bad)
     # (golden terms, for other implementations: position 0 with bits 0; position 1 with the bits of bf16 1.0)

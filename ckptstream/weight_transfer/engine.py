@@ -48,7 +48,8 @@ from ..reader import Stream
 from ..vllm_loader.inplace.apply import InPlaceApplier, staging_problem
 from ..vllm_loader.follow.cache import VersionCache, default_cache_dir, safe_owner
 from ..vllm_loader.inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, UNCHECKED, WHOLE, ChangeSummary,
-                                          build_change, build_change_from_deltas, build_change_unbased)
+                                          build_change, build_change_from_deltas, build_change_unbased,
+                                          with_old_values)
 from . import refuse_credentials
 
 log = logging.getLogger("ckptstream.weight_transfer")
@@ -127,6 +128,9 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         self._info: CkptstreamInitInfo | None = None
         self._applier = InPlaceApplier(model, device)
         self._prepared: _Prepared | None = None
+        # Why the ranks cannot check a change from the deltas alone (a runtime dtype narrower than the
+        # checkpoint's, a tensor held unevenly): its changes are staged with old values from then on.
+        self._old_values: str | None = None
         self._lock = threading.Lock()  # the stream, the cache and the applier: the prefetcher or an update
         self._stop = threading.Event()
         self._prefetcher: threading.Thread | None = None
@@ -228,6 +232,8 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
                 path = self.cache.acquire(self.stream, version, keep=keep,
                                           holder=f"weight transfer {self.cache.owner} rank {_rank()}")[0]
             change, reason = self._change(version, path) if self._info.apply_in_place else (None, "disabled")
+            if change is not None and self._old_values is not None:
+                change = self._with_old_values(change) or change
         finally:
             self.stream.drop_kept_reads()
         if change is not None:
@@ -276,6 +282,8 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         if fallback is None:
             staged = self._gather(lambda: self._applier.staged(wait=True) or {})
             problem = staging_problem(staged)
+            if problem is not None and problem[0] == "unverifiable":
+                problem = self._restage_with_old_values(prepared, problem)
             if problem is None:
                 applied = self._gather(self._applier.apply)
                 if all("applied" in a for a in applied):
@@ -289,6 +297,38 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         self._applier.discard()
         self._reload(prepared)
         return "reload", fallback
+
+    def _restage_with_old_values(self, prepared: _Prepared, problem: tuple[str, str]) -> tuple[str, str] | None:
+        """Where the ranks cannot check ``prepared``'s change from the deltas alone (``problem``: unverifiable),
+        stage the change with old values (built from the served version's cached copy) on every rank instead,
+        and from then on: ``staging_problem`` of that, or ``problem`` where a rank could not build it."""
+
+        def restage() -> bool:
+            assert prepared.change is not None
+            packed = self._with_old_values(prepared.change)
+            if packed is None:
+                return False
+            if packed != prepared.change:
+                self._applier.stage(str(packed))
+                prepared.change = packed
+            return True
+
+        if not all(self._gather(restage)):
+            return problem
+        if self._old_values is None:
+            log.warning("%s; changes are staged with their old values (from the served version's cached copy) "
+                        "from now on", problem[1])
+        self._old_values = problem[1]
+        return staging_problem(self._gather(lambda: self._applier.staged(wait=True) or {}))
+
+    def _with_old_values(self, change: Path) -> Path | None:
+        """``change.with_old_values`` of ``change`` on the served version's copy, or None (said why)."""
+        assert self.stream is not None
+        try:
+            return with_old_values(self.stream, self.served_path, change)
+        except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the version is reloaded instead
+            log.warning("building the change %s with old values failed: %s", change.name, redact(exc))
+            return None
 
     def _reload(self, prepared: _Prepared) -> None:
         """Reload ``prepared`` on every rank; where a rank fails, every rank reloads the served files."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ckptstream.codec import bit_pattern
+from ckptstream.format import MARKER_FILE
 from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint
 from ckptstream.testing.models import rl_like_step
 from ckptstream.vllm_loader.inplace.apply import InPlaceApplier, plan_tensor, plan_tensors, staging_problem
@@ -133,11 +134,11 @@ class _TensorParallelRank(torch.nn.Module):
     """One of two tensor-parallel ranks of a model whose embedding is split by rows (as vLLM's
     VocabParallelEmbedding) and whose norm is replicated (each rank holds all of it)."""
 
-    def __init__(self, rank: int, vocab: int = 64, hidden: int = 16):
+    def __init__(self, rank: int, vocab: int = 64, hidden: int = 16, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.rank = rank
-        self.embed = torch.nn.Parameter(torch.zeros(vocab // 2, hidden, dtype=torch.bfloat16), requires_grad=False)
-        self.norm = torch.nn.Parameter(torch.zeros(hidden, dtype=torch.bfloat16), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.zeros(vocab // 2, hidden, dtype=dtype), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False)
 
     def load_weights(self, weights):
         for name, weight in weights:
@@ -211,3 +212,188 @@ def test_ranks_splitting_a_tensor_add_their_checks_up_and_a_skewed_rank_fails_th
     assert staging_problem(results) is None
     _, results = _stage([ranks(base)[0], whole_rank], change)
     assert staging_problem(results)[0] == "unverifiable"
+
+
+def _published(tmp_path: Path, seed: int, steps: int = 1,
+               fraction: float = 0.1) -> tuple[str, list[dict[str, torch.Tensor]]]:
+    """A stream of bf16 versions of ``_TensorParallelRank``'s checkpoint, each after the first a delta on the
+    one before (with change checks, ``fraction`` of the elements changed): (its path, the versions' tensors)."""
+    from ckptstream import Publisher
+
+    generator = torch.Generator().manual_seed(seed)
+    states = [{"embed.weight": torch.randn(64, 16, generator=generator).to(torch.bfloat16),
+               "norm.weight": torch.randn(16, generator=generator).to(torch.bfloat16)}]
+    for _ in range(steps):
+        states.append({n: t.clone() for n, t in states[-1].items()})
+        rl_like_step(states[-1], fraction=fraction, max_ulps=3, generator=generator)
+    with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
+        for state in states:
+            publisher.publish(state).result()
+    return str(tmp_path / "stream"), states
+
+
+def _tp_ranks(state: dict[str, torch.Tensor], dtype: torch.dtype) -> list[_TensorParallelRank]:
+    models = [_TensorParallelRank(rank, dtype=dtype) for rank in (0, 1)]
+    with torch.no_grad():
+        for model in models:
+            model.load_weights(state.items())
+    return models
+
+
+@pytest.mark.parametrize("served", [torch.float16, torch.float32])
+def test_a_server_rounding_the_checkpoints_values_cannot_check_a_change_from_the_deltas_alone(tmp_path, served):
+    """A bf16 stream served as fp16 (``--dtype float16``): the ranks' runtime values are rounded, so the
+    checkpoint's old bits that a change from the deltas alone (``xor-1``) needs are not there. That is
+    ``unverifiable`` (the follower then stages the change with old values, ``packed-1``, which applies),
+    never ``check_failed`` (a forged delta or a server off the base). Served as fp32 (wider): checked."""
+    from ckptstream import Stream
+    from ckptstream.vllm_loader.inplace.change import build_change_from_deltas, build_change_unbased
+
+    url, (base, new) = _published(tmp_path, seed=5)
+    unbased, packed = tmp_path / "xor.safetensors", tmp_path / "packed.safetensors"
+    assert build_change_unbased(Stream(url), unbased, base=0, version=1, max_fraction=1.0).problem is None
+    base_dir = Path(Stream(url).materialize(0, tmp_path / "v0"))
+    assert build_change_from_deltas(Stream(url), base_dir, packed, base=0, version=1,
+                                    max_fraction=1.0).problem is None
+
+    appliers, results = _stage(_tp_ranks(base, served), unbased)
+    problem = staging_problem(results)
+    if served == torch.float32:
+        assert problem is None
+    else:
+        assert problem is not None and problem[0] == "unverifiable" and "float16" in problem[1], problem
+    for applier in appliers:
+        applier.discard()
+    models = _tp_ranks(base, served)
+    appliers, results = _stage(models, packed)
+    assert staging_problem(results) is None
+    assert all(applier.apply().get("applied") for applier in appliers)
+    assert [_same_parameters(a, b) for a, b in zip(models, _tp_ranks(new, served))] == [[], []]
+
+
+def test_ranks_that_read_different_changes_fail_the_check(tmp_path):
+    """Ranks on different nodes read the change from their own node's cache: a stale or foreign file on one
+    node shows as another expected check (or positions) of a tensor; never does one rank's word win."""
+    from ckptstream import Stream
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
+
+    url, (base, _) = _published(tmp_path, seed=6)
+    change = tmp_path / "change.safetensors"
+    assert build_change_unbased(Stream(url), change, base=0, version=1, max_fraction=1.0).problem is None
+    _, results = _stage(_tp_ranks(base, torch.bfloat16), change)
+    assert staging_problem(results) is None
+    for field, other in (("expected", {**results[1]["checks"]["embed.weight"]["expected"], "old": "0" * 16}),
+                         ("positions", "0" * 16)):
+        for order in (results, results[::-1]):
+            forged = [order[0], {**order[1], "checks": {**order[1]["checks"], "embed.weight": {
+                **order[1]["checks"]["embed.weight"], field: other}}}]
+            problem = staging_problem(forged)
+            assert problem is not None and problem[0] == "check_failed" and "different" in problem[1], (field,
+                                                                                                       problem)
+
+
+class _Ranks:
+    """The staging side of a server (``VllmControl``) whose ranks are ``models``, in this process."""
+
+    def __init__(self, models: list[torch.nn.Module]):
+        self.url = "http://ranks:1"
+        self.appliers = [InPlaceApplier(model, torch.device("cpu")) for model in models]
+        self.staged: list[str] = []  # the change files staged, by name
+
+    def stage_change(self, path: str) -> list[dict]:
+        self.staged.append(Path(path).name)
+        return _stage_all(self.appliers, path)
+
+    def discard_change(self) -> None:
+        for applier in self.appliers:
+            applier.discard()
+
+
+def _stage_all(appliers: list[InPlaceApplier], path: str) -> list[dict]:
+    for applier in appliers:
+        applier.stage(path)
+    return [applier.staged(wait=True) for applier in appliers]
+
+
+def test_a_follower_stages_the_change_with_old_values_where_its_ranks_cannot_check_one(tmp_path):
+    """A server rounding the checkpoint's values (bf16 served as fp16) cannot check a change from the deltas
+    alone: the follower builds the change with old values from its cached copy of the served version, stages
+    that (applied: equal to a load of the version), and stages it first from then on; so on ranks holding a
+    tensor's positions unevenly (kv heads replicated, q heads split). With no cached copy
+    (``--cache-versions 0``) or on an engine spanning nodes (the other nodes have no such change): a full
+    reload, ``unverifiable``."""
+    from ckptstream import Stream
+    from ckptstream.vllm_loader.follow.cache import VersionCache
+    from ckptstream.vllm_loader.follow.config import FollowerConfig
+    from ckptstream.vllm_loader.follow.in_place import InPlaceUpdates
+
+    url, states = _published(tmp_path, seed=7, steps=2, fraction=0.02)  # (in place: at most 5 %)
+    stream = Stream(url)
+    models = _tp_ranks(states[0], torch.float16)
+    ranks = _Ranks(models)
+    with VersionCache(tmp_path / "cache", stream.info().stream_id, "t") as cache:
+        cache.acquire(stream, 0, keep=set(), holder="t")
+        updates = InPlaceUpdates(FollowerConfig(), stream, cache, [ranks])
+        staged_names = []
+        for version in (1, 2):
+            change, why_not = updates.change(version, None, version - 1)
+            assert change is not None and why_not is None
+            staged, reason = updates.stage(ranks, change)
+            assert reason is None and staged is not None and staged.name.endswith(".packed-1.safetensors")
+            staged_names.append([change.name, staged.name] if version == 1 else [staged.name])
+            assert all(applier.apply().get("applied") for applier in ranks.appliers)
+            assert [_same_parameters(a, b) for a, b in zip(models, _tp_ranks(states[version], torch.float16))] \
+                == [[], []]
+            cache.acquire(stream, version, keep={version - 1}, holder="t")
+        assert ranks.url in updates.old_values and "float16" in updates.old_values[ranks.url]
+        assert ranks.staged == [name for names in staged_names for name in names]  # v2: old values first
+
+        change = cache.change_path(1, 2)
+        uneven = [_TensorParallelRank(0), _TensorParallelRank(0, vocab=128)]  # rows 0-31 held twice, the rest once
+        with torch.no_grad():
+            for model in uneven:
+                model.load_weights(states[1].items())
+        other = _Ranks(uneven)
+        staged, reason = InPlaceUpdates(FollowerConfig(), stream, cache, [other]).stage(other, change)
+        assert reason is None and other.staged == [change.name, staged.name]  # unverifiable, then old values
+        assert all(applier.apply().get("applied") for applier in other.appliers)
+
+        for config in (FollowerConfig(nodes_ready_timeout=5.0), FollowerConfig(cache_versions=0)):
+            if config.cache_versions == 0:
+                cache.release(1)
+                cache.drop_copies({1})
+                assert not (cache.path(1) / MARKER_FILE).is_file()
+            other = _Ranks(_tp_ranks(states[1], torch.float16))
+            staged, reason = InPlaceUpdates(config, stream, cache, [other]).stage(other, change)
+            assert (staged, reason) == (None, "unverifiable") and other.staged == [change.name]
+
+
+def test_the_weight_transfer_engine_stages_the_change_with_old_values_where_it_cannot_check_one(tmp_path):
+    """The weight-transfer backend (one rank here: vLLM's routes call the same methods on every rank) on a
+    model that rounds the checkpoint's values (bf16 served as fp16): each update is applied in place with the
+    change with old values, built from the served version's cached copy, never a full reload."""
+    from types import SimpleNamespace
+
+    from ckptstream import Stream
+    from ckptstream.weight_transfer.engine import (CkptstreamInitInfo, CkptstreamUpdateInfo,
+                                                   CkptstreamWeightTransferEngine)
+
+    url, states = _published(tmp_path, seed=8, steps=2, fraction=0.02)
+    start = Stream(url).materialize(0, tmp_path / "start")
+    model = _TensorParallelRank(0, vocab=128, dtype=torch.float16)  # one rank holding every row
+    with torch.no_grad():
+        model.load_weights(states[0].items())
+    config = SimpleNamespace(parallel_config=None, model_config=SimpleNamespace(model=str(start)))
+    engine = CkptstreamWeightTransferEngine(None, config, torch.device("cpu"), model)
+    engine.init_transfer_engine(CkptstreamInitInfo(url=url, cache_dir=str(tmp_path / "cache"), prefetch=False))
+    try:
+        for version in (1, 2):
+            engine.receive_weights(CkptstreamUpdateInfo(version=version))
+            assert engine.last_update["mode"] == "in_place", engine.last_update
+            expected = _TensorParallelRank(0, vocab=128, dtype=torch.float16)
+            with torch.no_grad():
+                expected.load_weights(states[version].items())
+            assert _same_parameters(model, expected) == []
+        assert engine._old_values is not None and "float16" in engine._old_values
+    finally:
+        engine.shutdown()

@@ -155,7 +155,8 @@ def _expected_check(old: torch.Tensor, new: torch.Tensor) -> ChangeCheck:
 
 
 def test_the_check_terms_on_the_host_and_on_a_device_agree():
-    """The host computes the check's mix through numpy, a device (a rank's parameters) through torch."""
+    """The host computes the check's mix through numpy, a device (a rank's parameters) through torch; neither
+    writes the values it is given."""
     from ckptstream import codec
 
     generator = torch.Generator().manual_seed(2)
@@ -164,7 +165,9 @@ def test_the_check_terms_on_the_host_and_on_a_device_agree():
     assert torch.equal(mixed, codec._torch_positions(positions))
     for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
         bits = torch.randint(-100, 100, (1000,), generator=generator).to(dtype)
+        before = bits.clone()
         assert torch.equal(codec.check_terms(mixed, bits), codec._torch_terms(mixed, bits)), dtype
+        assert torch.equal(bits, before), f"the terms of {dtype} values overwrote them"  # (a rank's staged values)
     assert codec.check_sum(torch.tensor([0, 1]), torch.tensor([0, 0x3F80], dtype=torch.int16)) == \
         (check_element(0, 0) + check_element(1, 0x3F80)) & CHECK_MASK
 

@@ -14,12 +14,12 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
-from ...format import MARKER_FILE
+from ...format import MARKER_FILE, parse_version_name
 from ...reader import Stream
 from ..client import VllmControl, VllmError, VllmUnreachable
 from ..inplace.apply import staging_problem
 from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, UNCHECKED, WHOLE, ChangeSummary,
-                              build_change, build_change_from_deltas, build_change_unbased)
+                              build_change, build_change_from_deltas, build_change_unbased, with_old_values)
 from .cache import VersionCache
 from .config import FollowerConfig
 
@@ -31,11 +31,15 @@ class InPlaceUpdates:
 
     Attributes:
         off: server URL -> why in-place updates stopped on it (``verify``), for good.
+        old_values: server URL -> why its ranks cannot check a change from the deltas alone (``unverifiable``:
+            a runtime dtype that rounds the checkpoint's values, a tensor held unevenly); it is staged the
+            change with old values (``packed-1``) from then on, where the served version is cached.
     """
 
     def __init__(self, config: FollowerConfig, stream: Stream, cache: VersionCache, clients: Sequence[VllmControl]):
         self.config, self.stream, self.cache, self.clients = config, stream, cache, clients
         self.off: dict[str, str] = {}
+        self.old_values: dict[str, str] = {}
         self._count: collections.Counter[str] = collections.Counter()  # updates applied in place, per server URL
         self._explained: set[str] = set()  # fallback explanations logged (each once)
 
@@ -101,23 +105,60 @@ class InPlaceUpdates:
         return None, "first_version"
 
     def stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
-        """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change, or
+        """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change staged
+        (the one with old values where its ranks cannot check one from the deltas alone: ``old_values``), or
         None and why it will be reloaded fully instead."""
+        packed = self._with_old_values(change) if client.url in self.old_values else None
         try:
-            results = client.stage_change(str(change))
+            problem = self._stage(client, packed or change)
+            if problem is not None and problem[0] == "unverifiable" and packed is None:
+                packed = self._with_old_values(change)
+                if packed is not None and packed != change:
+                    self.old_values[client.url] = problem[1]
+                    log.warning("%s: %s; its changes are staged with their old values (from the cached copy of "
+                                "the served version) from now on", client.url, problem[1])
+                    problem = self._stage(client, packed)
+                elif packed is None:
+                    problem = problem[0], f"{problem[1]}; no change with old values to stage instead{self._where()}"
         except VllmUnreachable:
             raise
         except VllmError as exc:
             self.explain("no_extension", f"{client.url}: {exc}")
             return None, "no_extension"
-        problem = staging_problem(results)
         if problem is not None:
             with contextlib.suppress(VllmError):
                 client.discard_change()
             reason, detail = problem
             self.explain(reason, f"{client.url}: {detail}")
             return None, reason
-        return change, None
+        return packed or change, None
+
+    def _stage(self, client: VllmControl, change: Path) -> tuple[str, str] | None:
+        return staging_problem(client.stage_change(str(change)))
+
+    def _with_old_values(self, change: Path) -> Path | None:
+        """``change.with_old_values`` for ``change``, where this node has the served version's copy: not on an
+        engine spanning nodes (the other nodes' agents build only the change from the deltas alone)."""
+        base = self._base_of(change)
+        if self.config.nodes_ready_timeout is not None or base is None:
+            return None
+        base_dir = self.cache.path(base)
+        if not (base_dir / MARKER_FILE).is_file():
+            return None
+        try:
+            return with_old_values(self.stream, base_dir, change)
+        except Exception as exc:  # noqa: BLE001 - e.g. a full disk: reloaded fully, said why
+            log.warning("building the change %s with old values failed: %s", change.name, exc)
+            return None
+
+    def _base_of(self, change: Path) -> int | None:
+        """The base version of a change file in the cache (``VersionCache.change_path``: ``<base>-<version>``)."""
+        return parse_version_name(change.name.split("-", 1)[0])
+
+    def _where(self) -> str:
+        if self.config.nodes_ready_timeout is not None:
+            return " (an engine spanning nodes: its other nodes have only the change from the deltas)"
+        return " (the served version is not cached: --cache-versions 0)" if self.config.cache_versions == 0 else ""
 
     def apply_paused(self, client: VllmControl, version: int) -> str | None:
         """Inside the pause: every rank writes its staged change; None, or the fallback reason (the caller

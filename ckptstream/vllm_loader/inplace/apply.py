@@ -19,7 +19,9 @@ version, is caught there and nothing is written. A change of layout ``xor-1`` ca
 worker reads them from its own parameters when it stages the change (new = old XOR the delta) and reports,
 per changed tensor, the publisher's check of the change summed over the positions it holds; the follower
 adds the ranks' sums up (``staging_problem``) and applies only where they equal the check (FORMAT.md
-"Change checks"). Imported by the worker extension only when used (torch).
+"Change checks"). A rank whose parameter cannot hold the checkpoint's values (a narrower runtime dtype) has
+not their bits to check, and says so (``unverifiable``: the follower then stages the change with old values).
+Imported by the worker extension only when used (torch).
 """
 
 from __future__ import annotations
@@ -322,7 +324,8 @@ class InPlaceApplier:
         for a change of layout ``xor-1`` also ``checks``: {tensor: {"held": the check of the changes at the
         positions written here, "expected": the publisher's (both as ``ChangeCheck.to_json``),
         "held_positions", "positions": the sum of ``codec.check_positions`` over the positions written here,
-        over all the tensor's changed positions (16 hex digits)}}) once done; None while it runs (and not
+        over all the tensor's changed positions (16 hex digits)}}, and ``unverifiable``: {tensor: why}, where
+        this rank's parameter cannot hold the checkpoint's values) once done; None while it runs (and not
         ``wait``)."""
         if self._thread is None:
             return {"error": "nothing staged"}
@@ -407,6 +410,7 @@ class InPlaceApplier:
         without them (``xor-1``) are read from the parameters, and its checks summed per tensor."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         unpatchable: dict[str, str] = {}
+        unverifiable: dict[str, str] = {}  # (xor-1) tensor -> why this rank cannot read its checkpoint bits
         layouts: dict[tuple[Any, ...], list[tuple[int, Target]]] = {}  # layout -> [(tensor's index, copy)]
         loaded: list[int] = []
         for i, tensor in enumerate(changed):
@@ -430,6 +434,14 @@ class InPlaceApplier:
             covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
             written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
             dtype = params[param].dtype
+            if changed[copies[0][0]].xor is not None and not _holds_exactly(dtype, checkpoint_dtype):
+                # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
+                # and the check sums) are not in them. A change with its old values (packed-1) compares them
+                # in the runtime dtype instead.
+                held, stored = (str(d).removeprefix("torch.") for d in (dtype, checkpoint_dtype))
+                unverifiable.update({changed[i].name: f"{param} holds its values as {held}, which cannot hold "
+                                                      f"every {stored} value of the checkpoint"
+                                     for i, _ in copies})
             if changed[copies[0][0]].xor is None:
                 old = torch.cat([changed[i].old for i, _ in copies]).to(self.device)[covered].to(dtype)
                 new = torch.cat([changed[i].new for i, _ in copies]).to(self.device)[covered].to(dtype)
@@ -449,6 +461,8 @@ class InPlaceApplier:
         coverage = {changed[i].name: [counts_written[i], changed[i].positions.numel()] for i in loaded}
         result: dict[str, Any] = {"unpatchable": unpatchable, "coverage": coverage,
                                   "elements": sum(w.index.numel() for w in writes)}
+        if unverifiable:
+            result["unverifiable"] = unverifiable
         if changed and changed[0].check is not None:
             position_sums, old_sums, new_sums = ([v & CHECK_MASK for v in row] for row in sums.tolist())
             result["checks"] = {changed[i].name: {
@@ -457,6 +471,19 @@ class InPlaceApplier:
                 "positions": f"{check_total(check_positions(changed[i].positions)):016x}"}
                 for i in loaded if changed[i].check is not None}
         return result, writes
+
+
+def _holds_exactly(runtime: torch.dtype, checkpoint: torch.dtype) -> bool:
+    """Whether a runtime parameter of dtype ``runtime`` holds every value of a ``checkpoint`` dtype exactly, so
+    that casting it back gives the checkpoint's bits: the same dtype, or a float one wider in every respect
+    (bf16 or fp16 served as fp32; not bf16 as fp16, nor fp32 as bf16)."""
+    if runtime == checkpoint:
+        return True
+    if not (runtime.is_floating_point and checkpoint.is_floating_point):
+        return False
+    wide, narrow = torch.finfo(runtime), torch.finfo(checkpoint)
+    return (wide.bits > narrow.bits and wide.eps <= narrow.eps and wide.max >= narrow.max
+            and wide.smallest_normal <= narrow.smallest_normal)
 
 
 def parameter_hashes(model: torch.nn.Module) -> dict[str, str]:
@@ -497,8 +524,11 @@ def staging_problem(results: list[dict[str, Any]]) -> tuple[str, str] | None:
 
 def check_problem(results: list[dict[str, Any]]) -> tuple[str, str] | None:
     """Whether the ranks' checks of a change of layout ``xor-1`` (``staged``'s ``checks``) prove that they
-    serve its base and will serve the version after it: None, or (``check_failed``: the values differ, or
-    ``unverifiable``: the ranks do not hold every changed position equally often, what went wrong).
+    serve its base and will serve the version after it: None, or (``check_failed``: the values differ, or the
+    ranks read different changes; ``unverifiable``: the ranks do not hold every changed position equally
+    often, or a rank holds a tensor in a dtype that cannot hold the checkpoint's values, so its checkpoint
+    bits are not there to check (a change with old values, ``packed-1``, can be applied there); what went
+    wrong).
 
     Per changed tensor, the ranks together hold each of its changed positions the same number of times *r*
     (a TP split: once; a replicated norm: once per rank; kv heads replicated over ranks: twice, ...), which
@@ -508,12 +538,20 @@ def check_problem(results: list[dict[str, Any]]) -> tuple[str, str] | None:
     held: dict[str, list[tuple[ChangeCheck, int]]] = collections.defaultdict(list)
     for r in results:
         for name, check in (r.get("checks") or {}).items():
-            expected[name] = ChangeCheck.from_json(check["expected"]), int(check["positions"], 16)
+            want = ChangeCheck.from_json(check["expected"]), int(check["positions"], 16)
+            if expected.setdefault(name, want) != want:  # e.g. a node's change file stale or of another stream
+                return "check_failed", (f"{name}: the ranks read different changes of it (their checks or "
+                                        "positions differ)")
             part = ChangeCheck.from_json(check["held"])
             if part.count:
                 held[name].append((part, int(check["held_positions"], 16)))
     if expected and any(r.get("coverage") and r.get("checks") is None for r in results):
         return "unverifiable", "some ranks staged the change without checks"
+    rounded = {name: why for r in results for name, why in (r.get("unverifiable") or {}).items()}
+    if rounded:
+        name, why = next(iter(sorted(rounded.items())))
+        return "unverifiable", (f"{len(rounded)} changed tensor(s) cannot be checked from the deltas alone, e.g. "
+                                f"{name}: {why}")
     for name, (want, positions) in sorted(expected.items()):
         parts = held[name]
         if not parts:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
@@ -198,6 +200,34 @@ def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
     finally:
         changes.close()  # (what has not started is cancelled)
     return change.write(out, total, stream_id=stream.info().stream_id, base=base, version=version)
+
+
+def with_old_values(stream: Stream, base_dir: Path, change: Path) -> Path | None:
+    """The change of layout ``packed-1`` (old and new values) between the versions of the change file
+    ``change``: itself where it is one, else built once beside it (``<base>-<version>.packed-1.safetensors``)
+    from the stored deltas and ``base_dir``, the cached copy of its base. For ranks that cannot check a change
+    from the deltas alone (``xor-1``: ``apply.check_problem``'s ``unverifiable``), which compare its old values
+    with theirs instead. None where none is built (``build_change_from_deltas``' reasons)."""
+    from safetensors import safe_open
+
+    with safe_open(str(change), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    if metadata.get(_LAYOUT_KEY) == _LAYOUT:
+        return change
+    out = change.with_name(f"{change.name.removesuffix('.safetensors')}.{_LAYOUT}.safetensors")
+    if out.is_file():
+        return out
+    # (a name no reader looks for until it is renamed into place; deleted with either version, as ``out``)
+    incoming = out.with_name(f"{out.name}.{os.getpid()}-{threading.get_ident()}.incoming")
+    try:
+        summary = build_change_from_deltas(stream, base_dir, incoming, base=int(metadata["base"]),
+                                           version=int(metadata["version"]), max_fraction=MAX_CHANGE_FRACTION)
+        if summary.problem is not None or not incoming.is_file():
+            return None
+        os.replace(incoming, out)
+    finally:
+        incoming.unlink(missing_ok=True)
+    return out
 
 
 def entry_check(entry: TensorEntry) -> ChangeCheck | None:
