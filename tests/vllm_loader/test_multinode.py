@@ -46,11 +46,34 @@ pytestmark = pytest.mark.skipif(not _only_loopback() or os.geteuid() != 0,
                                        "`unshare --net sh -c 'ip link set lo up && exec python -m pytest ...'`")
 
 
-def _wait(condition, what: str, timeout: float = 120.0) -> None:
+def wait_until(condition, what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"not reached in {timeout:.0f} s: {what}"
         time.sleep(0.2)
+
+
+def in_node_namespaces(rank: int, cache: Path, command: list[str]) -> list[str]:
+    """``command`` run as node ``rank``: in a mount and UTS namespace of its own, with a tmpfs of its own at
+    ``cache`` (the same path on every node, distinct caches as on two hosts) and the host name ``node<rank>``."""
+    script = f"mount -t tmpfs -o size=256m,mode=0700 tmpfs {cache} && hostname node{rank} && exec \"$@\""
+    return ["unshare", "--mount", "--uts", "sh", "-c", script, "sh", *command]
+
+
+def stop_nodes(nodes: list[subprocess.Popen]) -> list[int]:
+    """Stop every node's process (continued first if stopped); their exit codes."""
+    for node in nodes:
+        if node.poll() is None:
+            os.kill(node.pid, signal.SIGCONT)
+            node.send_signal(signal.SIGTERM)
+    codes = []
+    for node in nodes:
+        try:
+            codes.append(node.wait(timeout=60))
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+            codes.append(node.wait())
+    return codes
 
 
 class TwoNodes:
@@ -63,12 +86,11 @@ class TwoNodes:
         self.port, master_port = free_port(), free_port()
         self.nodes = []
         for rank in (0, 1):
-            script = f"mount -t tmpfs -o size=256m,mode=0700 tmpfs {self.cache} && hostname node{rank} && exec \"$@\""
-            command = ["unshare", "--mount", "--uts", "sh", "-c", script, "sh",
-                       sys.executable, "-m", "ckptstream.cli", "serve", url, "--nnodes", "2", "--node-rank", str(rank),
+            command = [sys.executable, "-m", "ckptstream.cli", "serve", url, "--nnodes", "2", "--node-rank", str(rank),
                        "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(self.port),
                        "--cache-dir", str(self.cache), "--replica-id", ENGINE, "--poll-interval", "0.2",
                        "--nodes-ready-timeout", "1", "--json", "--", *VLLM_CPU_ARGS, "--tensor-parallel-size", "2"]
+            command = in_node_namespaces(rank, self.cache, command)
             log = open(workdir / f"node{rank}.log", "wb")
             self.nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True))
@@ -112,18 +134,7 @@ class TwoNodes:
         return (self.workdir / f"node{rank}.log").read_text(errors="replace")[-4000:]
 
     def stop(self) -> list[int]:
-        for node in self.nodes:
-            if node.poll() is None:
-                os.kill(node.pid, signal.SIGCONT)
-                node.send_signal(signal.SIGTERM)
-        codes = []
-        for node in self.nodes:
-            try:
-                codes.append(node.wait(timeout=60))
-            except subprocess.TimeoutExpired:
-                os.killpg(node.pid, signal.SIGKILL)
-                codes.append(node.wait())
-        return codes
+        return stop_nodes(self.nodes)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +147,7 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory):
     publisher.publish(state).result()
     nodes = TwoNodes(url, workdir)
     try:
-        _wait(lambda: nodes.serves(0) and nodes.client.healthy(), "the engine serves version 0", timeout=400)
+        wait_until(lambda: nodes.serves(0) and nodes.client.healthy(), "the engine serves version 0", timeout=400)
     except AssertionError:
         nodes.stop()
         raise AssertionError(f"the two-node engine did not start:\n{nodes.log(0)}\n--- node 1:\n{nodes.log(1)}") \
@@ -164,11 +175,11 @@ def test_one_engine_over_two_nodes_waits_for_the_lagging_node_and_rolls_back_a_f
     os.kill(nodes.nodes[1].pid, signal.SIGSTOP)
     rl_like_step(state, fraction=0.2, max_ulps=40, generator=generator)
     publisher.publish(state).result()
-    _wait(lambda: (nodes.record().lagging == ["node 1 (node1)"]), "the head names node 1 as lagging")
+    wait_until(lambda: (nodes.record().lagging == ["node 1 (node1)"]), "the head names node 1 as lagging")
     assert nodes.client.weight_version() == "0" and nodes.record().version == 0
     assert nodes.outputs() == outputs0
     os.kill(nodes.nodes[1].pid, signal.SIGCONT)
-    _wait(lambda: nodes.serves(1), "version 1 served once node 1 has it")
+    wait_until(lambda: nodes.serves(1), "version 1 served once node 1 has it")
     assert nodes.client.weight_version() == "1" and nodes.record().lagging == []
     # Every rank holds the version it serves in its node's cache (what node 1's agent keeps, learnt there).
     held = nodes.client.hold_served()
@@ -183,12 +194,12 @@ def test_one_engine_over_two_nodes_waits_for_the_lagging_node_and_rolls_back_a_f
     try:
         rl_like_step(state, fraction=0.2, max_ulps=40, generator=generator)
         publisher.publish(state).result()
-        _wait(lambda: (nodes.record(node_record_id(ENGINE, 1)) or ReplicaRecord("")).version == 2,
+        wait_until(lambda: (nodes.record(node_record_id(ENGINE, 1)) or ReplicaRecord("")).version == 2,
               "node 1's agent has version 2")
         nodes.on_node(1, f"rm {stream_dir}/000000000002/*.safetensors")
     finally:
         os.kill(nodes.nodes[0].pid, signal.SIGCONT)
-    _wait(lambda: "2" in nodes.record().refused, "the head gives version 2 up")
+    wait_until(lambda: "2" in nodes.record().refused, "the head gives version 2 up")
     assert nodes.client.weight_version() == "1" and nodes.record().version == 1
     assert [r["version"] for r in nodes.client.hold_served()] == [1, 1]
     assert nodes.outputs() == outputs1
@@ -247,7 +258,7 @@ def test_updates_apply_in_place_on_both_nodes_and_one_node_refusing_makes_both_r
         return publisher.publish(state).result().version
 
     def served(version: int) -> dict:
-        _wait(lambda: nodes.update(version) is not None and nodes.node_read(version) is not None,
+        wait_until(lambda: nodes.update(version) is not None and nodes.node_read(version) is not None,
               f"version {version} served and node 1 done with it")
         return nodes.update(version)
 
@@ -278,7 +289,7 @@ def test_updates_apply_in_place_on_both_nodes_and_one_node_refusing_makes_both_r
     os.kill(nodes.nodes[0].pid, signal.SIGSTOP)  # the head's follower, before it stages
     try:
         version = publish()
-        _wait(lambda: (nodes.record(node_record_id(ENGINE, 1)) or ReplicaRecord("")).version == version,
+        wait_until(lambda: (nodes.record(node_record_id(ENGINE, 1)) or ReplicaRecord("")).version == version,
               "node 1's agent has the version")
         change = stream_dir / ".changes" / f"{version_name(base)}-{version_name(version)}.safetensors"
         nodes.in_node(1, sys.executable, "-c", TAMPER, str(change))
