@@ -303,6 +303,7 @@ def _load_tensors(directory: Path) -> dict[str, Any]:
 
 def _stage(node: FakeNode, path: str) -> dict[str, Any]:
     """What a worker's ``InPlaceApplier.staged`` answers for the change file ``path`` (read on ``node``)."""
+    import torch
     from safetensors import safe_open
 
     from .. import codec
@@ -314,20 +315,29 @@ def _stage(node: FakeNode, path: str) -> dict[str, Any]:
         with safe_open(path, framework="pt") as handle:
             version = int((handle.metadata() or {})["version"])
             changed = []
+            stepped: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # (xor) values so far, positions
             for name, tensor in read_change(handle):
                 positions = tensor.positions.clone()
                 if tensor.xor is None:
                     changed.append((name, positions, tensor.old.clone(), tensor.new.clone()))
                     continue
                 # A change from the deltas alone: the old values are this rank's own (it holds every position),
-                # and its check of them is reported, as the worker does.
-                old = node.weights[name].reshape(-1)[positions].clone()
+                # and its check of them is reported, as the worker does; several steps apply in order.
+                if name not in stepped:
+                    stepped[name] = node.weights[name].reshape(-1).clone(), []
+                values, touched = stepped[name]
+                old = values[positions].clone()
                 ints = codec.INT_OF_SIZE[old.element_size()]
                 new = (old.view(ints) ^ tensor.xor.view(ints)).view(old.dtype)
                 mixed = f"{codec.check_total(codec.check_positions(positions)):016x}"
-                checks[name] = {"held": codec.change_check(positions, old, new).to_json(), "held_positions": mixed,
-                                "expected": tensor.check.to_json(), "positions": mixed}
-                changed.append((name, positions, old, new))
+                checks[name if tensor.step is None else f"{name}@{tensor.step}"] = {
+                    "held": codec.change_check(positions, old, new).to_json(), "held_positions": mixed,
+                    "expected": tensor.check.to_json(), "positions": mixed}
+                values[positions] = new
+                touched.append(positions)
+            for name, (values, touched) in stepped.items():
+                positions = torch.unique(torch.cat(touched))
+                changed.append((name, positions, node.weights[name].reshape(-1)[positions].clone(), values[positions]))
     except Exception as exc:  # noqa: BLE001 - reported per rank, as the worker does
         return {"error": f"{type(exc).__name__}: {exc}"}
     node.staged = (version, changed)

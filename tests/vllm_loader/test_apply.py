@@ -5,6 +5,7 @@ equal those of one call per tensor, and a tensor whose loader misbehaves must be
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -290,6 +291,75 @@ def test_ranks_that_read_different_changes_fail_the_check(tmp_path):
             problem = staging_problem(forged)
             assert problem is not None and problem[0] == "check_failed" and "different" in problem[1], (field,
                                                                                                        problem)
+
+
+def test_a_change_across_three_deltas_equals_a_full_load_and_a_forged_step_fails_its_check(tmp_path):
+    """A change from the deltas alone across three deltas (``xor-steps-1``) on fused parameters: the worker
+    gathers the old values once, applies the steps in order in memory and reports each step's check
+    (``name@version``); applied, every parameter equals a load of the last version. One step's XOR forged in
+    the file: ``check_failed`` for that step, and nothing written."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ckptstream import Publisher, Stream
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
+
+    generator = torch.Generator().manual_seed(7)
+    states = [fused_checkpoint(SPEC)]
+    for _ in range(3):
+        states.append({n: t.clone() for n, t in states[-1].items()})
+        rl_like_step(states[-1], fraction=0.05, max_ulps=3, generator=generator)
+        states[-1]["lm_head.weight"] = states[-1]["model.embed_tokens.weight"]
+    with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
+        for state in states:
+            publisher.publish(state).result()
+    change = tmp_path / "change.safetensors"
+    assert build_change_unbased(Stream(str(tmp_path / "stream")), change, base=0, version=3,
+                                max_fraction=1.0).problem is None
+    model = _loaded(states[0])
+    applier = InPlaceApplier(model, torch.device("cpu"))
+    applier.stage(str(change))
+    staged = applier.staged(wait=True)
+    assert {key.rpartition("@")[2] for key in staged["checks"]} == {"1", "2", "3"}, staged.get("error")
+    assert staging_problem([staged]) is None
+    assert applier.apply().get("applied") and _same_parameters(model, _loaded(states[3])) == []
+
+    with safe_open(str(change), framework="pt") as handle:
+        metadata, tensors = handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
+    entries = json.loads(metadata["tensors"])
+    at = next(i for i, e in enumerate(entries)  # a tensor loaded (not the tied lm_head) of step 1 -> 2
+              if e[5] == 1 and e[2] == "bfloat16" and e[0].startswith("model.layers."))
+    offset = sum(e[3] for e in entries[:at] if e[2] == "bfloat16")
+    tensors["xor.bfloat16"].view(torch.int16)[offset] ^= 0x10
+    save_file(tensors, str(change), metadata=metadata)
+    model = _loaded(states[0])
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    applier = InPlaceApplier(model, torch.device("cpu"))
+    applier.stage(str(change))
+    problem = staging_problem([applier.staged(wait=True)])
+    assert problem is not None and problem[0] == "check_failed" and f"{entries[at][0]}@2" in problem[1], problem
+    applier.discard()
+    assert all(torch.equal(bit_pattern(p), bit_pattern(before[n])) for n, p in model.named_parameters())
+
+
+def test_ranks_splitting_a_tensor_add_their_checks_up_per_step(tmp_path):
+    """Two TP ranks staging a change across three deltas: per step, their counts of the split embedding's
+    changed elements add up to the step's check, the replicated norm's are each the whole; applied, each rank
+    equals a load of the last version."""
+    from ckptstream import Stream
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
+
+    url, states = _published(tmp_path, seed=8, steps=3)
+    change = tmp_path / "change.safetensors"
+    assert build_change_unbased(Stream(url), change, base=0, version=3, max_fraction=1.0).problem is None
+    models = _tp_ranks(states[0], torch.bfloat16)
+    appliers, results = _stage(models, change)
+    for version in (1, 2, 3):
+        held = [r["checks"][f"embed.weight@{version}"]["held"]["count"] for r in results]
+        assert sum(held) == results[0]["checks"][f"embed.weight@{version}"]["expected"]["count"] and all(held)
+    assert staging_problem(results) is None
+    assert all(applier.apply().get("applied") for applier in appliers)
+    assert [_same_parameters(a, b) for a, b in zip(models, _tp_ranks(states[3], torch.bfloat16))] == [[], []]
 
 
 class _Ranks:

@@ -104,6 +104,8 @@ def test_no_change_from_the_deltas_across_a_keyframe_or_beyond_the_limit(tmp_pat
     out = tmp / "c.safetensors"
     too_many = build_change_from_deltas(stream, tmp / "v0", out, base=0, version=3, max_fraction=0.001)
     assert too_many.problem == TOO_MANY and not out.exists()
+    too_many = build_change_unbased(stream, out, base=0, version=3, max_fraction=0.001)
+    assert too_many.problem == TOO_MANY and not out.exists()
     url = str(tmp_path / "keyframes")
     with Publisher(url, keyframe_every=1) as publisher:
         publisher.publish(random_state(0)).result()
@@ -112,6 +114,8 @@ def test_no_change_from_the_deltas_across_a_keyframe_or_beyond_the_limit(tmp_pat
     keyframes.materialize(0, tmp_path / "k0")
     across = build_change_from_deltas(keyframes, tmp_path / "k0", out, base=0, version=1, max_fraction=0.5)
     assert across.problem is not None and "whole" in across.problem and not out.exists()
+    across = build_change_unbased(keyframes, out, base=0, version=1, max_fraction=0.5)
+    assert across.problem == UNCHECKED and not out.exists()  # the caller falls back as before
 
 
 def test_a_corrupt_delta_is_refused_naming_version_file_and_tensor(chain):
@@ -208,10 +212,57 @@ def test_a_pieces_checks_add_up_to_the_whole_tensors():
     assert checks[0] + checks[1] == _expected_check(old, new)
 
 
+def _apply_steps(tensors: dict[str, torch.Tensor], change: Path) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """``tensors`` with a change from the deltas alone applied to copies of them in the order of its entries,
+    each entry's check compared with its old and new values there; and the steps' versions, in that order."""
+    patched, steps = {name: t.clone() for name, t in tensors.items()}, []
+    with safe_open(str(change), framework="pt") as handle:
+        for name, tensor in read_change(handle):
+            assert tensor.old is None and tensor.new is None
+            steps.append(tensor.step)
+            flat = patched[name].view(-1)
+            ints = {2: torch.int16, 4: torch.int32}[flat.element_size()]
+            old = flat[tensor.positions]
+            new = (old.view(ints) ^ tensor.xor.view(ints)).view(flat.dtype)
+            assert tensor.check == ChangeCheck(tensor.positions.numel(), check_sum(tensor.positions, old),
+                                               check_sum(tensor.positions, new)), (name, tensor.step)
+            flat[tensor.positions] = new
+    return patched, steps
+
+
+def test_a_change_from_the_deltas_alone_across_a_chain_holds_each_steps_changes(chain):
+    """Across three deltas (layout ``xor-steps-1``): each step's positions, XOR and check, oldest step
+    first; applied step by step on the base's values they make the last version's, each step's check
+    holding there. The one-step change keeps its layout (``xor-1``, no step)."""
+    stream, states, tmp = chain
+    out = tmp / "steps.safetensors"
+    summary = build_change_unbased(stream, out, base=0, version=3, max_fraction=0.5)
+    assert summary.problem is None and summary.changed > 0
+    with safe_open(str(out), framework="pt") as handle:
+        assert handle.metadata()["layout"] == "xor-steps-1"
+        assert json.loads(handle.metadata()["steps"]) == [[0, 1], [1, 2], [2, 3]]
+    patched, steps = _apply_steps(states[0], out)
+    assert _same(patched, states[3]) and steps == sorted(steps) and set(steps) == {1, 2, 3}
+    assert summary.changed == sum(stream.manifest(v).tensor(n).changed or 0 for v in (1, 2, 3)
+                                  for n in states[0])
+    assert _apply_steps(states[1], _built(stream, tmp / "two.safetensors", 1, 3))[1][0] == 2
+    one = _built(stream, tmp / "one.safetensors", 2, 3)
+    patched, steps = _apply_steps(states[2], one)
+    assert _same(patched, states[3]) and set(steps) == {None}
+    with safe_open(str(one), framework="pt") as handle:
+        assert handle.metadata()["layout"] == "xor-1" and "steps" not in handle.metadata()
+
+
+def _built(stream: Stream, out: Path, base: int, version: int) -> Path:
+    assert build_change_unbased(stream, out, base=base, version=version, max_fraction=0.5).problem is None
+    return out
+
+
 def test_a_change_from_the_deltas_alone_holds_each_changes_xor_and_check(chain):
     """From the deltas alone: the positions, the XOR of old and new bits (a rank holding the old values gets
     the new ones from it) and each tensor's check. Not across several deltas, nor from a delta without
-    checks: the caller then builds the change with the served version's copy."""
+    checks: the caller then builds the change with the served version's copy. Across several deltas (see
+    ``test_a_change_from_the_deltas_alone_across_a_chain_holds_each_steps_changes``)."""
     stream, states, tmp = chain
     out = tmp / "unbased.safetensors"
     summary = build_change_unbased(stream, out, base=2, version=3, max_fraction=0.5)
@@ -229,9 +280,6 @@ def test_a_change_from_the_deltas_alone_holds_each_changes_xor_and_check(chain):
                                                check_sum(tensor.positions, new))
             flat[tensor.positions] = new
     assert _same(patched, states[3])
-    assert build_change_unbased(stream, tmp / "chain.safetensors", base=0, version=3,
-                                max_fraction=0.5).problem == UNCHECKED
-    assert not (tmp / "chain.safetensors").exists()
     manifest = stream.manifest(3)  # as a writer without checks (the device encoder) writes it
     unchecked = dataclasses.replace(manifest, tensors=tuple(dataclasses.replace(t, check=None)
                                                             for t in manifest.tensors))

@@ -19,8 +19,10 @@ version, is caught there and nothing is written. A change of layout ``xor-1`` ca
 worker reads them from its own parameters when it stages the change (new = old XOR the delta) and reports,
 per changed tensor, the publisher's check of the change summed over the positions it holds; the follower
 adds the ranks' sums up (``staging_problem``) and applies only where they equal the check (FORMAT.md
-"Change checks"). A rank whose parameter cannot hold the checkpoint's values (a narrower runtime dtype) has
-not their bits to check, and says so (``unverifiable``: the follower then stages the change with old values).
+"Change checks"). A change across several deltas (``xor-steps-1``) is applied step by step in memory on the
+values gathered once, each step's sums reported on their own (per tensor and step). A rank whose parameter
+cannot hold the checkpoint's values (a narrower runtime dtype) has not their bits to check, and says so
+(``unverifiable``: the follower then stages the change with old values).
 Imported by the worker extension only when used (torch).
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,7 +280,7 @@ class _Write:
 @dataclass
 class _Changed:
     """A changed checkpoint tensor of a change file (host tensors): its old and new values, or (``xor-1``)
-    the XOR of both and the publisher's check."""
+    the XOR of both and the publisher's check (``xor-steps-1``: of the step that makes version ``step``)."""
 
     name: str
     positions: torch.Tensor
@@ -285,6 +288,13 @@ class _Changed:
     new: torch.Tensor | None
     xor: torch.Tensor | None = None
     check: ChangeCheck | None = None
+    step: int | None = None
+
+    @property
+    def key(self) -> str:
+        """Its name in ``staged``'s ``coverage`` and ``checks``: the tensor's, with ``@`` and the version its
+        step makes in a change of several steps."""
+        return self.name if self.step is None else f"{self.name}@{self.step}"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -391,7 +401,8 @@ class InPlaceApplier:
                 changed: list[_Changed] = []
                 unplanned: dict[str, TensorSpec] = {}
                 for name, tensor in read_change(change):
-                    changed.append(_Changed(name, tensor.positions, tensor.old, tensor.new, tensor.xor, tensor.check))
+                    changed.append(_Changed(name, tensor.positions, tensor.old, tensor.new, tensor.xor, tensor.check,
+                                            tensor.step))
                     if name not in self.plans:
                         unplanned[name] = (tuple(tensor.shape), changed[-1].dtype)
                 if unplanned:
@@ -420,11 +431,15 @@ class InPlaceApplier:
             elif plan.targets:
                 loaded.append(i)
                 for target in plan.targets:
-                    key = (target.param, tensor.dtype, target.sizes, target.src_strides, target.dst_strides)
+                    key = (target.param, tensor.dtype, target.sizes, target.src_strides, target.dst_strides,
+                           tensor.step)
                     layouts.setdefault(key, []).append((i, target))
         written = torch.zeros(len(changed), dtype=torch.int64, device=self.device)
         sums = torch.zeros(3, len(changed), dtype=torch.int64, device=self.device)  # per tensor: positions, old, new
         per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # (xor) per parameter and checkpoint dtype: per copy (step, segment, storage offsets, positions, XOR)
+        pending: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]]] = {}
         for (param, checkpoint_dtype, *_), copies in layouts.items():
             counts = [changed[i].positions.numel() for i, _ in copies]
             positions = torch.cat([changed[i].positions for i, _ in copies]).to(self.device)
@@ -445,27 +460,41 @@ class InPlaceApplier:
             if changed[copies[0][0]].xor is None:
                 old = torch.cat([changed[i].old for i, _ in copies]).to(self.device)[covered].to(dtype)
                 new = torch.cat([changed[i].new for i, _ in copies]).to(self.device)[covered].to(dtype)
-            else:  # the old values are this rank's own: the check of the change at its positions says if right
-                old = _flat(params[param])[index[covered]].to(checkpoint_dtype)
-                ints = INT_OF_SIZE[old.element_size()]
+                per_param.setdefault(param, []).append((index[covered], old, new))
+            else:
                 xor = torch.cat([changed[i].xor for i, _ in copies]).to(self.device)[covered]
-                new = (old.view(ints) ^ xor.view(ints)).view(checkpoint_dtype)
-                mixed = check_positions(positions[covered])
-                sums[0].index_add_(0, segment[covered], mixed)
-                for row, values in enumerate((old, new), 1):
-                    sums[row].index_add_(0, segment[covered], check_terms(mixed, values))
-                old, new = old.to(dtype), new.to(dtype)
-            per_param.setdefault(param, []).append((index[covered], old, new))
+                pending.setdefault((param, checkpoint_dtype), []).append(
+                    (changed[copies[0][0]].step or 0, segment[covered], index[covered], positions[covered], xor))
+        for (param, checkpoint_dtype), parts in pending.items():
+            # The old values are this rank's own, gathered once at every step's offsets: the checks of the
+            # steps at its positions say if right. The steps apply in order on them, in memory.
+            held = torch.unique(torch.cat([index for _, _, index, _, _ in parts]))
+            first = _flat(params[param])[held].to(checkpoint_dtype)
+            ints = INT_OF_SIZE[first.element_size()]
+            values = first.view(ints).clone()
+            for _, step in itertools.groupby(sorted(parts, key=lambda part: part[0]), key=lambda part: part[0]):
+                found = [(segment, torch.searchsorted(held, index), positions, xor.view(ints))
+                         for _, segment, index, positions, xor in step]
+                olds = [values[at] for _, at, _, _ in found]  # (each tensor of a step reads the values before it)
+                for (segment, at, positions, xor), old in zip(found, olds):
+                    new = old ^ xor
+                    mixed = check_positions(positions)
+                    sums[0].index_add_(0, segment, mixed)
+                    for row, bits in enumerate((old, new), 1):
+                        sums[row].index_add_(0, segment, check_terms(mixed, bits))
+                    values[at] = new
+            dtype = params[param].dtype
+            per_param.setdefault(param, []).append((held, first.to(dtype), values.view(checkpoint_dtype).to(dtype)))
         writes = [_Write(param, *(torch.cat(parts) for parts in zip(*groups))) for param, groups in per_param.items()]
         counts_written = written.tolist()
-        coverage = {changed[i].name: [counts_written[i], changed[i].positions.numel()] for i in loaded}
+        coverage = {changed[i].key: [counts_written[i], changed[i].positions.numel()] for i in loaded}
         result: dict[str, Any] = {"unpatchable": unpatchable, "coverage": coverage,
                                   "elements": sum(w.index.numel() for w in writes)}
         if unverifiable:
             result["unverifiable"] = unverifiable
         if changed and changed[0].check is not None:
             position_sums, old_sums, new_sums = ([v & CHECK_MASK for v in row] for row in sums.tolist())
-            result["checks"] = {changed[i].name: {
+            result["checks"] = {changed[i].key: {
                 "held": ChangeCheck(counts_written[i], old_sums[i], new_sums[i]).to_json(),
                 "held_positions": f"{position_sums[i]:016x}", "expected": changed[i].check.to_json(),
                 "positions": f"{check_total(check_positions(changed[i].positions)):016x}"}

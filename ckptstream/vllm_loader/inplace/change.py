@@ -8,7 +8,13 @@ Per checkpoint tensor that differs: the flat positions of the differing elements
 bit for bit (a NaN that stays NaN is no change; -0.0 and 0.0 differ), and either their old and new values in
 the checkpoint's dtype (layout ``packed-1``), or the XOR of old and new bits and the publisher's check of the
 change (layout ``xor-1``, FORMAT.md "Change checks"): each worker then reads the old values from its own
-parameters and the checks, added up over the ranks, prove them the delta's base. One safetensors file per
+parameters and the checks, added up over the ranks, prove them the delta's base. Across a chain of deltas,
+layout ``xor-steps-1`` (a layout of its own, so that a reader of ``xor-1`` alone refuses it; a one-step change
+is ``xor-1`` as ever): ``xor-1``'s tensors, each changed tensor's entry once per step that changes it (the
+step's positions, XOR and check), ordered by step, then name; the metadata's ``steps`` lists each step's
+[base, version], oldest first, and each entry ends with its step's index there. A worker gathers the old
+values at every step's positions from its parameters once, then applies the steps in order in memory, each
+step's check summed on its own (its old values are the step before's new ones). One safetensors file per
 (base, version) pair, written once per host in the shared cache (``VersionCache.change``) and read by every
 worker of the host from there: never sent over HTTP. The file's metadata names the stream, both versions and
 each tensor's shape.
@@ -28,7 +34,7 @@ import torch
 
 from ...codec import bit_pattern, torch_dtype
 from ...errors import IntegrityError
-from ...format import ENCODING_PIECES, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ChangeCheck, TensorEntry
+from ...format import ENCODING_PIECES, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ChangeCheck, Manifest, TensorEntry
 from ...hf import tensor_specs
 from ...reader.decode import TooManyChanges
 from ...reader.materialize import MaterializedBase
@@ -44,20 +50,23 @@ change from the deltas and decoding the version from the same deltas, so that ea
 once; deltas past it are read again (and counted as read again)."""
 
 _POSITIONS, _OLD, _NEW, _XOR = "positions", "old.", "new.", "xor."
-_LAYOUT_KEY, _LAYOUT, _XOR_LAYOUT = "layout", "packed-1", "xor-1"
+_LAYOUT_KEY, _LAYOUT, _XOR_LAYOUT, _STEPS_LAYOUT = "layout", "packed-1", "xor-1", "xor-steps-1"
 """A change file holds every changed tensor's positions in one tensor and its values in one tensor per dtype
-and kind (old and new: ``packed-1``; the XOR of both: ``xor-1``), in the order of its ``tensors`` metadata:
+and kind (old and new: ``packed-1``; the XOR of both: ``xor-1``, ``xor-steps-1``), in the order of its
+``tensors`` metadata:
 read in a few calls, however many tensors changed."""
 TOO_MANY = "too many elements changed"
 WHOLE = "a version since the served one stores tensors whole"
-UNCHECKED = "the version is not one delta on the served one whose every change has a check"
-"""Why no change is built from the deltas alone: a chain of deltas, or a delta without change checks (written
-by the device encoder or an older ckptstream); the caller builds one with the served version's copy."""
+UNCHECKED = "the version is not a chain of deltas on the served one whose every change has a check"
+"""Why no change is built from the deltas alone: a keyframe between the versions, or a delta without change
+checks (written by the device encoder or an older ckptstream); the caller builds one with the served version's
+copy."""
 
 
 class ChangedTensor(NamedTuple):
     """A changed tensor of a change file: its shape, positions, and its old and new values (``packed-1``), or
-    the XOR of both and the publisher's check of the change (``xor-1``), views of the file's tensors."""
+    the XOR of both and the publisher's check of the change (``xor-1``; ``xor-steps-1``: of one step, the
+    version that step makes in ``step``), views of the file's tensors."""
 
     shape: tuple[int, ...]
     positions: torch.Tensor
@@ -65,6 +74,7 @@ class ChangedTensor(NamedTuple):
     new: torch.Tensor | None
     xor: torch.Tensor | None = None
     check: ChangeCheck | None = None
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -157,11 +167,13 @@ def build_change_from_deltas(stream: Stream, base_dir: Path, out: Path, *, base:
 
 def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
                          max_fraction: float) -> ChangeSummary:
-    """Write the change from ``base`` to ``version`` to ``out`` from the stored deltas alone (layout
-    ``xor-1``): per changed tensor the positions, the XOR of old and new bits, and the publisher's check;
-    no copy of either version is read. None (``problem`` set, nothing written) where ``version`` is not a
-    delta on ``base`` whose every ``xor-zstd`` entry has a check this ckptstream reads (``UNCHECKED``), their
-    tensors differ, or more than ``max_fraction`` of the elements changed.
+    """Write the change from ``base`` to ``version`` to ``out`` from the stored deltas alone: per changed
+    tensor the positions, the XOR of old and new bits, and the publisher's check, per step of the chain of
+    deltas from ``base`` to ``version`` (one step: layout ``xor-1``; more: ``xor-steps-1``); no copy of any
+    version is read. None (``problem`` set, nothing written) where no such chain leads from ``base`` to
+    ``version`` (a keyframe between) or a delta of it has an ``xor-zstd`` entry without a check this
+    ckptstream reads (``UNCHECKED``), a step's tensors differ from its base's, or more than ``max_fraction``
+    of ``version``'s elements change (each step's changes counted: what the file holds).
 
     The stored bytes of the deltas are checked against their stored hashes, and each tensor's changes are
     counted against its check; the values are checked where they are applied (``apply.staging_problem``).
@@ -169,37 +181,46 @@ def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
     Raises:
         IntegrityError: a delta changes another number of elements than its check counts.
     """
+    steps: list[tuple[Manifest, Manifest]] = []  # (its base, a delta), oldest first
     manifest = stream.manifest(version)
-    if manifest.base_version != base:
+    while manifest.version != base:
+        if manifest.base_version is None or manifest.base_version < base:
+            return ChangeSummary(0, 0, 0, problem=UNCHECKED)
+        below = stream.manifest(manifest.base_version)
+        steps.insert(0, (below, manifest))
+        manifest = below
+    checks = [{entry.name: entry_check(entry) for entry in step.tensors} for _, step in steps]
+    if not steps or any(check is None for step in checks for check in step.values()):
         return ChangeSummary(0, 0, 0, problem=UNCHECKED)
-    checks = {entry.name: entry_check(entry) for entry in manifest.tensors}
-    if any(check is None for check in checks.values()):
-        return ChangeSummary(0, 0, 0, problem=UNCHECKED)
-    total = sum(e.numel for e in manifest.tensors)
-    if sorted(checks) != sorted(e.name for e in stream.manifest(base).tensors):
+    if any(sorted(names) != sorted(e.name for e in below.tensors) for names, (below, _) in zip(checks, steps)):
         return ChangeSummary(0, 0, 0, problem="the versions hold different tensors")
+    total = sum(e.numel for e in steps[-1][1].tensors)
     budget = int(max_fraction * total)
-    # (a tensor's changes cost 8 bytes of position and at most 8 of value each while they are read)
-    changes = stream.changes_since(version, base, lambda entry, positions, xors: (entry, positions, xors),
-                                   max_tensor_bytes=(budget + 1) * 16)
-    if changes is None:
-        return ChangeSummary(0, 0, 0, problem=WHOLE)
-    change = _Change(max_fraction * total, (_XOR,), _XOR_LAYOUT)
-    try:
-        for entry, positions, xors in changes:
-            check = checks[entry.name]
-            assert check is not None
-            if positions.numel() != check.count:
-                raise IntegrityError(f"the delta changes {positions.numel()} elements, its check counts "
-                                     f"{check.count}", version=version, tensor=entry.name,
-                                     hint="The version is forged or damaged; run `ckptstream verify`")
-            if not change.add(entry.name, entry.shape, positions, xors.view(torch_dtype(entry.dtype)), check=check):
-                return ChangeSummary(change.changed, total, change.tensors, problem=TOO_MANY)
-    except TooManyChanges:
-        return ChangeSummary(budget + 1, total, change.tensors, problem=TOO_MANY)
-    finally:
-        changes.close()  # (what has not started is cancelled)
-    return change.write(out, total, stream_id=stream.info().stream_id, base=base, version=version)
+    change = _Change(max_fraction * total, (_XOR,), _XOR_LAYOUT if len(steps) == 1 else _STEPS_LAYOUT)
+    for index, ((below, step), step_checks) in enumerate(zip(steps, checks)):
+        # (a tensor's changes cost 8 bytes of position and at most 8 of value each while they are read)
+        changes = stream.changes_since(step.version, below.version,
+                                       lambda entry, positions, xors: (entry, positions, xors),
+                                       max_tensor_bytes=(budget - change.changed + 1) * 16)
+        if changes is None:
+            return ChangeSummary(0, 0, 0, problem=WHOLE)
+        try:
+            for entry, positions, xors in changes:
+                check = step_checks[entry.name]
+                assert check is not None
+                if positions.numel() != check.count:
+                    raise IntegrityError(f"the delta changes {positions.numel()} elements, its check counts "
+                                         f"{check.count}", version=step.version, tensor=entry.name,
+                                         hint="The version is forged or damaged; run `ckptstream verify`")
+                if not change.add(entry.name, entry.shape, positions, xors.view(torch_dtype(entry.dtype)),
+                                  check=check, step=None if len(steps) == 1 else index):
+                    return ChangeSummary(change.changed, total, change.tensors, problem=TOO_MANY)
+        except TooManyChanges:
+            return ChangeSummary(budget + 1, total, change.tensors, problem=TOO_MANY)
+        finally:
+            changes.close()  # (what has not started is cancelled)
+    return change.write(out, total, stream_id=stream.info().stream_id, base=base, version=version,
+                        steps=[[below.version, step.version] for below, step in steps] if len(steps) > 1 else None)
 
 
 def with_old_values(stream: Stream, base_dir: Path, change: Path) -> Path | None:
@@ -263,9 +284,9 @@ class _Change:
         return len(self.entries)
 
     def add(self, name: str, shape: tuple[int, ...], positions: torch.Tensor, *values: torch.Tensor,
-            check: ChangeCheck | None = None) -> bool:
-        """Add a tensor's changed elements (none: nothing), one tensor of values per kind; False once the
-        change holds too many."""
+            check: ChangeCheck | None = None, step: int | None = None) -> bool:
+        """Add a tensor's changed elements (none: nothing), one tensor of values per kind (of the step of index
+        ``step``, in a change of several); False once the change holds too many."""
         if not positions.numel():
             return True
         self.changed += positions.numel()
@@ -273,7 +294,7 @@ class _Change:
             return False
         dtype = str(values[0].dtype).removeprefix("torch.")
         self.entries.append([name, list(shape), dtype, positions.numel()]
-                            + ([] if check is None else [check.to_json()]))
+                            + ([] if check is None else [check.to_json()]) + ([] if step is None else [step]))
         self.positions.append(positions)
         lists = self.values.setdefault(dtype, [[] for _ in self.kinds])
         self._rank.append(len(lists[0]))
@@ -281,10 +302,12 @@ class _Change:
             held.append(value.contiguous())
         return True
 
-    def write(self, out: Path, total: int, *, stream_id: str, base: int, version: int) -> ChangeSummary:
+    def write(self, out: Path, total: int, *, stream_id: str, base: int, version: int,
+              steps: list[list[int]] | None = None) -> ChangeSummary:
         from safetensors.torch import save_file
 
-        order = sorted(range(len(self.entries)), key=lambda i: self.entries[i][0])  # by name: one file per change
+        # by step, then name: one file per change
+        order = sorted(range(len(self.entries)), key=lambda i: (self.entries[i][5:], self.entries[i][0]))
         tensors = {_POSITIONS: torch.cat([self.positions[i] for i in order]) if order
                    else torch.zeros(0, dtype=torch.int64)}
         for dtype, lists in self.values.items():
@@ -293,33 +316,46 @@ class _Change:
                 tensors[kind + dtype] = torch.cat([held[self._rank[i]] for i in mine])
         metadata = {"stream_id": stream_id, "base": str(base), "version": str(version),
                     _LAYOUT_KEY: self.layout, "tensors": json.dumps([self.entries[i] for i in order])}
+        if steps is not None:
+            metadata["steps"] = json.dumps(steps)
         save_file(tensors, str(out), metadata=metadata)
         return ChangeSummary(self.changed, total, self.tensors)
 
 
 def read_change(handle: Any) -> Iterator[tuple[str, ChangedTensor]]:
-    """Per changed tensor of an open change file (``safetensors.safe_open``) of either layout, in the order
-    written: its name and ``ChangedTensor`` (views of the file's few tensors)."""
+    """Per changed tensor of an open change file (``safetensors.safe_open``) of any layout, in the order
+    written (``xor-steps-1``: once per step, oldest first): its name and ``ChangedTensor`` (views of the
+    file's few tensors)."""
     metadata = handle.metadata() or {}
     layout = metadata.get(_LAYOUT_KEY)
-    if layout not in (_LAYOUT, _XOR_LAYOUT):
-        raise ValueError(f"not a change file of layout {_LAYOUT} or {_XOR_LAYOUT} (written by another ckptstream?)")
+    if layout not in (_LAYOUT, _XOR_LAYOUT, _STEPS_LAYOUT):
+        raise ValueError(f"not a change file of layout {_LAYOUT}, {_XOR_LAYOUT} or {_STEPS_LAYOUT} (written by "
+                         "another ckptstream?)")
     kinds = (_OLD, _NEW) if layout == _LAYOUT else (_XOR,)
+    steps = [int(v) for _, v in json.loads(metadata["steps"])] if layout == _STEPS_LAYOUT else []
     positions = handle.get_tensor(_POSITIONS)
     entries = json.loads(metadata["tensors"])
     values: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
     counts: dict[str, int] = {}
     checks: list[ChangeCheck | None] = []
+    at_step: list[int | None] = []
     for entry in entries:
         dtype, count = entry[2], entry[3]
         if not isinstance(count, int) or count <= 0:
             raise ValueError(f"a change file's tensor holds {count!r} changed elements")
         check = None
-        if layout == _XOR_LAYOUT:
+        if layout != _LAYOUT:
             check = ChangeCheck.from_json(entry[4] if len(entry) > 4 else None)
             if not check.known or check.count != count:
                 raise ValueError(f"a change file's tensor {entry[0]!r} has no check of its {count} changes")
+        step = None
+        if layout == _STEPS_LAYOUT:
+            index = entry[5] if len(entry) > 5 else None
+            if not isinstance(index, int) or not 0 <= index < len(steps) or (at_step and steps[index] < at_step[-1]):
+                raise ValueError(f"a change file's tensor {entry[0]!r} names no step, or not in order: {index!r}")
+            step = steps[index]
         checks.append(check)
+        at_step.append(step)
         counts[dtype] = counts.get(dtype, 0) + count
         if dtype not in values:
             values[dtype] = ([handle.get_tensor(kind + dtype) for kind in kinds], [0])
@@ -327,13 +363,13 @@ def read_change(handle: Any) -> Iterator[tuple[str, ChangedTensor]]:
             v.numel() != counts[d] for d, (held, _) in values.items() for v in held):
         raise ValueError("a change file's tensors do not hold the elements its metadata counts")
     start = 0
-    for (name, shape, dtype, count, *_), check in zip(entries, checks):
+    for (name, shape, dtype, count, *_), check, step in zip(entries, checks, at_step):
         held, offset = values[dtype]
         parts = [v[offset[0]:offset[0] + count] for v in held]
         at = positions[start:start + count]
         if layout == _LAYOUT:
             yield name, ChangedTensor(tuple(shape), at, parts[0], parts[1])
         else:
-            yield name, ChangedTensor(tuple(shape), at, None, None, parts[0], check)
+            yield name, ChangedTensor(tuple(shape), at, None, None, parts[0], check, step)
         start += count
         offset[0] += count
