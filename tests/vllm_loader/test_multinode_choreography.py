@@ -443,6 +443,25 @@ def test_without_cached_versions_a_full_reload_decodes_the_version_on_demand(tmp
         kept.close()
 
 
+def test_without_cached_versions_an_engine_that_missed_a_version_is_updated_in_place(tmp_path):
+    """Two versions published while nobody looked (a node that fell behind): with no copy of the served version
+    anywhere, the change across both deltas (from the deltas alone, each step checked) still applies in place,
+    and no whole version is decoded."""
+    engine = InPlaceEngine(tmp_path, cache_versions=0)
+    try:
+        server, head, agent = engine.server, engine.head, engine.agent
+        engine.publish()
+        version = engine.publish()
+        assert agent.step() == version and agent.cache.change_path(0, version).is_file()
+        update = head.step()
+        assert update is not None and update.applied_in_place == 1 and not update.fallbacks
+        assert [n.loaded_version for n in server.nodes] == [version, version] and engine.served_equal_published()
+        assert not server.calls_of("reload_weights")[1:]  # (the first: the engine started on version 0)
+        assert agent.cache.versions() == [] and head.cache.versions() == [] and agent.served() == {version}
+    finally:
+        engine.close()
+
+
 def test_an_engine_restarted_on_a_node_with_no_cached_version_gets_the_served_version_on_demand(in_place_engine):
     engine = in_place_engine
     server, head, agent = engine.server, engine.head, engine.agent

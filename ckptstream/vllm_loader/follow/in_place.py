@@ -46,7 +46,7 @@ class InPlaceUpdates:
     def change(self, version: int, path: Path | None, current: int | None) -> tuple[Path | None, str | None]:
         """The change from the served version to ``version`` in the cache, or why there is none
         (``observe.FALLBACK_REASONS``): built from the stored deltas between them (``path`` None: from the
-        deltas alone where ``version`` is one delta on the served one with change checks, else with the
+        deltas alone where ``version`` is a chain of deltas on the served one with change checks, else with the
         served version's cached copy), else by comparing the cached ``path`` with the served version's.
         (None, None): none from the deltas (a version between stores tensors whole), the comparison may
         find one."""
