@@ -246,6 +246,13 @@ def test_a_change_from_the_deltas_alone_across_a_chain_holds_each_steps_changes(
     assert summary.changed == sum(stream.manifest(v).tensor(n).changed or 0 for v in (1, 2, 3)
                                   for n in states[0])
     assert _apply_steps(states[1], _built(stream, tmp / "two.safetensors", 1, 3))[1][0] == 2
+    from safetensors.torch import save_file
+
+    with safe_open(str(out), framework="pt") as handle:  # steps out of order: refused, not misapplied
+        metadata, tensors = handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
+    save_file(tensors, str(out), metadata={**metadata, "tensors": json.dumps(json.loads(metadata["tensors"])[::-1])})
+    with safe_open(str(out), framework="pt") as handle, pytest.raises(ValueError, match="not in order"):
+        list(read_change(handle))
     one = _built(stream, tmp / "one.safetensors", 2, 3)
     patched, steps = _apply_steps(states[2], one)
     assert _same(patched, states[3]) and set(steps) == {None}
