@@ -331,7 +331,8 @@ class InPlaceApplier:
     def staged(self, wait: bool) -> dict[str, Any] | None:
         """The staging's result (``unpatchable``: {tensor: reason}, ``coverage``: {tensor: [positions written
         here, positions changed]} for the tensors the model loads, ``elements``: writes staged, ``error``;
-        for a change of layout ``xor-1`` also ``checks``: {tensor: {"held": the check of the changes at the
+        for a change of layout ``xor-1`` also ``checks``: {tensor (``xor-steps-1``: per step, ``tensor@version``
+        the step makes; so ``coverage``): {"held": the check of the changes at the
         positions written here, "expected": the publisher's (both as ``ChangeCheck.to_json``),
         "held_positions", "positions": the sum of ``codec.check_positions`` over the positions written here,
         over all the tensor's changed positions (16 hex digits)}}, and ``unverifiable``: {tensor: why}, where
@@ -418,7 +419,8 @@ class InPlaceApplier:
     def _map_all(self, changed: list[_Changed]) -> tuple[dict[str, Any], list[_Write]]:
         """Map every changed tensor onto the parameters: the copies that share a layout (parameter, dtype,
         sizes and strides) in one batch each, the writes merged per parameter. The old values of a change
-        without them (``xor-1``) are read from the parameters, and its checks summed per tensor."""
+        without them (``xor-1``, ``xor-steps-1``) are read from the parameters, its checks summed per tensor
+        (and step)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         unpatchable: dict[str, str] = {}
         unverifiable: dict[str, str] = {}  # (xor-1) tensor -> why this rank cannot read its checkpoint bits
