@@ -86,6 +86,7 @@ class NodeAgent:
         self.pin = config.pin
         self.current: int | None = None
         self._served: set[int] = set()  # what the workers held last (before they held any, the start version)
+        self._held: set[int] = set()  # what they hold at this step's look (``_look``: one per step)
         self._change_base: int | None = None  # the served version the change to the current one was built on
         self.record = ReplicaRecord(replica_id=record_id, kind=KIND_NODE, engine=self.engine, node_rank=node_rank,
                                     nnodes=nnodes, host=socket.gethostname(), pid=os.getpid(), pin=config.pin)
@@ -202,6 +203,7 @@ class NodeAgent:
         """Decode the versions the head asked for (``VersionCache.requested``), then prepare the newest version
         (or the pin) if it is not the current one (``update``), or else follow the engine to the version it
         serves now (``_rebase``); then delete what this node no longer needs. Returns the version prepared."""
+        self._look()
         self._serve_requests()
         try:
             return self._advance()
@@ -270,9 +272,9 @@ class NodeAgent:
         """Decode each version the head asked for (a full reload of it is due: of a new version, or of the
         served one, which every rank reloads after a failed update or a restart) unless the engine serves a
         newer one already (the request is then dropped: the head moved on)."""
-        served = self.cache.served()  # what the workers hold, never the start version standing in for it
+        served = self._held  # what the workers hold, never the start version standing in for it
         for version in sorted(self.cache.requested()):
-            if served and version < max(served):
+            if served and version < min(served):  # (mid-update: the one served before is not over)
                 self.cache.drop_request(version)
             elif version not in self.cache.held():  # (held: decoded here already)
                 try:
@@ -287,22 +289,22 @@ class NodeAgent:
         requests, done or given up: ``cache.hold_served_version``)."""
         keep = self._keep()
         self.cache.prune(keep)
-        if self.config.cache_versions == 0 and self.cache.served():
+        if self.config.cache_versions == 0 and self._held:
             copies = keep - self.cache.requested()
             for version in copies:
                 self.cache.release(version)
             self.cache.drop_copies(copies)
 
     def _keep(self) -> set[int]:
-        """The versions this node keeps: those the engine serves (every rank reloads it after a failed update)
-        and the head asked for, and the newest prepared."""
-        return self.served() | self.cache.requested() | {v for v in (self.current,) if v is not None}
+        """The versions this node keeps: those the engine serves (every rank reloads it after a failed update;
+        with the one it applies, while it applies it: ``cache.hold_staged``, the base of the next change) and
+        the head asked for, and the newest prepared."""
+        return set(self._served) | self.cache.requested() | {v for v in (self.current,) if v is not None}
 
     def _served_base(self) -> int | None:
-        """The version the engine serves on this node, the base of the next change (None while its ranks hold
-        different ones, mid-update, or none)."""
-        served = self.served()
-        return served.pop() if len(served) == 1 else None
+        """The version the engine serves on this node at this step's look, the base of the next change (None
+        while its ranks hold different ones, mid-update, or none)."""
+        return next(iter(self._served)) if len(self._served) == 1 else None
 
     def _rebase(self) -> None:
         """Follow the engine to the version it serves now if it moved since the change to the current version
@@ -333,10 +335,14 @@ class NodeAgent:
         (``VersionCache.served``); while they hold none, what they held last (a restarted engine: the head
         brings it back to that version), and before they held any, the version prepared first (vLLM's start
         version)."""
-        held = self.cache.served()
-        if held:
-            self._served = held
-        return held or set(self._served)
+        self._look()
+        return set(self._served)
+
+    def _look(self) -> None:
+        """Read what the workers hold now (``cache.served``; the step and what it calls use this look)."""
+        self._held = self.cache.served()
+        if self._held:
+            self._served = set(self._held)
 
     def _report(self, **changes: Any) -> None:
         with self._lock:

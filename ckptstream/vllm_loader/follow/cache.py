@@ -484,6 +484,21 @@ def hold_served(directory: str | os.PathLike[str]) -> tuple[int, int] | None:
     return version, fd
 
 
+def hold_staged(change: str | os.PathLike[str]) -> int | None:
+    """For a vLLM worker staging the change file ``change`` (``VersionCache.change_path``): hold the served lock
+    of the version it leads to (shared) and return its descriptor for ``locks.unlock``; None where ``change`` is
+    no cache's. The worker holds it until the update is over (``hold_served_version``) or the change discarded:
+    meanwhile the node's agent sees the engine mid-update and keeps that version (the base of the next change,
+    which a version decoded during the apply would otherwise replace)."""
+    path = Path(change).absolute()
+    parts = path.name.removesuffix(".safetensors").split("-")
+    version = parse_version_name(parts[-1]) if len(parts) == 2 else None
+    locks = path.parent.parent / LOCKS_DIR
+    if path.parent.name != CHANGES_DIR or version is None or not locks.is_dir():
+        return None
+    return lock_file(locks / f"{version_name(version)}{SERVED_SUFFIX}", shared=True)
+
+
 def hold_served_version(versions_dir: str | os.PathLike[str], version: int) -> int | None:
     """For a vLLM worker that serves ``version`` of the cache at ``versions_dir`` (a stream's directory in a
     follower's cache), complete there or not: hold its served lock (shared) and return the lock's descriptor
