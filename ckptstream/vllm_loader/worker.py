@@ -167,7 +167,8 @@ class WorkerExtension:
 
 def staged_hold(worker: Any, change: str | None) -> None:
     """Have ``worker`` hold the version the change file ``change`` leads to on its node (``cache.hold_staged``:
-    the node's agent keeps it while the head applies it), or, with None, release what it held so."""
+    the node's agent keeps it while the head applies it), or, with None, release what it held so (on a one-node
+    server, nobody releases it until the next change: a lock nothing waits on)."""
     from ..locks import unlock
     from .follow.cache import hold_staged
 

@@ -547,8 +547,8 @@ def test_a_version_published_while_the_head_applies_the_previous_one_is_applied_
 
 
 def test_versions_published_during_an_apply_and_right_after_it_are_applied_in_place(in_place_engine):
-    """While the head applies a version, its ranks hold it on node 1 (staged): the agent, moving on to a newer
-    one meanwhile, keeps it, and builds the change to the next version on it once the engine serves it."""
+    """While the head applies a version, its ranks hold it on node 1 (staged): the agent keeps it and prepares
+    a newer one only once the engine serves it, building the change to it on it."""
     engine = in_place_engine
     server, head, agent = engine.server, engine.head, engine.agent
     version = engine.publish()
@@ -558,8 +558,8 @@ def test_versions_published_during_an_apply_and_right_after_it_are_applied_in_pl
     def trainer(method: str, _: object) -> None:
         if method == "apply_change" and not published:
             published.append(engine.publish())
-            agent.step()
-            assert agent.served() == {0, version}  # mid-update: the version applied is kept
+            assert agent.step() is None  # the next version waits for the end of the apply
+            assert agent.cache.versions() == [0, version] and agent.cache.staged() == {version}
 
     server.on_call = trainer
     assert head.step().applied_in_place == 1
@@ -569,6 +569,8 @@ def test_versions_published_during_an_apply_and_right_after_it_are_applied_in_pl
     assert agent.cache.change_path(version, third).is_file() and agent.cache.versions() == [version, third]
     update = head.step()
     assert update.applied_in_place == 1 and not update.fallbacks and engine.served_equal_published()
+    agent.step()
+    assert agent.cache.versions() == [third]  # once the engine serves it, no other
 
 
 def test_a_served_version_missing_on_a_node_is_never_handed_to_vllm(in_place_engine):
@@ -611,4 +613,4 @@ def test_the_agent_looks_once_per_step_at_what_the_engine_serves(in_place_engine
     in_place_engine.publish()
     agent.step()
     agent.step()
-    assert len(looks) == 2
+    assert len(looks) == 2  # (and one at what its ranks stage)
