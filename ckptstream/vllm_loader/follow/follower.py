@@ -333,7 +333,8 @@ class Follower:
         back to the current version too. What a failed update staged is discarded."""
         restored: list[VllmControl] = []
         loaded = False
-        restore = restore and self.nodes.restorable(client, self.stream.manifest(self.current), restore)
+        if restore is not None and self.config.nodes_ready_timeout is not None:  # on every node?
+            restore = self.nodes.restorable(client, self.stream.manifest(self.current or 0), restore)
         try:
             with self._gate(client.url, version):
                 try:
