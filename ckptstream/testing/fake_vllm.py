@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from ..errors import AdapterRefused, VllmError, VllmUnreachable
 from ..format import MARKER_FILE
-from ..vllm_loader.worker import WorkerExtension
+from ..vllm_loader.worker import WorkerExtension, staged_hold
 
 
 @dataclass
@@ -203,6 +203,7 @@ class FakeVllmClient:
             if held is not None:
                 unlock(held[1])
             node.worker._ckptstream_served = None
+            staged_hold(node.worker, None)
 
     def reset_prefix_cache(self) -> None:
         self._call("reset_prefix_cache")
@@ -234,6 +235,8 @@ class FakeVllmClient:
         self._call("stage_change", path)
         if not (self.in_place and self.nodes):
             raise VllmError(f"{self.url} holds no parameters to patch (a fake server): it reloads whole versions")
+        for node in self.nodes:  # the version it leads to held on each node, as a worker does
+            staged_hold(node.worker, node.sees(path))
         return [_stage(node, node.sees(path)) for node in self.nodes]
 
     def apply_change(self) -> list[dict[str, Any]]:
@@ -248,6 +251,7 @@ class FakeVllmClient:
         self._call("discard_change")
         for node in self.nodes:
             node.staged = node.applied = None
+            staged_hold(node.worker, None)
 
     def revert_change(self) -> list[dict[str, Any]]:
         """Each node writes back the old values of what its last apply wrote."""

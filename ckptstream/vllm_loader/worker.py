@@ -64,7 +64,9 @@ class WorkerExtension:
         return getattr(self, "_ckptstream_label", UNLABELLED)
 
     def ckptstream_stage(self, path: str) -> bool:
-        """Start mapping the change file at ``path`` onto this rank's parameters (in a background thread)."""
+        """Start mapping the change file at ``path`` onto this rank's parameters (in a background thread); hold
+        the version it leads to on this node until the update is over (``staged_hold``)."""
+        staged_hold(self, path)
         _applier(self).stage(path)
         return True
 
@@ -81,6 +83,7 @@ class WorkerExtension:
         return _applier(self).revert()
 
     def ckptstream_discard(self) -> bool:
+        staged_hold(self, None)
         _applier(self).discard()
         return True
 
@@ -115,6 +118,7 @@ class WorkerExtension:
             self._ckptstream_served = hold_served(self.vllm_config.model_config.model)
         if previous is not None:
             unlock(previous[1])
+        staged_hold(self, None)  # the update is over
         held = self._ckptstream_served
         parallel = getattr(self.vllm_config, "parallel_config", None)
         return {"host": socket.gethostname(), "node_rank": getattr(parallel, "node_rank", None),
@@ -159,6 +163,19 @@ class WorkerExtension:
         return {"host": socket.gethostname(), "node_rank": getattr(parallel, "node_rank", None),
                 "rank": getattr(self, "rank", None), "local_rank": getattr(self, "local_rank", None),
                 "pid": os.getpid(), "versions": versions, "changes": changes}
+
+
+def staged_hold(worker: Any, change: str | None) -> None:
+    """Have ``worker`` hold the version the change file ``change`` leads to on its node (``cache.hold_staged``:
+    the node's agent keeps it while the head applies it), or, with None, release what it held so (on a one-node
+    server, nobody releases it until the next change: a lock nothing waits on)."""
+    from ..locks import unlock
+    from .follow.cache import hold_staged
+
+    previous = getattr(worker, "_ckptstream_staged", None)
+    worker._ckptstream_staged = None if change is None else hold_staged(change)
+    if previous is not None:
+        unlock(previous)
 
 
 def _applier(worker: Any) -> Any:

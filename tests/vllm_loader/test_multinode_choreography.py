@@ -18,7 +18,7 @@ import torch
 
 from ckptstream import Publisher
 from ckptstream.errors import NodesNotReady, ReplicaRefused, VllmError
-from ckptstream.format import MARKER_FILE
+from ckptstream.format import MARKER_FILE, manifest_path
 from ckptstream.reader import ReplicaRecord, Stream, write_replica
 from ckptstream.reader.replicas import KIND_NODE
 from ckptstream.testing.fake_vllm import FakeNode, FakeVllmClient
@@ -289,9 +289,9 @@ def _cache_bytes(root: Path) -> int:
 
 class InPlaceEngine:
     """A stream at version 0 and a two-node fake engine that applies changes in place, its head follower and
-    node 1's agent, both with ``cache_versions``, on version 0."""
+    node 1's agent, both with ``cache_versions``, on version 0 (``head_options``: more of the head's config)."""
 
-    def __init__(self, tmp_path: Path, cache_versions: int = 1):
+    def __init__(self, tmp_path: Path, cache_versions: int = 1, **head_options: object):
         self.url = str(tmp_path / "stream")
         self.generator = torch.Generator().manual_seed(0)
         self.state = _model(self.generator)
@@ -303,7 +303,7 @@ class InPlaceEngine:
                                                                                           local=str(self.node1))])
         self.head = Follower(self.url, [self.server], FollowerConfig(
             cache_dir=self.node0, replica_id="eng", nodes_ready_timeout=0.05, nnodes=2, poll_interval=0.01,
-            cache_versions=cache_versions))
+            cache_versions=cache_versions, **head_options))
         self.agent = NodeAgent(self.url, engine="eng", node_rank=1, nnodes=2, cache_dir=self.node1,
                                poll_interval=0.01, cache_versions=cache_versions)
         self.agent.prepare(0)
@@ -554,10 +554,82 @@ def test_a_version_published_while_the_head_applies_the_previous_one_is_applied_
         agent.step()  # the engine serves `version`: the change to `following` built on it
         assert agent.cache.change_path(version, following).is_file()
         assert agent.cache.versions() == ([version, following] if cache_versions else [])
-        # What it read: the two deltas (each version's data files), not a whole version.
+        # What it read: the two deltas (each version's data files; the following one's manifest, read first
+        # now: during the apply the agent builds nothing), not a whole version.
         stored = sum(f.size for v in (version, following) for f in agent.stream.manifest(v).files)
+        stored += (Path(engine.url) / manifest_path(following)).stat().st_size
         assert agent.stream.bytes_read() - read <= 1.2 * stored
         update = head.step()
         assert update.applied_in_place == 1 and not update.fallbacks and engine.served_equal_published()
     finally:
         engine.close()
+
+
+def test_versions_published_during_an_apply_and_right_after_it_are_applied_in_place(in_place_engine):
+    """While the head applies a version, its ranks hold it on node 1 (staged): the agent keeps it and prepares
+    a newer one only once the engine serves it, building the change to it on it."""
+    engine = in_place_engine
+    server, head, agent = engine.server, engine.head, engine.agent
+    version = engine.publish()
+    agent.step()
+    published = []
+
+    def trainer(method: str, _: object) -> None:
+        if method == "apply_change" and not published:
+            published.append(engine.publish())
+            assert agent.step() is None  # the next version waits for the end of the apply
+            assert agent.cache.versions() == [0, version] and agent.cache.staged() == {version}
+
+    server.on_call = trainer
+    assert head.step().applied_in_place == 1
+    server.on_call = None
+    third = engine.publish()  # before the agent saw the engine serve `version`
+    assert agent.step() == third
+    assert agent.cache.change_path(version, third).is_file() and agent.cache.versions() == [version, third]
+    update = head.step()
+    assert update.applied_in_place == 1 and not update.fallbacks and engine.served_equal_published()
+    agent.step()
+    assert agent.cache.versions() == [third]  # once the engine serves it, no other
+
+
+def test_a_served_version_missing_on_a_node_is_never_handed_to_vllm(in_place_engine):
+    """Node 1 lost its copy of the served version: a failed reload is undone after the pause, once node 1
+    decoded it again on request, not inside it with a directory node 1 lacks (vLLM's engine dies of that)."""
+    engine = in_place_engine
+    server, head, agent = engine.server, engine.head, engine.agent
+    before = {name: tensor.clone() for name, tensor in engine.state.items()}
+    version = engine.publish(fraction=0.2)  # too large for in place: a full reload
+    assert agent.step() == version
+    agent.cache.release(0)
+    shutil.rmtree(agent.cache.path(0))  # node 1's tmpfs lost the served version
+    engine.agent_answers_the_head()
+    server.fail("reload_weights", VllmError("reload failed half-way"))
+    reloads = len(server.calls_of("reload_weights"))
+    assert head.step() is None and version in head.refused
+    assert server.calls_of("reload_weights")[reloads:] == [str(head.cache.path(version)), str(head.cache.path(0))]
+    assert [n.loaded_version for n in server.nodes] == [0, 0] and engine.served_equal_published(before)
+
+
+def test_a_skipped_check_of_an_apply_leaves_no_request_on_the_nodes(tmp_path):
+    """--verify-apply on an engine spanning nodes whose node 1 lacks the version whole (--cache-versions 0): the
+    check is skipped, and the head's request for the version is over (node 1 keeps no copy for it)."""
+    engine = InPlaceEngine(tmp_path, cache_versions=0, verify_apply=1)
+    try:
+        engine.publish()
+        engine.agent.step()
+        update = engine.head.step()
+        assert update.applied_in_place == 1 and "verify" not in update.fallbacks
+        assert engine.agent.cache.requested() == set()
+    finally:
+        engine.close()
+
+
+def test_the_agent_looks_once_per_step_at_what_the_engine_serves(in_place_engine):
+    agent = in_place_engine.agent
+    looks = []
+    served = agent.cache.served
+    agent.cache.served = lambda: looks.append(1) or served()
+    in_place_engine.publish()
+    agent.step()
+    agent.step()
+    assert len(looks) == 2  # (and one at what its ranks stage)

@@ -21,6 +21,8 @@ each update, in place or not), so
 it needs no record of the head's, and a read-only stream (HTTP, a relay) serves as well as a writable one.
 Until the workers hold a version (the head has them do it once the engine answers), the version prepared first
 counts as served: the one vLLM was started on; while they hold none (the engine restarted), what they held last.
+While the head applies a change, the workers hold the version it leads to (``cache.hold_staged``): the agent
+keeps it, and prepares a newer version only once the engine serves it (the change to that one is built on it).
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ class NodeAgent:
         self.pin = config.pin
         self.current: int | None = None
         self._served: set[int] = set()  # what the workers held last (before they held any, the start version)
+        self._held: set[int] = set()  # what they hold at this step's look (``_look``: one per step)
+        self._staged: set[int] = set()  # what they stage a change to then (the head applies it)
         self._change_base: int | None = None  # the served version the change to the current one was built on
         self.record = ReplicaRecord(replica_id=record_id, kind=KIND_NODE, engine=self.engine, node_rank=node_rank,
                                     nnodes=nnodes, host=socket.gethostname(), pid=os.getpid(), pin=config.pin)
@@ -202,6 +206,7 @@ class NodeAgent:
         """Decode the versions the head asked for (``VersionCache.requested``), then prepare the newest version
         (or the pin) if it is not the current one (``update``), or else follow the engine to the version it
         serves now (``_rebase``); then delete what this node no longer needs. Returns the version prepared."""
+        self._look()
         self._serve_requests()
         try:
             return self._advance()
@@ -217,6 +222,8 @@ class NodeAgent:
         if target == self.current:
             self._rebase()
             return None
+        if self._staged - self._served:  # the head applies one: the next waits (no third whole copy, no change
+            return None                  # built on the version served before it)
         try:
             self.update(target)
         except VersionNotFoundError as exc:  # retired between discovery and fetch: move on
@@ -270,7 +277,7 @@ class NodeAgent:
         """Decode each version the head asked for (a full reload of it is due: of a new version, or of the
         served one, which every rank reloads after a failed update or a restart) unless the engine serves a
         newer one already (the request is then dropped: the head moved on)."""
-        served = self.cache.served()  # what the workers hold, never the start version standing in for it
+        served = self._held  # what the workers hold, never the start version standing in for it
         for version in sorted(self.cache.requested()):
             if served and version < max(served):
                 self.cache.drop_request(version)
@@ -287,22 +294,23 @@ class NodeAgent:
         requests, done or given up: ``cache.hold_served_version``)."""
         keep = self._keep()
         self.cache.prune(keep)
-        if self.config.cache_versions == 0 and self.cache.served():
+        if self.config.cache_versions == 0 and self._held:
             copies = keep - self.cache.requested()
             for version in copies:
                 self.cache.release(version)
             self.cache.drop_copies(copies)
 
     def _keep(self) -> set[int]:
-        """The versions this node keeps: those the engine serves (every rank reloads it after a failed update)
-        and the head asked for, and the newest prepared."""
-        return self.served() | self.cache.requested() | {v for v in (self.current,) if v is not None}
+        """The versions this node keeps: those the engine serves (every rank reloads it after a failed update),
+        stages a change to (the head applies it: the base of the next change once served, though a newer
+        version was prepared meanwhile) and the head asked for, and the newest prepared."""
+        return (set(self._served) | self._staged | self.cache.requested()
+                | {v for v in (self.current,) if v is not None})
 
     def _served_base(self) -> int | None:
-        """The version the engine serves on this node, the base of the next change (None while its ranks hold
-        different ones, mid-update, or none)."""
-        served = self.served()
-        return served.pop() if len(served) == 1 else None
+        """The version the engine serves on this node at this step's look, the base of the next change (None
+        while its ranks hold different ones or stage a change to another, mid-update, or none)."""
+        return next(iter(self._served)) if len(self._served) == 1 and self._staged <= self._served else None
 
     def _rebase(self) -> None:
         """Follow the engine to the version it serves now if it moved since the change to the current version
@@ -333,10 +341,15 @@ class NodeAgent:
         (``VersionCache.served``); while they hold none, what they held last (a restarted engine: the head
         brings it back to that version), and before they held any, the version prepared first (vLLM's start
         version)."""
-        held = self.cache.served()
-        if held:
-            self._served = held
-        return held or set(self._served)
+        self._look()
+        return set(self._served)
+
+    def _look(self) -> None:
+        """Read what the workers hold now (``cache.served``, ``cache.staged``; the step and what it calls use this
+        look)."""
+        self._held, self._staged = self.cache.served(), self.cache.staged()
+        if self._held:
+            self._served = set(self._held)
 
     def _report(self, **changes: Any) -> None:
         with self._lock:

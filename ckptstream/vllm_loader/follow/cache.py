@@ -8,6 +8,7 @@ Layout::
     <root>/<stream id>/.locks/000000000007         its use lock: shared by every follower using the version
     <root>/<stream id>/.locks/000000000007.prepare its prepare lock: exclusive while it is being written
     <root>/<stream id>/.locks/000000000007.served  its served lock: shared by the vLLM workers serving it
+    <root>/<stream id>/.locks/000000000007.staged  its staged lock: shared by the workers staging a change to it
     <root>/<stream id>/.changes/000000000006-000000000007.safetensors  a change applied in place (``change.py``)
     <root>/<stream id>/.requests/000000000007      a request: have version 7 complete here (``requested``)
 
@@ -79,6 +80,8 @@ PREPARE_SUFFIX = ".prepare"
 SERVED_SUFFIX = ".served"
 """A version's served lock file (held by the vLLM workers that serve it): its use lock file's name with this
 suffix."""
+STAGED_SUFFIX = ".staged"
+"""A version's staged lock file (held by the vLLM workers staging the change to it: ``hold_staged``)."""
 CHANGES_DIR = ".changes"
 """The changes between cached versions applied in place (``<base>-<version>.safetensors``, ``change.py``)."""
 REQUESTS_DIR = ".requests"
@@ -259,9 +262,17 @@ class VersionCache:
     def served(self) -> set[int]:
         """The versions that vLLM workers of this host serve (they hold their served lock: ``hold_served``,
         ``hold_served_version``), complete in the cache or not (``drop_copies``); no pruner deletes them."""
+        return self._locked(SERVED_SUFFIX)
+
+    def staged(self) -> set[int]:
+        """The versions that vLLM workers of this host stage a change to (``hold_staged``): the head applies one
+        of them next (no pruner is kept from deleting them: a node's agent keeps them)."""
+        return self._locked(STAGED_SUFFIX)
+
+    def _locked(self, suffix: str) -> set[int]:
         found = set()
-        for path in self._locks.glob(f"*{SERVED_SUFFIX}"):
-            version = parse_version_name(path.name.removesuffix(SERVED_SUFFIX))
+        for path in self._locks.glob(f"*{suffix}"):
+            version = parse_version_name(path.name.removesuffix(suffix))
             if version is None:
                 continue
             fd = try_lock(path, create=False)
@@ -361,7 +372,8 @@ class VersionCache:
             name = child.name.removeprefix(INCOMING_PREFIX)
             found.add(parse_version_name(name))
         for child in self._locks.iterdir():
-            found.add(parse_version_name(child.name.removesuffix(PREPARE_SUFFIX).removesuffix(SERVED_SUFFIX)))
+            found.add(parse_version_name(child.name.removesuffix(PREPARE_SUFFIX).removesuffix(SERVED_SUFFIX)
+                                         .removesuffix(STAGED_SUFFIX)))
         for version in sorted(v for v in found if v is not None and v not in keep):
             self._delete(version)
 
@@ -440,6 +452,7 @@ class VersionCache:
                 shutil.rmtree(self._incoming(version), ignore_errors=True)
                 self._lock_path(version, PREPARE_SUFFIX).unlink(missing_ok=True)
                 self._lock_path(version, SERVED_SUFFIX).unlink(missing_ok=True)
+                self._lock_path(version, STAGED_SUFFIX).unlink(missing_ok=True)
                 for change in [*(self.stream_dir / CHANGES_DIR).glob(f"*{version_name(version)}*"),
                                *self.stream_dir.glob(f"{INCOMING_PREFIX}*-*{version_name(version)}*.safetensors")]:
                     change.unlink(missing_ok=True)  # with what a killed builder left
@@ -482,6 +495,21 @@ def hold_served(directory: str | os.PathLike[str]) -> tuple[int, int] | None:
         unlock(fd)
         return None
     return version, fd
+
+
+def hold_staged(change: str | os.PathLike[str]) -> int | None:
+    """For a vLLM worker staging the change file ``change`` (``VersionCache.change_path``): hold the staged lock
+    of the version it leads to (shared) and return its descriptor for ``locks.unlock``; None where ``change`` is
+    no cache's. The worker holds it until the update is over (``hold_served_version``), the change discarded or
+    another staged: meanwhile the node's agent keeps that version (``VersionCache.staged``: the base of the next
+    change once served, which a version decoded during the apply would otherwise replace)."""
+    path = Path(change).absolute()
+    parts = path.name.removesuffix(".safetensors").split("-")
+    version = parse_version_name(parts[-1]) if len(parts) == 2 else None
+    locks = path.parent.parent / LOCKS_DIR
+    if path.parent.name != CHANGES_DIR or version is None or not locks.is_dir():
+        return None
+    return lock_file(locks / f"{version_name(version)}{STAGED_SUFFIX}", shared=True)
 
 
 def hold_served_version(versions_dir: str | os.PathLike[str], version: int) -> int | None:

@@ -174,7 +174,7 @@ class Follower:
         try:
             update = self.load(target, clients)
         except MissingBaseError as exc:
-            self._refuse(target, exc)
+            self._refuse(target, exc, clients)
             return None
         except VersionNotFoundError as exc:  # retired between discovery and fetch: normal, move on
             log.info("version %d is gone (%s); looking for a newer one", target, exc)
@@ -186,7 +186,7 @@ class Follower:
         except (VllmUnreachable, RouterError):
             raise  # not the version's fault: run() retries it once the server (or the gate's router) is back
         except CkptStreamError as exc:  # corrupt, foreign, misshapen, or a reload the server refused
-            self._refuse(target, exc)
+            self._refuse(target, exc, clients)
             return None
         return update
 
@@ -333,6 +333,8 @@ class Follower:
         back to the current version too. What a failed update staged is discarded."""
         restored: list[VllmControl] = []
         loaded = False
+        if restore is not None and self.config.nodes_ready_timeout is not None:  # on every node?
+            restore = self.nodes.restorable(client, self.stream.manifest(self.current or 0), restore)
         try:
             with self._gate(client.url, version):
                 try:
@@ -566,7 +568,8 @@ class Follower:
 
     # ------------------------------------------------------------------------------------- reporting
 
-    def _refuse(self, version: int, exc: Exception) -> None:
+    def _refuse(self, version: int, exc: Exception, clients: Sequence[VllmControl] = ()) -> None:
+        self.nodes.end_requests(clients, self.current)  # what it asked the nodes for is over
         with self._lock:
             self.record.refused = remember_refusal(self.refused, version, str(exc))
         self._notify("on_refused", version, refusal_reason(exc), exc)

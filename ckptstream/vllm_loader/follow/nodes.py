@@ -6,10 +6,11 @@ worker extension's collective RPCs (``worker.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from ...errors import NodesNotReady
 from ...format import Manifest
@@ -42,14 +43,9 @@ class EngineNodes:
         meanwhile."""
         assert self.config.nodes_ready_timeout is not None
         deadline = time.monotonic() + self.config.nodes_ready_timeout
-        key = str(manifest.version)
         change = path.parent.name == CHANGES_DIR
-        versions_dir = path.parent.parent if change else path.parent
         while True:
-            ranks = client.cache_report(str(versions_dir), request=None if change else manifest.version)
-            lagging = list(dict.fromkeys(f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks
-                                         if (path.name not in (r.get("changes") or []) if change else
-                                             r.get("versions", {}).get(key) != manifest.manifest_hash)))
+            lagging = self._lacking(client, manifest, path, request=not change)
             if lagging != self._lagging:
                 if lagging:
                     log.info("version %d: waiting for %s", manifest.version, ", ".join(lagging))
@@ -65,6 +61,32 @@ class EngineNodes:
                                                           "running there?")
             time.sleep(min(self.config.poll_interval, max(0.0, deadline - time.monotonic())))
 
+    def _lacking(self, client: VllmControl, manifest: Manifest, path: Path, request: bool) -> list[str]:
+        """The nodes of ``client``'s engine (named ``node N (host)``) lacking at ``path`` ``manifest``'s version
+        complete with its manifest hash, or the change file ``path``; one cache report (with ``request``, a
+        node lacking the version is asked for it)."""
+        key = str(manifest.version)
+        change = path.parent.name == CHANGES_DIR
+        versions_dir = path.parent.parent if change else path.parent
+        ranks = client.cache_report(str(versions_dir), request=manifest.version if request and not change else None)
+        return list(dict.fromkeys(f"node {r.get('node_rank')} ({r.get('host')})" for r in ranks
+                                  if (path.name not in (r.get("changes") or []) if change else
+                                      r.get("versions", {}).get(key) != manifest.manifest_hash)))
+
+    def restorable(self, client: VllmControl, manifest: Manifest, path: Path | None) -> Path | None:
+        """``path`` (the served version, ``manifest``'s, to reload inside the pause should the update fail) where
+        every rank of ``client``'s engine has it complete on its node now (one cache report, asking nothing),
+        else None: the follower then writes the old values back, or reloads it after the pause once every node
+        has it (vLLM treats a missing directory as a hub repository id and its engine dies of it)."""
+        if self.config.nodes_ready_timeout is None or path is None:
+            return path
+        lagging = self._lacking(client, manifest, path, request=False)
+        if lagging:
+            log.warning("%s: %s lack(s) version %d in %s: a failed update is undone after the pause", client.url,
+                        ", ".join(lagging), manifest.version, path.parent)
+            return None
+        return path
+
     def ready_to_check(self, client: VllmControl, manifest: Manifest, path: Path) -> bool:
         """Whether every rank of ``client``'s engine has ``manifest``'s version at ``path`` for the full reload
         that checks an update applied in place (``--verify-apply``): at once on a one-node server, else
@@ -76,8 +98,17 @@ class EngineNodes:
         except NodesNotReady as exc:
             log.warning("version %d: not checked against a full reload on %s (%s)", manifest.version, client.url,
                         exc)
+            self.hold_served(client, manifest.version)  # (it serves it: applied in place) the requests are over
             return False
         return True
+
+    def end_requests(self, clients: Sequence[VllmControl], served: int | None) -> None:
+        """After a refused version, the head's requests to the nodes of ``clients``' engines are over: their
+        ranks hold the version served again (``hold_served``), which removes them; a server away keeps them
+        until its next load ends them."""
+        for client in clients:
+            with contextlib.suppress(VllmUnreachable):
+                self.hold_served(client, served)
 
     def hold_served(self, client: VllmControl, version: int | None) -> None:
         """On an engine spanning nodes, have every rank hold the version it now serves on its node, by number
