@@ -216,7 +216,12 @@ def with_old_values(stream: Stream, base_dir: Path, change: Path) -> Path | None
         return change
     out = change.with_name(f"{change.name.removesuffix('.safetensors')}.{_LAYOUT}.safetensors")
     if out.is_file():
-        return out
+        # (reused only where it is this change's: a file left from another stream or versions is rebuilt)
+        with safe_open(str(out), framework="pt") as handle:
+            theirs = handle.metadata() or {}
+        if all(theirs.get(key) == metadata.get(key) for key in ("stream_id", "base", "version")) and \
+                theirs.get(_LAYOUT_KEY) == _LAYOUT and metadata.get("stream_id") == stream.info().stream_id:
+            return out
     # (a name no reader looks for until it is renamed into place; deleted with either version, as ``out``)
     incoming = out.with_name(f"{out.name}.{os.getpid()}-{threading.get_ident()}.incoming")
     try:
