@@ -64,6 +64,8 @@ class InPlaceUpdates:
         packed = path is None and cached and self.config.nodes_ready_timeout is None and any(
             c.url in self.old_values for c in active)
         if path is None and not packed and all(c.url in self.old_values for c in active):
+            if cached and self._stored_whole_since(version, current):
+                return None, None  # (a keyframe between: the comparison builds the change with old values)
             for client in active:
                 self._unverifiable(client)
             return None, "unverifiable"
@@ -108,6 +110,18 @@ class InPlaceUpdates:
             log.info("version %d: %d of %d elements changed since version %d, in %d tensors", version,
                      built[0].changed, built[0].total, base, built[0].tensors)
         return change, None
+
+    def _stored_whole_since(self, version: int, base: int) -> bool:
+        """Whether a version after ``base`` up to ``version`` stores a tensor whole (or the chain between them
+        cannot be read: the decode says why); from the manifests alone (the generator is never started)."""
+        try:
+            changes = self.stream.changes_since(version, base, lambda *found: None, max_tensor_bytes=0)
+        except Exception:  # noqa: BLE001 - e.g. a base gone: the decode reports it
+            return True
+        if changes is None:
+            return True
+        changes.close()
+        return False
 
     def _uncached(self, version: int, current: int) -> tuple[None, str]:
         """Why no change to ``version`` is built where one needs the served version's copy, which is not cached."""
@@ -165,14 +179,12 @@ class InPlaceUpdates:
         return staging_problem(client.stage_change(str(change)))
 
     def _with_old_values(self, change: Path) -> Path | None:
-        """``change.with_old_values`` for ``change``, where this node has the served version's copy: not on an
-        engine spanning nodes (the other nodes' agents build only the change from the deltas alone)."""
+        """``change.with_old_values`` for ``change``, built where this node has the served version's copy: not
+        on an engine spanning nodes (the other nodes' agents build only the change from the deltas alone)."""
         base = self._base_of(change)
-        if self.config.nodes_ready_timeout is not None or base is None:
-            return None
-        base_dir = self.cache.path(base)
-        if not (base_dir / MARKER_FILE).is_file():
-            return None
+        base_dir = None if self.config.nodes_ready_timeout is not None or base is None else self.cache.path(base)
+        if base_dir is not None and not (base_dir / MARKER_FILE).is_file():
+            base_dir = None
         try:
             return with_old_values(self.stream, base_dir, change)
         except Exception as exc:  # noqa: BLE001 - e.g. a full disk: reloaded fully, said why

@@ -202,18 +202,21 @@ def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
     return change.write(out, total, stream_id=stream.info().stream_id, base=base, version=version)
 
 
-def with_old_values(stream: Stream, base_dir: Path, change: Path) -> Path | None:
+def with_old_values(stream: Stream, base_dir: Path | None, change: Path) -> Path | None:
     """The change of layout ``packed-1`` (old and new values) between the versions of the change file
     ``change``: itself where it is one, else built once beside it (``<base>-<version>.packed-1.safetensors``)
     from the stored deltas and ``base_dir``, the cached copy of its base. For ranks that cannot check a change
     from the deltas alone (``xor-1``: ``apply.check_problem``'s ``unverifiable``), which compare its old values
-    with theirs instead. None where none is built (``build_change_from_deltas``' reasons)."""
+    with theirs instead. None where none is built (``build_change_from_deltas``' reasons; ``base_dir`` None:
+    no copy of the base to build on)."""
     from safetensors import safe_open
 
     with safe_open(str(change), framework="pt") as handle:
         metadata = handle.metadata() or {}
     if metadata.get(_LAYOUT_KEY) == _LAYOUT:
         return change
+    if base_dir is None:
+        return None
     out = change.with_name(f"{change.name.removesuffix('.safetensors')}.{_LAYOUT}.safetensors")
     if out.is_file():
         # (reused only where it is this change's: a file left from another stream or versions is rebuilt)
