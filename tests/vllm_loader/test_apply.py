@@ -385,18 +385,41 @@ def _stage_all(appliers: list[InPlaceApplier], path: str) -> list[dict]:
     return [applier.staged(wait=True) for applier in appliers]
 
 
-def test_a_follower_stages_the_change_with_old_values_where_its_ranks_cannot_check_one(tmp_path):
+def _layout(change: Path) -> str | None:
+    from safetensors import safe_open
+
+    with safe_open(str(change), framework="pt") as handle:
+        return (handle.metadata() or {}).get("layout")
+
+
+def test_a_follower_stages_the_change_with_old_values_where_its_ranks_cannot_check_one(tmp_path, monkeypatch, caplog):
     """A server rounding the checkpoint's values (bf16 served as fp16) cannot check a change from the deltas
     alone: the follower builds the change with old values from its cached copy of the served version, stages
-    that (applied: equal to a load of the version), and stages it first from then on; so on ranks holding a
-    tensor's positions unevenly (kv heads replicated, q heads split). With no cached copy
-    (``--cache-versions 0``) or on an engine spanning nodes (the other nodes have no such change): a full
-    reload, ``unverifiable``."""
+    that (applied: equal to a load of the version), and from then on builds only that one (the deltas read
+    once per update); so on ranks holding a tensor's positions unevenly (kv heads replicated, q heads split),
+    never reusing a change with old values of other versions. With no cached copy (``--cache-versions 0``) or
+    on an engine spanning nodes (the other nodes have no such change): a full reload, ``unverifiable``, and
+    from then on no change built nor staged, said once."""
     from ckptstream import Stream
+    from ckptstream.vllm_loader.follow import in_place
     from ckptstream.vllm_loader.follow.cache import VersionCache
     from ckptstream.vllm_loader.follow.config import FollowerConfig
     from ckptstream.vllm_loader.follow.in_place import InPlaceUpdates
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
 
+    builds: list[str] = []  # the changes built from the deltas, by layout
+    for name, layout in (("build_change_unbased", "xor-1"), ("build_change_from_deltas", "packed-1")):
+        real = getattr(in_place, name)
+        monkeypatch.setattr(in_place, name, lambda *a, _real=real, _layout=layout, **k: (builds.append(_layout),
+                                                                                         _real(*a, **k))[1])
+
+    def with_old_values(stream, base_dir, change):
+        packed = real_with_old_values(stream, base_dir, change)
+        builds.extend([] if packed in (None, change) else ["packed-1 beside"])
+        return packed
+
+    real_with_old_values = in_place.with_old_values
+    monkeypatch.setattr(in_place, "with_old_values", with_old_values)
     url, states = _published(tmp_path, seed=7, steps=2, fraction=0.02)  # (in place: at most 5 %)
     stream = Stream(url)
     models = _tp_ranks(states[0], torch.float16)
@@ -406,19 +429,26 @@ def test_a_follower_stages_the_change_with_old_values_where_its_ranks_cannot_che
         updates = InPlaceUpdates(FollowerConfig(), stream, cache, [ranks])
         staged_names = []
         for version in (1, 2):
+            builds.clear()
             change, why_not = updates.change(version, None, version - 1)
             assert change is not None and why_not is None
             staged, reason = updates.stage(ranks, change)
-            assert reason is None and staged is not None and staged.name.endswith(".packed-1.safetensors")
+            assert reason is None and staged is not None and _layout(staged) == "packed-1"
             staged_names.append([change.name, staged.name] if version == 1 else [staged.name])
+            (tmp_path / f"{version}.packed-1").write_bytes(staged.read_bytes())
+            assert builds == (["xor-1", "packed-1 beside"] if version == 1 else ["packed-1"]), builds
             assert all(applier.apply().get("applied") for applier in ranks.appliers)
             assert [_same_parameters(a, b) for a, b in zip(models, _tp_ranks(states[version], torch.float16))] \
                 == [[], []]
             cache.acquire(stream, version, keep={version - 1}, holder="t")
         assert ranks.url in updates.old_values and "float16" in updates.old_values[ranks.url]
-        assert ranks.staged == [name for names in staged_names for name in names]  # v2: old values first
+        assert ranks.staged == [name for names in staged_names for name in names]  # v2: old values only
 
-        change = cache.change_path(1, 2)
+        change = tmp_path / "elsewhere" / cache.change_path(1, 2).name  # the change from the deltas alone
+        change.parent.mkdir()
+        assert build_change_unbased(stream, change, base=1, version=2, max_fraction=1.0).problem is None
+        # a change with old values of other versions where this one's would be: rebuilt, not staged
+        (change.parent / f"{change.stem}.packed-1.safetensors").write_bytes((tmp_path / "1.packed-1").read_bytes())
         uneven = [_TensorParallelRank(0), _TensorParallelRank(0, vocab=128)]  # rows 0-31 held twice, the rest once
         with torch.no_grad():
             for model in uneven:
@@ -428,14 +458,34 @@ def test_a_follower_stages_the_change_with_old_values_where_its_ranks_cannot_che
         assert reason is None and other.staged == [change.name, staged.name]  # unverifiable, then old values
         assert all(applier.apply().get("applied") for applier in other.appliers)
 
+        from ckptstream import Publisher
+
+        with Publisher(url, keyframe_every=1) as publisher:  # version 3, a keyframe
+            publisher.publish(states[2]).result()
+        compared = tmp_path / "compared" / change.name  # a change with old values, as comparing builds it
+        compared.parent.mkdir()
+        compared.write_bytes((tmp_path / "2.packed-1").read_bytes())
         for config in (FollowerConfig(nodes_ready_timeout=5.0), FollowerConfig(cache_versions=0)):
             if config.cache_versions == 0:
                 cache.release(1)
                 cache.drop_copies({1})
                 assert not (cache.path(1) / MARKER_FILE).is_file()
             other = _Ranks(_tp_ranks(states[1], torch.float16))
-            staged, reason = InPlaceUpdates(config, stream, cache, [other]).stage(other, change)
+            updates = InPlaceUpdates(config, stream, cache, [other])
+            caplog.clear()
+            staged, reason = updates.stage(other, change)
             assert (staged, reason) == (None, "unverifiable") and other.staged == [change.name]
+            builds.clear()
+            for _ in range(2):  # the next updates: straight to the full reload, nothing built nor staged
+                assert updates.change(2, None, 1) == (None, "unverifiable")
+                assert updates.stage(other, change) == (None, "unverifiable")
+            assert builds == [] and other.staged == [change.name]
+            said = [r.getMessage() for r in caplog.records if "full reload instead of in place" in r.getMessage()]
+            assert len(said) == 1 and "unverifiable" in said[0] and "float16" in said[0], said
+            # across a keyframe, with the served version cached: both versions compared, and that change staged
+            assert updates.change(3, None, 1) == ((None, None) if config.cache_versions else (None, "unverifiable"))
+            assert updates.stage(other, compared) == (compared, None)
+            assert all(applier.apply().get("applied") for applier in other.appliers)
 
 
 def test_the_weight_transfer_engine_stages_the_change_with_old_values_where_it_cannot_check_one(tmp_path):

@@ -32,8 +32,9 @@ class InPlaceUpdates:
     Attributes:
         off: server URL -> why in-place updates stopped on it (``verify``), for good.
         old_values: server URL -> why its ranks cannot check a change from the deltas alone (``unverifiable``:
-            a runtime dtype that rounds the checkpoint's values, a tensor held unevenly); it is staged the
-            change with old values (``packed-1``) from then on, where the served version is cached.
+            a runtime dtype that rounds the checkpoint's values, a tensor held unevenly); from then on only the
+            change with old values (``packed-1``) is built for it, where the served version is cached, else its
+            updates are full reloads (``unverifiable``) without a change staged.
     """
 
     def __init__(self, config: FollowerConfig, stream: Stream, cache: VersionCache, clients: Sequence[VllmControl]):
@@ -57,12 +58,27 @@ class InPlaceUpdates:
         cached = (self.cache.path(current) / MARKER_FILE).is_file()
         if not cached and path is not None:
             return self._uncached(version, current)
+        active = [c for c in self.clients if c.url not in self.off]
+        # A server that cannot check a change from the deltas alone is staged the one with old values (which
+        # every server can check), built directly: the deltas are read once.
+        packed = path is None and cached and self.config.nodes_ready_timeout is None and any(
+            c.url in self.old_values for c in active)
+        if path is None and not packed and all(c.url in self.old_values for c in active):
+            if cached and self._stored_whole_since(version, current):
+                return None, None  # (a keyframe between: the comparison builds the change with old values)
+            for client in active:
+                self._unverifiable(client)
+            return None, "unverifiable"
         built: list[ChangeSummary] = []
         base, stream_id = current, self.stream.info().stream_id
 
         def build(out: Path) -> None:
             if path is None:
                 with self.stream.keeping_reads(KEPT_DELTAS_BYTES):  # the decode reads them from memory
+                    if packed:
+                        built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
+                                                              version=version, max_fraction=MAX_CHANGE_FRACTION))
+                        return
                     # From the deltas alone where they carry change checks (no copy of the served version
                     # needed): the ranks read the old values from what they serve, and the checks prove them.
                     built.append(build_change_unbased(self.stream, out, base=base, version=version,
@@ -95,6 +111,18 @@ class InPlaceUpdates:
                      built[0].changed, built[0].total, base, built[0].tensors)
         return change, None
 
+    def _stored_whole_since(self, version: int, base: int) -> bool:
+        """Whether a version after ``base`` up to ``version`` stores a tensor whole (or the chain between them
+        cannot be read: the decode says why); from the manifests alone (the generator is never started)."""
+        try:
+            changes = self.stream.changes_since(version, base, lambda *found: None, max_tensor_bytes=0)
+        except Exception:  # noqa: BLE001 - e.g. a base gone: the decode reports it
+            return True
+        if changes is None:
+            return True
+        changes.close()
+        return False
+
     def _uncached(self, version: int, current: int) -> tuple[None, str]:
         """Why no change to ``version`` is built where one needs the served version's copy, which is not cached."""
         if self.config.cache_versions == 0:
@@ -108,18 +136,25 @@ class InPlaceUpdates:
         """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change staged
         (the one with old values where its ranks cannot check one from the deltas alone: ``old_values``), or
         None and why it will be reloaded fully instead."""
-        packed = self._with_old_values(change) if client.url in self.old_values else None
+        if client.url in self.old_values:  # known: the change from the deltas alone is not staged again
+            packed = self._with_old_values(change)
+            if packed is None:
+                self._unverifiable(client)
+                return None, "unverifiable"
+        else:
+            packed = None
         try:
             problem = self._stage(client, packed or change)
             if problem is not None and problem[0] == "unverifiable" and packed is None:
+                self.old_values[client.url] = problem[1]
                 packed = self._with_old_values(change)
                 if packed is not None and packed != change:
-                    self.old_values[client.url] = problem[1]
                     log.warning("%s: %s; its changes are staged with their old values (from the cached copy of "
                                 "the served version) from now on", client.url, problem[1])
                     problem = self._stage(client, packed)
-                elif packed is None:
-                    problem = problem[0], f"{problem[1]}; no change with old values to stage instead{self._where()}"
+                else:
+                    packed = None
+                    problem = problem[0], self._unverifiable_detail(client)
         except VllmUnreachable:
             raise
         except VllmError as exc:
@@ -133,18 +168,23 @@ class InPlaceUpdates:
             return None, reason
         return packed or change, None
 
+    def _unverifiable(self, client: VllmControl) -> None:
+        self.explain("unverifiable", f"{client.url}: {self._unverifiable_detail(client)}")
+
+    def _unverifiable_detail(self, client: VllmControl) -> str:
+        """Why ``client``'s updates are full reloads (``unverifiable``), in the same words every update."""
+        return f"{self.old_values[client.url]}; no change with old values to stage instead{self._where()}"
+
     def _stage(self, client: VllmControl, change: Path) -> tuple[str, str] | None:
         return staging_problem(client.stage_change(str(change)))
 
     def _with_old_values(self, change: Path) -> Path | None:
-        """``change.with_old_values`` for ``change``, where this node has the served version's copy: not on an
-        engine spanning nodes (the other nodes' agents build only the change from the deltas alone)."""
+        """``change.with_old_values`` for ``change``, built where this node has the served version's copy: not
+        on an engine spanning nodes (the other nodes' agents build only the change from the deltas alone)."""
         base = self._base_of(change)
-        if self.config.nodes_ready_timeout is not None or base is None:
-            return None
-        base_dir = self.cache.path(base)
-        if not (base_dir / MARKER_FILE).is_file():
-            return None
+        base_dir = None if self.config.nodes_ready_timeout is not None or base is None else self.cache.path(base)
+        if base_dir is not None and not (base_dir / MARKER_FILE).is_file():
+            base_dir = None
         try:
             return with_old_values(self.stream, base_dir, change)
         except Exception as exc:  # noqa: BLE001 - e.g. a full disk: reloaded fully, said why

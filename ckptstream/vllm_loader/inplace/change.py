@@ -223,21 +223,29 @@ def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
                         steps=[[below.version, step.version] for below, step in steps] if len(steps) > 1 else None)
 
 
-def with_old_values(stream: Stream, base_dir: Path, change: Path) -> Path | None:
+def with_old_values(stream: Stream, base_dir: Path | None, change: Path) -> Path | None:
     """The change of layout ``packed-1`` (old and new values) between the versions of the change file
     ``change``: itself where it is one, else built once beside it (``<base>-<version>.packed-1.safetensors``)
     from the stored deltas and ``base_dir``, the cached copy of its base. For ranks that cannot check a change
     from the deltas alone (``xor-1``: ``apply.check_problem``'s ``unverifiable``), which compare its old values
-    with theirs instead. None where none is built (``build_change_from_deltas``' reasons)."""
+    with theirs instead. None where none is built (``build_change_from_deltas``' reasons; ``base_dir`` None:
+    no copy of the base to build on)."""
     from safetensors import safe_open
 
     with safe_open(str(change), framework="pt") as handle:
         metadata = handle.metadata() or {}
     if metadata.get(_LAYOUT_KEY) == _LAYOUT:
         return change
+    if base_dir is None:
+        return None
     out = change.with_name(f"{change.name.removesuffix('.safetensors')}.{_LAYOUT}.safetensors")
     if out.is_file():
-        return out
+        # (reused only where it is this change's: a file left from another stream or versions is rebuilt)
+        with safe_open(str(out), framework="pt") as handle:
+            theirs = handle.metadata() or {}
+        if all(theirs.get(key) == metadata.get(key) for key in ("stream_id", "base", "version")) and \
+                theirs.get(_LAYOUT_KEY) == _LAYOUT and metadata.get("stream_id") == stream.info().stream_id:
+            return out
     # (a name no reader looks for until it is renamed into place; deleted with either version, as ``out``)
     incoming = out.with_name(f"{out.name}.{os.getpid()}-{threading.get_ident()}.incoming")
     try:
