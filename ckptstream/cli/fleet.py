@@ -12,7 +12,8 @@ from typing import Any, Iterator
 
 from ..credentials import redact
 from ..errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, FleetError
-from .options import (SecretOption, UsageError, add_adapter_options, add_command, add_url, is_adapter_stream,
+from .options import (SecretOption, UsageError, add_adapter_options, add_cache_versions_option, add_command, add_url,
+                      is_adapter_stream,
                       positive_int, positive_seconds, refuse_adapter_options, storage_options)
 from .output import print_json, table, version_text
 
@@ -54,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rolling", action="store_true",
                    help="update one server at a time, out of the router meanwhile (needs --router)")
     p.add_argument("--cache-dir", help="decoded versions on each node (default as for serve)")
+    add_cache_versions_option(p)
     p.add_argument("--api-key", action=SecretOption, env="VLLM_API_KEY", help="vLLM API key")
     p.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
                    help="seconds between each server's checks for a new version (default 1)")
@@ -130,6 +132,8 @@ def run_up(args: argparse.Namespace) -> int:
         raise UsageError("--gpus-per-replica must split evenly over --nodes-per-replica")
     if (args.keep, args.adapter_name, args.base_dir) != (None, None, None) and not is_adapter_stream(args):
         refuse_adapter_options(args)
+    if args.cache_versions != 1 and is_adapter_stream(args):
+        raise UsageError(f"--cache-versions: for weights streams; {args.url} is an adapter stream")
     with connect_ray(args.address):
         fleet = Fleet(args.url, args.replicas, gpus_per_replica=args.gpus_per_replica,
                       nodes_per_replica=args.nodes_per_replica, vllm_args=args.passthrough, cache_dir=args.cache_dir,
@@ -137,7 +141,7 @@ def run_up(args: argparse.Namespace) -> int:
                       rolling=args.rolling, name=args.name, metrics_port=args.metrics_port,
                       poll_interval=args.poll_interval, cpus_per_replica=args.cpus_per_replica,
                       vllm_log_dir=args.vllm_log_dir, keep=args.keep, adapter_name=args.adapter_name,
-                      base_dir=args.base_dir)
+                      base_dir=args.base_dir, cache_versions=args.cache_versions)
         if args.wait:
             newest = Stream(fleet.spec.url, storage_options=fleet.spec.storage_options).resolve("latest")
             fleet.wait_for_version(newest, timeout=args.wait)

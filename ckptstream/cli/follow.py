@@ -12,7 +12,8 @@ from typing import Any
 from ..credentials import redact
 from ..errors import EXIT_ERROR, EXIT_OK, VllmUnreachable
 from ..reader.adapter import DEFAULT_KEEP
-from .options import (DEFAULT_LEASE_TTL, LATEST, SecretOption, UsageError, add_adapter_options, add_command,
+from .options import (DEFAULT_LEASE_TTL, LATEST, SecretOption, UsageError, add_adapter_options,
+                      add_cache_versions_option, add_command,
                       add_url, is_adapter_stream, lease_seconds, positive_int, refuse_adapter_options,
                       storage_options, version_number, version_ref)
 from .output import print_json, table
@@ -48,17 +49,10 @@ def _metrics_options() -> argparse.ArgumentParser:
     return options
 
 
-def _cache_versions_option(options: argparse.ArgumentParser) -> None:
-    options.add_argument("--cache-versions", type=int, choices=[0, 1], default=1, metavar="{0,1}",
-                         help="whole versions kept in the cache once the servers loaded them: 1 (default) the "
-                              "served one; 0 none: an update applied in place needs only its change, and a full "
-                              "reload (a fallback, a restart) decodes the version from storage on demand")
-
-
 def _update_options() -> argparse.ArgumentParser:
     """How follow and serve bring a new version into the servers."""
     options = argparse.ArgumentParser(add_help=False)
-    _cache_versions_option(options)
+    add_cache_versions_option(options)
     options.add_argument("--reload-only", action="store_true",
                          help="always reload whole versions (default: apply a delta on the served version in "
                               "place, inside vLLM's workers, where it can be; else reload, saying why)")
@@ -156,7 +150,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds between checks for a new version (default 1)")
     p.add_argument("--reload-only", action="store_true",
                    help="build no change for the head to apply in place (as the head's --reload-only)")
-    _cache_versions_option(p)
+    add_cache_versions_option(p)
 
     p = add_command(sub, "replay", run_replay, "load versions one by one into running vLLM servers and evaluate "
                     "each (the command goes after --)", """

@@ -250,6 +250,14 @@ def pulled_stream(url: str, options: dict[str, Any], *, bwlimit: float | None = 
     return Stream(url, storage=storage, lease_ttl=lease_ttl)
 
 
+def add_cache_versions_option(options: argparse.ArgumentParser) -> None:
+    """``--cache-versions`` (follow, serve, node-agent, fleet up): ``FollowerConfig.cache_versions``."""
+    options.add_argument("--cache-versions", type=int, choices=[0, 1], default=1, metavar="{0,1}",
+                         help="whole versions kept in the cache once the servers loaded them: 1 (default) the "
+                              "served one; 0 none: an update applied in place needs only its change, and a full "
+                              "reload (a fallback, a restart) decodes the version from storage on demand")
+
+
 def add_adapter_options(parser: argparse.ArgumentParser, title: str, base_help: str) -> Any:
     """The adapter-stream options of follow, serve and ``fleet up``, as a group of ``parser`` (returned)."""
     from ..reader.adapter import DEFAULT_KEEP

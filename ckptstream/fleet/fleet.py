@@ -44,7 +44,8 @@ class Fleet:
         nodes_per_replica: nodes of each server's engine (one actor per node, kept together by a placement
             group of STRICT_SPREAD bundles).
         vllm_args: vLLM's arguments (as after ``ckptstream serve URL --``).
-        cache_dir, api_key, storage_options: as for ``serve``.
+        cache_dir, api_key, storage_options, cache_versions: as for ``serve`` (``cache_versions``: whole versions
+            kept in each node's cache once loaded, ``FollowerConfig.cache_versions``).
         router: None, ``"start"`` (start a ``vllm-router`` on this cluster) or a router's URL: servers are
             registered there once they serve the newest good version, deregistered when they leave.
         rolling: updates take one server at a time out of the router (needs ``router``).
@@ -64,14 +65,15 @@ class Fleet:
                  storage_options: Mapping[str, Any] | None = None, router: str | None = None, rolling: bool = False,
                  name: str | None = None, metrics_port: int | None = None, poll_interval: float = 1.0,
                  cpus_per_replica: float = 1, vllm_log_dir: str | None = None, keep: int | None = None,
-                 adapter_name: str | None = None, base_dir: str | None = None):
+                 adapter_name: str | None = None, base_dir: str | None = None, cache_versions: int = 1):
         url = stream_location(stream_url)
         spec = FleetSpec(url=url, name=name or fleet_name(url), replicas=replicas, gpus_per_replica=gpus_per_replica,
                          nodes_per_replica=nodes_per_replica, vllm_args=tuple(vllm_args), cache_dir=cache_dir,
                          api_key=api_key, storage_options=dict(storage_options) if storage_options else None,
                          router=router, rolling=rolling, poll_interval=poll_interval, metrics_port=metrics_port,
                          cpus_per_replica=cpus_per_replica, vllm_log_dir=vllm_log_dir,
-                         keep=DEFAULT_KEEP if keep is None else keep, adapter_name=adapter_name, base_dir=base_dir)
+                         keep=DEFAULT_KEEP if keep is None else keep, adapter_name=adapter_name, base_dir=base_dir,
+                         cache_versions=cache_versions)
         stream = Stream(url, storage_options=spec.storage_options)
         stream.resolve("latest")  # a missing stream fails here
         adapter_options = [option for option, value in (("keep", keep), ("adapter_name", adapter_name),

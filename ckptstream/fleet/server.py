@@ -93,6 +93,7 @@ class ServerActor:
         spec = self.spec
         config = FollowerConfig(storage_options=spec.storage_options, cache_dir=spec.cache_dir,
                                 replica_id=self.replica_id, api_key=spec.api_key, poll_interval=spec.poll_interval,
+                                cache_versions=spec.cache_versions,
                                 observers=[OnUpdate(self._on_update)])
         options: dict[str, Any] = {}
         if self._gate is not None and self.node_rank == 0:

@@ -64,6 +64,7 @@ class FleetSpec:
     keep: int = DEFAULT_KEEP  # adapter streams only, like the two below
     adapter_name: str | None = None
     base_dir: str | None = None
+    cache_versions: int = 1  # FollowerConfig.cache_versions
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -73,6 +74,8 @@ class FleetSpec:
         if self.gpus_per_replica % self.nodes_per_replica:
             raise ValueError(f"gpus_per_replica ({self.gpus_per_replica}) must split evenly over "
                              f"nodes_per_replica ({self.nodes_per_replica})")
+        if self.cache_versions not in (0, 1):
+            raise ValueError("cache_versions must be 0 or 1")
         if self.keep < 1:
             raise ValueError("keep must be 1 or more")
         if self.rolling and not self.router:

@@ -31,6 +31,8 @@ def test_settings_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="router"):
         FleetSpec(url="/s", name="f", replicas=1, rolling=True)
     assert FleetSpec(url="/s", name="f", replicas=1, gpus_per_replica=16, nodes_per_replica=2).gpus_per_node == 8
+    with pytest.raises(ValueError, match="cache_versions must be 0 or 1"):
+        FleetSpec(url="/s", name="f", replicas=1, cache_versions=2)
 
 
 def test_cli_usage_errors(capsys):
@@ -62,6 +64,20 @@ def test_adapter_options_are_refused_on_a_weights_stream_before_ray(tmp_path, ca
         Fleet(url, keep=3, base_dir="/models/base")
     with pytest.raises(ValueError, match="keep must be 1 or more"):
         FleetSpec(url="/s", name="f", replicas=1, keep=0)
+
+
+def test_cache_versions_are_for_a_fleet_of_a_weights_stream(tmp_path, capsys):
+    from ckptstream import Publisher
+    from ckptstream.testing.adapters import tiny_peft_model
+    from ckptstream.testing.models import TinyModelSpec, write_tiny_model
+
+    url = str(tmp_path / "lora")
+    base = write_tiny_model(tmp_path / "base", TinyModelSpec())
+    with Publisher(url, adapter_of=tiny_peft_model(base, rank=2, seed=1)) as publisher:
+        publisher.publish().result()
+    assert main(["fleet", "up", url, "--replicas", "1", "--cache-versions", "0", "--address", "127.0.0.1:9"]
+                ) == EXIT_USAGE
+    assert f"--cache-versions: for weights streams; {url} is an adapter stream" in capsys.readouterr().err
 
 
 def test_fleet_help_has_examples_and_imports_neither_torch_nor_ray():
