@@ -1,4 +1,5 @@
-"""Helpers for child servers (vLLM, vllm-router): a free port to start one on, death with the parent, a stop."""
+"""Helpers for child processes: a free port to start a server (vLLM, vllm-router) on, death with the parent, a stop,
+and evaluation commands run together (replay)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import random
 import signal
 import socket
 import subprocess
+import time
+from typing import Mapping, Sequence
 
 _PR_SET_PDEATHSIG = 1
+
+COMMAND_POLL_S = 0.2
+"""How often ``run_together`` wakes while its commands run."""
 
 
 def die_with_parent() -> None:
@@ -30,6 +36,41 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def run_together(commands: Sequence[tuple[Sequence[str], Mapping[str, str]]], *, capture: bool
+                 ) -> list[tuple[int, float, str | None]]:
+    """Run every (command, environment) at once; per command (exit code, seconds it ran, its output: stdout and
+    stderr together if ``capture``, else None: passed on). Ctrl-C (any exception) kills the commands still running.
+
+    The wait wakes every ``COMMAND_POLL_S``: the kernel may deliver a Ctrl-C to any thread of this process (a lease
+    renewal, a reader), and a wait blocked in the kernel would then not see it until every command had ended. So
+    the seconds are measured to ``COMMAND_POLL_S``."""
+    processes: list[subprocess.Popen[bytes]] = []
+    started: list[float] = []
+    pipe = subprocess.PIPE if capture else None
+    try:
+        for command, env in commands:
+            started.append(time.perf_counter())
+            processes.append(subprocess.Popen(list(command), env=dict(env), stdout=pipe,
+                                              stderr=subprocess.STDOUT if capture else None))
+        runs: list[tuple[int, float, str | None] | None] = [None] * len(processes)
+        while None in runs:
+            for index, process in enumerate(processes):
+                if runs[index] is not None:
+                    continue
+                try:  # (with a pipe: reading it meanwhile, so that no command blocks on a full pipe)
+                    output = process.communicate(timeout=COMMAND_POLL_S / len(processes))[0]
+                except subprocess.TimeoutExpired:
+                    continue
+                runs[index] = (process.returncode, time.perf_counter() - started[index],
+                               None if output is None else output.decode("utf-8", "replace"))
+        return [run for run in runs if run is not None]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 LOWEST_PICKED_PORT = 20000

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -35,6 +33,7 @@ from ...reader.selection import select_versions
 from .follower import default_adapter_name
 from .resident import version_name
 from ..follow.cache import VersionCache, default_cache_dir
+from ...process import run_together
 from ..client import VllmClient
 from ..follow.replay import ReplayResult, command_environment
 
@@ -134,7 +133,8 @@ class _AdapterReplay:
             envs = [{**command_environment(entry.version, url, self.clients[0].url), MODEL_ENV: str(entry.model)}
                     for entry in ready]
             batches = [envs] if side_by_side else [[env] for env in envs]
-            runs = [run for batch in batches for run in _run_together(command, batch, capture)]
+            runs = [(code, seconds, None, output) for batch in batches
+                    for code, seconds, output in run_together([(command, env) for env in batch], capture=capture)]
         finally:
             for entry in loaded:
                 if entry.model is not None:
@@ -193,35 +193,3 @@ class _AdapterReplay:
                 client.unload_lora_adapter(model)
             except VllmError as exc:  # the others are still unloaded; this one says what is left behind
                 log.warning("replay: %s stays loaded in %s: %s", model, client.url, exc)
-
-
-def _run_together(command: Sequence[str], envs: list[dict[str, str]], capture: bool,
-                  ) -> list[tuple[int, float, None, str | None]]:
-    """Run ``command`` once per environment, all at once; per run (exit code, seconds, no error, output if
-    captured). An exception (Ctrl-C) kills the runs still going."""
-    processes: list[tuple[subprocess.Popen[bytes], float]] = []
-    runs: list[tuple[int, float, None, str | None] | None] = [None] * len(envs)
-
-    def wait(index: int, process: subprocess.Popen[bytes], started: float) -> None:
-        output = process.communicate()[0]
-        text = None if output is None else output.decode("utf-8", "replace")
-        runs[index] = (process.returncode, time.perf_counter() - started, None, text)
-
-    pipe = subprocess.PIPE if capture else None
-    try:
-        for env in envs:
-            started = time.perf_counter()
-            processes.append((subprocess.Popen(list(command), env=env, stdout=pipe,
-                                               stderr=subprocess.STDOUT if capture else None), started))
-        waiters = [threading.Thread(target=wait, args=(i, p, s), daemon=True) for i, (p, s) in enumerate(processes)]
-        for waiter in waiters:
-            waiter.start()
-        for waiter in waiters:
-            waiter.join()
-    finally:
-        for process, _ in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return [run for run in runs if run is not None]
-

@@ -10,12 +10,12 @@ the replay held is deleted at the end.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from ...errors import CkptStreamError
+from ...process import run_together
 from ...reader.selection import select_versions
 from ..client import VllmControl, VllmError
 from .config import FollowerConfig
@@ -58,13 +58,8 @@ def _replay_one(follower: Follower, version: int, url: str, command: Sequence[st
         return ReplayResult(version, time.perf_counter() - started, None, 0.0, str(exc))
     load_s = time.perf_counter() - started
     env = command_environment(version, url, follower.clients[0].url)
-    started = time.perf_counter()
-    if capture:
-        done = subprocess.run(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        code, output = done.returncode, done.stdout.decode("utf-8", "replace")
-    else:
-        code, output = subprocess.run(list(command), env=env).returncode, None
-    return ReplayResult(version, load_s, code, time.perf_counter() - started, output=output)
+    [(code, run_s, output)] = run_together([(command, env)], capture=capture)
+    return ReplayResult(version, load_s, code, run_s, output=output)
 
 
 def command_environment(version: int, url: str, vllm_url: str) -> dict[str, str]:
