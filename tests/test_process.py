@@ -46,6 +46,8 @@ CTRL_C_ON_ANOTHER_THREAD = """
 import signal, sys, threading, time
 from ckptstream.process import run_together
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a suite run as a background job inherits it ignored)
+
 def interrupt():  # the kernel may hand a Ctrl-C to any thread: here, to this one
     time.sleep(0.5)
     signal.pthread_kill(threading.get_ident(), signal.SIGINT)

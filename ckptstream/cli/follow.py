@@ -307,7 +307,13 @@ def run_node_agent(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    import signal
+
     from ..vllm_loader import replay
+
+    # Ctrl-C ends the replay and its commands (unloading what it loaded), as it stops follow and serve, also where a
+    # shell started it with SIGINT ignored (a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     if not args.passthrough:
         raise UsageError("give the evaluation command after --, e.g. `-- python eval.py`")
