@@ -220,16 +220,17 @@ def _stored(url: str, version: int) -> int:
     return sum(f.size for f in Stream(url).manifest(version).files) + manifest
 
 
-def _equals_full_reload(nodes: TwoNodes, version: int, root: Path) -> None:
-    """Every rank's parameters and the outputs equal the engine's own full reload of ``version``."""
-    patched, outputs = nodes.client.parameter_hashes(), nodes.outputs()
-    path = Stream(nodes.url).materialize(version, root / f"full-{version}")
-    nodes.client.pause()
-    nodes.client.reload_weights(str(path))
-    nodes.client.reset_prefix_cache()
-    nodes.client.resume()
-    assert nodes.client.parameter_hashes() == patched, f"version {version}: parameters differ from a full reload"
-    assert nodes.outputs() == outputs, f"version {version}: outputs differ from a full reload"
+def equals_full_reload(engine, url: str, version: int, root: Path) -> None:
+    """Every rank's parameters and the outputs of ``engine`` (its ``client`` and ``outputs()``) equal the engine's own
+    full reload of ``version`` of the stream at ``url``."""
+    patched, outputs = engine.client.parameter_hashes(), engine.outputs()
+    path = Stream(url).materialize(version, root / f"full-{version}")
+    engine.client.pause()
+    engine.client.reload_weights(str(path))
+    engine.client.reset_prefix_cache()
+    engine.client.resume()
+    assert engine.client.parameter_hashes() == patched, f"version {version}: parameters differ from a full reload"
+    assert engine.outputs() == outputs, f"version {version}: outputs differ from a full reload"
 
 
 TAMPER = """
@@ -278,7 +279,7 @@ def test_updates_apply_in_place_on_both_nodes_and_one_node_refusing_makes_both_r
         node1_log = (nodes.workdir / "node1.log").read_text(errors="replace")
         assert node1_log.index(f"version {version}: its change from version") < \
             node1_log.index(f"version {version} ready in"), "node 1 decoded the version before its change"
-        _equals_full_reload(nodes, version, tmp_path)
+        equals_full_reload(nodes, nodes.url, version, tmp_path)
     for rank in (0, 1):
         print(f"node {rank}, --cache-versions 1: {nodes.in_node(rank, 'du', '-sb', str(stream_dir)).split()[0]} B "
               f"in its cache (model {sum(t.numel() * t.element_size() for t in state.values())} B)")
@@ -298,4 +299,4 @@ def test_updates_apply_in_place_on_both_nodes_and_one_node_refusing_makes_both_r
     update = served(version)
     assert update["applied_in_place"] == 0 and sum(update["fallbacks"].values()) == 1, update
     assert nodes.client.weight_version() == str(version)
-    _equals_full_reload(nodes, version, tmp_path)
+    equals_full_reload(nodes, nodes.url, version, tmp_path)

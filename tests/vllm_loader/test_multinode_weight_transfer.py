@@ -29,7 +29,7 @@ from ckptstream.weight_transfer import BACKEND
 from ckptstream.weight_transfer.client import HttpWeightSyncClient
 from tests.helpers import PROMPTS, VLLM_CPU_ARGS, packed_on_cpu
 from tests.vllm_loader import test_multinode
-from tests.vllm_loader.test_multinode import in_node_namespaces, stop_nodes, wait_until
+from tests.vllm_loader.test_multinode import equals_full_reload, in_node_namespaces, stop_nodes, wait_until
 
 pytestmark = test_multinode.pytestmark  # a network namespace holding only loopback
 
@@ -88,17 +88,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
     publisher.close()
 
 
-def _equals_full_reload(engine: Engine, url: str, version: int, root: Path) -> None:
-    patched, outputs = engine.client.parameter_hashes(), engine.outputs()
-    path = Stream(url).materialize(version, root / f"full-{version}")
-    engine.client.pause()
-    engine.client.reload_weights(str(path))
-    engine.client.reset_prefix_cache()
-    engine.client.resume()
-    assert engine.client.parameter_hashes() == patched, f"version {version}: parameters differ from a full reload"
-    assert engine.outputs() == outputs, f"version {version}: outputs differ from a full reload"
-
-
 def test_the_weight_transfer_backend_updates_an_engine_spanning_two_nodes_in_place(engine, tmp_path):
     engine, url, publisher, state = engine
     generator = torch.Generator().manual_seed(2)
@@ -114,7 +103,7 @@ def test_the_weight_transfer_backend_updates_an_engine_spanning_two_nodes_in_pla
         client.finish_weight_update(str(version))
         statuses = engine.client.weight_transfer_status()
         assert [s["version"] for s in statuses] == [version, version], statuses
-        _equals_full_reload(engine, url, version, tmp_path)
+        equals_full_reload(engine, url, version, tmp_path)
         return statuses
 
     update(linears=False)  # the first from version 0: both ranks' caches hold its decode now
