@@ -47,9 +47,8 @@ from ..format import MARKER_FILE, STREAM_KIND_WEIGHTS
 from ..reader import Stream
 from ..vllm_loader.inplace.apply import InPlaceApplier, staging_problem
 from ..vllm_loader.follow.cache import VersionCache, default_cache_dir, safe_owner
-from ..vllm_loader.inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, UNCHECKED, WHOLE, ChangeSummary,
-                                          build_change, build_change_from_deltas, build_change_unbased,
-                                          with_old_values)
+from ..vllm_loader.inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary,
+                                          build_change, build_change_from_stored, with_old_values)
 from . import refuse_credentials
 
 log = logging.getLogger("ckptstream.weight_transfer")
@@ -253,12 +252,8 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
         built: list[ChangeSummary] = []
 
         def build(out: Path) -> None:
-            # From the deltas alone where they carry change checks (each rank reads the old values from its own
-            # parameters, and the ranks' checks prove them), else with the served version's decoded copy.
-            summary = build_change_unbased(stream, out, base=base, version=version, max_fraction=MAX_CHANGE_FRACTION)
-            if summary.problem == UNCHECKED:
-                summary = build_change_from_deltas(stream, base_dir, out, base=base, version=version,
-                                                   max_fraction=MAX_CHANGE_FRACTION)
+            summary = build_change_from_stored(stream, out, base=base, version=version, base_dir=base_dir,
+                                               max_fraction=MAX_CHANGE_FRACTION)
             if summary.problem == WHOLE:  # a keyframe between them: compare the decoded versions
                 summary = build_change(base_dir, path, out, stream_id=stream_id, base=base, version=version,
                                        max_fraction=MAX_CHANGE_FRACTION)

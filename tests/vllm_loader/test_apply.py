@@ -407,11 +407,16 @@ def test_a_follower_stages_the_change_with_old_values_where_its_ranks_cannot_che
     from ckptstream.vllm_loader.follow.in_place import InPlaceUpdates
     from ckptstream.vllm_loader.inplace.change import build_change_unbased
 
+    from ckptstream.vllm_loader.inplace import change as change_module
+
     builds: list[str] = []  # the changes built from the deltas, by layout
-    for name, layout in (("build_change_unbased", "xor-1"), ("build_change_from_deltas", "packed-1")):
-        real = getattr(in_place, name)
-        monkeypatch.setattr(in_place, name, lambda *a, _real=real, _layout=layout, **k: (builds.append(_layout),
-                                                                                         _real(*a, **k))[1])
+    # (the change from the deltas alone, built through build_change_from_stored; packed-1 where the follower builds
+    # it directly: with_old_values' own build is counted as "packed-1 beside" below)
+    for module, name, layout in ((change_module, "build_change_unbased", "xor-1"),
+                                 (in_place, "build_change_from_deltas", "packed-1")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _layout=layout, **k: (builds.append(_layout),
+                                                                                       _real(*a, **k))[1])
 
     def with_old_values(stream, base_dir, change):
         packed = real_with_old_values(stream, base_dir, change)

@@ -137,14 +137,20 @@ class TwoNodes:
         return stop_nodes(self.nodes)
 
 
-@pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory: pytest.TempPathFactory):
-    workdir = tmp_path_factory.mktemp("multinode")
+def published_tiny_model(workdir: Path) -> tuple[str, Publisher, dict[str, torch.Tensor]]:
+    """A stream of a tiny model in ``workdir`` holding its version 0: its URL, its publisher, the tensors."""
     model = write_tiny_model(workdir / "model", TinyModelSpec())
     url = str(workdir / "stream")
     state = dict(iter_hf_weights(model))
     publisher = Publisher(url, assets=model, keyframe_every=1000)
     publisher.publish(state).result()
+    return url, publisher, state
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory):
+    workdir = tmp_path_factory.mktemp("multinode")
+    url, publisher, state = published_tiny_model(workdir)
     nodes = TwoNodes(url, workdir)
     try:
         wait_until(lambda: nodes.serves(0) and nodes.client.healthy(), "the engine serves version 0", timeout=400)

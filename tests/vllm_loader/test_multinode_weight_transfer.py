@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstream import Publisher, Stream
-from ckptstream.hf import iter_hf_weights
-from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
+from ckptstream import Stream
+from ckptstream.testing.models import rl_like_step
 from ckptstream.vllm_loader import VllmClient, free_port
 from ckptstream.vllm_loader.serve import multinode_vllm_args, vllm_command, vllm_headless_command
 from ckptstream.weight_transfer import BACKEND
 from ckptstream.weight_transfer.client import HttpWeightSyncClient
 from tests.helpers import PROMPTS, VLLM_CPU_ARGS, packed_on_cpu
 from tests.vllm_loader import test_multinode
-from tests.vllm_loader.test_multinode import equals_full_reload, in_node_namespaces, stop_nodes, wait_until
+from tests.vllm_loader.test_multinode import (equals_full_reload, in_node_namespaces, published_tiny_model, stop_nodes,
+                                              wait_until)
 
 pytestmark = test_multinode.pytestmark  # a network namespace holding only loopback
 
@@ -72,11 +72,7 @@ class Engine:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("multinode-wt")
-    model = write_tiny_model(workdir / "model", TinyModelSpec())
-    url = str(workdir / "stream")
-    state = dict(iter_hf_weights(model))
-    publisher = Publisher(url, assets=model, keyframe_every=1000)
-    publisher.publish(state).result()
+    url, publisher, state = published_tiny_model(workdir)
     engine = Engine(Stream(url).materialize(0, workdir / "start"), workdir)
     try:
         wait_until(engine.client.healthy, "the engine answers", timeout=400)

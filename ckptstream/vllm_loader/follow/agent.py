@@ -46,8 +46,8 @@ from .cache import VersionCache, default_cache_dir, safe_owner
 from .config import FollowerConfig
 from ..metrics_server import attach_metrics
 from ..observe import FollowerObserver, ReplicaRecordWriter, notify, refusal_reason
-from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, UNCHECKED, WHOLE, ChangeSummary,
-                             build_change, build_change_from_deltas, build_change_unbased)
+from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary,
+                             build_change, build_change_from_stored)
 
 log = logging.getLogger("ckptstream.agent")
 
@@ -181,12 +181,9 @@ class NodeAgent:
                                           max_fraction=MAX_CHANGE_FRACTION))
                 return
             with self.stream.keeping_reads(KEPT_DELTAS_BYTES):  # the decode reads them from memory
-                # From the deltas alone where they carry change checks: no copy of the served version needed.
-                built.append(build_change_unbased(self.stream, out, base=base, version=version,
-                                                  max_fraction=MAX_CHANGE_FRACTION))
-                if built[0].problem == UNCHECKED and copy:
-                    built[0] = build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
-                                                        version=version, max_fraction=MAX_CHANGE_FRACTION)
+                built.append(build_change_from_stored(self.stream, out, base=base, version=version,
+                                                      base_dir=self.cache.path(base) if copy else None,
+                                                      max_fraction=MAX_CHANGE_FRACTION))
 
         try:
             change = self.cache.change(base, version, build)

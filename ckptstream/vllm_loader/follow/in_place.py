@@ -19,7 +19,7 @@ from ...reader import Stream
 from ..client import VllmControl, VllmError, VllmUnreachable
 from ..inplace.apply import staging_problem
 from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, UNCHECKED, WHOLE, ChangeSummary,
-                              build_change, build_change_from_deltas, build_change_unbased, with_old_values)
+                              build_change, build_change_from_deltas, build_change_from_stored, with_old_values)
 from .cache import VersionCache
 from .config import FollowerConfig
 
@@ -79,13 +79,9 @@ class InPlaceUpdates:
                         built.append(build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
                                                               version=version, max_fraction=MAX_CHANGE_FRACTION))
                         return
-                    # From the deltas alone where they carry change checks (no copy of the served version
-                    # needed): the ranks read the old values from what they serve, and the checks prove them.
-                    built.append(build_change_unbased(self.stream, out, base=base, version=version,
-                                                      max_fraction=MAX_CHANGE_FRACTION))
-                    if built[0].problem == UNCHECKED and cached:
-                        built[0] = build_change_from_deltas(self.stream, self.cache.path(base), out, base=base,
-                                                            version=version, max_fraction=MAX_CHANGE_FRACTION)
+                    built.append(build_change_from_stored(self.stream, out, base=base, version=version,
+                                                          base_dir=self.cache.path(base) if cached else None,
+                                                          max_fraction=MAX_CHANGE_FRACTION))
             else:
                 built.append(build_change(self.cache.path(base), path, out, stream_id=stream_id, base=base,
                                           version=version, max_fraction=MAX_CHANGE_FRACTION))

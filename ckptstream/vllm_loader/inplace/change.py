@@ -165,6 +165,19 @@ def build_change_from_deltas(stream: Stream, base_dir: Path, out: Path, *, base:
     return change.write(out, total, stream_id=stream.info().stream_id, base=base, version=version)
 
 
+def build_change_from_stored(stream: Stream, out: Path, *, base: int, version: int, base_dir: Path | None,
+                             max_fraction: float) -> ChangeSummary:
+    """Write the change from ``base`` to ``version`` to ``out`` from the stored deltas: from the deltas alone where
+    every step carries checks (``build_change_unbased``: the ranks read the old values from what they serve, and
+    the checks prove them), else, given ``base_dir`` (the served version's decoded copy), from the deltas and that
+    copy (``build_change_from_deltas``). Its problem where neither was built (``UNCHECKED`` without a copy)."""
+    summary = build_change_unbased(stream, out, base=base, version=version, max_fraction=max_fraction)
+    if summary.problem == UNCHECKED and base_dir is not None:
+        summary = build_change_from_deltas(stream, base_dir, out, base=base, version=version,
+                                           max_fraction=max_fraction)
+    return summary
+
+
 def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
                          max_fraction: float) -> ChangeSummary:
     """Write the change from ``base`` to ``version`` to ``out`` from the stored deltas alone: per changed
