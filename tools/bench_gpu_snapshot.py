@@ -12,6 +12,11 @@ from the stream and compared bit for bit with the device tensors of its step (on
 
     python tools/bench_gpu_snapshot.py --size 15GB --steps 6 --json /tmp/bench.json
     python tools/bench_gpu_snapshot.py --device cpu --size 64MB --steps 4      # smoke test without a GPU
+    python tools/bench_gpu_snapshot.py --fsdp --size 15GB --json /tmp/fsdp.json   # DTensor locals (issue 38)
+
+``--fsdp`` publishes the model as FSDP2 holds it, DTensors placed ``Shard(0)`` on a one-rank device mesh, through
+``DistributedPublisher.publish_sharded``: the device encoder then takes each DTensor's local shard (a one-rank
+mesh: the whole tensor), nothing gathered; the trainer's step changes the locals in place.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckptstream import Publisher, Stream  # noqa: E402
 from ckptstream.cli.options import parse_bytes  # noqa: E402
 from ckptstream.codec import INT_OF_SIZE  # noqa: E402
+from ckptstream.writer import DistributedPublisher  # noqa: E402
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, tiny_state_dict  # noqa: E402
 
 TARGETS = {  # the issue's targets, checked below
@@ -57,6 +63,29 @@ def model_on(device: torch.device, size: int, seed: int = 0) -> dict[str, torch.
             state[name] = torch.empty(shape, dtype=torch.float32, device=device).normal_(
                 0.0, 0.02, generator=generator).to(dtype)
     return state
+
+
+def as_dtensors(state: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``state`` as FSDP2 holds it: DTensors placed ``Shard(0)`` on a one-rank device mesh (a process group of
+    one is started here), each wrapping the tensor of ``state`` itself as its local shard, so that a step that
+    changes ``state`` in place changes what is published."""
+    import datetime
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                            timeout=datetime.timedelta(minutes=10))
+    mesh = init_device_mesh(device.type, (1,))
+    dtensors = {name: DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for name, t in state.items()}
+    assert all(d.to_local().data_ptr() == state[n].data_ptr() for n, d in dtensors.items())
+    return dtensors
 
 
 def synchronize(device: torch.device) -> None:
@@ -127,6 +156,8 @@ def main() -> None:
                         help="auto: the publisher's default (the heap frozen at the first device publish); "
                              "off: freeze_gc=False, the collector left alone")
     parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--fsdp", action="store_true",
+                        help="publish DTensors (Shard(0), a one-rank mesh) through DistributedPublisher.publish_sharded")
     parser.add_argument("--dir", help="stream directory (default: a temp dir, removed afterwards)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
@@ -151,8 +182,15 @@ def main() -> None:
     generator = torch.Generator(device=device).manual_seed(1)
     rows, exact = [], []
     device_delta = None if args.device_delta == "auto" and cuda else args.device_delta == "auto"
-    publisher = Publisher(str(root / "stream"), keyframe_every=args.keyframe_every, workers=args.workers,
-                          device_delta=device_delta, freeze_gc=None if args.freeze_gc == "auto" else False)
+    options = dict(keyframe_every=args.keyframe_every, workers=args.workers, device_delta=device_delta,
+                   freeze_gc=None if args.freeze_gc == "auto" else False)
+    if args.fsdp:
+        published = as_dtensors(state, device)
+        publisher = DistributedPublisher(str(root / "stream"), **options)
+        publish = publisher.publish_sharded
+    else:
+        published, publisher = state, Publisher(str(root / "stream"), **options)
+        publish = publisher.publish
     stream = Stream(str(root / "stream"))
     full_collections = FullCollections()
     with publisher:
@@ -163,7 +201,7 @@ def main() -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             started = time.perf_counter()
-            future = publisher.publish(state, step=step)
+            future = publish(published, step if args.fsdp else None, step=step)
             returned = time.perf_counter() - started
             synchronize(device)  # and the device work the trainer's stream now waits for
             blocked = time.perf_counter() - started
@@ -181,7 +219,7 @@ def main() -> None:
                   f"({100 * manifest.stored_bytes / full:6.2f}%)  publish blocked {blocked:6.3f} s (returned after "
                   f"{returned:6.3f} s), committed {after:6.2f} s after it returned"
                   + (f"; full gc inside it: {', '.join(f'{x:.3f} s' for x in full_gc)}" if full_gc else ""), flush=True)
-            print("    background: " + ", ".join(f"{k} {v:.3f} s" for k, v in publisher.phase_seconds.items()),
+            print("    background: " + ", ".join(f"{k} {v:.3f} s" for k, v in rows[-1]["phases_s"].items()),
                   flush=True)
             ok = all(same_bits(state[n], t.to(device)) for n, t in stream.iter_tensors(manifest.version))
             exact.append(ok)
@@ -196,7 +234,7 @@ def main() -> None:
     deltas = [r for r in rows if r["kind"] == "delta"]
     steady = statistics.median(later) if later else float("nan")
     figures = {
-        "device": name, "model_bytes": full, "tensors": len(state), "floor_s": floor,
+        "device": name, "fsdp": args.fsdp, "model_bytes": full, "tensors": len(state), "floor_s": floor,
         "first_blocked_s": rows[0]["blocked_s"], "steady_blocked_s": steady, "steady_vs_floor": steady / floor,
         "max_later_blocked_s": max(later) if later else float("nan"),
         "delta_committed_after_s": max(r["committed_after_s"] for r in deltas) if deltas else float("nan"),

@@ -161,6 +161,11 @@ class DistributedPublisher:
         """Pinned host memory of this rank's device encoder (see :attr:`Publisher.pinned_memory_bytes`)."""
         return self._publisher.pinned_memory_bytes
 
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds of each background phase of this rank's last version (see :attr:`Publisher.phase_seconds`)."""
+        return self._publisher.phase_seconds
+
     def publish(self, named_tensors: NamedTensors, version: int | None = None, *, step: int | None = None,
                 metadata: Mapping[str, Any] | None = None, keyframe: bool = False) -> Future[Manifest]:
         """Publish this rank's part of ``version``; call it on every rank with the same version.
