@@ -157,7 +157,7 @@ def main() -> None:
                              "off: freeze_gc=False, the collector left alone")
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--fsdp", action="store_true",
-                        help="publish DTensors (Shard(0), a one-rank mesh) through DistributedPublisher.publish_sharded")
+                        help="publish DTensors (Shard(0), one-rank mesh) through DistributedPublisher.publish_sharded")
     parser.add_argument("--dir", help="stream directory (default: a temp dir, removed afterwards)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()

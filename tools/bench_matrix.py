@@ -222,12 +222,14 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                        "pause": update.pause_s, "how": "in place" if update.applied_in_place else
                        f"reload ({', '.join(update.fallbacks)})", "full_reload": reload_pause,
                        "stall": max((s[1] for s in window), default=0.0),
-                       "failed": sum(not s[2] for s in window), "equal": equal}
+                       "failed": sum(not s[2] for s in window), "equal": equal,
+                       "phases": {"fetch": update.fetch_s, "decode": update.decode_s, "stage": update.stage_s,
+                                  "pause": update.pause_s, "cache_after": update.cache_s}}
                 rows.append(row)
                 print(f"[{shape}] version {row['version']}: delta {row['stored'] / 1e6:.1f} MB, {row['how']}, pause "
                       f"{row['pause']:.3f} s, commit->serving {row['lag']:.2f} s, worst stall {row['stall']:.3f} s, "
-                      f"failed {row['failed']}; full reload {row['full_reload']:.2f} s; equal {row['equal']}",
-                      flush=True)
+                      f"failed {row['failed']}; full reload {row['full_reload']:.2f} s; equal {row['equal']}\n"
+                      f"    ({', '.join(f'{k} {v:.2f} s' for k, v in row['phases'].items())})", flush=True)
         finally:
             if load is not None:
                 load.close()
@@ -240,7 +242,8 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                 "pause": med("pause"), "full_reload": med("full_reload"), "lag": med("lag"),
                 "first_lag": rows[0]["lag"], "stall": max(r["stall"] for r in rows),
                 "failed": sum(r["failed"] for r in rows), "equal": sum(r["equal"] for r in rows),
-                "delta_mb": med("stored") / 1e6, "request_p50": statistics.median(steady) if steady else None}
+                "delta_mb": med("stored") / 1e6, "phases": [r["phases"] for r in rows],
+                "request_p50": statistics.median(steady) if steady else None}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -45,7 +45,8 @@ from ..credentials import redact
 from ..errors import WeightTransferError
 from ..format import MARKER_FILE, STREAM_KIND_WEIGHTS
 from ..reader import Stream
-from ..vllm_loader.inplace.apply import InPlaceApplier, staging_problem
+from ..vllm_loader.inplace.apply import InPlaceApplier
+from ..vllm_loader.inplace.checks import staging_problem
 from ..vllm_loader.follow.cache import VersionCache, default_cache_dir, safe_owner
 from ..vllm_loader.inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, WHOLE, ChangeSummary,
                                           build_change, build_change_from_stored, with_old_values)

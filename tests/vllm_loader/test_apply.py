@@ -15,7 +15,8 @@ from ckptstream.codec import bit_pattern
 from ckptstream.format import MARKER_FILE
 from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint
 from ckptstream.testing.models import rl_like_step
-from ckptstream.vllm_loader.inplace.apply import InPlaceApplier, plan_tensor, plan_tensors, staging_problem
+from ckptstream.vllm_loader.inplace.apply import InPlaceApplier, plan_tensor, plan_tensors
+from ckptstream.vllm_loader.inplace.checks import staging_problem
 from ckptstream.vllm_loader.inplace.change import write_change
 
 SPEC = FusedSpec(layers=3, experts=8)

@@ -17,7 +17,7 @@ from typing import Sequence
 from ...format import MARKER_FILE, parse_version_name
 from ...reader import Stream
 from ..client import VllmControl, VllmError, VllmUnreachable
-from ..inplace.apply import staging_problem
+from ..inplace.checks import staging_problem
 from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, UNCHECKED, WHOLE, ChangeSummary,
                               build_change, build_change_from_deltas, build_change_from_stored, with_old_values)
 from .cache import VersionCache

@@ -189,7 +189,7 @@ def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
     of ``version``'s elements change (each step's changes counted: what the file holds).
 
     The stored bytes of the deltas are checked against their stored hashes, and each tensor's changes are
-    counted against its check; the values are checked where they are applied (``apply.staging_problem``).
+    counted against its check; the values are checked where they are applied (``checks.staging_problem``).
 
     Raises:
         IntegrityError: a delta changes another number of elements than its check counts.
@@ -240,7 +240,7 @@ def with_old_values(stream: Stream, base_dir: Path | None, change: Path) -> Path
     """The change of layout ``packed-1`` (old and new values) between the versions of the change file
     ``change``: itself where it is one, else built once beside it (``<base>-<version>.packed-1.safetensors``)
     from the stored deltas and ``base_dir``, the cached copy of its base. For ranks that cannot check a change
-    from the deltas alone (``xor-1``: ``apply.check_problem``'s ``unverifiable``), which compare its old values
+    from the deltas alone (``xor-1``: ``checks.check_problem``'s ``unverifiable``), which compare its old values
     with theirs instead. None where none is built (``build_change_from_deltas``' reasons; ``base_dir`` None:
     no copy of the base to build on)."""
     from safetensors import safe_open
