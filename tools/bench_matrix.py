@@ -8,7 +8,8 @@ the path it took (in place, or the full-reload fallback and its reason), the pau
 worst latency a client's 4-token request saw from the commit until serving (its *stall*), against a full
 reload of the same version on the same server (pause + ``reload_weights`` of a fresh copy of it + resume).
 "Equal": the greedy tokens **and their logprobs** of the canary prompts (``client.CANARY_PROMPTS``, each sent
-alone, the client held back meanwhile) after the update equal those after that full reload.
+alone, the client held back meanwhile) after the update equal those after that full reload (with ``--hashes``, and
+every runtime parameter's bytes: FP8 weights and their scales).
 
 Shapes: ``dense`` (Qwen2), ``llama`` (tied embeddings), ``moe`` (Qwen3-30B-A3B's layer: 128 experts of 768,
 top 8), ``mla`` (DeepSeek-V2-Lite's shapes: MLA, 64 routed + 2 shared experts, the first layer dense), ``fp8``
@@ -211,10 +212,18 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                 window = load.window(committed, serving)
                 load.hold()
                 after_update = client.canary()
+                hashes = client.parameter_hashes() if args.hashes else None
                 fresh = root / f"fresh-{manifest.version}"
                 shutil.copytree(root / "cache" / stream.info().stream_id / version_name(manifest.version), fresh)
                 reload_pause = full_reload(client, fresh)
                 equal = client.canary() == after_update
+                if hashes is not None:
+                    reloaded = client.parameter_hashes()
+                    differ = sorted({n for mine, theirs in zip(hashes, reloaded) for n in mine
+                                     if mine[n] != theirs.get(n)})
+                    equal = equal and not differ
+                    print(f"[{shape}] version {manifest.version}: parameters after the update and after a full reload: "
+                          + (f"{len(differ)} differ, e.g. {differ[:4]}" if differ else "every one equal"), flush=True)
                 client.set_weight_version(str(manifest.version))
                 shutil.rmtree(fresh)
                 load.go()
@@ -258,6 +267,8 @@ def main() -> int:
     parser.add_argument("--workdir", default=None, help="models, streams and caches (a GPU host: /dev/shm)")
     parser.add_argument("--vllm-args", help="vLLM's arguments, one string (default: CUDA graphs on a GPU)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--hashes", action="store_true",
+                        help="also compare every runtime parameter (FP8 weights and scales too) with the full reload's")
     args = parser.parse_args()
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)

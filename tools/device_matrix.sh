@@ -19,7 +19,7 @@ apply)
     ;;
 matrix)
     timeout "${SECONDS_LIMIT:-560}" python3 tools/bench_matrix.py --shapes ${SHAPES:-moe} ${LAYERS:+--layers $LAYERS} \
-        --size "${SIZE:-15GB}" --updates "${UPDATES:-3}" --workdir /dev/shm/matrix --json "$OUT/matrix.json" 2>&1 \
+        --size "${SIZE:-15GB}" --updates "${UPDATES:-3}" ${HASHES:+--hashes} --workdir /dev/shm/matrix --json "$OUT/matrix.json" 2>&1 \
         | grep -v -E "^(INFO|DEBUG)|^\(EngineCore" | tee "$OUT/matrix.log"
     ;;
 esac

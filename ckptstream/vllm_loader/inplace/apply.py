@@ -32,6 +32,7 @@ import contextlib
 import itertools
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy
@@ -39,7 +40,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms, check_total
-from ...format import CHECK_MASK, ChangeCheck, Hasher
+from ...format import CHECK_MASK, ChangeCheck, Hasher, version_name
+from .quantized import QuantizedParams
 
 _COPY = torch.ops.aten.copy_.default
 
@@ -218,6 +220,8 @@ def _target(param: str, dst: torch.Tensor, src: torch.Tensor, runtime: torch.Ten
     """The recorded copy ``src`` → ``dst`` as a ``Target``, or why it is not a plain one."""
     if tuple(dst.shape) != tuple(src.shape):
         return f"{param} is filled by a broadcasting copy"
+    if runtime.is_floating_point() and runtime.element_size() == 1 and runtime.dtype != dtype:
+        return f"{param} holds its values quantized to {runtime.dtype} ({QuantizedParams.__module__})"
     if src.dtype != dtype or dst.dtype != runtime.dtype:
         return f"{param} is filled through a reinterpreting view"
     dims = sorted(((size, s, d) for size, s, d in zip(src.shape, src.stride(), dst.stride()) if size != 1),
@@ -312,9 +316,10 @@ class InPlaceApplier:
     the device, and the apply is one check and one scatter per runtime parameter, with one synchronization.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device, quantized: QuantizedParams | None = None):
         self.model = model
         self.device = device
+        self.quantized = QuantizedParams.of_model(model, device) if quantized is None else quantized
         self.plans: dict[str, TensorPlan] = {}
         self._thread: threading.Thread | None = None
         self._result: dict[str, Any] | None = None
@@ -358,7 +363,7 @@ class InPlaceApplier:
             params = dict(self.model.named_parameters(remove_duplicate=False))
             with torch.no_grad():
                 for write in applied:
-                    _flat(params[write.param]).index_put_((write.index,), write.old)
+                    bit_pattern(_flat(params[write.param])).index_put_((write.index,), bit_pattern(write.old))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
@@ -376,7 +381,7 @@ class InPlaceApplier:
         params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             if writes:  # the old values of every parameter compared on the device, one synchronization
-                differing = torch.stack([(bit_pattern(_flat(params[w.param])[w.index]) != bit_pattern(w.old)).sum()
+                differing = torch.stack([(bit_pattern(_flat(params[w.param]))[w.index] != bit_pattern(w.old)).sum()
                                          for w in writes]).tolist()
                 for write, count in zip(writes, differing):
                     if count:
@@ -384,7 +389,7 @@ class InPlaceApplier:
                                          f"the base version; nothing written"}
             self._applied = writes
             for write in writes:
-                _flat(params[write.param]).index_put_((write.index,), write.new)
+                bit_pattern(_flat(params[write.param])).index_put_((write.index,), bit_pattern(write.new))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"applied": sum(w.index.numel() for w in writes)}
@@ -405,9 +410,10 @@ class InPlaceApplier:
                                             tensor.step))
                     if name not in self.plans:
                         unplanned[name] = (tuple(tensor.shape), changed[-1].dtype)
-                if unplanned:
-                    self.plans.update(plan_tensors(self.model, unplanned))
-                result, writes = self._map_all(changed)
+                self._plan(unplanned)
+                base = (change.metadata() or {}).get("base")  # (a change in a cache: <stream>/.changes/<file>)
+                base_dir = Path(path).parent.parent / version_name(int(base)) if base is not None else None
+                result, writes = self._map_all(changed, base_dir)
             if stream is not None:
                 stream.synchronize()
             self._writes = writes
@@ -415,11 +421,17 @@ class InPlaceApplier:
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
             self._result = {"error": f"{type(exc).__name__}: {exc}"}
 
-    def _map_all(self, changed: list[_Changed]) -> tuple[dict[str, Any], list[_Write]]:
+    def _plan(self, specs: dict[str, TensorSpec]) -> None:
+        if specs:
+            with self.quantized.tracing(self.model) as model:
+                self.plans.update(plan_tensors(model, specs))
+
+    def _map_all(self, changed: list[_Changed], base_dir: Path | None) -> tuple[dict[str, Any], list[_Write]]:
         """Map every changed tensor onto the parameters: the copies that share a layout (parameter, dtype,
-        sizes and strides) in one batch each, the writes merged per parameter. The old values of a change
-        without them (``xor-1``, ``xor-steps-1``) are read from the parameters, its checks summed per tensor
-        (and step)."""
+        sizes and strides) in one batch each, the writes merged per parameter (a quantized one's made by
+        ``quantized.QuantizedParams.writes``, from ``base_dir``, the base version's copy, where a unit's scale
+        changes). The old values of a change without them (``xor-1``, ``xor-steps-1``) are read from the
+        parameters, its checks summed per tensor (and step)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         unpatchable: dict[str, str] = {}
         unverifiable: dict[str, str] = {}  # (xor-1) tensor -> why this rank cannot read its checkpoint bits
@@ -438,6 +450,7 @@ class InPlaceApplier:
         written = torch.zeros(len(changed), dtype=torch.int64, device=self.device)
         sums = torch.zeros(3, len(changed), dtype=torch.int64, device=self.device)  # per tensor: positions, old, new
         per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        names_of: dict[str, set[str]] = {}  # parameter -> the changed tensors it loads
         # (xor) per parameter and checkpoint dtype: per copy (step, segment, storage offsets, positions, XOR)
         pending: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]]] = {}
@@ -458,11 +471,14 @@ class InPlaceApplier:
                 unverifiable.update({changed[i].name: f"{param} holds its values as {held}, which cannot hold "
                                                       f"every {stored} value of the checkpoint"
                                      for i, _ in copies})
+            quantized = param in self.quantized.params  # (its old and new values kept as the checkpoint's)
+            names_of.setdefault(param, set()).update(changed[i].name for i, _ in copies)
             if changed[copies[0][0]].xor is None:
-                old = torch.cat([changed[i].old for i, _ in copies]).to(self.device)[covered].to(dtype)
-                new = torch.cat([changed[i].new for i, _ in copies]).to(self.device)[covered].to(dtype)
-                per_param.setdefault(param, []).append((index[covered], old, new))
-            else:
+                old = torch.cat([changed[i].old for i, _ in copies]).to(self.device)[covered]
+                new = torch.cat([changed[i].new for i, _ in copies]).to(self.device)[covered]
+                per_param.setdefault(param, []).append((index[covered], *(v if quantized else v.to(dtype)
+                                                                         for v in (old, new))))
+            elif not quantized:
                 xor = torch.cat([changed[i].xor for i, _ in copies]).to(self.device)[covered]
                 pending.setdefault((param, checkpoint_dtype), []).append(
                     (changed[copies[0][0]].step or 0, segment[covered], index[covered], positions[covered], xor))
@@ -486,7 +502,18 @@ class InPlaceApplier:
                     values[at] = new
             dtype = params[param].dtype
             per_param.setdefault(param, []).append((held, first.to(dtype), values.view(checkpoint_dtype).to(dtype)))
-        writes = [_Write(param, *(torch.cat(parts) for parts in zip(*groups))) for param, groups in per_param.items()]
+        writes = []
+        for param, groups in per_param.items():
+            merged = [torch.cat(parts) for parts in zip(*groups)]
+            if param not in self.quantized.params:
+                writes.append(_Write(param, *merged))
+                continue
+            made = self.quantized.writes(param, *merged, _flat(params[self.quantized.params[param].scale]),
+                                         lambda name, start, stop: self._base_values(base_dir, name, start, stop))
+            if isinstance(made, str):
+                unpatchable.update({name: made for name in names_of[param]})
+            else:
+                writes.extend(_Write(*write) for write in made)
         counts_written = written.tolist()
         coverage = {changed[i].key: [counts_written[i], changed[i].positions.numel()] for i in loaded}
         result: dict[str, Any] = {"unpatchable": unpatchable, "coverage": coverage,
@@ -501,6 +528,41 @@ class InPlaceApplier:
                 "positions": f"{check_total(check_positions(changed[i].positions)):016x}"}
                 for i in loaded if changed[i].check is not None}
         return result, writes
+
+
+    def _base_values(self, base_dir: Path | None, param: str, start: int, stop: int) -> torch.Tensor | str:
+        """The checkpoint values of ``base_dir`` (a version's copy) that ``param``'s storage offsets [start, stop)
+        load, on the device (every checkpoint tensor of the copy planned first), or why not."""
+        from safetensors import safe_open
+
+        from ...codec import torch_dtype
+
+        if base_dir is None or not base_dir.is_dir():
+            return "no copy of the base version on this node"
+        files: dict[str, tuple[Path, TensorSpec]] = {}
+        for file in sorted(base_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safetensors handles are not mappings
+                    part = handle.get_slice(name)
+                    files[name] = file, (tuple(part.get_shape()), torch_dtype(part.get_dtype()))
+        self._plan({name: spec for name, (_, spec) in files.items() if name not in self.plans})
+        values, seen = None, torch.zeros(stop - start, dtype=torch.bool, device=self.device)
+        for name, plan in self.plans.items():
+            for target in plan.targets:
+                reach = target.dst_offset + sum((n - 1) * s for n, s in zip(target.sizes, target.dst_strides))
+                if target.param != param or reach < start or target.dst_offset >= stop or name not in files:
+                    continue
+                with safe_open(str(files[name][0]), framework="pt") as handle:
+                    tensor = handle.get_tensor(name).to(self.device).reshape(-1)
+                covered, dst = map_positions(target, torch.arange(tensor.numel(), device=self.device))
+                inside = (dst >= start) & (dst < stop)
+                if values is None:
+                    values = torch.empty(stop - start, dtype=tensor.dtype, device=self.device)
+                values[dst[inside] - start] = tensor[covered][inside]
+                seen[dst[inside] - start] = True
+        if values is None or not bool(seen.all()):
+            return f"the copy of the base version fills {int(seen.sum())} of its {stop - start} elements"
+        return values
 
 
 def _holds_exactly(runtime: torch.dtype, checkpoint: torch.dtype) -> bool:

