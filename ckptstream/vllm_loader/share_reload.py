@@ -1,0 +1,188 @@
+"""A full reload in which each rank reads only its share of the checkpoint (runs inside a vLLM worker).
+
+vLLM's own ``reload_weights(weights_path=DIR)`` reads every tensor of every file in ``DIR`` whole on every
+rank (safetensors' ``get_tensor`` copies it out of the file) and only then lets the model's weight loaders
+keep the rank's slice: a TP=N engine reads N copies of the model from its nodes' caches. Here the same
+reload gets each tensor as a view of a private memory map of its file instead (``mapped_weights``): vLLM's
+loaders ``narrow`` the checkpoint tensor to the rank's slice and copy that, so only the pages holding the
+slice are ever read — a column-parallel (dim 0) slice is one contiguous range, a row-parallel (dim 1) slice
+a part of each row, a replicated tensor (norms, ...) all of it. The maps are random-access
+(``MADV_RANDOM``): the kernel's read-around would otherwise read the neighbouring rank's pages with each
+fault.
+
+Everything else is vLLM's own reload (``Worker.reload_weights`` with a weights iterator: the layer-wise
+reload, ``process_weights_after_loading``, the caches reset after it), and the model's path is repointed at
+``DIR`` as vLLM's reload from a path does, so the result is vLLM's reload of ``DIR`` bit for bit. Where the
+worker's vLLM cannot take an iterator, or its load format reads something other than safetensors files,
+vLLM's own reload runs (``reload_share`` says which ran).
+
+This module imports torch and vLLM: the worker extension imports it on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import mmap
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from ..codec import torch_dtype
+from ..errors import IntegrityError
+from ..format import DTYPE_SIZES, INDEX_FILE, MAX_SAFETENSORS_HEADER_BYTES, SAFETENSORS_LENGTH
+
+SHARE, WHOLE = "share", "whole"
+"""What ``reload_share`` answers: this rank read its share through memory maps, or vLLM's own reload ran
+(every file read whole)."""
+_MAPPED_FORMATS = ("auto", "safetensors")
+"""vLLM load formats whose reload reads the directory's safetensors files with ``safetensors_weights_iterator``
+(the only reads ``mapped_weights`` stands in for)."""
+
+
+def reload_share(worker: Any, path: str) -> str:
+    """Reload every weight of ``worker``'s model from the complete checkpoint directory ``path`` on its node,
+    reading only this rank's share of it where the worker's vLLM allows (``SHARE``), else through vLLM's
+    own ``reload_weights`` (``WHOLE``). Raises as vLLM's reload does (the caller reloads a good version)."""
+    if not _takes_mapped_weights(worker):
+        worker.reload_weights(weights_path=path, is_checkpoint_format=True)
+        return WHOLE
+    model_config = worker.vllm_config.model_config
+    with mapped_weights(path) as weights:
+        # As vLLM's reload from a path: the model's path is the directory from now on (ckptstream's cache
+        # report and hold read it), and the revision and weights source of the old one no longer apply.
+        model_config.model = path
+        model_config.model_weights = ""
+        model_config.revision = None
+        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    return SHARE
+
+
+def _takes_mapped_weights(worker: Any) -> bool:
+    """Whether ``worker``'s reload can take ``mapped_weights`` for vLLM's reads of a directory: a vLLM whose
+    reload takes a weights iterator (0.32 does), a load format reading safetensors files with vLLM's plain
+    iterator, and a model loading from its primary directory alone."""
+    runner_reload = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
+    if runner_reload is None or "weights_iterator" not in inspect.signature(runner_reload).parameters:
+        return False
+    load_config = worker.vllm_config.load_config
+    if str(load_config.load_format).lower() not in _MAPPED_FORMATS:
+        return False
+    if getattr(load_config, "safetensors_load_strategy", None) == "torchao":
+        return False  # (tensor subclasses rebuilt from several flat tensors)
+    model = worker.model_runner.get_model()
+    return not getattr(model, "secondary_weights", ()) and getattr(model, "is_unused_checkpoint_weight", None) is None
+
+
+@contextlib.contextmanager
+def mapped_weights(directory: str | os.PathLike[str]) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """The tensors of the checkpoint directory ``directory`` as vLLM's reload reads them (the files its index
+    names, else every ``*.safetensors`` file; in vLLM's order), each a view of a private, random-access memory
+    map of its file: nothing is read until a page of it is. The maps are closed on exit (a view still alive
+    keeps its map until it is collected). Raises FileNotFoundError for a missing directory or a file its index
+    names but it lacks, IntegrityError (as it reaches it) for a file that is no safetensors file."""
+    files = checkpoint_files(Path(directory))
+    maps: list[mmap.mmap] = []
+    try:
+        yield _tensors(files, maps)
+    finally:
+        for mapped in maps:
+            with contextlib.suppress(BufferError):  # a view outlived the reload: its map goes with it
+                mapped.close()
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The safetensors files vLLM reads from ``directory``: those its index (``model.safetensors.index.json``)
+    names, all of which must be there, or, without an index, every ``*.safetensors`` file; in vLLM's order
+    (natural sort of the names)."""
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such checkpoint directory on this node")
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            named = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise IntegrityError(f"malformed index ({exc})", file=str(index),
+                                 hint="Materialize the version again") from None
+        files = [directory / str(name) for name in named]
+        missing = sorted(str(f) for f in files if not f.is_file())
+        if missing:
+            raise FileNotFoundError(f"weight files its index names but {directory} lacks: {', '.join(missing)}")
+    else:
+        files = list(directory.glob("*.safetensors"))
+    return sorted(files, key=lambda f: [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", f.name)])
+
+
+def _tensors(files: list[Path], maps: list[mmap.mmap]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with open(path, "rb") as f:
+            data, tensors = _header(path, f)
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # (private: a write never reaches the file)
+        maps.append(mapped)
+        mapped.madvise(mmap.MADV_RANDOM)
+        for name in sorted(tensors):  # (safetensors' order, as vLLM reads them)
+            dtype, shape, offset = tensors[name]
+            yield name, _view(mapped, data + offset, torch_dtype(dtype), shape)
+
+
+def _header(path: Path, f: BinaryIO) -> tuple[int, dict[str, tuple[str, list[int], int]]]:
+    """Where the tensor data of the safetensors file ``f`` starts, and each tensor's dtype, shape and offset
+    there; every tensor checked to lie inside the file with its dtype's and shape's size. Read with
+    ``pread``, not through a map (safetensors' ``safe_open`` maps the file, and the read-around of its first
+    fault reads the file far beyond its header)."""
+    size = os.fstat(f.fileno()).st_size
+
+    def refuse(problem: str, tensor: str | None = None) -> IntegrityError:
+        return IntegrityError(f"not a readable safetensors file: {problem}", file=str(path), tensor=tensor,
+                              hint="Materialize the version again")
+
+    head = os.pread(f.fileno(), SAFETENSORS_LENGTH.size, 0)
+    if len(head) < SAFETENSORS_LENGTH.size:
+        raise refuse("truncated")
+    (length,) = SAFETENSORS_LENGTH.unpack(head)
+    data = SAFETENSORS_LENGTH.size + length
+    if length > MAX_SAFETENSORS_HEADER_BYTES or data > size:
+        raise refuse(f"a header of {length} bytes")
+    try:
+        header = json.loads(os.pread(f.fileno(), length, SAFETENSORS_LENGTH.size))
+    except ValueError as exc:
+        raise refuse(f"its header is no JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise refuse("its header is no JSON object")
+    tensors = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = spec["dtype"], list(spec["shape"]), spec["data_offsets"]
+            count = 1
+            for dim in shape:
+                if not isinstance(dim, int) or dim < 0:
+                    raise ValueError(f"shape {shape}")
+                count *= dim
+            if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= size - data):
+                raise ValueError(f"data offsets {[begin, end]} outside its {size - data} bytes of data")
+            if end - begin != count * DTYPE_SIZES[dtype]:
+                raise ValueError(f"{end - begin} bytes for a {dtype} tensor of shape {shape}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise refuse(f"a malformed entry ({exc})", name) from None
+        tensors[name] = (dtype, shape, begin)
+    return data, tensors
+
+
+def _view(mapped: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The tensor at ``start`` of ``mapped``, sharing its pages (a copy where it is not aligned to its items)."""
+    count = 1
+    for size in shape:
+        count *= size
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    if start % dtype.itemsize:
+        data = bytearray(mapped[start:start + count * dtype.itemsize])
+        return torch.frombuffer(data, dtype=dtype).reshape(shape)
+    return torch.frombuffer(mapped, dtype=dtype, count=count, offset=start).reshape(shape)
