@@ -176,7 +176,8 @@ def _header(path: Path, f: BinaryIO) -> tuple[int, dict[str, tuple[str, list[int
 
 
 def _view(mapped: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    """The tensor at ``start`` of ``mapped``, sharing its pages (a copy where it is not aligned to its items)."""
+    """The tensor at ``start`` of ``mapped``, sharing its pages (``_MappedTensor``; a copy where it is not
+    aligned to its items)."""
     count = 1
     for size in shape:
         count *= size
@@ -185,4 +186,44 @@ def _view(mapped: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int]) -
     if start % dtype.itemsize:
         data = bytearray(mapped[start:start + count * dtype.itemsize])
         return torch.frombuffer(data, dtype=dtype).reshape(shape)
-    return torch.frombuffer(mapped, dtype=dtype, count=count, offset=start).reshape(shape)
+    tensor = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start).reshape(shape).as_subclass(_MappedTensor)
+    tensor._ckptstream_map, tensor._ckptstream_at, tensor._ckptstream_asked = mapped, start, set()
+    return tensor
+
+
+class _MappedTensor(torch.Tensor):
+    """A tensor viewing a random-access memory map of its file, whose ``narrow`` (how vLLM's weight loaders take
+    a rank's slice) asks the kernel to read the slice's pages ahead, in large asynchronous reads
+    (``MADV_WILLNEED``): a fault of a random-access map reads its own page only, and waits for it. Every other
+    operation, and ``narrow``'s result, is a plain tensor's."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def narrow(self, dim: Any, start: Any, length: Any) -> torch.Tensor:  # type: ignore[override]
+        part = super().narrow(dim, start, length)
+        asked = (int(dim), int(start), int(length))
+        if asked not in self._ckptstream_asked:  # (vLLM's layer-wise reload narrows each tensor twice)
+            self._ckptstream_asked.add(asked)
+            _read_ahead(self._ckptstream_map, self._ckptstream_at + part.data_ptr() - self.data_ptr(), part)
+        return part
+
+
+def _read_ahead(mapped: mmap.mmap, at: int, part: torch.Tensor) -> None:
+    """Ask for the pages of ``mapped`` holding ``part`` (a strided view whose first element is at offset ``at``):
+    its contiguous runs, merged where no whole page lies between two."""
+    if part.numel() == 0:
+        return
+    run, outer = 1, len(part.shape)  # (the innermost dimensions laid out contiguously make one run)
+    while outer and (part.shape[outer - 1] == 1 or part.stride(outer - 1) == run):
+        run *= part.shape[outer - 1]
+        outer -= 1
+    starts = torch.zeros(1, dtype=torch.int64)
+    for size, stride in zip(part.shape[:outer], part.stride()[:outer]):
+        starts = (starts[:, None] + torch.arange(size, dtype=torch.int64) * stride).flatten()
+    starts = at + starts.sort().values * part.element_size()
+    first = starts // mmap.PAGESIZE
+    last = (starts + run * part.element_size() - 1) // mmap.PAGESIZE
+    gap = first[1:] > last[:-1] + 1
+    one = torch.ones(1, dtype=torch.bool)
+    for begin, end in zip(first[torch.cat([one, gap])].tolist(), last[torch.cat([gap, one])].tolist()):
+        mapped.madvise(mmap.MADV_WILLNEED, begin * mmap.PAGESIZE, (end + 1 - begin) * mmap.PAGESIZE)
