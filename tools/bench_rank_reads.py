@@ -8,7 +8,9 @@ full reload of the served version from each node's cache:
 - ckptstream's (``share_reload``, what the follower calls): each rank reads only the pages of its slices.
 Each kind reloads ``--repeats`` times from disk (the files' pages dropped from the page cache before; what
 each node read back counted there after: ``mincore``, ``ckptstream.testing.pagecache``), then as many times
-from the page cache (where a version the node's agent just wrote is). The parameters of both are compared.
+from the page cache (where a version the node's agent just wrote is), the two kinds taking turns. The
+parameters after both are compared. What vLLM's own reload reads depends on the kernel's read-around of its
+maps (the device's ``read_ahead_kb``): ``--dir`` on a file system of another device shows another.
 
 Needs root, in a network namespace holding only loopback (vLLM's engine otherwise uses the machine's address):
 
@@ -19,10 +21,12 @@ Needs root, in a network namespace holding only loopback (vLLM's engine otherwis
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,7 +46,7 @@ def main() -> None:
     parser.add_argument("--size", type=parse_bytes, default=parse_bytes("256MB"), help="model size (bf16)")
     parser.add_argument("--arch", default="qwen2", help="qwen2 (untied LM head) or llama (tied embeddings)")
     parser.add_argument("--repeats", type=int, default=3, help="reloads per kind")
-    parser.add_argument("--dir", help="work directory (default: a temp dir)")
+    parser.add_argument("--dir", help="work directory, kept (default: a temp dir, removed afterwards)")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-rank-reads-"))
     spec = TinyModelSpec.for_size(args.size, arch=args.arch)
@@ -67,9 +71,12 @@ def main() -> None:
         nodes.append(subprocess.Popen(["unshare", "--mount", "--uts", "sh", "-c", script, "sh", *command],
                                       stdout=open(root / f"node{rank}.log", "wb"), stderr=subprocess.STDOUT,
                                       start_new_session=True))
+    died = threading.Event()
+    for node in nodes:
+        threading.Thread(target=lambda node=node: (node.wait(), died.set()), daemon=True).start()
     try:
         client = VllmClient(f"http://127.0.0.1:{port}")
-        client.wait_ready(timeout=900)
+        client.wait_ready(timeout=900, abort=died)
         versions_dir = str(cache / stream_id)
         while not all("0" in r["versions"] for r in client.cache_report(versions_dir)):
             time.sleep(0.2)
@@ -79,36 +86,41 @@ def main() -> None:
         print(f"{spec.arch} model, hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
               f"{spec.num_layers} layers, vocab {spec.vocab_size}, tied embeddings {spec.tie_embeddings}: "
               f"{size / 1e6:.1f} MB of files per node; TP=2 over two nodes, {args.repeats} reloads per kind")
-        hashes = []
-        for kind, reload in (("vLLM's own reload", client.vllm_reload_weights),
-                             ("each rank its share", client.reload_weights)):
-            reads, seconds = [], {True: [], False: []}
-            for cold in [True] * args.repeats + [False] * args.repeats:
-                if cold:
-                    for node_files in files:
-                        drop_pages(node_files)
-                    if any(resident_bytes(f) for f in files):
-                        raise RuntimeError("pages of the files stayed in the page cache (a map of them is alive)")
-                client.pause()
-                started = time.perf_counter()
-                reload(path)
-                seconds[cold].append(time.perf_counter() - started)
-                client.reset_prefix_cache()
-                client.resume()
-                if cold:
-                    reads.append([resident_bytes(f) for f in files])
-            hashes.append(client.parameter_hashes())
-            per_node = [statistics.median(r[rank] for r in reads) for rank in (0, 1)]
+        kinds = {"vLLM's own reload": client.vllm_reload_weights, "each rank its share": client.reload_weights}
+        reads: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
+        seconds: dict[tuple[str, bool], list[float]] = {}
+        hashes = {}
+        for cold in (True, False):
+            for _ in range(args.repeats):
+                for kind, reload in kinds.items():  # (taking turns: what else runs on the machine weighs on both)
+                    if cold:
+                        for node_files in files:
+                            drop_pages(node_files)
+                        if any(resident_bytes(f) for f in files):
+                            raise RuntimeError("pages of the files stayed in the page cache (a map of them is alive)")
+                    client.pause()
+                    started = time.perf_counter()
+                    reload(path)
+                    seconds.setdefault((kind, cold), []).append(time.perf_counter() - started)
+                    client.reset_prefix_cache()
+                    client.resume()
+                    if cold:
+                        reads[kind].append([resident_bytes(f) for f in files])
+                    hashes[kind] = client.parameter_hashes()
+        for kind in kinds:
+            per_node = [statistics.median(r[rank] for r in reads[kind]) for rank in (0, 1)]
             print(f"  {kind:20s} read per node {per_node[0] / 1e6:7.1f} MB, {per_node[1] / 1e6:7.1f} MB "
                   f"({per_node[0] / size:.0%}, {per_node[1] / size:.0%} of the model); reload median "
-                  f"{statistics.median(seconds[True]):.2f} s from disk, {statistics.median(seconds[False]):.2f} s "
-                  f"from the page cache")
-        print(f"  parameters equal after both: {hashes[0] == hashes[1]}")
+                  f"{statistics.median(seconds[kind, True]):.2f} s from disk, "
+                  f"{statistics.median(seconds[kind, False]):.2f} s from the page cache")
+        print(f"  parameters equal after both: {len(set(map(str, hashes.values()))) == 1}")
     finally:
         for node in nodes:
             node.terminate()
         for node in nodes:
             node.wait()
+        if args.dir is None:
+            shutil.rmtree(root)
 
 
 if __name__ == "__main__":

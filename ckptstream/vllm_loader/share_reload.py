@@ -40,6 +40,14 @@ from ..format import DTYPE_SIZES, INDEX_FILE, MAX_SAFETENSORS_HEADER_BYTES, SAFE
 SHARE, WHOLE = "share", "whole"
 """What ``reload_share`` answers: this rank read its share through memory maps, or vLLM's own reload ran
 (every file read whole)."""
+READ_GAP = 128 << 10
+"""Runs of a rank's slice read as one where less than this lies between them (a row-parallel slice's parts of
+rows): reading such a gap from a disk costs less than another request (about a disk's latency times its
+bandwidth). A rank's parts of rows shorter than this are read with the rows between them, as vLLM's own
+reload reads them with a common read-ahead window (128 KiB)."""
+READ_AHEAD_CHUNK = 128 << 10
+"""Bytes asked per ``MADV_WILLNEED``: Linux reads at most the device's read-ahead window per call (its
+``read_ahead_kb``, commonly 128 KiB), and the rest of a larger range not at all."""
 _MAPPED_FORMATS = ("auto", "safetensors")
 """vLLM load formats whose reload reads the directory's safetensors files with ``safetensors_weights_iterator``
 (the only reads ``mapped_weights`` stands in for)."""
@@ -210,7 +218,7 @@ class _MappedTensor(torch.Tensor):
 
 def _read_ahead(mapped: mmap.mmap, at: int, part: torch.Tensor) -> None:
     """Ask for the pages of ``mapped`` holding ``part`` (a strided view whose first element is at offset ``at``):
-    its contiguous runs, merged where no whole page lies between two."""
+    its contiguous runs, merged where less than ``READ_GAP`` lies between two."""
     if part.numel() == 0:
         return
     run, outer = 1, len(part.shape)  # (the innermost dimensions laid out contiguously make one run)
@@ -223,7 +231,8 @@ def _read_ahead(mapped: mmap.mmap, at: int, part: torch.Tensor) -> None:
     starts = at + starts.sort().values * part.element_size()
     first = starts // mmap.PAGESIZE
     last = (starts + run * part.element_size() - 1) // mmap.PAGESIZE
-    gap = first[1:] > last[:-1] + 1
+    gap = first[1:] > last[:-1] + READ_GAP // mmap.PAGESIZE
     one = torch.ones(1, dtype=torch.bool)
     for begin, end in zip(first[torch.cat([one, gap])].tolist(), last[torch.cat([gap, one])].tolist()):
-        mapped.madvise(mmap.MADV_WILLNEED, begin * mmap.PAGESIZE, (end + 1 - begin) * mmap.PAGESIZE)
+        for at in range(begin * mmap.PAGESIZE, (end + 1) * mmap.PAGESIZE, READ_AHEAD_CHUNK):
+            mapped.madvise(mmap.MADV_WILLNEED, at, min(READ_AHEAD_CHUNK, (end + 1) * mmap.PAGESIZE - at))
