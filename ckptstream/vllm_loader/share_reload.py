@@ -46,8 +46,8 @@ rows): reading such a gap from a disk costs less than another request (about a d
 bandwidth). A rank's parts of rows shorter than this are read with the rows between them, as vLLM's own
 reload reads them with a common read-ahead window (128 KiB)."""
 READ_AHEAD_CHUNK = 128 << 10
-"""Bytes asked per ``MADV_WILLNEED``: Linux reads at most the device's read-ahead window per call (its
-``read_ahead_kb``, commonly 128 KiB), and the rest of a larger range not at all."""
+"""Bytes asked per ``MADV_WILLNEED`` where the file's device does not tell its read-ahead window: Linux reads at
+most that window per call (``read_ahead_kb``, commonly 128 KiB), and the rest of a larger range not at all."""
 _MAPPED_FORMATS = ("auto", "safetensors")
 """vLLM load formats whose reload reads the directory's safetensors files with ``safetensors_weights_iterator``
 (the only reads ``mapped_weights`` stands in for)."""
@@ -131,11 +131,12 @@ def _tensors(files: list[Path], maps: list[mmap.mmap]) -> Iterator[tuple[str, to
         with open(path, "rb") as f:
             data, tensors = _header(path, f)
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # (private: a write never reaches the file)
+            chunk = _read_ahead_window(f.fileno())
         maps.append(mapped)
         mapped.madvise(mmap.MADV_RANDOM)
         for name in sorted(tensors):  # (safetensors' order, as vLLM reads them)
             dtype, shape, offset = tensors[name]
-            yield name, _view(mapped, data + offset, torch_dtype(dtype), shape)
+            yield name, _view(mapped, data + offset, torch_dtype(dtype), shape, chunk)
 
 
 def _header(path: Path, f: BinaryIO) -> tuple[int, dict[str, tuple[str, list[int], int]]]:
@@ -183,9 +184,23 @@ def _header(path: Path, f: BinaryIO) -> tuple[int, dict[str, tuple[str, list[int
     return data, tensors
 
 
-def _view(mapped: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    """The tensor at ``start`` of ``mapped``, sharing its pages (``_MappedTensor``; a copy where it is not
-    aligned to its items)."""
+def _read_ahead_window(fd: int) -> int:
+    """The read-ahead window of the device holding the file ``fd`` (what one ``MADV_WILLNEED`` reads at most), or
+    ``READ_AHEAD_CHUNK`` where it tells none (a tmpfs: nothing to read) or a smaller one."""
+    device = os.fstat(fd).st_dev
+    block = f"/sys/dev/block/{os.major(device)}:{os.minor(device)}"
+    for queue in (f"{block}/queue", f"{block}/../queue"):  # (a disk, or a partition of one)
+        try:
+            with open(f"{queue}/read_ahead_kb") as f:
+                return max(READ_AHEAD_CHUNK, int(f.read()) << 10)
+        except (OSError, ValueError):
+            continue
+    return READ_AHEAD_CHUNK
+
+
+def _view(mapped: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int], chunk: int) -> torch.Tensor:
+    """The tensor at ``start`` of ``mapped``, sharing its pages (``_MappedTensor``, whose slices are read ahead
+    ``chunk`` bytes per call; a copy where it is not aligned to its items)."""
     count = 1
     for size in shape:
         count *= size
@@ -195,7 +210,8 @@ def _view(mapped: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int]) -
         data = bytearray(mapped[start:start + count * dtype.itemsize])
         return torch.frombuffer(data, dtype=dtype).reshape(shape)
     tensor = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start).reshape(shape).as_subclass(_MappedTensor)
-    tensor._ckptstream_map, tensor._ckptstream_at, tensor._ckptstream_asked = mapped, start, set()
+    tensor._ckptstream_map, tensor._ckptstream_at, tensor._ckptstream_chunk = mapped, start, chunk
+    tensor._ckptstream_asked = set()
     return tensor
 
 
@@ -212,13 +228,14 @@ class _MappedTensor(torch.Tensor):
         asked = (int(dim), int(start), int(length))
         if asked not in self._ckptstream_asked:  # (vLLM's layer-wise reload narrows each tensor twice)
             self._ckptstream_asked.add(asked)
-            _read_ahead(self._ckptstream_map, self._ckptstream_at + part.data_ptr() - self.data_ptr(), part)
+            _read_ahead(self._ckptstream_map, self._ckptstream_at + part.data_ptr() - self.data_ptr(), part,
+                        self._ckptstream_chunk)
         return part
 
 
-def _read_ahead(mapped: mmap.mmap, at: int, part: torch.Tensor) -> None:
+def _read_ahead(mapped: mmap.mmap, at: int, part: torch.Tensor, chunk: int) -> None:
     """Ask for the pages of ``mapped`` holding ``part`` (a strided view whose first element is at offset ``at``):
-    its contiguous runs, merged where less than ``READ_GAP`` lies between two."""
+    its contiguous runs, merged where less than ``READ_GAP`` lies between two, ``chunk`` bytes per call."""
     if part.numel() == 0:
         return
     run, outer = 1, len(part.shape)  # (the innermost dimensions laid out contiguously make one run)
@@ -234,5 +251,5 @@ def _read_ahead(mapped: mmap.mmap, at: int, part: torch.Tensor) -> None:
     gap = first[1:] > last[:-1] + READ_GAP // mmap.PAGESIZE
     one = torch.ones(1, dtype=torch.bool)
     for begin, end in zip(first[torch.cat([one, gap])].tolist(), last[torch.cat([gap, one])].tolist()):
-        for at in range(begin * mmap.PAGESIZE, (end + 1) * mmap.PAGESIZE, READ_AHEAD_CHUNK):
-            mapped.madvise(mmap.MADV_WILLNEED, at, min(READ_AHEAD_CHUNK, (end + 1) * mmap.PAGESIZE - at))
+        for at in range(begin * mmap.PAGESIZE, (end + 1) * mmap.PAGESIZE, chunk):
+            mapped.madvise(mmap.MADV_WILLNEED, at, min(chunk, (end + 1) * mmap.PAGESIZE - at))
