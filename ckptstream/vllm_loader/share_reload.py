@@ -1,14 +1,14 @@
 """A full reload in which each rank reads only its share of the checkpoint (runs inside a vLLM worker).
 
-vLLM's own ``reload_weights(weights_path=DIR)`` reads every tensor of every file in ``DIR`` whole on every
-rank (safetensors' ``get_tensor`` copies it out of the file) and only then lets the model's weight loaders
-keep the rank's slice: a TP=N engine reads N copies of the model from its nodes' caches. Here the same
-reload gets each tensor as a view of a private memory map of its file instead (``mapped_weights``): vLLM's
-loaders ``narrow`` the checkpoint tensor to the rank's slice and copy that, so only the pages holding the
-slice are ever read — a column-parallel (dim 0) slice is one contiguous range, a row-parallel (dim 1) slice
-a part of each row, a replicated tensor (norms, ...) all of it. The maps are random-access
-(``MADV_RANDOM``): the kernel's read-around would otherwise read the neighbouring rank's pages with each
-fault.
+vLLM's own ``reload_weights(weights_path=DIR)`` hands every tensor of every file in ``DIR`` to the model's
+weight loaders on every rank, and they keep the rank's slice. What a rank reads of the files then is what the
+kernel reads around each page fault of safetensors' maps (the device's read-ahead window, 8 MiB on some
+disks: every file, on every rank), or every file whole up front (vLLM's prefetch on NFS and Lustre). Here the
+same reload gets each tensor as a view of a private memory map of its file (``mapped_weights``) that reads
+nothing around a fault (``MADV_RANDOM``): vLLM's loaders ``narrow`` the checkpoint tensor to the rank's slice
+and copy that, and the narrow asks the kernel for the slice's pages, in large reads (``MADV_WILLNEED``) — a
+column-parallel (dim 0) slice is one contiguous range, a row-parallel (dim 1) slice a part of each row, a
+replicated tensor (norms, ...) is read whole, a page at a time.
 
 Everything else is vLLM's own reload (``Worker.reload_weights`` with a weights iterator: the layer-wise
 reload, ``process_weights_after_loading``, the caches reset after it), and the model's path is repointed at
@@ -16,7 +16,7 @@ reload, ``process_weights_after_loading``, the caches reset after it), and the m
 worker's vLLM cannot take an iterator, or its load format reads something other than safetensors files,
 vLLM's own reload runs (``reload_share`` says which ran).
 
-This module imports torch and vLLM: the worker extension imports it on first use.
+This module imports torch: the worker extension imports it on first use.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from ..errors import IntegrityError
 from ..format import DTYPE_SIZES, INDEX_FILE, MAX_SAFETENSORS_HEADER_BYTES, SAFETENSORS_LENGTH
 
 SHARE, WHOLE = "share", "whole"
-"""What ``reload_share`` answers: this rank read its share through memory maps, or vLLM's own reload ran
-(every file read whole)."""
+"""What ``reload_share`` answers: this rank read its share through memory maps, or vLLM's own reload ran."""
 READ_GAP = 128 << 10
 """Runs of a rank's slice read as one where less than this lies between them (a row-parallel slice's parts of
 rows): reading such a gap from a disk costs less than another request (about a disk's latency times its

@@ -316,9 +316,10 @@ def test_updates_apply_in_place_on_both_nodes_and_one_node_refusing_makes_both_r
 
 
 def test_a_full_reload_reads_each_ranks_share_of_the_files_on_its_node(two_nodes):
-    """vLLM's own reload reads every file whole on every rank; ckptstream's (``share_reload``, what the follower
-    calls) only the pages holding the rank's slices, with the same parameters and outputs as a result. Counted
-    in the page cache of each node's files (``testing.pagecache``: dropped before, counted after)."""
+    """ckptstream's full reload (``share_reload``, what the follower calls) reads only the pages holding the
+    rank's slices, with vLLM's own reload's parameters and outputs as a result (vLLM's reads what the kernel
+    reads around its page faults: every file, on every rank, with this machine's 8 MiB read-ahead window).
+    Counted in the page cache of each node's files (``testing.pagecache``: dropped before, counted after)."""
     nodes, _, _ = two_nodes
     version = nodes.client.hold_served()[0]["version"]
     stream_id = Stream(nodes.url).info().stream_id
@@ -347,5 +348,5 @@ def test_a_full_reload_reads_each_ranks_share_of_the_files_on_its_node(two_nodes
     print(f"full reload of version {version} ({model} B of files per node), bytes read per node (node 0, node 1): "
           f"vLLM's own {whole} in {whole_s:.2f} s, each rank its share {share} in {share_s:.2f} s")
     assert nodes.client.parameter_hashes() == hashes and nodes.outputs() == outputs
-    assert all(read >= 0.95 * model for read in whole)  # (what the count would show for a whole read)
     assert all(read <= 0.75 * model for read in share)
+    assert all(s <= w for s, w in zip(share, whole))  # (whatever the read-ahead window)
