@@ -105,8 +105,8 @@ def mapped_weights(directory: str | os.PathLike[str]) -> Iterator[Iterator[tuple
 
 def checkpoint_files(directory: Path) -> list[Path]:
     """The safetensors files vLLM reads from ``directory``: those its index (``model.safetensors.index.json``)
-    names, all of which must be there, or, without an index, every ``*.safetensors`` file; in vLLM's order
-    (natural sort of the names)."""
+    names, all of which must be there, or, without an index, every ``*.safetensors`` file, one at least; in
+    vLLM's order (natural sort of the names)."""
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: no such checkpoint directory on this node")
     index = directory / INDEX_FILE
@@ -122,6 +122,8 @@ def checkpoint_files(directory: Path) -> list[Path]:
             raise FileNotFoundError(f"weight files its index names but {directory} lacks: {', '.join(missing)}")
     else:
         files = list(directory.glob("*.safetensors"))
+        if not files:  # (as vLLM's reload from a path: loading nothing would leave every layer as it was)
+            raise FileNotFoundError(f"{directory} holds no weight files (*.safetensors) on this node")
     return sorted(files, key=lambda f: [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", f.name)])
 
 

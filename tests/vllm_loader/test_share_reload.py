@@ -40,6 +40,10 @@ def test_the_mapped_tensors_are_the_files_tensors_as_vllm_reads_them(tmp_path):
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"), mapped_weights(tmp_path):
         pass
+    for path in [tmp_path / INDEX_FILE, *tmp_path.glob("*.safetensors")]:
+        path.unlink()
+    with pytest.raises(FileNotFoundError, match="no weight files"), mapped_weights(tmp_path):
+        pass
     with pytest.raises(FileNotFoundError, match="no such checkpoint directory"), mapped_weights(tmp_path / "gone"):
         pass
 
