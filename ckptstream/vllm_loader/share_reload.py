@@ -56,33 +56,48 @@ def reload_share(worker: Any, path: str) -> str:
     """Reload every weight of ``worker``'s model from the complete checkpoint directory ``path`` on its node,
     reading only this rank's share of it where the worker's vLLM allows (``SHARE``), else through vLLM's
     own ``reload_weights`` (``WHOLE``). Raises as vLLM's reload does (the caller reloads a good version)."""
-    if not _takes_mapped_weights(worker):
+    runner_reload = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
+    if (runner_reload is None or "weights_iterator" not in inspect.signature(runner_reload).parameters
+            or not _mappable(worker.vllm_config, worker.model_runner.get_model())):
         worker.reload_weights(weights_path=path, is_checkpoint_format=True)
         return WHOLE
-    model_config = worker.vllm_config.model_config
     with mapped_weights(path) as weights:
-        # As vLLM's reload from a path: the model's path is the directory from now on (ckptstream's cache
-        # report and hold read it), and the revision and weights source of the old one no longer apply.
-        model_config.model = path
-        model_config.model_weights = ""
-        model_config.revision = None
+        _repoint(worker.vllm_config.model_config, path)
         worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     return SHARE
 
 
-def _takes_mapped_weights(worker: Any) -> bool:
-    """Whether ``worker``'s reload can take ``mapped_weights`` for vLLM's reads of a directory: a vLLM whose
-    reload takes a weights iterator (0.32 does), a load format reading safetensors files with vLLM's plain
-    iterator, and a model loading from its primary directory alone."""
-    runner_reload = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
-    if runner_reload is None or "weights_iterator" not in inspect.signature(runner_reload).parameters:
-        return False
-    load_config = worker.vllm_config.load_config
+def reload_model_share(vllm_config: Any, model: torch.nn.Module, path: str) -> str:
+    """``reload_share`` through vLLM's reload function itself (``reload_weights`` of vLLM's
+    ``model_loader.reload``, as ckptstream's weight-transfer engine calls it), for ``model`` of ``vllm_config``."""
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    if not _mappable(vllm_config, model):
+        reload_weights(vllm_config, model, weights_iterator=None, weights_path=path, is_checkpoint_format=True)
+        return WHOLE
+    with mapped_weights(path) as weights:
+        _repoint(vllm_config.model_config, path)
+        reload_weights(vllm_config, model, weights_iterator=weights, weights_path=None, is_checkpoint_format=True)
+    return SHARE
+
+
+def _repoint(model_config: Any, path: str) -> None:
+    """As vLLM's reload from a path: the model's path is the directory from now on (ckptstream's cache report,
+    its hold and the weight-transfer engine read it), and the old one's revision and weights source no longer
+    apply."""
+    model_config.model = path
+    model_config.model_weights = ""
+    model_config.revision = None
+
+
+def _mappable(vllm_config: Any, model: torch.nn.Module) -> bool:
+    """Whether vLLM's reload of ``model`` reads a directory as ``mapped_weights`` does: a load format reading
+    safetensors files with vLLM's plain iterator, and a model loading from its primary directory alone."""
+    load_config = vllm_config.load_config
     if str(load_config.load_format).lower() not in _MAPPED_FORMATS:
         return False
     if getattr(load_config, "safetensors_load_strategy", None) == "torchao":
         return False  # (tensor subclasses rebuilt from several flat tensors)
-    model = worker.model_runner.get_model()
     return not getattr(model, "secondary_weights", ()) and getattr(model, "is_unused_checkpoint_weight", None) is None
 
 
