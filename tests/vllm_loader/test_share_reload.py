@@ -1,8 +1,10 @@
 """The tensors a full reload hands vLLM's loaders (``share_reload.mapped_weights``), without vLLM: what they hold,
-which files, bad files refused, and what a rank's slice reads (the engine itself: test_multinode.py)."""
+which files, bad files refused, and what a rank's slice reads; which reload the client asks a server for (the
+engine itself: test_multinode.py)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import mmap
 
@@ -13,7 +15,10 @@ from safetensors.torch import save_file
 from ckptstream.errors import IntegrityError
 from ckptstream.format import INDEX_FILE
 from ckptstream.testing.pagecache import drop_pages, resident_bytes
+from ckptstream.vllm_loader import VllmClient
 from ckptstream.vllm_loader.share_reload import mapped_weights
+from ckptstream.vllm_loader.worker import RELOAD_METHOD
+from tests.helpers import serving
 
 
 def test_the_mapped_tensors_are_the_files_tensors_as_vllm_reads_them(tmp_path):
@@ -75,3 +80,36 @@ def test_a_ranks_slice_reads_its_pages_only(tmp_path):
         del tensor, half
     drop_pages(files)
     assert resident_bytes(files) == 0, "the map outlived mapped_weights"
+
+
+@pytest.mark.parametrize("extension", [True, False])
+def test_the_client_reloads_through_the_worker_extension_where_the_server_has_it(extension):
+    """A server with ckptstream's worker extension gets ``ckptstream_reload_weights``; one without it (vLLM
+    refuses a method its workers lack) vLLM's own ``reload_weights``, asked for the same directory."""
+    calls = []
+
+    class Server(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            calls.append(body)
+            known = not body["method"].startswith("ckptstream_") or extension
+            answer = json.dumps({"results": [None, None]} if known else {"error": "no such method"}).encode()
+            self.send_response(200 if known else 500)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with serving(Server) as url:
+        client = VllmClient(url)
+        client.reload_weights("/cache/000000000007")
+        client.reload_weights("/cache/000000000008")
+    reloads = [call for call in calls if call["method"] in (RELOAD_METHOD, "reload_weights")]
+    if extension:
+        assert reloads == [{"method": RELOAD_METHOD, "kwargs": {"path": f"/cache/00000000000{v}"}} for v in (7, 8)]
+    else:
+        assert reloads == [{"method": "reload_weights", "kwargs": {"weights_path": f"/cache/00000000000{v}",
+                                                                   "is_checkpoint_format": True}} for v in (7, 8)]
+    assert len(calls) == len(reloads) + 1  # (the extension looked for once per client)
