@@ -321,10 +321,10 @@ def test_a_full_reload_reads_each_ranks_share_of_the_files_on_its_node(two_nodes
     reads around its page faults: every file, on every rank, with this machine's 8 MiB read-ahead window).
     Counted in the page cache of each node's files (``testing.pagecache``: dropped before, counted after)."""
     nodes, _, _ = two_nodes
-    version = nodes.client.hold_served()[0]["version"]
+    version = int(nodes.client.weight_version())  # (the tests above may leave the model's path elsewhere)
     stream_id = Stream(nodes.url).info().stream_id
     versions_dir = str(nodes.cache / stream_id)
-    wait_until(lambda: all(str(version) in r["versions"] for r in nodes.client.cache_report(versions_dir)),
+    wait_until(lambda: all(str(version) in r["versions"] for r in nodes.client.cache_report(versions_dir, version)),
                f"both nodes hold version {version} whole")
     path = nodes.cache / stream_id / version_name(version)  # (the same path on both nodes: each its own files)
     files = [sorted((disk / stream_id / version_name(version)).glob("*.safetensors")) for disk in nodes.disks]
