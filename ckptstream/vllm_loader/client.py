@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from ..errors import AdapterRefused, VllmError, VllmUnreachable
 from ..httpjson import request_json
 from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, HOLD_METHOD, LABEL_METHOD,
-                     REPORT_METHOD, REVERT_METHOD, SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD,
+                     RELOAD_METHOD, REPORT_METHOD, REVERT_METHOD, SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD,
                      TRANSFER_STATUS_METHOD)
 
 
@@ -150,6 +150,7 @@ class VllmClient:
         self.reload_timeout = reload_timeout
         self._model: str | None = None
         self._native_labels: bool | None = None
+        self._extension: bool | None = None
 
     def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
         try:
@@ -276,8 +277,30 @@ class VllmClient:
         if self.is_paused():
             raise VllmError(f"{self.url}/resume answered but the server is still paused")
 
+    def has_extension(self) -> bool:
+        """Whether the server's workers have ckptstream's worker extension (``--worker-extension-cls``), found
+        once per client by a call that reads an attribute (a server without it refuses the method)."""
+        if self._extension is None:
+            try:
+                self._extension_call(LABEL_METHOD, {})
+                self._extension = True
+            except VllmUnreachable:
+                raise
+            except VllmError:
+                self._extension = False
+        return self._extension
+
     def reload_weights(self, path: str) -> None:
-        """``reload_weights`` of a complete checkpoint directory on every worker."""
+        """Reload every weight from the complete checkpoint directory ``path`` on every worker: where the server
+        has ckptstream's worker extension, each rank reads only its share of the files (``share_reload``), else
+        vLLM's own reload runs (``vllm_reload_weights``: every rank reads every file)."""
+        if self.has_extension():
+            self._extension_call(RELOAD_METHOD, {"path": str(path)}, timeout=self.reload_timeout)
+        else:
+            self.vllm_reload_weights(path)
+
+    def vllm_reload_weights(self, path: str) -> None:
+        """vLLM's own ``reload_weights`` of a complete checkpoint directory on every worker."""
         answer = self._request("POST", "/collective_rpc",
                                {"method": "reload_weights",
                                 "kwargs": {"weights_path": str(path), "is_checkpoint_format": True}},

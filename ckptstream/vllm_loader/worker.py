@@ -17,6 +17,8 @@ and answers ``{"results": [one per rank]}``. They are:
   also removes the head's requests there (the load they were for is over);
 - the version label, for vLLM builds without ``/update_weight_version`` (before 0.25): kept by the worker, so
   it is gone when the engine restarts, as vLLM's own label is;
+- the full reload of a version in which each rank reads only its share of the files (``share_reload``,
+  imported on first use: it needs torch and vLLM), where the follower would call vLLM's ``reload_weights``;
 - the in-place apply of a change (``apply.py``, imported on first use: it needs torch): stage it in the
   background while the engine generates, poll until staged, apply it inside the pause; and the hash of every
   runtime parameter, to prove a patched model equal to a full reload.
@@ -43,6 +45,8 @@ TRANSFER_STATUS_METHOD = "ckptstream_weight_transfer_status"
 STAGE_METHOD, STAGED_METHOD, APPLY_METHOD, DISCARD_METHOD, HASHES_METHOD = (
     "ckptstream_stage", "ckptstream_staged", "ckptstream_apply", "ckptstream_discard", "ckptstream_parameter_hashes")
 """The names ``/collective_rpc`` calls for the in-place apply."""
+RELOAD_METHOD = "ckptstream_reload_weights"
+"""The name ``/collective_rpc`` calls for a full reload reading each rank's share (``VllmClient.reload_weights``)."""
 REVERT_METHOD = "ckptstream_revert"
 """The name ``/collective_rpc`` calls to write back what the last apply wrote (``VllmClient.revert_change``)."""
 EXTENSION_CLASS = "ckptstream.vllm_loader.worker.WorkerExtension"
@@ -62,6 +66,14 @@ class WorkerExtension:
     def ckptstream_label(self) -> str:
         """The label of the weights this rank serves (``UNLABELLED`` since the engine started)."""
         return getattr(self, "_ckptstream_label", UNLABELLED)
+
+    def ckptstream_reload_weights(self, path: str) -> str:
+        """vLLM's ``reload_weights`` of the complete checkpoint directory ``path`` on this rank's node, reading
+        only this rank's share of its files where this vLLM allows (``"share"``), else every file whole as
+        vLLM's own does (``"whole"``)."""
+        from .share_reload import reload_share
+
+        return reload_share(self, path)
 
     def ckptstream_stage(self, path: str) -> bool:
         """Start mapping the change file at ``path`` onto this rank's parameters (in a background thread); hold

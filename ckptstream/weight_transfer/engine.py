@@ -328,11 +328,10 @@ class CkptstreamWeightTransferEngine(WeightTransferEngine[CkptstreamInitInfo, Ck
 
     def _reload(self, prepared: _Prepared) -> None:
         """Reload ``prepared`` on every rank; where a rank fails, every rank reloads the served files."""
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+        from ..vllm_loader.share_reload import reload_model_share
 
-        def reload(path: Path) -> None:
-            reload_weights(self.vllm_config, self.model, weights_iterator=None, weights_path=str(path),
-                           is_checkpoint_format=True)
+        def reload(path: Path) -> None:  # (each rank reads its share of the files)
+            reload_model_share(self.vllm_config, self.model, str(path))
 
         try:
             self._agree(lambda: reload(prepared.path), f"version {prepared.version} could not be reloaded")

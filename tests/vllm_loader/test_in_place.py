@@ -50,12 +50,13 @@ class Run:
 
 
     def full_reload_agrees(self, version: int) -> None:
-        """The served (patched) parameters and outputs equal a full reload of ``version`` on the same server."""
+        """The served (patched) parameters and outputs equal vLLM's own full reload of ``version`` on the same
+        server."""
         client = self.server.client
         patched, outputs = client.parameter_hashes(), self.server.outputs()
         path = Stream(self.url).materialize(version, self.root / f"full-{version}", overwrite=True)
         client.pause()
-        client.reload_weights(str(path))
+        client.vllm_reload_weights(str(path))
         client.reset_prefix_cache()
         client.resume()
         assert client.parameter_hashes() == patched

