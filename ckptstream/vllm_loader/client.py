@@ -20,7 +20,8 @@ from typing import Any, Protocol
 from ..errors import AdapterRefused, VllmError, VllmUnreachable
 from ..httpjson import request_json
 from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, HOLD_METHOD, LABEL_METHOD,
-                     RELOAD_METHOD, REPORT_METHOD, REVERT_METHOD, SET_LABEL_METHOD, STAGE_METHOD, STAGED_METHOD,
+                     METHODS_METHOD, RELOAD_METHOD, REPORT_METHOD, REVERT_METHOD, SET_LABEL_METHOD, STAGE_METHOD,
+                     STAGED_METHOD,
                      TRANSFER_STATUS_METHOD)
 
 
@@ -151,6 +152,7 @@ class VllmClient:
         self._model: str | None = None
         self._native_labels: bool | None = None
         self._extension: bool | None = None
+        self._share_reload: bool | None = None
 
     def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
         try:
@@ -290,11 +292,22 @@ class VllmClient:
                 self._extension = False
         return self._extension
 
+    def _has_method(self, method: str) -> bool:
+        """Whether every rank's worker extension has ``method`` (an older ckptstream's lacks the newer ones)."""
+        try:
+            return all(method in (methods or ()) for methods in self._extension_call(METHODS_METHOD, {}))
+        except VllmUnreachable:
+            raise
+        except VllmError:
+            return False
+
     def reload_weights(self, path: str) -> None:
         """Reload every weight from the complete checkpoint directory ``path`` on every worker: where the server
         has ckptstream's worker extension, each rank reads only its share of the files (``share_reload``), else
         vLLM's own reload runs (``vllm_reload_weights``: every rank reads every file)."""
-        if self.has_extension():
+        if self._share_reload is None:  # (an extension of an older ckptstream lacks the method: probed once)
+            self._share_reload = self.has_extension() and self._has_method(RELOAD_METHOD)
+        if self._share_reload:
             self._extension_call(RELOAD_METHOD, {"path": str(path)}, timeout=self.reload_timeout)
         else:
             self.vllm_reload_weights(path)

@@ -58,7 +58,7 @@ def reload_share(worker: Any, path: str) -> str:
     own ``reload_weights`` (``WHOLE``). Raises as vLLM's reload does (the caller reloads a good version)."""
     runner_reload = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
     if (runner_reload is None or "weights_iterator" not in inspect.signature(runner_reload).parameters
-            or not _mappable(worker.vllm_config, worker.model_runner.get_model())):
+            or not _mappable(worker.vllm_config, worker.model_runner.get_model(), path)):
         worker.reload_weights(weights_path=path, is_checkpoint_format=True)
         return WHOLE
     with mapped_weights(path) as weights:
@@ -72,7 +72,7 @@ def reload_model_share(vllm_config: Any, model: torch.nn.Module, path: str) -> s
     ``model_loader.reload``, as ckptstream's weight-transfer engine calls it), for ``model`` of ``vllm_config``."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-    if not _mappable(vllm_config, model):
+    if not _mappable(vllm_config, model, path):
         reload_weights(vllm_config, model, weights_iterator=None, weights_path=path, is_checkpoint_format=True)
         return WHOLE
     with mapped_weights(path) as weights:
@@ -90,9 +90,13 @@ def _repoint(model_config: Any, path: str) -> None:
     model_config.revision = None
 
 
-def _mappable(vllm_config: Any, model: torch.nn.Module) -> bool:
-    """Whether vLLM's reload of ``model`` reads a directory as ``mapped_weights`` does: a load format reading
-    safetensors files with vLLM's plain iterator, and a model loading from its primary directory alone."""
+def _mappable(vllm_config: Any, model: torch.nn.Module, path: str) -> bool:
+    """Whether vLLM's reload of ``model`` from ``path`` reads it as ``mapped_weights`` does: a local directory of
+    safetensors files (not a hub name, nor ``.bin`` files: vLLM's own reload resolves those), a load format reading
+    them with vLLM's plain iterator, and a model loading from its primary directory alone."""
+    directory = Path(path)
+    if not directory.is_dir() or not ((directory / INDEX_FILE).is_file() or any(directory.glob("*.safetensors"))):
+        return False
     load_config = vllm_config.load_config
     if str(load_config.load_format).lower() not in _MAPPED_FORMATS:
         return False
@@ -143,13 +147,22 @@ def checkpoint_files(directory: Path) -> list[Path]:
 
 
 def _tensors(files: list[Path], maps: list[mmap.mmap]) -> Iterator[tuple[str, torch.Tensor]]:
+    # Every file's header is checked and every file mapped before the first tensor is handed over: vLLM's
+    # layer-wise reload keeps what it was given of a layer it did not finish, so a file refused half-way would
+    # leave it holding views of maps closed since.
+    opened = []
     for path in files:
         with open(path, "rb") as f:
             data, tensors = _header(path, f)
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # (private: a write never reaches the file)
+            try:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # (private: no write reaches the file)
+            except OSError as exc:  # (a private map counts against the commit limit)
+                raise OSError(exc.errno, f"mapping {path} for the reload failed: {exc.strerror}") from None
             chunk = _read_ahead_window(f.fileno())
         maps.append(mapped)
         mapped.madvise(mmap.MADV_RANDOM)
+        opened.append((mapped, data, tensors, chunk))
+    for mapped, data, tensors, chunk in opened:
         for name in sorted(tensors):  # (safetensors' order, as vLLM reads them)
             dtype, shape, offset = tensors[name]
             yield name, _view(mapped, data + offset, torch_dtype(dtype), shape, chunk)
@@ -225,7 +238,9 @@ def _view(mapped: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int], c
     if start % dtype.itemsize:
         data = bytearray(mapped[start:start + count * dtype.itemsize])
         return torch.frombuffer(data, dtype=dtype).reshape(shape)
-    tensor = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start).reshape(shape).as_subclass(_MappedTensor)
+    # (through a memoryview: the map cannot be closed while a view of it lives; torch holds the buffer, not the map)
+    tensor = torch.frombuffer(memoryview(mapped), dtype=dtype, count=count, offset=start).reshape(shape).as_subclass(
+        _MappedTensor)
     tensor._ckptstream_map, tensor._ckptstream_at, tensor._ckptstream_chunk = mapped, start, chunk
     tensor._ckptstream_asked = set()
     return tensor

@@ -47,6 +47,8 @@ STAGE_METHOD, STAGED_METHOD, APPLY_METHOD, DISCARD_METHOD, HASHES_METHOD = (
 """The names ``/collective_rpc`` calls for the in-place apply."""
 RELOAD_METHOD = "ckptstream_reload_weights"
 """The name ``/collective_rpc`` calls for a full reload reading each rank's share (``VllmClient.reload_weights``)."""
+METHODS_METHOD = "ckptstream_methods"
+"""The name ``/collective_rpc`` calls for the methods a rank's extension has (an older ckptstream's may lack some)."""
 REVERT_METHOD = "ckptstream_revert"
 """The name ``/collective_rpc`` calls to write back what the last apply wrote (``VllmClient.revert_change``)."""
 EXTENSION_CLASS = "ckptstream.vllm_loader.worker.WorkerExtension"
@@ -66,6 +68,10 @@ class WorkerExtension:
     def ckptstream_label(self) -> str:
         """The label of the weights this rank serves (``UNLABELLED`` since the engine started)."""
         return getattr(self, "_ckptstream_label", UNLABELLED)
+
+    def ckptstream_methods(self) -> list[str]:
+        """The ``ckptstream_*`` methods of this extension."""
+        return sorted(name for name in dir(type(self)) if name.startswith("ckptstream_"))
 
     def ckptstream_reload_weights(self, path: str) -> str:
         """vLLM's ``reload_weights`` of the complete checkpoint directory ``path`` on this rank's node, reading

@@ -48,7 +48,7 @@ def _served(state: dict[str, torch.Tensor]) -> tuple[FusedModel, QuantizedParams
             quantized, scales = _quantize(bf16, unit)
             layer._parameters[weight] = torch.nn.Parameter(quantized, requires_grad=False)
             layer._parameters[f"{weight}_scale"] = torch.nn.Parameter(scales, requires_grad=False)
-            params[f"layers.{i}.{weight}"] = QuantizedParam(f"layers.{i}.{weight}_scale", unit)
+            params[f"layers.{i}.{weight}"] = QuantizedParam(f"layers.{i}.{weight}_scale", unit, SPEC.dtype)
             stand_ins[f"layers.{i}.{weight}"] = lambda shape=tuple(bf16.shape): torch.empty(shape, dtype=SPEC.dtype)
     return model, QuantizedParams(params, stand_ins, quantize=reference_quantize)
 
@@ -158,3 +158,18 @@ def test_a_quantized_parameter_without_a_stand_in_is_not_written_through_its_loa
                                                              SPEC.dtype)})
     problem = applier.plans["model.layers.0.self_attn.q_proj.weight"].problem
     assert problem is not None and "quantized to torch.float8_e4m3fn" in problem
+
+
+def test_a_wider_checkpoint_is_quantized_from_the_served_dtype(tmp_path: Path):
+    """An fp32 stream served in bf16: vLLM casts each value to bf16, then quantizes; so must the apply (a value
+    quantized from fp32 directly can land on the other side of an FP8 rounding boundary)."""
+    base = {n: t.float() for n, t in fused_checkpoint(SPEC).items()}
+    new = {n: t.clone() for n, t in base.items()}
+    generator = torch.Generator().manual_seed(3)
+    for tensor in new.values():  # fp32 steps far below bf16's: most round to the same bf16, some across
+        tensor.add_(torch.randn(tensor.shape, generator=generator) * tensor.abs() * 2 ** -8)
+    model, quantized = _served(base)
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=True))
+    assert staging_problem([staged]) is None, staged
+    assert applier.apply().get("applied")
+    assert _differing(model, _reloaded(new)) == []

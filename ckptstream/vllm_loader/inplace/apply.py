@@ -44,6 +44,7 @@ from ...format import CHECK_MASK, ChangeCheck, Hasher, version_name
 from .quantized import QuantizedParams
 
 _COPY = torch.ops.aten.copy_.default
+_MAP_CHUNK = 1 << 22  # checkpoint elements mapped at a time where whole tensors are (a quantized unit's base)
 
 
 @dataclass(frozen=True)
@@ -272,12 +273,17 @@ def _flat(param: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Write:
-    """Every element of the change written into one parameter: flat storage offsets, old and new values."""
+    """Elements of the change written into one parameter: flat storage offsets (or a range of them: a quantized
+    unit written whole), old and new values."""
 
     param: str
-    index: torch.Tensor
+    index: torch.Tensor | slice
     old: torch.Tensor
     new: torch.Tensor
+
+    @property
+    def elements(self) -> int:
+        return self.old.numel()
 
 
 @dataclass
@@ -320,6 +326,7 @@ class InPlaceApplier:
         self.model = model
         self.device = device
         self.quantized = QuantizedParams.of_model(model, device) if quantized is None else quantized
+        self._base_files: tuple[Path, dict[str, tuple[Path, TensorSpec]]] | None = None  # (the last base read)
         self.plans: dict[str, TensorPlan] = {}
         self._thread: threading.Thread | None = None
         self._result: dict[str, Any] | None = None
@@ -363,12 +370,12 @@ class InPlaceApplier:
             params = dict(self.model.named_parameters(remove_duplicate=False))
             with torch.no_grad():
                 for write in applied:
-                    bit_pattern(_flat(params[write.param])).index_put_((write.index,), bit_pattern(write.old))
+                    bit_pattern(_flat(params[write.param]))[write.index] = bit_pattern(write.old)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
             return {"error": f"{type(exc).__name__}: {exc}"}
-        return {"reverted": sum(w.index.numel() for w in applied)}
+        return {"reverted": sum(w.elements for w in applied)}
 
     def apply(self) -> dict[str, Any]:
         """Write the staged change, after checking every old value: ``{"applied": elements}`` or
@@ -385,14 +392,14 @@ class InPlaceApplier:
                                          for w in writes]).tolist()
                 for write, count in zip(writes, differing):
                     if count:
-                        return {"error": f"{write.param}: {count} of {write.index.numel()} elements differ from "
+                        return {"error": f"{write.param}: {count} of {write.elements} elements differ from "
                                          f"the base version; nothing written"}
             self._applied = writes
             for write in writes:
-                bit_pattern(_flat(params[write.param])).index_put_((write.index,), bit_pattern(write.new))
+                bit_pattern(_flat(params[write.param]))[write.index] = bit_pattern(write.new)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return {"applied": sum(w.index.numel() for w in writes)}
+        return {"applied": sum(w.elements for w in writes)}
 
     def _stage(self, path: str) -> None:
         from safetensors import safe_open
@@ -411,8 +418,8 @@ class InPlaceApplier:
                     if name not in self.plans:
                         unplanned[name] = (tuple(tensor.shape), changed[-1].dtype)
                 self._plan(unplanned)
-                base = (change.metadata() or {}).get("base")  # (a change in a cache: <stream>/.changes/<file>)
-                base_dir = Path(path).parent.parent / version_name(int(base)) if base is not None else None
+                base = str((change.metadata() or {}).get("base"))  # (a change in a cache: <stream>/.changes/<file>)
+                base_dir = Path(path).parent.parent / version_name(int(base)) if base.isdigit() else None
                 result, writes = self._map_all(changed, base_dir)
             if stream is not None:
                 stream.synchronize()
@@ -517,7 +524,7 @@ class InPlaceApplier:
         counts_written = written.tolist()
         coverage = {changed[i].key: [counts_written[i], changed[i].positions.numel()] for i in loaded}
         result: dict[str, Any] = {"unpatchable": unpatchable, "coverage": coverage,
-                                  "elements": sum(w.index.numel() for w in writes)}
+                                  "elements": sum(w.elements for w in writes)}
         if unverifiable:
             result["unverifiable"] = unverifiable
         if changed and changed[0].check is not None:
@@ -539,13 +546,16 @@ class InPlaceApplier:
 
         if base_dir is None or not base_dir.is_dir():
             return "no copy of the base version on this node"
-        files: dict[str, tuple[Path, TensorSpec]] = {}
-        for file in sorted(base_dir.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safetensors handles are not mappings
-                    part = handle.get_slice(name)
-                    files[name] = file, (tuple(part.get_shape()), torch_dtype(part.get_dtype()))
-        self._plan({name: spec for name, (_, spec) in files.items() if name not in self.plans})
+        if self._base_files is None or self._base_files[0] != base_dir:
+            files: dict[str, tuple[Path, TensorSpec]] = {}
+            for file in sorted(base_dir.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 - safetensors handles are not mappings
+                        part = handle.get_slice(name)
+                        files[name] = file, (tuple(part.get_shape()), torch_dtype(part.get_dtype()))
+            self._plan({name: spec for name, (_, spec) in files.items() if name not in self.plans})
+            self._base_files = base_dir, files
+        files = self._base_files[1]
         values, seen = None, torch.zeros(stop - start, dtype=torch.bool, device=self.device)
         for name, plan in self.plans.items():
             for target in plan.targets:
@@ -553,13 +563,15 @@ class InPlaceApplier:
                 if target.param != param or reach < start or target.dst_offset >= stop or name not in files:
                     continue
                 with safe_open(str(files[name][0]), framework="pt") as handle:
-                    tensor = handle.get_tensor(name).to(self.device).reshape(-1)
-                covered, dst = map_positions(target, torch.arange(tensor.numel(), device=self.device))
-                inside = (dst >= start) & (dst < stop)
+                    tensor = handle.get_tensor(name).reshape(-1)
                 if values is None:
                     values = torch.empty(stop - start, dtype=tensor.dtype, device=self.device)
-                values[dst[inside] - start] = tensor[covered][inside]
-                seen[dst[inside] - start] = True
+                for begin in range(0, tensor.numel(), _MAP_CHUNK):  # (bounded temporaries on the device)
+                    end = min(begin + _MAP_CHUNK, tensor.numel())
+                    covered, dst = map_positions(target, torch.arange(begin, end, device=self.device))
+                    inside = (dst >= start) & (dst < stop)
+                    values[dst[inside] - start] = tensor[begin:end].to(self.device)[covered][inside]
+                    seen[dst[inside] - start] = True
         if values is None or not bool(seen.all()):
             return f"the copy of the base version fills {int(seen.sum())} of its {stop - start} elements"
         return values

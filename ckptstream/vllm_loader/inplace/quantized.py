@@ -73,10 +73,11 @@ def vllm_quantize(values: torch.Tensor, scale: torch.Tensor | None = None) -> tu
 @dataclass(frozen=True)
 class QuantizedParam:
     """An FP8 parameter written in place: ``scale``, its scales' parameter (one per unit, offset 0 of its storage),
-    ``unit``, the consecutive storage elements each scale covers."""
+    ``unit``, the consecutive storage elements each scale covers, ``dtype``, the dtype vLLM loads it in."""
 
     scale: str
     unit: int
+    dtype: torch.dtype  # what vLLM loads it as, then quantizes (the checkpoint's values are cast to it first)
 
 
 class QuantizedParams:
@@ -110,7 +111,9 @@ class QuantizedParams:
                 if problem is not None:
                     problems[name] = problem
                     continue
-                params[name] = QuantizedParam(f"{prefix}.{scale}" if prefix else scale, unit)
+                recorded = _recorded(layer, weight)  # (there: ``_layout`` checked it)
+                assert recorded is not None
+                params[name] = QuantizedParam(f"{prefix}.{scale}" if prefix else scale, unit, recorded.dtype)
                 stand_ins[name] = _stand_in_maker(layer, weight)
         return cls(params, stand_ins, problems, vllm_quantize if params else reference_quantize)
 
@@ -124,12 +127,14 @@ class QuantizedParams:
         yield _with_parameters(model, {name: make() for name, make in self.stand_ins.items()})
 
     def writes(self, param: str, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor, held: torch.Tensor,
-               base: BaseValues) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] | str:
+               base: BaseValues) -> list[tuple[str, torch.Tensor | slice, torch.Tensor, torch.Tensor]] | str:
         """The writes that take the quantized ``param`` from the base version to the next one: [(parameter,
-        storage offsets, what it must hold there, what to write)], in the parameters' dtypes, or why none can
-        be made. ``index``: the changed elements' storage offsets (on the device, each once); ``old``/``new``:
-        their checkpoint values; ``held``: the scales the server holds (the scale parameter)."""
+        storage offsets (a range: a unit written whole), what it must hold there, what to write)], in the
+        parameters' dtypes, or why none can be made. ``index``: the changed elements' storage offsets (on the
+        device, each once); ``old``/``new``: their checkpoint values; ``held``: the scales the server holds (the
+        scale parameter)."""
         spec = self.params[param]
+        old, new = old.to(spec.dtype), new.to(spec.dtype)  # (vLLM's loader casts to it before quantizing)
         units = torch.div(index, spec.unit, rounding_mode="floor")
         order = torch.argsort(units, stable=True)
         touched, counts = torch.unique_consecutive(units[order], return_counts=True)
@@ -138,6 +143,7 @@ class QuantizedParams:
         at_max = torch.stack([_reaches_max(q_old) | _reaches_max(q_new) for q_old, q_new in quantized]).tolist() \
             if groups else []
         writes: list[list[torch.Tensor]] = [[], [], []]
+        whole_units: list[tuple[str, torch.Tensor | slice, torch.Tensor, torch.Tensor]] = []
         scales: list[list[torch.Tensor]] = [[], [], []]
         for (unit, offsets, _, values), (q_old, q_new), again in zip(groups, quantized, at_max):
             if not again:
@@ -148,14 +154,16 @@ class QuantizedParams:
             whole = base(param, start, stop)
             if isinstance(whole, str):
                 return f"{param}: the scale of its unit {unit} changes, and its new values are not here ({whole})"
+            whole = whole.to(spec.dtype)
             q_base, s_base = self._bits(whole, None)
-            whole[offsets - start] = values.to(whole.dtype)
+            whole[offsets - start] = values
             q_unit, s_unit = self._bits(whole, None)
-            for part, value in zip(writes, (torch.arange(start, stop, device=index.device), q_base, q_unit)):
-                part.append(value)
+            whole_units.append((param, slice(start, stop), q_base, q_unit))
             for part, value in zip(scales, (torch.tensor([unit], device=index.device), s_base, s_unit)):
                 part.append(value)
-        made = [(param, *(torch.cat(part) for part in writes))] if writes[0] else []
+        made: list[tuple[str, torch.Tensor | slice, torch.Tensor, torch.Tensor]] = whole_units
+        if writes[0]:
+            made.append((param, *(torch.cat(part) for part in writes)))
         return made + ([(spec.scale, *(torch.cat(part) for part in scales))] if scales[0] else [])
 
     def _bits(self, values: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
