@@ -273,7 +273,7 @@ class DeviceSnapshot:
         self._lock = threading.Lock()
         self._resident: dict[str, torch.Tensor] = {}
         self._version: int | None = None  # the version the resident copies hold
-        self._places: dict[str, PieceOf] = {}  # the pieces among them, where each lies in its whole tensor
+        self._places: dict[str, PieceOf | None] = {}  # the last capture's tensors: where each piece lies in its whole
         self._released: threading.Event | None = None  # the last capture's
         self._mirror: dict[str, torch.Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -322,8 +322,8 @@ class DeviceSnapshot:
             if self._released is not None:
                 self._released.wait()  # the back half still reads the resident copies or the pinned block
             previous, old = self._version, self._resident
-            if any(self._places.get(name) != place for name, place in places.items() if name in old):
-                previous = None  # a resident copy holds another box than this version's piece
+            if any(name in self._places and self._places[name] != place for name, place in places.items()):
+                previous = None  # a resident copy (or the mirror) holds another box than this version's piece
             limit = self.max_payload_ratio * sum(t.numel() * t.element_size() for t in old.values())
             resident: dict[str, torch.Tensor] = {}
             captures: list[_TensorCapture] = []
@@ -375,7 +375,7 @@ class DeviceSnapshot:
                 for device, stream in streams.items():
                     torch.cuda.current_stream(device).wait_stream(stream)
             self._resident, self._version = resident, version
-            self._places = {name: place for name, place in places.items() if place is not None}
+            self._places = places
             capture = DeviceCapture(version, previous, declined, captures, ready)
             if not streams and all(item.positions is not None for item in captures):
                 capture.released.set()  # on the CPU the back half reads only the payload, in tensors of its own

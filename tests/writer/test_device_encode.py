@@ -185,12 +185,14 @@ def test_device_snapshot_changes_and_memory_on_cpu():
     assert snapshot.device_memory_bytes == 0 and snapshot.pinned_bytes == 0
 
 
-def test_a_piece_that_moves_is_captured_whole():
-    """A piece lying elsewhere in its whole tensor than the resident copy's (same local shape): no changes
-    against the copy of another box; the version is captured whole, and later versions compare again."""
+@pytest.mark.parametrize("host_compared", [False, True])
+def test_a_piece_that_moves_is_captured_whole(host_compared):
+    """A piece lying elsewhere in its whole tensor than the resident copy's or the mirror's (same local
+    shape): no changes against the copy of another box; the version is captured whole (no previous version:
+    the host encoder takes it), and later versions compare again."""
     from ckptstream.writer.pieces import PieceOf
 
-    snapshot = device_encode.DeviceSnapshot(whole_bytes=0)
+    snapshot = device_encode.DeviceSnapshot(whole_bytes=0, host_compared_ratio=1.0 if host_compared else 0.0)
     top, bottom = PieceOf((8, 4), (0, 0), (4, 4)), PieceOf((8, 4), (4, 0), (4, 4))
     live = torch.zeros(4, 4)
     captures = []
@@ -199,7 +201,7 @@ def test_a_piece_that_moves_is_captured_whole():
             captures.append(snapshot.take({"x": live}, version, None if place is None else {"x": place}))
             snapshot.land(captures[-1], pool).wait()
     assert captures[0].tensors[0].place == top and captures[1].previous == 0
-    assert captures[2].previous is None and captures[2].tensors[0].positions is None
+    assert captures[2].previous is None and (host_compared or captures[2].tensors[0].positions is None)
     assert captures[3].previous == 2
     assert captures[4].previous is None  # a whole tensor now
 
