@@ -350,17 +350,19 @@ class ReadOnlyStorageSuite(StorageSuite):
 
 
 def stored_entries(stream: Any, version: int) -> list[tuple[dict, bytes | None]]:
-    """What ``version`` of ``stream`` (a ``Stream``) stores, tensor by tensor: each manifest entry without its
-    file name (which is unique to the writer) and its stored bytes; equal for two writers that encoded alike."""
+    """What ``version`` of ``stream`` (a ``Stream``) stores, tensor by tensor (a tensor stored in pieces: then
+    piece by piece): each manifest entry without its file name (which is unique to the writer) and its stored
+    bytes; equal for two writers that encoded alike."""
     import dataclasses
 
     from ..format import data_path
 
     out = []
-    for entry in stream.manifest(version).tensors:
-        data = None if entry.file is None else stream.storage.read(data_path(version, entry.file), entry.offset,
-                                                                   entry.offset + entry.length)
-        out.append(({k: v for k, v in dataclasses.asdict(entry).items() if k != "file"}, data))
+    for tensor in stream.manifest(version).tensors:
+        for entry in (tensor, *tensor.pieces):
+            data = None if entry.file is None else stream.storage.read(data_path(version, entry.file), entry.offset,
+                                                                       entry.offset + entry.length)
+            out.append(({k: v for k, v in dataclasses.asdict(entry).items() if k not in ("file", "pieces")}, data))
     return out
 
 

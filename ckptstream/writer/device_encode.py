@@ -44,7 +44,9 @@ from ..errors import PublishError
 from ..format import ENCODING_XOR_ZSTD, ENCODING_ZSTD, LAYOUT_SPARSE, ChangeCheck
 from . import device_kernels
 from .device_kernels import MAX_SPAN_ELEMENTS, ChangeKernels, TorchKernels, TritonKernels, kernels_for
-from .encode import BaseVersion, DeltaEncoder, EncodedTensor, EncodedVersion, Snapshot, assemble_delta
+from .encode import (BaseVersion, DeltaEncoder, EncodedTensor, EncodedVersion, Pieces, Snapshot, assemble_delta,
+                     base_tensor)
+from .pieces import PieceOf
 from .snapshot import NamedTensors, check_tensor
 
 log = logging.getLogger("ckptstream.publish")
@@ -94,6 +96,7 @@ class _TensorCapture:
     values: list[torch.Tensor] = field(default_factory=list)  # XOR values at those positions
     starts: list[int] = field(default_factory=list)  # the spans' first elements
     whole: torch.Tensor | None = None  # or: the tensor's new bytes (integer view), its changes found on landing
+    place: PieceOf | None = None  # where the tensor lies in the whole tensor it is a piece of (its check's positions)
 
     @property
     def nbytes(self) -> int:
@@ -270,6 +273,7 @@ class DeviceSnapshot:
         self._lock = threading.Lock()
         self._resident: dict[str, torch.Tensor] = {}
         self._version: int | None = None  # the version the resident copies hold
+        self._places: dict[str, PieceOf | None] = {}  # the last capture's tensors: where each piece lies in its whole
         self._released: threading.Event | None = None  # the last capture's
         self._mirror: dict[str, torch.Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -295,6 +299,7 @@ class DeviceSnapshot:
         the next capture copies every tensor whole."""
         with self._lock:
             self._resident, self._version, self._mirror, self.landed = {}, None, {}, None
+            self._places = {}
             self._released = None
 
     def clear(self) -> None:
@@ -302,17 +307,23 @@ class DeviceSnapshot:
         self.reset()
         self.ring.clear()
 
-    def take(self, named_tensors: NamedTensors, version: int) -> DeviceCapture:
+    def take(self, named_tensors: NamedTensors, version: int, pieces: Pieces | None = None) -> DeviceCapture:
         """Record ``version`` of the tensors: their changes against the resident copies, which then hold
-        ``version``. Returns once the caller may change the tensors (their later kernels on the current
-        stream are ordered after the capture's reads). Waits for the back half of the previous capture to
-        have read what it needs. Raises as ``SnapshotBuffers.take`` does; after a failure the resident
-        copies are forgotten."""
+        ``version``. ``pieces``: those of the tensors that are pieces of a whole tensor (read once
+        ``named_tensors`` is listed), whose changes' checks are taken at positions in the whole; where one
+        lies elsewhere than in the previous version, every tensor is copied whole (no changes recorded).
+        Returns once the caller may change the tensors (their later kernels on the current stream are
+        ordered after the capture's reads). Waits for the back half of the previous capture to have read
+        what it needs. Raises as ``SnapshotBuffers.take`` does; after a failure the resident copies are
+        forgotten."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        places = {name: (pieces or {}).get(name) for name, _ in items}
         with self._lock:
             if self._released is not None:
                 self._released.wait()  # the back half still reads the resident copies or the pinned block
             previous, old = self._version, self._resident
+            if any(name in self._places and self._places[name] != place for name, place in places.items()):
+                previous = None  # a resident copy (or the mirror) holds another box than this version's piece
             limit = self.max_payload_ratio * sum(t.numel() * t.element_size() for t in old.values())
             resident: dict[str, torch.Tensor] = {}
             captures: list[_TensorCapture] = []
@@ -329,7 +340,8 @@ class DeviceSnapshot:
                         if name in on_host:  # staged whole: its changes are found on landing, fresh or not
                             if live.is_cuda:
                                 self.ring.reserve(0)
-                            capture = _TensorCapture(name, live.dtype, live.shape, None, [], [])
+                            capture = _TensorCapture(name, live.dtype, live.shape, None, [], [],
+                                                     place=places[name])
                             captures.append(capture)
                             compared.append(_Compared(capture, live, [], whole=True))
                             continue
@@ -341,9 +353,11 @@ class DeviceSnapshot:
                             if buffer is None:
                                 buffer = torch.empty_like(live, memory_format=torch.contiguous_format)
                             buffer.copy_(live)
-                            captures.append(_TensorCapture(name, live.dtype, live.shape, buffer))
+                            captures.append(_TensorCapture(name, live.dtype, live.shape, buffer,
+                                                           place=places[name]))
                         else:
-                            capture = _TensorCapture(name, live.dtype, live.shape, buffer, [], [])
+                            capture = _TensorCapture(name, live.dtype, live.shape, buffer, [], [],
+                                                     place=places[name])
                             captures.append(capture)
                             if live.numel() * live.element_size() <= self.whole_bytes:
                                 compared.append(_Compared(capture, live, [], whole=True))
@@ -361,6 +375,7 @@ class DeviceSnapshot:
                 for device, stream in streams.items():
                     torch.cuda.current_stream(device).wait_stream(stream)
             self._resident, self._version = resident, version
+            self._places = places
             capture = DeviceCapture(version, previous, declined, captures, ready)
             if not streams and all(item.positions is not None for item in captures):
                 capture.released.set()  # on the CPU the back half reads only the payload, in tensors of its own
@@ -664,7 +679,9 @@ def _land_tensor(item: _TensorCapture, host: torch.Tensor, prepare: Prepare | No
         return LandedTensor((positions, values), codec.tensor_hash(host))
     # (the mirror holds the new values now: the old ones are them XOR the changes; numpy: no thread pool)
     new = host.view(-1).view(values.dtype).numpy()[positions.numpy()]
-    check = codec.change_check(positions, torch.from_numpy(new ^ values.numpy()), torch.from_numpy(new))
+    place = item.place
+    where = positions if place is None else codec.box_positions(positions, place.shape, place.offsets, place.box)
+    check = codec.change_check(where, torch.from_numpy(new ^ values.numpy()), torch.from_numpy(new))
     return LandedTensor((positions, values), codec.tensor_hash(host), prepare(host, positions, values), check)
 
 
@@ -725,7 +742,9 @@ class DeviceDeltaEncoder:
     (``tensors`` must be that landed version's mirror): every chunk stored as ``codec.encode_xor_chunk``
     stores it for the host encoder, from the sparse layout of each tensor serialized at once
     (``codec.SparseChunks``, built by :meth:`prepare`, given to ``DeviceSnapshot.land``), compressed
-    on ``executor``; a chunk waits only for its own tensor to land.
+    on ``executor``; a chunk waits only for its own tensor to land. A tensor is a delta on the base's
+    tensor that the host encoder takes (``encode.base_tensor``: a piece on the same process's piece of the
+    same box), its check taken as the changes land (a piece's at positions in its whole tensor).
 
     A version whose capture had no previous version (a fresh publisher, or one that failed) is encoded
     by ``fallback``, the host encoder, against the base decoded from the stream. Declines (None) where
@@ -744,7 +763,8 @@ class DeviceDeltaEncoder:
                                   chunk_elements=codec.chunk_elements(itemsize, self.fallback.chunk_bytes),
                                   shuffle=self.fallback.shuffle)
 
-    def encode(self, tensors: Snapshot, base: BaseVersion | None) -> EncodedVersion | None:
+    def encode(self, tensors: Snapshot, base: BaseVersion | None, pieces: Pieces | None = None
+               ) -> EncodedVersion | None:
         landed = self.snapshot.landed
         if base is None or landed is None or landed.declined or [n for n, _ in tensors] != [
                 n for n, _ in landed.mirror] or any(a is not b for (_, a), (_, b) in zip(tensors, landed.mirror)):
@@ -754,17 +774,14 @@ class DeviceDeltaEncoder:
             mirrored = {id(t) for _, t in landed.mirror}
             if any(id(t) in mirrored for t in base.tensors.values()):
                 return None  # the base's tensors were overwritten by this version
-            return self.fallback.encode(tensors, base)
+            return self.fallback.encode(tensors, base, pieces)
         if landed.previous != base.manifest.version or not landed.prepared:
             return None  # (landed without this encoder's sections: the publisher lands so only keyframes)
-        entries = base.manifest.tensor_map()
         chunk_bytes, host = self.fallback.chunk_bytes, self.fallback
         plans: list[EncodedTensor] = []
         tasks: list[tuple[int, int, Callable[[], tuple[bytes, int, str]]]] = []
         for index, (name, tensor) in enumerate(tensors):
-            entry = entries.get(name)
-            in_base = entry is not None and (entry.dtype, entry.shape) == (codec.dtype_name(tensor.dtype),
-                                                                            tuple(tensor.shape))
+            in_base = base_tensor(base, name, tensor) is not None
             if in_base != (name in landed.compared):
                 return None  # the resident copies did not hold the base's tensors
             plans.append(EncodedTensor(name, tensor, ENCODING_XOR_ZSTD if in_base else ENCODING_ZSTD, changed=0))

@@ -64,22 +64,35 @@ class EncodedVersion:
     shuffle: bool = False
 
 
+Pieces = Mapping[str, PieceOf]
+"""The tensors of a snapshot that are pieces of a whole tensor, by name: where each lies in its whole."""
+
+
 class Encoder(Protocol):
     """Encodes a snapshot, or declines (None) where its encoding would not pay."""
 
-    def encode(self, tensors: Snapshot, base: BaseVersion | None) -> EncodedVersion | None:
-        """The encoded version of ``tensors`` (against ``base`` where the encoding uses one)."""
+    def encode(self, tensors: Snapshot, base: BaseVersion | None, pieces: Pieces | None = None
+               ) -> EncodedVersion | None:
+        """The encoded version of ``tensors`` (against ``base`` where the encoding uses one; ``pieces``: those
+        of them that are pieces of a whole tensor, whose change checks are taken at positions in the whole)."""
         ...
 
 
-Pieces = Mapping[str, PieceOf]
-"""The tensors of a snapshot that are pieces of a whole tensor, by name: where each lies in its whole."""
+def base_tensor(base: BaseVersion, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+    """The base's tensor that ``tensor`` is a delta on: the one of the same name, dtype and shape (a piece's
+    base is the same process's piece of the same box: the publisher leaves the others out of ``base``), else
+    None. Shared by the host and the device encoders, so that both write the same encodings."""
+    previous = base.tensors.get(name)
+    if previous is not None and (previous.dtype, previous.shape) != (tensor.dtype, tensor.shape):
+        return None
+    return previous
 
 
 class KeyframeEncoder:
     """Keyframes: every tensor stored raw, as a plain safetensors file holds it."""
 
-    def encode(self, tensors: Snapshot, base: BaseVersion | None = None) -> EncodedVersion:
+    def encode(self, tensors: Snapshot, base: BaseVersion | None = None, pieces: Pieces | None = None
+               ) -> EncodedVersion:
         return EncodedVersion(KEYFRAME, None, [EncodedTensor(name, tensor, ENCODING_RAW) for name, tensor in tensors])
 
 
@@ -107,9 +120,7 @@ class DeltaEncoder:
         plans: list[EncodedTensor] = []
         tasks: list[ChunkTask] = []
         for index, (name, tensor) in enumerate(tensors):
-            previous = base.tensors.get(name)
-            if previous is not None and (previous.dtype, previous.shape) != (tensor.dtype, tensor.shape):
-                previous = None
+            previous = base_tensor(base, name, tensor)
             new_bytes = codec.as_bytes(tensor)
             base_bytes = codec.as_bytes(previous) if previous is not None else None
             plans.append(EncodedTensor(name, tensor, ENCODING_XOR_ZSTD if previous is not None else ENCODING_ZSTD,
@@ -182,15 +193,12 @@ class VersionEncoder:
 
     def try_delta(self, tensors: Snapshot, base: BaseVersion | None, *, force_keyframe: bool = False,
                   pieces: Pieces | None = None) -> EncodedVersion | None:
-        """The delta against ``base``, or None where this version is to be a keyframe. ``pieces`` (tensors
-        that are pieces of a whole) go to the host encoder only (``DeltaEncoder``)."""
+        """The delta against ``base``, or None where this version is to be a keyframe. ``pieces``: the tensors
+        that are pieces of a whole (see ``Encoder.encode``)."""
         if not self.allows_delta(base, force_keyframe=force_keyframe):
             return None
         assert base is not None
-        if pieces:
-            assert isinstance(self.delta, DeltaEncoder), "pieces are encoded on the host"
-            return self.delta.encode(tensors, base, pieces)
-        return self.delta.encode(tensors, base)
+        return self.delta.encode(tensors, base, pieces)
 
     def keyframe(self, tensors: Snapshot) -> EncodedVersion:
         """The keyframe of ``tensors``."""

@@ -359,16 +359,13 @@ class Publisher:
             on_device = self.config.device_delta
             if on_device is None:
                 on_device = first is not None and isinstance(first[1], torch.Tensor) and first[1].is_cuda
-            # The device encoder compares each tensor with the base's whole tensor: pieces (a sharded publish)
-            # go through the host encoder, which writes each piece as a delta on the same rank's piece.
-            on_device = on_device and not job.pieces
             if self.config.freeze_gc or (self.config.freeze_gc is None and on_device):
                 self._heap.hold()
                 if self._closed:  # closed meanwhile: its release has run
                     self._heap.release()
             if on_device:
                 self._snapshots.clear()
-                job.capture = self._device.take(items, job.version)
+                job.capture = self._device.take(items, job.version, job.pieces)  # (filled as items are listed)
             else:
                 self._device.reset()
                 job.tensors = self._snapshots.take(items)

@@ -185,6 +185,27 @@ def test_device_snapshot_changes_and_memory_on_cpu():
     assert snapshot.device_memory_bytes == 0 and snapshot.pinned_bytes == 0
 
 
+@pytest.mark.parametrize("host_compared", [False, True])
+def test_a_piece_that_moves_is_captured_whole(host_compared):
+    """A piece lying elsewhere in its whole tensor than the resident copy's or the mirror's (same local
+    shape): no changes against the copy of another box; the version is captured whole (no previous version:
+    the host encoder takes it), and later versions compare again."""
+    from ckptstream.writer.pieces import PieceOf
+
+    snapshot = device_encode.DeviceSnapshot(whole_bytes=0, host_compared_ratio=1.0 if host_compared else 0.0)
+    top, bottom = PieceOf((8, 4), (0, 0), (4, 4)), PieceOf((8, 4), (4, 0), (4, 4))
+    live = torch.zeros(4, 4)
+    captures = []
+    with ThreadPoolExecutor(1) as pool:
+        for version, place in enumerate([top, top, bottom, bottom, None]):
+            captures.append(snapshot.take({"x": live}, version, None if place is None else {"x": place}))
+            snapshot.land(captures[-1], pool).wait()
+    assert captures[0].tensors[0].place == top and captures[1].previous == 0
+    assert captures[2].previous is None and (host_compared or captures[2].tensors[0].positions is None)
+    assert captures[3].previous == 2
+    assert captures[4].previous is None  # a whole tensor now
+
+
 def test_failed_capture_forgets_the_device_copy_and_the_next_version_is_right(tmp_path, small_spans):
     """A tensor refused in the middle of a capture (after others were recorded): nothing is published, and
     the next version, captured whole again, is encoded against the last committed one."""

@@ -63,9 +63,9 @@ class _CountingEncoder:
         self.inner = inner
         self.calls = 0
 
-    def encode(self, tensors, base) -> EncodedVersion | None:
+    def encode(self, tensors, base, pieces=None) -> EncodedVersion | None:
         self.calls += 1
-        return self.inner.encode(tensors, base)
+        return self.inner.encode(tensors, base, pieces)
 
 
 def test_version_encoder_decides_keyframe_or_delta(pool):

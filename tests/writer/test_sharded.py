@@ -139,6 +139,75 @@ def test_fsdp2_model_published_from_its_shards(world: int, tmp_path: Path) -> No
     assert_same_tensors(load_file(again / "model.safetensors"), load_file(tmp_path / f"full{VERSIONS - 1}.safetensors"))
 
 
+def _device_worker(rank: int, world: int, port: int, url: str, report: str, spans: bool) -> None:
+    """The same sharded versions published twice: through the device encoder (its CPU reference: the same
+    torch code) and through the host encoder, each into its own stream."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from ckptstream.writer import device_encode
+    from ckptstream.writer.distributed import DistributedPublisher
+
+    if spans:  # every tensor compared on the "device" in spans of 50 elements (else: staged whole, compared on
+        # landing); no payload budget (spans this small make the payload outweigh the changes)
+        device_encode.WHOLE_BYTES, device_encode.HOST_COMPARED_RATIO, device_encode.SPAN_BYTES = 0, 0.0, 100
+        device_encode.MAX_PAYLOAD_RATIO = 100.0
+    mesh = _start(rank, world, port)
+    torch.manual_seed(0)
+    model = _TinyLM().to(torch.bfloat16)
+    fully_shard(model, mesh=mesh)
+    extras = _extras(mesh)
+    options = dict(timeout=datetime.timedelta(seconds=60), chunk_bytes=1024, delta_max_ratio=10.0)
+    landed = []
+    with DistributedPublisher(f"{url}-device", device_delta=True, **options) as device, \
+            DistributedPublisher(f"{url}-host", device_delta=False, **options) as host:
+        for version in range(VERSIONS):
+            if version:
+                _step(model, extras, rank, version)
+            state = {**model.state_dict(), **extras}
+            kinds = [publisher.publish_sharded(state, version).result().kind for publisher in (device, host)]
+            assert kinds[0] == kinds[1], (version, kinds)
+            capture = device._publisher._device.landed  # (which changes the device encoder found)
+            landed.append([capture.version, capture.previous, len(capture.compared)])
+            full = {n: (t.full_tensor() if isinstance(t, DTensor) else t).contiguous().clone()
+                    for n, t in state.items()}  # (a collective: on every rank)
+            if rank == 0:
+                save_file(full, str(Path(report, f"full{version}.safetensors")))
+    Path(report, f"rank{rank}.json").write_text(json.dumps(landed))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,spans", [(2, True), (4, False)], ids=["2-spans", "4-whole"])
+def test_pieces_go_through_the_device_encoder(world: int, spans: bool, tmp_path: Path) -> None:
+    """Each rank's pieces through the device encoder: changes found against its own resident copies, each
+    piece a delta on the same rank's piece, with the entries, chunks and change checks (taken at positions
+    in the whole tensor) that the host encoder writes for the same pieces."""
+    from safetensors.torch import load_file
+
+    from ckptstream.testing.storage import stored_entries
+
+    url = str(tmp_path / "stream")
+    assert run_ranks(_device_worker, world, url, str(tmp_path), spans, timeout=300) == [0] * world
+    for rank in range(world):
+        landed = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [v for v, _, _ in landed] == list(range(VERSIONS))
+        assert [p for _, p, _ in landed] == [None] + list(range(VERSIONS - 1))  # deltas from the device's changes
+        assert all(compared > 0 for _, _, compared in landed[1:])
+    device, host = Stream(f"{url}-device"), Stream(f"{url}-host")
+    assert [device.manifest(v).kind for v in range(VERSIONS)] == ["keyframe"] + ["delta"] * (VERSIONS - 1)
+    for version in range(VERSIONS):
+        assert stored_entries(device, version) == stored_entries(host, version), f"version {version}"
+        assert_same_tensors(dict(device.iter_tensors(version)), load_file(tmp_path / f"full{version}.safetensors"))
+    last = device.manifest(VERSIONS - 1)
+    pieces = [p for t in last.tensors if t.encoding == ENCODING_PIECES for p in t.pieces]
+    assert len({p.file for p in pieces}) == world and {p.encoding for p in pieces} <= {"xor-zstd", "unchanged"}
+    assert all(p.check is not None and p.check.count == p.changed for p in pieces if p.encoding == "xor-zstd")
+    assert any(p.offsets[0] for p in pieces)  # (checks at positions in the whole tensor: some pieces start inside it)
+    device.verify(VERSIONS - 1)
+
+
 def _failing_worker(rank: int, world: int, port: int, url: str, report: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Shard
