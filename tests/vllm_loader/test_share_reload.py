@@ -17,7 +17,7 @@ from ckptstream.format import INDEX_FILE
 from ckptstream.testing.pagecache import drop_pages, resident_bytes
 from ckptstream.vllm_loader import VllmClient
 from ckptstream.vllm_loader.share_reload import mapped_weights
-from ckptstream.vllm_loader.worker import RELOAD_METHOD
+from ckptstream.vllm_loader.worker import METHODS_METHOD, RELOAD_METHOD
 from tests.helpers import serving
 
 
@@ -63,6 +63,15 @@ def test_a_file_that_lies_about_its_tensors_is_refused(tmp_path):
         next(weights)
 
 
+def test_a_bad_file_is_refused_before_any_tensor_is_handed_over(tmp_path):
+    """vLLM's layer-wise reload keeps what it was given of a layer it did not finish: a file refused after the
+    first tensors were handed over would leave it views of maps closed since."""
+    save_file({"a": torch.ones(4, 4)}, tmp_path / "model-00001-of-00002.safetensors")
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"\x08" + bytes(7) + b"not json")
+    with mapped_weights(tmp_path) as weights, pytest.raises(IntegrityError, match="model-00002-of-00002"):
+        next(weights)
+
+
 def test_a_ranks_slice_reads_its_pages_only(tmp_path):
     rows, columns = 512, 4096  # (a row of 8 KiB: half a row is a page or two)
     save_file({"w": torch.ones(rows, columns, dtype=torch.bfloat16)}, tmp_path / "model.safetensors")
@@ -82,18 +91,22 @@ def test_a_ranks_slice_reads_its_pages_only(tmp_path):
     assert resident_bytes(files) == 0, "the map outlived mapped_weights"
 
 
-@pytest.mark.parametrize("extension", [True, False])
+@pytest.mark.parametrize("extension", ["none", "older", "current"])
 def test_the_client_reloads_through_the_worker_extension_where_the_server_has_it(extension):
     """A server with ckptstream's worker extension gets ``ckptstream_reload_weights``; one without it (vLLM
-    refuses a method its workers lack) vLLM's own ``reload_weights``, asked for the same directory."""
+    refuses a method its workers lack), or with an older ckptstream's that lacks the method, vLLM's own
+    ``reload_weights``, asked for the same directory."""
     calls = []
+    methods = {"none": [], "older": ["ckptstream_label"], "current": ["ckptstream_label", METHODS_METHOD,
+                                                                    RELOAD_METHOD]}[extension]
 
     class Server(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             calls.append(body)
-            known = not body["method"].startswith("ckptstream_") or extension
-            answer = json.dumps({"results": [None, None]} if known else {"error": "no such method"}).encode()
+            known = not body["method"].startswith("ckptstream_") or body["method"] in methods
+            result = methods if body["method"] == METHODS_METHOD else None
+            answer = json.dumps({"results": [result, result]} if known else {"error": "no such method"}).encode()
             self.send_response(200 if known else 500)
             self.send_header("Content-Length", str(len(answer)))
             self.end_headers()
@@ -107,9 +120,10 @@ def test_the_client_reloads_through_the_worker_extension_where_the_server_has_it
         client.reload_weights("/cache/000000000007")
         client.reload_weights("/cache/000000000008")
     reloads = [call for call in calls if call["method"] in (RELOAD_METHOD, "reload_weights")]
-    if extension:
+    if extension == "current":
         assert reloads == [{"method": RELOAD_METHOD, "kwargs": {"path": f"/cache/00000000000{v}"}} for v in (7, 8)]
     else:
         assert reloads == [{"method": "reload_weights", "kwargs": {"weights_path": f"/cache/00000000000{v}",
                                                                    "is_checkpoint_format": True}} for v in (7, 8)]
-    assert len(calls) == len(reloads) + 1  # (the extension looked for once per client)
+    probes = len(calls) - len(reloads)  # (looked for once per client: the extension, then the method)
+    assert probes == (1 if extension == "none" else 2)
