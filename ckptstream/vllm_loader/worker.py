@@ -107,9 +107,17 @@ class WorkerExtension:
 
     def ckptstream_parameter_hashes(self) -> dict[str, str]:
         """xxh3-128 of every runtime parameter of this rank, by name."""
-        from .inplace.apply import parameter_hashes
+        import torch
 
-        return parameter_hashes(self.model_runner.get_model())
+        from ..format import Hasher
+
+        hashes = {}
+        for name, param in self.model_runner.get_model().named_parameters():
+            hasher = Hasher()  # (xxh3-128 of its bytes, on the host)
+            data = param.detach().reshape(-1).contiguous().cpu()
+            hasher.update(memoryview(data.view(torch.uint8).numpy()) if data.numel() else b"")
+            hashes[name] = hasher.digest()
+        return hashes
 
     def ckptstream_weight_transfer_status(self) -> dict[str, Any] | None:
         """The last update of this rank's ckptstream weight-transfer engine (``version``, ``mode``:

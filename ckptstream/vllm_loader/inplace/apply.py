@@ -40,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms, check_total
-from ...format import CHECK_MASK, ChangeCheck, Hasher, version_name
+from ...format import CHECK_MASK, ChangeCheck, version_name
 from .quantized import QuantizedParams
 
 _COPY = torch.ops.aten.copy_.default
@@ -588,14 +588,3 @@ def _holds_exactly(runtime: torch.dtype, checkpoint: torch.dtype) -> bool:
     wide, narrow = torch.finfo(runtime), torch.finfo(checkpoint)
     return (wide.bits > narrow.bits and wide.eps <= narrow.eps and wide.max >= narrow.max
             and wide.smallest_normal <= narrow.smallest_normal)
-
-
-def parameter_hashes(model: torch.nn.Module) -> dict[str, str]:
-    """xxh3-128 of every runtime parameter's bytes (on the host), by name."""
-    hashes = {}
-    for name, param in model.named_parameters():
-        hasher = Hasher()
-        data = param.detach().reshape(-1).contiguous().cpu()
-        hasher.update(memoryview(data.view(torch.uint8).numpy()) if data.numel() else b"")
-        hashes[name] = hasher.digest()
-    return hashes
