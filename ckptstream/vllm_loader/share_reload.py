@@ -91,9 +91,12 @@ def _repoint(model_config: Any, path: str) -> None:
 
 
 def _mappable(vllm_config: Any, model: torch.nn.Module, path: str) -> bool:
-    """Whether vLLM's reload of ``model`` from ``path`` reads it as ``mapped_weights`` does: a local directory of
-    safetensors files (not a hub name, nor ``.bin`` files: vLLM's own reload resolves those), a load format reading
-    them with vLLM's plain iterator, and a model loading from its primary directory alone."""
+    """Whether vLLM's reload of ``model`` from ``path`` is taken with ``mapped_weights``: an engine of several ranks
+    (a single rank reads every slice anyway), a local directory of safetensors files (not a hub name, nor ``.bin``
+    files: vLLM's own reload resolves those), a load format reading them with vLLM's plain iterator, and a model
+    loading from its primary directory alone."""
+    if getattr(vllm_config.parallel_config, "world_size", 1) <= 1:
+        return False  # (one rank's share is the whole model: vLLM's own reload reads no more)
     directory = Path(path)
     if not directory.is_dir() or not ((directory / INDEX_FILE).is_file() or any(directory.glob("*.safetensors"))):
         return False
