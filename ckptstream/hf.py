@@ -49,12 +49,18 @@ def iter_hf_weights(directory: str | os.PathLike[str]) -> Iterator[tuple[str, to
 def tensor_specs(directory: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Name -> (safetensors dtype, shape) of every tensor in a model directory, from the file headers
     only (no tensor data is read)."""
+    return {name: (dtype, shape) for name, (_, dtype, shape) in tensor_files(directory).items()}
+
+
+def tensor_files(directory: str | os.PathLike[str]) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """Name -> (the safetensors file holding it, its dtype, its shape) of every tensor in a model directory, from
+    the file headers only."""
     from safetensors import safe_open
 
-    specs = {}
+    files = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 piece = f.get_slice(name)
-                specs[name] = (piece.get_dtype(), tuple(piece.get_shape()))
-    return specs
+                files[name] = (path, piece.get_dtype(), tuple(piece.get_shape()))
+    return files

@@ -326,7 +326,7 @@ class InPlaceApplier:
         self.model = model
         self.device = device
         self.quantized = QuantizedParams.of_model(model, device) if quantized is None else quantized
-        self._base_files: tuple[Path, dict[str, tuple[Path, TensorSpec]]] | None = None  # (the last base read)
+        self._base_files: tuple[Path, dict[str, Path]] | None = None  # (the last base read: tensor -> its file)
         self.plans: dict[str, TensorPlan] = {}
         self._thread: threading.Thread | None = None
         self._result: dict[str, Any] | None = None
@@ -536,25 +536,21 @@ class InPlaceApplier:
                 for i in loaded if changed[i].check is not None}
         return result, writes
 
-
     def _base_values(self, base_dir: Path | None, param: str, start: int, stop: int) -> torch.Tensor | str:
         """The checkpoint values of ``base_dir`` (a version's copy) that ``param``'s storage offsets [start, stop)
         load, on the device (every checkpoint tensor of the copy planned first), or why not."""
         from safetensors import safe_open
 
         from ...codec import torch_dtype
+        from ...hf import tensor_files
 
         if base_dir is None or not base_dir.is_dir():
             return "no copy of the base version on this node"
         if self._base_files is None or self._base_files[0] != base_dir:
-            files: dict[str, tuple[Path, TensorSpec]] = {}
-            for file in sorted(base_dir.glob("*.safetensors")):
-                with safe_open(str(file), framework="pt") as handle:
-                    for name in handle.keys():  # noqa: SIM118 - safetensors handles are not mappings
-                        part = handle.get_slice(name)
-                        files[name] = file, (tuple(part.get_shape()), torch_dtype(part.get_dtype()))
-            self._plan({name: spec for name, (_, spec) in files.items() if name not in self.plans})
-            self._base_files = base_dir, files
+            found = tensor_files(base_dir)
+            self._plan({name: (shape, torch_dtype(dtype)) for name, (_, dtype, shape) in found.items()
+                        if name not in self.plans})
+            self._base_files = base_dir, {name: path for name, (path, _, _) in found.items()}
         files = self._base_files[1]
         values, seen = None, torch.zeros(stop - start, dtype=torch.bool, device=self.device)
         for name, plan in self.plans.items():
@@ -562,7 +558,7 @@ class InPlaceApplier:
                 reach = target.dst_offset + sum((n - 1) * s for n, s in zip(target.sizes, target.dst_strides))
                 if target.param != param or reach < start or target.dst_offset >= stop or name not in files:
                     continue
-                with safe_open(str(files[name][0]), framework="pt") as handle:
+                with safe_open(str(files[name]), framework="pt") as handle:
                     tensor = handle.get_tensor(name).reshape(-1)
                 if values is None:
                     values = torch.empty(stop - start, dtype=tensor.dtype, device=self.device)
