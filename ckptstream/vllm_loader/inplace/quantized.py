@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+
+log = logging.getLogger("ckptstream.inplace")
 
 FP8_MAX = 448.0
 """float8_e4m3fn's largest value: a unit's scale is its absolute maximum over it."""
@@ -81,20 +84,20 @@ class QuantizedParam:
 
 
 class QuantizedParams:
-    """A model's FP8 parameters: each written in place (``params``, traced through its bf16 stand-in) or not, and
-    why (``problems``). None at all on a model vLLM did not quantize as it loaded it."""
+    """A model's FP8 parameters written in place (``params``), each traced through its bf16 stand-in. None at all
+    on a model vLLM did not quantize as it loaded it."""
 
     def __init__(self, params: dict[str, QuantizedParam] | None = None,
                  stand_ins: dict[str, Callable[[], torch.Tensor]] | None = None,
-                 problems: dict[str, str] | None = None, quantize: Quantize = reference_quantize):
+                 quantize: Quantize = reference_quantize):
         self.params = params or {}
         self.stand_ins = stand_ins or {}  # parameter -> makes its bf16 stand-in
-        self.problems = problems or {}
         self.quantize = quantize
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, device: torch.device) -> QuantizedParams:
-        """vLLM's online FP8 parameters of ``model``, found by their layers' quantization methods."""
+        """vLLM's online FP8 parameters of ``model``, found by their layers' quantization methods; those not written
+        in place are logged once, with the reason (their loaders then refuse the trace: full reloads)."""
         params, stand_ins, problems = {}, {}, {}
         for prefix, layer in model.named_modules():
             method = getattr(layer, "quant_method", None)
@@ -115,7 +118,11 @@ class QuantizedParams:
                 assert recorded is not None
                 params[name] = QuantizedParam(f"{prefix}.{scale}" if prefix else scale, unit, recorded.dtype)
                 stand_ins[name] = _stand_in_maker(layer, weight)
-        return cls(params, stand_ins, problems, vllm_quantize if params else reference_quantize)
+        if problems:
+            name, why = next(iter(sorted(problems.items())))
+            log.warning("%d FP8 parameter(s) quantized by vLLM on loading are not written in place (changes to them "
+                        "reload fully), e.g. %s: %s", len(problems), name, why)
+        return cls(params, stand_ins, vllm_quantize if params else reference_quantize)
 
     @contextlib.contextmanager
     def tracing(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
