@@ -617,6 +617,53 @@ def changes_since(files: DataFiles, manifests: Callable[[int], Manifest], target
     return _fold(found, entry.itemsize)
 
 
+def sparse_delta(entry: TensorEntry) -> bool:
+    """Whether ``entry`` is a delta entry whose every chunk is ``sparse`` (what ``changes_of_sparse`` takes)."""
+    return (entry.encoding == ENCODING_XOR_ZSTD and bool(entry.chunks)
+            and all(layout == LAYOUT_SPARSE for _, _, layout in entry.chunks))
+
+
+def changes_of_sparse(files: DataFiles, manifest: Manifest, entries: list[TensorEntry],
+                      budget: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``changes_since`` of several ``entries`` of the delta ``manifest`` on its own base, each a ``sparse_delta``
+    of one item size and byte order, decoded together: their chunks are decoded as one tensor's, at the place
+    each would have if the tensors were laid end to end, then split. What is done once per tensor otherwise
+    (a dozen small ops, each taking the GIL from the other decoding threads) is done once per batch: the
+    change of a model of many small tensors (one per expert) costs what its changed elements cost.
+
+    Raises:
+        TooManyChanges: their changes outgrow ``budget`` bytes together.
+        IntegrityError: a chunk cannot be decoded (naming its tensor), a stored hash differs.
+    """
+    itemsize, shuffle = entries[0].itemsize, entries[0].shuffle
+    assert all(sparse_delta(e) and e.itemsize == itemsize and e.shuffle == shuffle for e in entries)
+    chunks: list[tuple[int, int, memoryview]] = []
+    placed: list[tuple[TensorEntry, int]] = []  # per chunk: its tensor and its first byte in it
+    firsts = [0]  # per tensor: its first element laid end to end
+    for entry in entries:
+        view = codec.buffer_of(files.read(manifest, entry))
+        raw_pos = stored_pos = 0
+        for raw_len, stored_len, _ in entry.chunks:
+            chunks.append((firsts[-1] * itemsize + raw_pos, raw_len, view[stored_pos:stored_pos + stored_len]))
+            placed.append((entry, raw_pos))
+            raw_pos += raw_len
+            stored_pos += stored_len
+        firsts.append(firsts[-1] + entry.numel)
+    try:
+        positions, values = codec.sparse_changes(chunks, itemsize, shuffle)
+    except codec.ChunkError as exc:
+        entry, raw_pos = placed[exc.index]
+        raise _chunk_error(manifest, entry, raw_pos, exc) from None
+    if positions.numel() * (8 + itemsize) > budget:
+        raise TooManyChanges
+    kept = values != 0  # (as _fold: a zero "change" changes nothing)
+    if not bool(kept.all()):
+        positions, values = positions[kept], values[kept]
+    bounds = torch.searchsorted(positions, torch.tensor(firsts)).tolist()
+    return [(positions[lo:hi].sub_(first), values[lo:hi])
+            for lo, hi, first in zip(bounds, bounds[1:], firsts)]
+
+
 def _fold(found: list[tuple[torch.Tensor, torch.Tensor]], itemsize: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The changes of several deltas of one tensor (each ascending positions, XOR values) as one: ascending
     positions, values XORed together where they meet, elements changed back dropped."""

@@ -26,8 +26,8 @@ from ..storage.kept import KeptReads
 from ..storage.readahead import ChunkedReads
 from ..storage.timing import TimedReads
 from .adapter import check_adapter_tensors, kind_error
-from .decode import (BufferPool, Writer, changes_since, decode_order, decode_tensor, decode_tensor_to, load_checked,
-                     plan_tensor)
+from .decode import (BufferPool, Writer, changes_of_sparse, changes_since, decode_order, decode_tensor,
+                     decode_tensor_to, load_checked, plan_tensor, sparse_delta)
 from .files import DataFiles
 from .leases import DEFAULT_LEASE_TTL, check_lease_ttl, hold_lease
 from .materialize import MaterializedBase, build_directory, write_directory
@@ -35,6 +35,10 @@ from .probe import probe_versions
 from .replicas import KIND_FOLLOWER, NOT_SERVING_STATES, ReplicaRecord, read_replicas
 
 DEFAULT_INFLIGHT_BYTES = 1 << 30
+CHANGES_BATCH_BYTES = 2 << 20
+"""Stored bytes of sparse deltas of consecutive tensors whose changes are read as one batch
+(``decode.changes_of_sparse``): enough tensors (a few hundred experts' at 1 % changed) to make the per-tensor
+cost vanish, batches enough for every reading thread."""
 MANIFEST_CACHE_SIZE = 64
 """Parsed manifests a ``Stream`` keeps (least recently used go first): long-lived followers and
 publishers of streams with thousands of versions hold a bounded number."""
@@ -412,15 +416,20 @@ class Stream:
         if workers is None and not self.storage.is_posix:
             workers = max(default_workers(), MAX_CONCURRENT_READS)  # (as _decode: waiting on ranged reads)
 
-        def changes(entry: TensorEntry) -> R:
-            found = changes_since(self._files, chain.__getitem__, target, entry, base, max_tensor_bytes)
-            assert found is not None  # (every step is a delta: checked above)
-            return sink(entry, *found)
+        def changes(group: list[TensorEntry]) -> list[R]:
+            if len(group) > 1 or sparse_delta(group[0]) and target.base_version == base:
+                found = changes_of_sparse(self._files, target, group, max_tensor_bytes)
+                return [sink(entry, *one) for entry, one in zip(group, found)]
+            found_one = changes_since(self._files, chain.__getitem__, target, group[0], base, max_tensor_bytes)
+            assert found_one is not None  # (every step is a delta: checked above)
+            return [sink(group[0], *found_one)]
 
         # In flight: each tensor's stored delta and what its sink holds (positions and two values per change).
-        return ordered_parallel(target.tensors, changes, lambda e: sum(s.length for s in e.stored_entries)
-                                + (e.changed or 0) * (8 + 2 * e.itemsize),
-                                max_cost=DEFAULT_INFLIGHT_BYTES, workers=workers)
+        groups = ordered_parallel(_sparse_batches(target.tensors, one_step=target.base_version == base), changes,
+                                  lambda group: sum(sum(s.length for s in e.stored_entries)
+                                                    + (e.changed or 0) * (8 + 2 * e.itemsize) for e in group),
+                                  max_cost=DEFAULT_INFLIGHT_BYTES, workers=workers)
+        return (result for group in groups for result in group)
 
     def read_tensor(self, version: int, name: str) -> torch.Tensor:
         """One tensor of a version, decoded and checked (TensorNotFoundError, a KeyError, if it lacks it)."""
@@ -616,3 +625,25 @@ def _declines(record: ReplicaRecord, version: int, resident: bool = False) -> st
             return f"holds versions {record.resident} and loads only newer ones"
     reason = record.refused.get(str(version))
     return None if reason is None else f"refused it: {reason}"
+
+
+def _sparse_batches(entries: Iterable[TensorEntry], *, one_step: bool) -> Iterator[list[TensorEntry]]:
+    """``entries`` in order, in lists: consecutive ``sparse_delta`` ones of one item size and byte order together
+    (up to ``CHANGES_BATCH_BYTES`` stored) where the delta is on the base itself (``one_step``), every other alone."""
+    batch: list[TensorEntry] = []
+    stored = 0
+    for entry in entries:
+        if not (one_step and sparse_delta(entry)):
+            if batch:
+                yield batch
+            batch, stored = [], 0
+            yield [entry]
+            continue
+        if batch and (stored >= CHANGES_BATCH_BYTES or (entry.itemsize, entry.shuffle) !=
+                      (batch[0].itemsize, batch[0].shuffle)):
+            yield batch
+            batch, stored = [], 0
+        batch.append(entry)
+        stored += entry.length
+    if batch:
+        yield batch

@@ -20,9 +20,8 @@ from typing import Any, Protocol
 from ..errors import AdapterRefused, VllmError, VllmUnreachable
 from ..httpjson import request_json
 from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, HOLD_METHOD, LABEL_METHOD,
-                     METHODS_METHOD, RELOAD_METHOD, REPORT_METHOD, REVERT_METHOD, SET_LABEL_METHOD, STAGE_METHOD,
-                     STAGED_METHOD,
-                     TRANSFER_STATUS_METHOD)
+                     METHODS_METHOD, PREPARE_METHOD, RELOAD_METHOD, REPORT_METHOD, REVERT_METHOD, SET_LABEL_METHOD,
+                     STAGE_METHOD, STAGED_METHOD, TRANSFER_STATUS_METHOD)
 
 
 CANARY_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 7, 5, 3], [11] * 12)
@@ -72,6 +71,10 @@ class VllmControl(Protocol):
 
     def check_weight_version(self, version: str) -> None:
         """Raise unless ``weight_version()`` is ``version``."""
+
+    def prepare_in_place(self, path: str) -> None:
+        """Have every worker trace the weight loaders of the checkpoint directory ``path`` in the background while
+        the engine generates, so that the first change stages without it (nothing where it cannot)."""
 
     def stage_change(self, path: str) -> list[dict[str, Any]]:
         """Have every worker map the change file ``path`` onto its parameters while the engine generates;
@@ -368,6 +371,10 @@ class VllmClient:
         if not all(isinstance(r, dict) for r in results):
             raise VllmError(f"{self.url}/collective_rpc {HOLD_METHOD} answered {str(results)[:300]}")
         return results
+
+    def prepare_in_place(self, path: str) -> None:
+        if self.has_extension() and self._has_method(PREPARE_METHOD):  # (an older extension lacks it)
+            self._extension_call(PREPARE_METHOD, {"path": str(path)})
 
     def stage_change(self, path: str, poll_interval: float = 0.02) -> list[dict[str, Any]]:
         """Stage the change in the background on every rank, then poll (each poll a short RPC, so the engine

@@ -51,6 +51,9 @@ METHODS_METHOD = "ckptstream_methods"
 """The name ``/collective_rpc`` calls for the methods a rank's extension has (an older ckptstream's may lack some)."""
 REVERT_METHOD = "ckptstream_revert"
 """The name ``/collective_rpc`` calls to write back what the last apply wrote (``VllmClient.revert_change``)."""
+PREPARE_METHOD = "ckptstream_prepare"
+"""The name ``/collective_rpc`` calls to trace the loaders before the first change (``VllmClient.prepare_in_place``)."""
+"""The name ``/collective_rpc`` calls to write back what the last apply wrote (``VllmClient.revert_change``)."""
 EXTENSION_CLASS = "ckptstream.vllm_loader.worker.WorkerExtension"
 """What ``serve`` passes vLLM as ``--worker-extension-cls``."""
 UNLABELLED = "default"
@@ -80,6 +83,12 @@ class WorkerExtension:
         from .share_reload import reload_share
 
         return reload_share(self, path)
+
+    def ckptstream_prepare(self, path: str) -> bool:
+        """Start tracing the weight loaders of every tensor of the checkpoint directory ``path`` on this rank's
+        node (in a background thread), so that the first change stages without it."""
+        _applier(self).prepare(path)
+        return True
 
     def ckptstream_stage(self, path: str) -> bool:
         """Start mapping the change file at ``path`` onto this rank's parameters (in a background thread); hold

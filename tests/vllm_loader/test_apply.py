@@ -15,7 +15,8 @@ from ckptstream.codec import bit_pattern
 from ckptstream.format import MARKER_FILE
 from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint
 from ckptstream.testing.models import rl_like_step
-from ckptstream.vllm_loader.inplace.apply import InPlaceApplier, plan_tensor, plan_tensors
+from ckptstream.vllm_loader.inplace.apply import InPlaceApplier
+from ckptstream.vllm_loader.inplace.trace import plan_tensor, plan_tensors
 from ckptstream.vllm_loader.inplace.checks import staging_problem
 from ckptstream.vllm_loader.inplace.change import write_change
 
@@ -71,6 +72,34 @@ def test_a_change_to_every_expert_equals_a_full_load(tmp_path):
     model = _loaded(base)
     answer = _stage_and_apply(model, _change(base, new, tmp_path / "change.safetensors"))
     assert answer.get("applied"), answer
+    assert _same_parameters(model, _loaded(new)) == []
+
+
+def test_loaders_traced_before_the_first_change_leave_it_nothing_to_trace(tmp_path, monkeypatch):
+    """``prepare`` plans every tensor of the served directory in the background; the first change then stages
+    on those plans (no trace of its own) and equals a full load."""
+    from safetensors.torch import save_file
+
+    from ckptstream.vllm_loader.inplace import apply
+
+    base = fused_checkpoint(SPEC)
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(2))
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    served = tmp_path / "served"
+    served.mkdir()
+    save_file({n: t.contiguous() for n, t in base.items() if n != "lm_head.weight"}, str(served / "model.safetensors"))
+    model = _loaded(base)
+    applier = InPlaceApplier(model, torch.device("cpu"))
+    traced: list[int] = []
+    real_plan = apply.plan_tensors
+    monkeypatch.setattr(apply, "plan_tensors", lambda m, specs: traced.append(len(specs)) or real_plan(m, specs))
+    applier.prepare(str(served))
+    applier.stage(str(_change(base, new, tmp_path / "change.safetensors")))
+    staged = applier.staged(wait=True)
+    assert staged is not None and not staged.get("error") and staging_problem([staged]) is None, staged
+    assert traced[0] == len(base) - 1 and sum(traced[1:]) <= 1  # (lm_head: tied, not in the directory)
+    assert applier.apply().get("applied")
     assert _same_parameters(model, _loaded(new)) == []
 
 

@@ -118,6 +118,36 @@ def test_no_change_from_the_deltas_across_a_keyframe_or_beyond_the_limit(tmp_pat
     assert across.problem == UNCHECKED and not out.exists()  # the caller falls back as before
 
 
+def test_the_changes_of_many_small_tensors_read_in_batches_equal_each_tensors_own(tmp_path):
+    """A one-step delta of many small tensors (a MoE model's experts) is read in batches of tensors
+    (``decode.changes_of_sparse``): positions and XOR values equal each tensor's read alone, bit for bit, with
+    tensors of other item sizes, unchanged and densely changed ones between them."""
+    from ckptstream.reader import decode
+
+    generator = torch.Generator().manual_seed(3)
+    state = {f"experts.{i}.w": torch.randn(48, 64, generator=generator).to(torch.bfloat16) for i in range(60)}
+    state.update({"norm": torch.ones(64), "bias": torch.zeros(64, dtype=torch.bfloat16), "dense": torch.ones(256)})
+    with Publisher(str(tmp_path / "s"), keyframe_every=10) as publisher:
+        publisher.publish(state).result()
+        rl_like_step(state, fraction=0.02, generator=generator)
+        state["norm"][7] = 2.0
+        state["bias"].copy_(torch.zeros(64, dtype=torch.bfloat16))  # unchanged
+        state["dense"].add_(1.0)
+        publisher.publish(state).result()
+    stream = Stream(str(tmp_path / "s"))
+    manifest = stream.manifest(1)
+    batched = dict(stream.changes_since(1, 0, lambda entry, positions, xors: (entry.name, (positions, xors)),
+                                        max_tensor_bytes=1 << 30))
+    alone = {entry.name: decode.changes_since(stream._files, stream.manifest, manifest, entry, 0, 1 << 30)
+             for entry in manifest.tensors}
+    assert sum(decode.sparse_delta(e) for e in manifest.tensors) > 50  # most are read in batches
+    assert batched.keys() == alone.keys() and batched["bias"][0].numel() == 0
+    for name, (positions, xors) in alone.items():
+        assert positions.numel() and name != "bias" or not positions.numel() and name == "bias"
+        assert torch.equal(batched[name][0], positions) and torch.equal(batched[name][1], xors), name
+        assert batched[name][0].dtype == torch.int64
+
+
 def test_a_corrupt_delta_is_refused_naming_version_file_and_tensor(chain):
     stream, _, tmp = chain
     manifest = stream.manifest(2)

@@ -201,6 +201,7 @@ class Follower:
         self.fit.adopt(self.stream.manifest(version))
         for client in self.clients:
             self.nodes.hold_served(client, version)
+            self.in_place.prepare(client, self.cache.path(version))
         if self.config.cache_versions == 0:  # loaded: its copy is no longer needed here
             self._keep_served()
         self._report(version=version, state="serving")

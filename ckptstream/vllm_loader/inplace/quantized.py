@@ -8,7 +8,7 @@ scale per expert and keeps its layout (the Triton experts read it as it is). So 
 same storage offset as on a bf16 server, in a *unit* (the Linear's weight, an expert) worth ``fp8(x / scale)``.
 
 **The plan.** A quantized parameter no longer takes checkpoint tensors (its loader checks shapes it lost), so the
-trace (``apply.plan_tensors``) runs on a copy of the model's module tree in which each quantized parameter is its
+trace (``trace.plan_tensors``) runs on a copy of the model's module tree in which each quantized parameter is its
 *stand-in*: the bf16 parameter rebuilt from what vLLM recorded of the layer before loading (what its own reload
 restores), with the loader unwrapped, in host memory never touched. The model itself keeps generating meanwhile.
 

