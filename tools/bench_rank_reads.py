@@ -67,8 +67,11 @@ def main() -> None:
     for disk in disks:
         disk.mkdir(mode=0o700)
 
-    def start(load_format: str) -> tuple[list[subprocess.Popen[bytes]], VllmClient, threading.Event]:
-        """Both nodes started (their output appended to their logs), ready."""
+    def start(load_format: str, files: list[list[Path]] | None = None
+              ) -> tuple[list[subprocess.Popen[bytes]], VllmClient, list[int]]:
+        """Both nodes started (their output appended to their logs), ready; and, for ``files`` (each node's),
+        the most bytes of each node's files seen in the page cache meanwhile (each file's peak, counted every
+        0.2 s: a page read at the start may leave the page cache before the engine is ready)."""
         port, master_port = free_port(), free_port()
         nodes = []
         for rank, disk in enumerate(disks):
@@ -85,8 +88,24 @@ def main() -> None:
             threading.Thread(target=lambda node=node: (node.wait(), died.set()), daemon=True).start()
         running.extend(nodes)
         client = VllmClient(f"http://127.0.0.1:{port}")
-        client.wait_ready(timeout=900, abort=died)
-        return nodes, client, died
+        peaks = {f: 0 for node_files in files or [] for f in node_files}
+        ready = threading.Event()
+
+        def count() -> None:
+            while not ready.wait(0.2):
+                for f in peaks:
+                    peaks[f] = max(peaks[f], resident_bytes([f]))
+
+        counter = threading.Thread(target=count, daemon=True)
+        counter.start()
+        try:
+            client.wait_ready(timeout=900, abort=died)
+        finally:
+            ready.set()
+            counter.join()
+        for f in peaks:
+            peaks[f] = max(peaks[f], resident_bytes([f]))
+        return nodes, client, [sum(peaks[f] for f in node_files) for node_files in files or []]
 
     def stop(nodes: list[subprocess.Popen[bytes]]) -> None:
         for node in nodes:
@@ -136,9 +155,11 @@ def main() -> None:
                 for node_files in files:
                     drop_pages(node_files)
                 started = time.perf_counter()
-                nodes, client, _ = start(load_format)
+                nodes, client, peaks = start(load_format, files)
                 seconds.setdefault((kind, "start"), []).append(time.perf_counter() - started)
-                reads.setdefault((kind, "start"), []).append([resident_bytes(f) for f in files])
+                reads.setdefault((kind, "start"), []).append(peaks)
+                print(f"  start, {kind}: {[resident_bytes(f) for f in files]} B of each node's files in the page "
+                      f"cache once ready, {peaks} B at their peak")
                 hashes[kind, "start"] = client.parameter_hashes()
                 stop(nodes)
 
@@ -147,8 +168,9 @@ def main() -> None:
             return f"{per_node[0] / 1e6:6.1f}, {per_node[1] / 1e6:6.1f} MB ({per_node[0] / size:4.0%}, " \
                    f"{per_node[1] / size:4.0%})"
 
-        print(f"  bytes read per node (node 0, node 1; median); vLLM's own: --load-format auto, each rank its share: "
-              f"ckptstream's reload and --load-format {loaders['each rank its share']}")
+        print(f"  bytes read per node (node 0, node 1; median; at a start the page cache's peak); vLLM's own: "
+              f"--load-format auto, each rank its share: ckptstream's reload and --load-format "
+              f"{loaders['each rank its share']}")
         print(f"  {'':14s}" + "".join(f" {kind:>32s}" for kind in kinds))
         for what, name in (("reload", "full reload"), ("start", "start")):
             print(f"  {name:14s}" + "".join(f" {read(kind, what):>32s}" for kind in kinds))
