@@ -46,7 +46,7 @@ from .follow.cache import safe_owner
 from .client import VllmClient
 from .follow.config import FollowerConfig
 from .follow.follower import Follower
-from .load_format import LOAD_FORMAT, loader_installed
+from .load_format import LOAD_FORMAT, PLUGIN, loader_installed
 from .observe import OnUpdate, UpdateRecord
 from .worker import EXTENSION_CLASS
 
@@ -150,9 +150,13 @@ def default_vllm_settings(vllm_args: Sequence[str], environ: dict[str, str], mod
     args, env, added = list(vllm_args), dict(environ), []
     ranks = (_int_option(args, "--tensor-parallel-size") or _int_option(args, "-tp") or 1) * (
         _int_option(args, "--pipeline-parallel-size") or _int_option(args, "-pp") or 1)
-    if ranks > 1 and not _has_option(args, "--load-format") and loader_installed(env):
-        args += ["--load-format", LOAD_FORMAT]
-        added.append(f"--load-format {LOAD_FORMAT}")
+    if ranks > 1 and not _has_option(args, "--load-format"):
+        if loader_installed(env):
+            args += ["--load-format", LOAD_FORMAT]
+            added.append(f"--load-format {LOAD_FORMAT}")
+        else:
+            log.warning("vLLM plugin %s not installed (pip install ckptstream again) or left out by VLLM_PLUGINS: "
+                        "each rank reads the whole model at start", PLUGIN)
     if api_key:
         env[API_KEY_ENV] = api_key
     if cpu:

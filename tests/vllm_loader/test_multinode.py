@@ -33,7 +33,7 @@ from ckptstream.testing.pagecache import drop_pages, resident_bytes
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import VllmClient, free_port
 from ckptstream.vllm_loader.follow.agent import node_record_id
-from ckptstream.vllm_loader.load_format import LOAD_FORMAT
+from ckptstream.vllm_loader.load_format import LOAD_FORMAT, PLUGIN, loader_installed
 from tests.helpers import PROMPTS, VLLM_CPU_ARGS, packed_on_cpu
 
 ENGINE = "eng"
@@ -370,6 +370,7 @@ def test_a_restart_reads_each_ranks_share_and_loads_as_vllms_own_loader(two_node
     the parameters and outputs are those of vLLM's own loader (which started the fixture's engine, and whose
     full reload the test above compared). Counted as there, the files' pages dropped before the restart."""
     nodes, _, _ = two_nodes
+    assert loader_installed(os.environ), f"vLLM does not find ckptstream's plugin {PLUGIN}: pip install -e . again"
     version, path, files, model = served_files(nodes)
     hashes, outputs = nodes.client.parameter_hashes(), nodes.outputs()
     assert nodes.stop() == [0, 0], f"{nodes.log(0)}\n--- node 1:\n{nodes.log(1)}"

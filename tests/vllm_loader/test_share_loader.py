@@ -83,7 +83,7 @@ def plugin_installed(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
 
 
-def test_serve_asks_for_the_format_for_engines_of_several_ranks_only(plugin_installed, tmp_path):
+def test_serve_asks_for_the_format_for_engines_of_several_ranks_only(plugin_installed, tmp_path, caplog):
     def asked(args: list[str], environ: dict[str, str] | None = None) -> str | None:
         given, _, said = default_vllm_settings(args, environ or {}, tmp_path, cpu=False)
         formats = [given[i + 1] for i, arg in enumerate(given[:-1]) if arg == "--load-format"]
@@ -99,5 +99,7 @@ def test_serve_asks_for_the_format_for_engines_of_several_ranks_only(plugin_inst
     assert asked(["-tp", "2", "--load-format", "safetensors"]) == "safetensors"
     assert default_vllm_settings(["-tp", "2", "--load-format=dummy"], {}, tmp_path, cpu=False)[0][:3] == \
         ["-tp", "2", "--load-format=dummy"]
-    assert asked(["-tp", "2"], {"VLLM_PLUGINS": "ckptstream_amx"}) is None
+    with caplog.at_level(logging.WARNING, logger="ckptstream.serve"):
+        assert asked(["-tp", "2"], {"VLLM_PLUGINS": "ckptstream_amx"}) is None
+    assert f"vLLM plugin {PLUGIN} not installed" in caplog.text
     assert asked(["-tp", "2"], {"VLLM_PLUGINS": f"x,{PLUGIN}"}) == LOAD_FORMAT
