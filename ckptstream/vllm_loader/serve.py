@@ -46,6 +46,7 @@ from .follow.cache import safe_owner
 from .client import VllmClient
 from .follow.config import FollowerConfig
 from .follow.follower import Follower
+from .load_format import LOAD_FORMAT, PLUGIN, loader_installed
 from .observe import OnUpdate, UpdateRecord
 from .worker import EXTENSION_CLASS
 
@@ -142,10 +143,20 @@ def _has_option(args: Sequence[str], option: str) -> bool:
 def default_vllm_settings(vllm_args: Sequence[str], environ: dict[str, str], model_dir: str | os.PathLike[str],
                           *, cpu: bool, api_key: str | None = None) -> tuple[list[str], dict[str, str], list[str]]:
     """The vLLM arguments and environment ``serve`` starts vLLM with: the user's, plus defaults for what
-    they left unset that vLLM cannot start without here, and ``api_key`` in the environment (``API_KEY_ENV``:
-    on vLLM's command line every user of the host could read it, in ``/proc/PID/cmdline``). Returns (args,
-    environment, what was added)."""
+    they left unset that vLLM cannot start without here, ``--load-format ckptstream`` for an engine of several
+    ranks (``load_format``; tensor and pipeline parallel sizes as given on the command line), and ``api_key``
+    in the environment (``API_KEY_ENV``: on vLLM's command line every user of the host could read it, in
+    ``/proc/PID/cmdline``). Returns (args, environment, what was added)."""
     args, env, added = list(vllm_args), dict(environ), []
+    ranks = (_int_option(args, "--tensor-parallel-size") or _int_option(args, "-tp") or 1) * (
+        _int_option(args, "--pipeline-parallel-size") or _int_option(args, "-pp") or 1)
+    if ranks > 1 and not _has_option(args, "--load-format"):
+        if loader_installed(env):
+            args += ["--load-format", LOAD_FORMAT]
+            added.append(f"--load-format {LOAD_FORMAT}")
+        else:
+            log.warning("vLLM plugin %s not installed (pip install ckptstream again) or left out by VLLM_PLUGINS: "
+                        "each rank reads the whole model at start", PLUGIN)
     if api_key:
         env[API_KEY_ENV] = api_key
     if cpu:

@@ -36,6 +36,7 @@ import torch
 from ..codec import torch_dtype
 from ..errors import IntegrityError
 from ..format import DTYPE_SIZES, INDEX_FILE, MAX_SAFETENSORS_HEADER_BYTES, SAFETENSORS_LENGTH
+from .load_format import LOAD_FORMAT
 
 SHARE, WHOLE = "share", "whole"
 """What ``reload_share`` answers: this rank read its share through memory maps, or vLLM's own reload ran."""
@@ -47,9 +48,9 @@ reload reads them with a common read-ahead window (128 KiB)."""
 READ_AHEAD_CHUNK = 128 << 10
 """Bytes asked per ``MADV_WILLNEED`` where the file's device does not tell its read-ahead window: Linux reads at
 most that window per call (``read_ahead_kb``, commonly 128 KiB), and the rest of a larger range not at all."""
-_MAPPED_FORMATS = ("auto", "safetensors")
+_MAPPED_FORMATS = ("auto", "safetensors", LOAD_FORMAT)
 """vLLM load formats whose reload reads the directory's safetensors files with ``safetensors_weights_iterator``
-(the only reads ``mapped_weights`` stands in for)."""
+(the only reads ``mapped_weights`` stands in for), or with ``mapped_weights`` (ckptstream's, ``share_loader``)."""
 
 
 def reload_share(worker: Any, path: str) -> str:
@@ -91,21 +92,32 @@ def _repoint(model_config: Any, path: str) -> None:
 
 
 def _mappable(vllm_config: Any, model: torch.nn.Module, path: str) -> bool:
-    """Whether vLLM's reload of ``model`` from ``path`` is taken with ``mapped_weights``: an engine of several ranks
-    (a single rank reads every slice anyway), a local directory of safetensors files (not a hub name, nor ``.bin``
-    files: vLLM's own reload resolves those), a load format reading them with vLLM's plain iterator, and a model
-    loading from its primary directory alone."""
-    if getattr(vllm_config.parallel_config, "world_size", 1) <= 1:
-        return False  # (one rank's share is the whole model: vLLM's own reload reads no more)
+    """Whether vLLM's reload of ``model`` from ``path`` is taken with ``mapped_weights`` (``unmapped_reason``)."""
+    return unmapped_reason(getattr(vllm_config.parallel_config, "world_size", 1), vllm_config.load_config, model,
+                           path) is None
+
+
+def unmapped_reason(world_size: int, load_config: Any, model: torch.nn.Module, path: str) -> str | None:
+    """Why loading ``model`` from ``path`` (vLLM's ``load_config``, an engine of ``world_size`` ranks) is not
+    taken with ``mapped_weights``, or None where it is: an engine of several ranks (a single rank reads every
+    slice anyway), a local directory of safetensors files (not a hub name, nor ``.bin`` files, nor a Mistral
+    consolidated checkpoint: vLLM's own loading resolves those), a load format reading them with vLLM's plain
+    iterator, and a model loading every file of its primary directory alone."""
+    if world_size <= 1:
+        return "an engine of one rank (its share is the whole model)"
     directory = Path(path)
     if not directory.is_dir() or not ((directory / INDEX_FILE).is_file() or any(directory.glob("*.safetensors"))):
-        return False
-    load_config = vllm_config.load_config
+        return f"{path} is no local directory of safetensors files"
+    if any(directory.glob("consolidated*.safetensors")):
+        return f"{path} holds a Mistral consolidated checkpoint"
     if str(load_config.load_format).lower() not in _MAPPED_FORMATS:
-        return False
+        return f"load format {load_config.load_format}"
     if getattr(load_config, "safetensors_load_strategy", None) == "torchao":
-        return False  # (tensor subclasses rebuilt from several flat tensors)
-    return not getattr(model, "secondary_weights", ()) and getattr(model, "is_unused_checkpoint_weight", None) is None
+        return "torchao tensors"  # (tensor subclasses rebuilt from several flat tensors)
+    if (getattr(model, "secondary_weights", ()) or getattr(model, "is_unused_checkpoint_weight", None) is not None
+            or getattr(model, "allow_patterns_overrides", None) is not None):
+        return "the model reads other weight files than its directory's safetensors files"
+    return None
 
 
 @contextlib.contextmanager

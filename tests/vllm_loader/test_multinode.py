@@ -33,6 +33,7 @@ from ckptstream.testing.pagecache import drop_pages, resident_bytes
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import VllmClient, free_port
 from ckptstream.vllm_loader.follow.agent import node_record_id
+from ckptstream.vllm_loader.load_format import LOAD_FORMAT, PLUGIN, loader_installed
 from tests.helpers import PROMPTS, VLLM_CPU_ARGS, packed_on_cpu
 
 ENGINE = "eng"
@@ -81,24 +82,30 @@ def stop_nodes(nodes: list[subprocess.Popen]) -> list[int]:
 
 
 class TwoNodes:
-    """`ckptstream serve` on node 0 and node 1 of one engine, each in its own mount and UTS namespace."""
+    """`ckptstream serve` on node 0 and node 1 of one engine, each in its own mount and UTS namespace, with
+    ``vllm_args`` beside the engine's (TP=2)."""
 
-    def __init__(self, url: str, workdir: Path):
+    def __init__(self, url: str, workdir: Path, *vllm_args: str):
         self.url, self.workdir = url, workdir
         self.cache = workdir / "cache"  # the same path on both nodes; a directory of its own on each:
         self.cache.mkdir()
         self.disks = [workdir / f"node{rank}-cache" for rank in (0, 1)]  # on disk (a test counts what is read)
         for disk in self.disks:
             disk.mkdir(mode=0o700)
+        self.start(*vllm_args)
+
+    def start(self, *vllm_args: str) -> None:
+        """Start both nodes (again: a restart on what their caches hold), their output appended to their logs."""
         self.port, master_port = free_port(), free_port()
         self.nodes = []
         for rank in (0, 1):
-            command = [sys.executable, "-m", "ckptstream.cli", "serve", url, "--nnodes", "2", "--node-rank", str(rank),
-                       "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(self.port),
-                       "--cache-dir", str(self.cache), "--replica-id", ENGINE, "--poll-interval", "0.2",
-                       "--nodes-ready-timeout", "1", "--json", "--", *VLLM_CPU_ARGS, "--tensor-parallel-size", "2"]
+            command = [sys.executable, "-m", "ckptstream.cli", "serve", self.url, "--nnodes", "2", "--node-rank",
+                       str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port",
+                       str(self.port), "--cache-dir", str(self.cache), "--replica-id", ENGINE, "--poll-interval", "0.2",
+                       "--nodes-ready-timeout", "1", "--json", "--", *VLLM_CPU_ARGS, "--tensor-parallel-size", "2",
+                       *vllm_args]
             command = in_node_namespaces(rank, self.cache, command, self.disks[rank])
-            log = open(workdir / f"node{rank}.log", "wb")
+            log = open(self.workdir / f"node{rank}.log", "ab")
             self.nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True))
         self.client = VllmClient(f"http://127.0.0.1:{self.port}")
@@ -158,7 +165,7 @@ def published_tiny_model(workdir: Path) -> tuple[str, Publisher, dict[str, torch
 def two_nodes(tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("multinode")
     url, publisher, state = published_tiny_model(workdir)
-    nodes = TwoNodes(url, workdir)
+    nodes = TwoNodes(url, workdir, "--load-format", "auto")  # (vLLM's own loader: the reference of the last test)
     try:
         wait_until(lambda: nodes.serves(0) and nodes.client.healthy(), "the engine serves version 0", timeout=400)
     except AssertionError:
@@ -315,20 +322,25 @@ def test_updates_apply_in_place_on_both_nodes_and_one_node_refusing_makes_both_r
     equals_full_reload(nodes, nodes.url, version, tmp_path)
 
 
+def served_files(nodes: TwoNodes) -> tuple[int, Path, list[list[Path]], int]:
+    """The version ``nodes`` serve, once both nodes hold it whole: the version, its directory (the same path on
+    both nodes: each its own files), each node's weight files, and their size on one node."""
+    version = int(nodes.client.weight_version())  # (the tests above may leave the model's path elsewhere)
+    stream_id = Stream(nodes.url).info().stream_id
+    versions_dir = str(nodes.cache / stream_id)
+    wait_until(lambda: all(str(version) in r["versions"] for r in nodes.client.cache_report(versions_dir, version)),
+               f"both nodes hold version {version} whole")
+    files = [sorted((disk / stream_id / version_name(version)).glob("*.safetensors")) for disk in nodes.disks]
+    return version, nodes.cache / stream_id / version_name(version), files, sum(f.stat().st_size for f in files[0])
+
+
 def test_a_full_reload_reads_each_ranks_share_of_the_files_on_its_node(two_nodes):
     """ckptstream's full reload (``share_reload``, what the follower calls) reads only the pages holding the
     rank's slices, with vLLM's own reload's parameters and outputs as a result (vLLM's reads what the kernel
     reads around its page faults: every file, on every rank, with this machine's 8 MiB read-ahead window).
     Counted in the page cache of each node's files (``testing.pagecache``: dropped before, counted after)."""
     nodes, _, _ = two_nodes
-    version = int(nodes.client.weight_version())  # (the tests above may leave the model's path elsewhere)
-    stream_id = Stream(nodes.url).info().stream_id
-    versions_dir = str(nodes.cache / stream_id)
-    wait_until(lambda: all(str(version) in r["versions"] for r in nodes.client.cache_report(versions_dir, version)),
-               f"both nodes hold version {version} whole")
-    path = nodes.cache / stream_id / version_name(version)  # (the same path on both nodes: each its own files)
-    files = [sorted((disk / stream_id / version_name(version)).glob("*.safetensors")) for disk in nodes.disks]
-    model = sum(f.stat().st_size for f in files[0])
+    version, path, files, model = served_files(nodes)
 
     def reload_reading(reload) -> tuple[list[int], float]:
         for node_files in files:
@@ -350,3 +362,34 @@ def test_a_full_reload_reads_each_ranks_share_of_the_files_on_its_node(two_nodes
     assert nodes.client.parameter_hashes() == hashes and nodes.outputs() == outputs
     assert all(read <= 0.75 * model for read in share)
     assert all(s <= w for s, w in zip(share, whole))  # (whatever the read-ahead window)
+
+
+def test_a_restart_reads_each_ranks_share_and_loads_as_vllms_own_loader(two_nodes):
+    """A restart of the engine on the version both nodes hold, as ``serve`` starts an engine of several ranks
+    (``--load-format ckptstream``: ``share_loader``), reads only each rank's share of the files on its node, and
+    the parameters and outputs are those of vLLM's own loader (which started the fixture's engine, and whose
+    full reload the test above compared). Counted as there, the files' pages dropped before the restart."""
+    nodes, _, _ = two_nodes
+    assert loader_installed(os.environ), f"vLLM does not find ckptstream's plugin {PLUGIN}: pip install -e . again"
+    version, path, files, model = served_files(nodes)
+    hashes, outputs = nodes.client.parameter_hashes(), nodes.outputs()
+    assert nodes.stop() == [0, 0], f"{nodes.log(0)}\n--- node 1:\n{nodes.log(1)}"
+    for node_files in files:
+        drop_pages(node_files)
+    assert [resident_bytes(f) for f in files] == [0, 0]
+    started = time.perf_counter()
+    nodes.start()
+    wait_until(lambda: nodes.client.healthy() and nodes.serves(version), "the restarted engine serves", timeout=400)
+    read = [resident_bytes(f) for f in files]
+    print(f"restart on version {version} ({model} B of files per node) in {time.perf_counter() - started:.0f} s, "
+          f"bytes read per node (node 0, node 1): {read}")
+    for rank in (0, 1):  # (serve's log line of what it passed vLLM: at the restart only, the fixture's gave auto)
+        assert f"--load-format {LOAD_FORMAT}" in (nodes.workdir / f"node{rank}.log").read_text(errors="replace")
+    assert nodes.client.weight_version() == str(version)
+    assert all(r <= 0.75 * model for r in read)
+    assert nodes.client.parameter_hashes() == hashes and nodes.outputs() == outputs
+    nodes.client.pause()  # (a full reload on an engine of this load format: each rank its share as well)
+    nodes.client.reload_weights(str(path))
+    nodes.client.reset_prefix_cache()
+    nodes.client.resume()
+    assert nodes.client.parameter_hashes() == hashes and nodes.outputs() == outputs
