@@ -404,8 +404,9 @@ class Stream:
         need all their bytes: a decode of ``version`` checks them.
 
         Raises:
-            TooManyChanges: a tensor changed more than ``max_tensor_bytes`` (8-byte position and value per
-                element), read on the way.
+            TooManyChanges: the changes read together — a tensor's, or a batch of consecutive small tensors'
+                (``CHANGES_BATCH_BYTES`` of sparse deltas) — outgrow ``max_tensor_bytes`` (8-byte position and
+                value per element), read on the way: a budget for the whole version is never exceeded by it.
             IntegrityError, MissingBaseError: a delta cannot be decoded, or the chain is broken.
         """
         chain = {m.version: m for m in self.chain(version)}
@@ -416,8 +417,9 @@ class Stream:
         if workers is None and not self.storage.is_posix:
             workers = max(default_workers(), MAX_CONCURRENT_READS)  # (as _decode: waiting on ranged reads)
 
-        def changes(group: list[TensorEntry]) -> list[R]:
-            if len(group) > 1 or sparse_delta(group[0]) and target.base_version == base:
+        def changes(batch: tuple[bool, list[TensorEntry]]) -> list[R]:
+            batched, group = batch
+            if batched:
                 found = changes_of_sparse(self._files, target, group, max_tensor_bytes)
                 return [sink(entry, *one) for entry, one in zip(group, found)]
             found_one = changes_since(self._files, chain.__getitem__, target, group[0], base, max_tensor_bytes)
@@ -426,8 +428,8 @@ class Stream:
 
         # In flight: each tensor's stored delta and what its sink holds (positions and two values per change).
         groups = ordered_parallel(_sparse_batches(target.tensors, one_step=target.base_version == base), changes,
-                                  lambda group: sum(sum(s.length for s in e.stored_entries)
-                                                    + (e.changed or 0) * (8 + 2 * e.itemsize) for e in group),
+                                  lambda batch: sum(sum(s.length for s in e.stored_entries)
+                                                    + (e.changed or 0) * (8 + 2 * e.itemsize) for e in batch[1]),
                                   max_cost=DEFAULT_INFLIGHT_BYTES, workers=workers)
         return (result for group in groups for result in group)
 
@@ -627,23 +629,24 @@ def _declines(record: ReplicaRecord, version: int, resident: bool = False) -> st
     return None if reason is None else f"refused it: {reason}"
 
 
-def _sparse_batches(entries: Iterable[TensorEntry], *, one_step: bool) -> Iterator[list[TensorEntry]]:
-    """``entries`` in order, in lists: consecutive ``sparse_delta`` ones of one item size and byte order together
-    (up to ``CHANGES_BATCH_BYTES`` stored) where the delta is on the base itself (``one_step``), every other alone."""
+def _sparse_batches(entries: Iterable[TensorEntry], *, one_step: bool) -> Iterator[tuple[bool, list[TensorEntry]]]:
+    """``entries`` in order, in lists, each with whether it is a batch for ``decode.changes_of_sparse``:
+    consecutive ``sparse_delta`` ones of one item size and byte order together (up to ``CHANGES_BATCH_BYTES``
+    stored) where the delta is on the base itself (``one_step``); every other alone, not batched."""
     batch: list[TensorEntry] = []
     stored = 0
     for entry in entries:
         if not (one_step and sparse_delta(entry)):
             if batch:
-                yield batch
+                yield True, batch
             batch, stored = [], 0
-            yield [entry]
+            yield False, [entry]
             continue
         if batch and (stored >= CHANGES_BATCH_BYTES or (entry.itemsize, entry.shuffle) !=
                       (batch[0].itemsize, batch[0].shuffle)):
-            yield batch
+            yield True, batch
             batch, stored = [], 0
         batch.append(entry)
         stored += entry.length
     if batch:
-        yield batch
+        yield True, batch

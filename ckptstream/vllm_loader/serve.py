@@ -49,6 +49,7 @@ from .follow.follower import Follower
 from .load_format import LOAD_FORMAT, PLUGIN, loader_installed
 from .observe import OnUpdate, UpdateRecord
 from .worker import EXTENSION_CLASS
+from .vllm_args import has_option, int_option
 
 log = logging.getLogger("ckptstream.serve")
 
@@ -88,7 +89,7 @@ def vllm_command(model_dir: str, host: str, port: int, vllm_args: Sequence[str],
                "--host", host, "--port", str(port)]
     if "--served-model-name" not in vllm_args:
         command += ["--served-model-name", served_name]
-    if not _has_option(vllm_args, "--worker-extension-cls"):
+    if not has_option(vllm_args, "--worker-extension-cls"):
         command += ["--worker-extension-cls", EXTENSION_CLASS]
     return command + list(vllm_args)
 
@@ -105,9 +106,9 @@ def multinode_vllm_args(vllm_args: Sequence[str], nnodes: int, node_rank: int, m
     args = [*vllm_args, "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", master_addr]
     if master_port is not None:
         args += ["--master-port", str(master_port)]
-    if not _has_option(args, "--distributed-executor-backend"):
+    if not has_option(args, "--distributed-executor-backend"):
         args += ["--distributed-executor-backend", "mp"]
-    if _has_option(args, "--worker-extension-cls"):
+    if has_option(args, "--worker-extension-cls"):
         raise ValueError("serve passes vLLM --worker-extension-cls itself (ckptstream's, to ask each node "
                          "what it holds); vLLM takes only one")
     return args + ["--worker-extension-cls", EXTENSION_CLASS]
@@ -136,10 +137,6 @@ def vllm_platform_is_cpu(environ: dict[str, str] | None = None) -> bool:
     return "cpu" in version
 
 
-def _has_option(args: Sequence[str], option: str) -> bool:
-    return any(a == option or a.startswith(option + "=") for a in args)
-
-
 def default_vllm_settings(vllm_args: Sequence[str], environ: dict[str, str], model_dir: str | os.PathLike[str],
                           *, cpu: bool, api_key: str | None = None) -> tuple[list[str], dict[str, str], list[str]]:
     """The vLLM arguments and environment ``serve`` starts vLLM with: the user's, plus defaults for what
@@ -148,9 +145,9 @@ def default_vllm_settings(vllm_args: Sequence[str], environ: dict[str, str], mod
     in the environment (``API_KEY_ENV``: on vLLM's command line every user of the host could read it, in
     ``/proc/PID/cmdline``). Returns (args, environment, what was added)."""
     args, env, added = list(vllm_args), dict(environ), []
-    ranks = (_int_option(args, "--tensor-parallel-size") or _int_option(args, "-tp") or 1) * (
-        _int_option(args, "--pipeline-parallel-size") or _int_option(args, "-pp") or 1)
-    if ranks > 1 and not _has_option(args, "--load-format"):
+    ranks = (int_option(args, "--tensor-parallel-size") or int_option(args, "-tp") or 1) * (
+        int_option(args, "--pipeline-parallel-size") or int_option(args, "-pp") or 1)
+    if ranks > 1 and not has_option(args, "--load-format"):
         if loader_installed(env):
             args += ["--load-format", LOAD_FORMAT]
             added.append(f"--load-format {LOAD_FORMAT}")
@@ -160,13 +157,13 @@ def default_vllm_settings(vllm_args: Sequence[str], environ: dict[str, str], mod
     if api_key:
         env[API_KEY_ENV] = api_key
     if cpu:
-        if "VLLM_CPU_KVCACHE_SPACE" not in env and not _has_option(args, "--kv-cache-memory-bytes"):
+        if "VLLM_CPU_KVCACHE_SPACE" not in env and not has_option(args, "--kv-cache-memory-bytes"):
             env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KVCACHE_SPACE_GIB
             added.append(f"VLLM_CPU_KVCACHE_SPACE={CPU_KVCACHE_SPACE_GIB}")
-        if not _has_option(args, "--gpu-memory-utilization"):
+        if not has_option(args, "--gpu-memory-utilization"):
             args += ["--gpu-memory-utilization", CPU_MEMORY_FRACTION]
             added.append(f"--gpu-memory-utilization {CPU_MEMORY_FRACTION}")
-    if not any(_has_option(args, o) for o in ("--skip-tokenizer-init", "--tokenizer")) and \
+    if not any(has_option(args, o) for o in ("--skip-tokenizer-init", "--tokenizer")) and \
             not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
         args.append("--skip-tokenizer-init")
         added.append("--skip-tokenizer-init")
@@ -206,45 +203,29 @@ def adapter_vllm_settings(vllm_args: Sequence[str], *, keep: int, rank: int,
     if not fitting:
         raise VllmArgumentError(f"the adapters' rank {rank} is above vLLM's largest --max-lora-rank "
                                 f"{MAX_LORA_RANKS[-1]}")
-    if _has_option(vllm_args, "--disable-log-stats"):
+    if has_option(vllm_args, "--disable-log-stats"):
         raise VllmArgumentError("an adapter stream needs vLLM's request statistics (they tell which adapter "
                                 "versions requests use, so that none is unloaded under a request)",
                                 hint="Leave out --disable-log-stats")
     args = list(vllm_args)
-    if not _has_option(args, "--enable-lora"):
+    if not has_option(args, "--enable-lora"):
         args.append("--enable-lora")
     slots = keep + 1
-    max_loras = _int_option(args, "--max-loras")
+    max_loras = int_option(args, "--max-loras")
     if max_loras is None:
         args += ["--max-loras", str(slots)]
     elif max_loras < slots:
         raise VllmArgumentError(f"--max-loras {max_loras} is below --keep {keep} + 1 (the stable name is an "
                                 f"adapter of its own)", hint=f"Pass --max-loras {slots} or more, or a smaller --keep")
-    if _int_option(args, "--max-cpu-loras") is None:
+    if int_option(args, "--max-cpu-loras") is None:
         args += ["--max-cpu-loras", str(max(keep + 2, max_loras or slots))]
-    max_rank = _int_option(args, "--max-lora-rank")
+    max_rank = int_option(args, "--max-lora-rank")
     if max_rank is None:
         args += ["--max-lora-rank", str(fitting[0])]
     elif max_rank < rank:
         raise VllmArgumentError(f"--max-lora-rank {max_rank} is below the adapters' rank {rank}",
                                 hint=f"Pass --max-lora-rank {fitting[0]} or leave it out")
     return args, {RUNTIME_LORA_ENV: "True", ALIASES_ENV: str(aliases)}
-
-
-def _int_option(args: Sequence[str], option: str) -> int | None:
-    """The integer value of ``option`` in ``args`` (``--x N`` or ``--x=N``; the last one wins, as in argparse)."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == option and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(option + "="):
-            value = arg[len(option) + 1:]
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise VllmArgumentError(f"{option} {value!r} is not an integer") from None
 
 
 def last_error_line(lines: Sequence[str]) -> str | None:

@@ -97,8 +97,10 @@ def test_serve_asks_for_the_format_for_engines_of_several_ranks_only(plugin_inst
         assert asked(ranks) is None, ranks
     # the user's load format is kept; a VLLM_PLUGINS that leaves the plugin out gets none
     assert asked(["-tp", "2", "--load-format", "safetensors"]) == "safetensors"
-    assert default_vllm_settings(["-tp", "2", "--load-format=dummy"], {}, tmp_path, cpu=False)[0][:3] == \
-        ["-tp", "2", "--load-format=dummy"]
+    for given in (["-tp", "2", "--load-format=dummy"], ["--tensor_parallel_size", "2", "--load_format", "dummy"]):
+        assert default_vllm_settings(given, {}, tmp_path, cpu=False)[0][:len(given)] == given  # (vLLM's "_" too)
+        assert "--load-format" not in default_vllm_settings(given, {}, tmp_path, cpu=False)[0][len(given):]
+    assert asked(["--tensor_parallel_size=2"]) == LOAD_FORMAT
     with caplog.at_level(logging.WARNING, logger="ckptstream.serve"):
         assert asked(["-tp", "2"], {"VLLM_PLUGINS": "ckptstream_amx"}) is None
     assert f"vLLM plugin {PLUGIN} not installed" in caplog.text

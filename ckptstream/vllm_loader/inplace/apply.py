@@ -32,7 +32,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy
 import torch
@@ -141,7 +141,8 @@ class InPlaceApplier:
         self._result: dict[str, Any] | None = None
         self._writes: list[_Write] = []
         self._applied: list[_Write] = []  # what the last apply wrote, for ``revert``
-        self._planning: threading.Thread | None = None  # ``prepare``'s, joined before a stage plans
+        self._planning: threading.Thread | None = None  # ``prepare``'s
+        self._plan_lock = threading.Lock()  # held while ``plans`` grows (``_plan``) or is read whole
 
     def prepare(self, path: str) -> None:
         """Plan every tensor of the checkpoint directory ``path`` in a background thread, while the engine
@@ -149,8 +150,12 @@ class InPlaceApplier:
         from ...codec import torch_dtype
         from ...hf import tensor_specs
 
-        if self._planning is None:  # (the headers read now: the directory may go once the call returns)
-            specs = {name: (shape, torch_dtype(dtype)) for name, (dtype, shape) in tensor_specs(path).items()}
+        if self._planning is not None and self._planning.is_alive():
+            return
+        # (the headers read now: the directory may go once the call returns; none here, e.g. on a node that keeps
+        # no copy: the first change traces its own)
+        specs = {name: (shape, torch_dtype(dtype)) for name, (dtype, shape) in tensor_specs(path).items()}
+        if specs:
             self._planning = threading.Thread(target=self._prepare, args=(path, specs), name="ckptstream-plan",
                                               daemon=True)
             self._planning.start()
@@ -158,7 +163,10 @@ class InPlaceApplier:
     def _prepare(self, path: str, specs: dict[str, TensorSpec]) -> None:
         try:
             with torch.no_grad():
-                self._plan({name: spec for name, spec in specs.items() if name not in self.plans})
+                # Only the plans that found a plain copy are kept: a reason found now (e.g. a storage replaced by a
+                # full reload running beside the trace) is asked again by the change that needs the tensor.
+                self._plan({name: spec for name, spec in specs.items() if name not in self.plans},
+                           keep=lambda plan: plan.problem is None)
         except Exception as exc:  # noqa: BLE001 - the first change plans what it needs again
             log.warning("tracing the loaders of %s before the first change failed (%s: %s); the first change "
                         "traces its own", path, type(exc).__name__, exc)
@@ -236,8 +244,6 @@ class InPlaceApplier:
 
         from .change import read_change
 
-        if self._planning is not None:
-            self._planning.join()
         try:
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             with safe_open(path, framework="pt") as change, torch.no_grad(), \
@@ -260,10 +266,14 @@ class InPlaceApplier:
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
             self._result = {"error": f"{type(exc).__name__}: {exc}"}
 
-    def _plan(self, specs: dict[str, TensorSpec]) -> None:
-        if specs:
-            with self.quantized.tracing(self.model) as model:
-                self.plans.update(plan_tensors(model, specs))
+    def _plan(self, specs: dict[str, TensorSpec], keep: Callable[[TensorPlan], bool] = lambda plan: True) -> None:
+        """Trace ``specs`` not planned yet into ``plans`` (those ``keep`` takes), one thread at a time: ``prepare``'s
+        and a stage's never trace at once, nor read ``plans`` while the other adds to it."""
+        with self._plan_lock:
+            specs = {name: spec for name, spec in specs.items() if name not in self.plans}
+            if specs:
+                with self.quantized.tracing(self.model) as model:
+                    self.plans.update((n, p) for n, p in plan_tensors(model, specs).items() if keep(p))
 
     def _map_all(self, changed: list[_Changed], base_dir: Path | None) -> tuple[dict[str, Any], list[_Write]]:
         """Map every changed tensor onto the parameters: the copies that share a layout (parameter, dtype,
@@ -396,7 +406,9 @@ class InPlaceApplier:
             self._base_files = base_dir, {name: path for name, (path, _, _) in found.items()}
         files = self._base_files[1]
         values, seen = None, torch.zeros(stop - start, dtype=torch.bool, device=self.device)
-        for name, plan in self.plans.items():
+        with self._plan_lock:
+            plans = list(self.plans.items())
+        for name, plan in plans:
             for target in plan.targets:
                 reach = target.dst_offset + sum((n - 1) * s for n, s in zip(target.sizes, target.dst_strides))
                 if target.param != param or reach < start or target.dst_offset >= stop or name not in files:
