@@ -23,7 +23,8 @@ SHM_DIR = "/dev/shm"
 
 def used_segments(pids: list[int] | None = None) -> set[str]:
     """The names of the files in ``SHM_DIR`` that ``pids`` (every live process if None) map or hold open
-    (from /proc; empty elsewhere). A process gone meanwhile is skipped."""
+    (from /proc; empty elsewhere). A process gone meanwhile, or not ours to look into, is skipped: only the
+    engine's own processes know its segments' names, and those are looked into when noted."""
     if pids is None:
         try:
             pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
@@ -76,6 +77,8 @@ class EngineSegments:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
             except FileNotFoundError:  # (its resource tracker, finishing late)
+                continue
+            except PermissionError:  # (another user's)
                 continue
             removed.append(name)
         self.names.difference_update(left)
