@@ -38,9 +38,9 @@ from ..errors import SourceNotFoundError, VllmArgumentError, VllmUnreachable
 from ..format import LATEST, STREAM_KIND_ADAPTER
 from ..lora_aliases import ALIASES_ENV
 from ..process import die_with_parent, free_port, stop_process
-from ..shm import SHM_DIR, EngineSegments
 from ..reader import Stream
 from ..reader.adapter import DEFAULT_KEEP, check_adapter_fits
+from ..shm import SHM_DIR, EngineSegments
 from .adapters.follower import AdapterFollower, default_adapter_name
 from .follow.agent import NodeAgent
 from .follow.cache import safe_owner
