@@ -28,14 +28,50 @@ def die_with_parent() -> None:
         pass
 
 
+STOP_POLL_S = 0.05
+"""How often ``stop_process`` looks whether the descendants of the process it stops are gone."""
+
+
 def stop_process(process: subprocess.Popen[bytes], timeout: float) -> None:
-    """SIGTERM ``process`` and wait for it; SIGKILL it after ``timeout`` seconds."""
+    """SIGTERM ``process`` and wait up to ``timeout`` seconds for it and the descendants it had (vLLM's engine
+    core, its workers and their resource tracker stop after it: what they leave, the tracker removes last);
+    then SIGKILL whichever of them is left. A descendant of a killed process would live on as an orphan that
+    nobody stops, holding memory and ports."""
+    tree = [(pid, _start_time(pid)) for pid in descendants(process.pid)]
+    deadline = time.monotonic() + timeout
     process.terminate()
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+    # (not our children: no wait() tells when they exit)
+    while _still_running(tree) and time.monotonic() < deadline:
+        time.sleep(STOP_POLL_S)
+    for pid in _still_running(tree):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    killed = time.monotonic()
+    while _still_running(tree) and time.monotonic() - killed < 10:
+        time.sleep(STOP_POLL_S)
+
+
+def _start_time(pid: int) -> str | None:
+    """When ``pid`` started (in clock ticks since boot), which tells it from a later process given its number;
+    None once it is gone or has exited (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _still_running(tree: list[tuple[int, str | None]]) -> list[int]:
+    """The processes of ``tree`` (pid, start time) that still run."""
+    return [pid for pid, started in tree if started is not None and _start_time(pid) == started]
 
 
 def run_together(commands: Sequence[tuple[Sequence[str], Mapping[str, str]]], *, capture: bool

@@ -133,13 +133,16 @@ class VllmServer:
         return [self.client.generate(p, max_tokens) for p in PROMPTS]
 
     def stop(self) -> None:
+        """Stop vLLM as ``ckptstream serve`` does: SIGTERM, its processes given 60 s, then the shared memory
+        they left removed."""
+        from ckptstream.process import stop_process
+        from ckptstream.shm import EngineSegments
+
         if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=60)
-            except Exception:
-                self.process.kill()
-                self.process.wait()
+            segments = EngineSegments()
+            segments.note(self.process.pid)
+            stop_process(self.process, timeout=60)
+            segments.remove_orphans()
         self.log.close()
 
 

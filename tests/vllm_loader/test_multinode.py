@@ -29,6 +29,7 @@ from ckptstream import Publisher, Stream
 from ckptstream.format import manifest_path, version_name
 from ckptstream.hf import iter_hf_weights
 from ckptstream.reader import ReplicaRecord
+from ckptstream.shm import EngineSegments
 from ckptstream.testing.pagecache import drop_pages, resident_bytes
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import VllmClient, free_port
@@ -66,9 +67,12 @@ def in_node_namespaces(rank: int, cache: Path, command: list[str], disk: Path | 
 
 
 def stop_nodes(nodes: list[subprocess.Popen]) -> list[int]:
-    """Stop every node's process (continued first if stopped); their exit codes."""
+    """Stop every node's process (continued first if stopped); their exit codes. The shared memory of a node
+    killed after 60 s (its serve could not remove it) is removed here."""
+    segments = EngineSegments()
     for node in nodes:
         if node.poll() is None:
+            segments.note(node.pid)
             os.kill(node.pid, signal.SIGCONT)
             node.send_signal(signal.SIGTERM)
     codes = []
@@ -78,6 +82,7 @@ def stop_nodes(nodes: list[subprocess.Popen]) -> list[int]:
         except subprocess.TimeoutExpired:
             os.killpg(node.pid, signal.SIGKILL)
             codes.append(node.wait())
+    segments.remove_orphans()
     return codes
 
 
