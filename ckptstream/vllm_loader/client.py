@@ -373,8 +373,14 @@ class VllmClient:
         return results
 
     def prepare_in_place(self, path: str) -> None:
-        if self.has_extension() and self._has_method(PREPARE_METHOD):  # (an older extension lacks it)
+        # One call, no probe first: each call waits for a step of the engine, and one in flight when vLLM is
+        # stopped holds its HTTP server's shutdown (an older extension, or none, refuses it: nothing to prepare).
+        try:
             self._extension_call(PREPARE_METHOD, {"path": str(path)})
+        except VllmUnreachable:
+            raise
+        except VllmError:
+            pass
 
     def stage_change(self, path: str, poll_interval: float = 0.02) -> list[dict[str, Any]]:
         """Stage the change in the background on every rank, then poll (each poll a short RPC, so the engine

@@ -201,10 +201,11 @@ class Follower:
         self.fit.adopt(self.stream.manifest(version))
         for client in self.clients:
             self.nodes.hold_served(client, version)
-            self.in_place.prepare(client, self.cache.path(version))
-        if self.config.cache_versions == 0:  # loaded: its copy is no longer needed here
-            self._keep_served()
         self._report(version=version, state="serving")
+        for client in self.clients:  # (after the report: it says the servers serve, which they do meanwhile)
+            self.in_place.prepare(client, self.cache.path(version))
+        if self.config.cache_versions == 0:  # loaded (and its headers read): its copy is no longer needed here
+            self._keep_served()
 
     def load(self, version: int, clients: Sequence[VllmControl] | None = None) -> UpdateRecord:
         """Prepare ``version`` in the cache, check it, and load it into every server (or ``clients``).
