@@ -193,16 +193,16 @@ class Follower:
     # --------------------------------------------------------------------------------------- updating
 
     def adopt(self, version: int) -> None:
-        """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it);
-        the follower holds it in the cache from now on (and the workers of an engine spanning nodes, each
-        on its node: ``EngineNodes.hold_served``)."""
+        """Declare that the servers already serve ``version`` from its cache directory (e.g. started on it); the
+        follower holds it in the cache from now on (and the workers of an engine spanning nodes, each on its node:
+        ``EngineNodes.hold_served``), and the workers trace their loaders on it (``InPlaceUpdates.prepare``)."""
         self.cache.hold(version)
         self.current = version
         self.fit.adopt(self.stream.manifest(version))
         for client in self.clients:
             self.nodes.hold_served(client, version)
         self._report(version=version, state="serving")
-        for client in self.clients:  # (after the report: it says the servers serve, which they do meanwhile)
+        for client in self.clients:  # (after the report: the servers serve meanwhile)
             self.in_place.prepare(client, self.cache.path(version))
         if self.config.cache_versions == 0:  # loaded (and its headers read): its copy is no longer needed here
             self._keep_served()
@@ -216,8 +216,7 @@ class Follower:
         to the version it served (and ``version`` is refused).
 
         Raises:
-            IntegrityError / CkptStreamError: the version is refused (servers untouched, or back on the
-                version they served).
+            IntegrityError / CkptStreamError: the version is refused (servers untouched, or back on theirs).
             NodesNotReady: a node of an engine lacks it after ``nodes_ready_timeout`` (servers untouched).
             VllmError: a server failed to load it (servers reverted to the current version).
         """
