@@ -42,7 +42,7 @@ from ...format import CHECK_MASK, ChangeCheck, version_name
 from .quantized import QuantizedParams
 from .trace import Target, TensorPlan, TensorSpec, plan_tensors
 
-log = logging.getLogger("ckptstream.worker")
+log = logging.getLogger("ckptstream.inplace")
 
 _MAP_CHUNK = 1 << 22  # checkpoint elements mapped at a time where whole tensors are (a quantized unit's base)
 
