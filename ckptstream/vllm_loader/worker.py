@@ -81,6 +81,9 @@ class WorkerExtension:
         vLLM's own does (``"whole"``)."""
         from .share_reload import reload_share
 
+        applier = getattr(self, "_ckptstream_in_place", None)
+        if applier is not None:
+            applier.wait_prepared()
         return reload_share(self, path)
 
     def ckptstream_prepare(self, path: str) -> bool:

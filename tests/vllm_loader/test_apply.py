@@ -6,7 +6,9 @@ equal those of one call per tensor, and a tensor whose loader misbehaves must be
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,6 +103,47 @@ def test_loaders_traced_before_the_first_change_leave_it_nothing_to_trace(tmp_pa
     assert traced[0] == len(base) - 1 and sum(traced[1:]) <= 1  # (lm_head: tied, not in the directory)
     assert applier.apply().get("applied")
     assert _same_parameters(model, _loaded(new)) == []
+
+
+def test_a_full_reload_waits_for_the_loaders_traced_in_the_background(tmp_path, monkeypatch):
+    """vLLM's layerwise reload swaps the parameters whose loaders ``prepare``'s trace calls: run beside it, a
+    reload failed in CI (``'Parameter' object has no attribute 'weight_loader'``). The worker's reload waits for
+    the trace. (The reload here stands for vLLM's and records what ran beside it; the trace is the real one,
+    held until a reload comes or 2 s pass: without the wait, the reload runs while the trace is held.)"""
+    from safetensors.torch import save_file
+
+    from ckptstream.vllm_loader.inplace import apply
+    from ckptstream.vllm_loader.worker import WorkerExtension
+
+    base = fused_checkpoint(SPEC)
+    served = tmp_path / "served"
+    served.mkdir()
+    save_file({n: t.contiguous() for n, t in base.items() if n != "lm_head.weight"}, str(served / "model.safetensors"))
+    model = _loaded(base)
+    applier = InPlaceApplier(model, torch.device("cpu"))
+    tracing, reloading, traced = threading.Event(), threading.Event(), threading.Event()
+    real_plan = apply.plan_tensors
+
+    def held_plan(m, specs):
+        tracing.set()
+        reloading.wait(timeout=2)
+        plans = real_plan(m, specs)
+        traced.set()
+        return plans
+
+    reloads: list[bool] = []
+
+    def reload_weights(**_: object) -> None:
+        reloads.append(traced.is_set())
+        reloading.set()
+
+    monkeypatch.setattr(apply, "plan_tensors", held_plan)
+    applier.prepare(str(served))
+    assert tracing.wait(timeout=60)
+    worker = SimpleNamespace(_ckptstream_in_place=applier, model_runner=None, reload_weights=reload_weights)
+    WorkerExtension.ckptstream_reload_weights(worker, str(served))
+    assert reloads == [True]  # the trace had ended when the reload began
+    assert len(applier.plans) == len(base) - 1
 
 
 def test_an_old_value_that_differs_writes_nothing(tmp_path):

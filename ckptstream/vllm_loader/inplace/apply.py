@@ -160,6 +160,14 @@ class InPlaceApplier:
                                               daemon=True)
             self._planning.start()
 
+    def wait_prepared(self) -> None:
+        """Wait for ``prepare``'s trace to end. vLLM's full reload must not run beside it: its layerwise reload
+        swaps the parameters whose loaders the trace's ``load_weights`` calls, and counts what those loaders
+        are given (a reload beside a trace failed in CI: ``'Parameter' object has no attribute
+        'weight_loader'``)."""
+        if self._planning is not None:
+            self._planning.join()
+
     def _prepare(self, path: str, specs: dict[str, TensorSpec]) -> None:
         try:
             with torch.no_grad():
