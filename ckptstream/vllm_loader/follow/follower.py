@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ...credentials import redact
-from ...errors import (CkptStreamError, MissingBaseError, NodesNotReady,
-                       RouterError, VersionNotFoundError)
+from ...errors import CkptStreamError, MissingBaseError, NodesNotReady, RouterError, VersionNotFoundError
 from ...format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
 from ...reader import ReplicaRecord, Stream, replica_path
 from ...reader.replicas import STATE_ASIDE, remember_refusal
@@ -128,8 +127,7 @@ class Follower:
 
     def run(self, stop: threading.Event) -> None:
         """Follow until ``stop`` is set: discover, update, reconcile restarted servers, heartbeat."""
-        heartbeat = threading.Thread(target=self._heartbeat, args=(stop,), name="ckptstream-heartbeat",
-                                     daemon=True)
+        heartbeat = threading.Thread(target=self._heartbeat, args=(stop,), name="ckptstream-heartbeat", daemon=True)
         heartbeat.start()
         watcher = self._watch()
 
@@ -202,8 +200,7 @@ class Follower:
         for client in self.clients:
             self.nodes.hold_served(client, version)
         self._report(version=version, state="serving")
-        for client in self.clients:  # (after the report: the servers serve meanwhile)
-            self.in_place.prepare(client, self.cache.path(version))
+        self.in_place.prepare(self.clients, self.cache.path(version))  # (after the report: they serve meanwhile)
         if self.config.cache_versions == 0:  # loaded (and its headers read): its copy is no longer needed here
             self._keep_served()
 
@@ -255,6 +252,7 @@ class Follower:
         in_place = 0
         fallbacks: collections.Counter[str] = collections.Counter()
         done: list[VllmControl] = []
+        fully_reloaded: list[VllmControl] = []
         waiting: list[tuple[VllmControl, str]] = []  # to reload fully once decoded, and why
         verify: list[VllmControl] = []
         for client in targets:
@@ -277,6 +275,7 @@ class Follower:
             done.append(client)
             if fallback is not None:
                 fallbacks[fallback] += 1
+                fully_reloaded.append(client)
             else:
                 in_place += 1
                 if self.in_place.verify_due(client):
@@ -308,6 +307,7 @@ class Follower:
                 pause_s += paused
                 reload_s += reloaded
                 done.append(client)
+                fully_reloaded.append(client)
                 fallbacks[fallback] += 1
             if waiting:
                 lag_s = commit_age(manifest.created)
@@ -319,6 +319,8 @@ class Follower:
                 self.nodes.hold_served(client, version)  # (reloaded: what the head asked the nodes for is over)
                 fallbacks["verify"] += 1
         self.current = version
+        if path is not None:  # (the others have traced their loaders: in place since)
+            self.in_place.prepare(fully_reloaded, path)
         self._keep_served()
         fetched = self._reads.bytes_read() - bytes_before  # measured: what this update read from storage
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
@@ -339,8 +341,7 @@ class Follower:
         try:
             with self._gate(client.url, version):
                 try:
-                    result = self._load_into(client, version, path, restore=restore, restored=restored,
-                                             change=staged)
+                    result = self._load_into(client, version, path, restore=restore, restored=restored, change=staged)
                 except VllmError:
                     # A server whose reload failed got the last good version back inside its pause,
                     # else gets it now, before the gate lets it serve again.
@@ -442,8 +443,7 @@ class Follower:
         return gate.hold(url, version) if gate is not None else contextlib.nullcontext()
 
     def _restore_paused(self, client: VllmControl, restore: Path) -> bool:
-        """Reload the current version into a paused server whose reload failed (every rank reloads it);
-        returns whether it did."""
+        """Reload the current version into a paused server whose reload failed (every rank): whether it did."""
         try:
             client.reload_weights(str(restore))
             client.reset_prefix_cache()

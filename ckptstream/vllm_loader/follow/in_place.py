@@ -128,15 +128,18 @@ class InPlaceUpdates:
             return None, "no_change"
         return None, "first_version"
 
-    def prepare(self, client: VllmControl, served: Path) -> None:
-        """Have ``client``'s workers trace their loaders on the served version's directory ``served`` while they
-        generate, so that the first change stages sooner (where in-place updates are on)."""
-        if not self.config.apply_in_place or client.url in self.off:
-            return
-        try:
-            client.prepare_in_place(str(served))
-        except VllmError as exc:  # (the first change traces what it needs)
-            log.info("%s: tracing the loaders before the first change failed: %s", client.url, exc)
+    def prepare(self, clients: Sequence[VllmControl], served: Path) -> None:
+        """Have the workers of ``clients`` trace their loaders on the directory ``served`` of the version they
+        serve while they generate, so that the first change stages sooner (where in-place updates are on). Asked
+        after every start and full reload (a restarted server's workers have traced nothing); a worker traces
+        once."""
+        for client in clients:
+            if not self.config.apply_in_place or client.url in self.off:
+                continue
+            try:
+                client.prepare_in_place(str(served))
+            except VllmError as exc:  # (the first change traces what it needs)
+                log.info("%s: tracing the loaders before the first change failed: %s", client.url, exc)
 
     def stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
         """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change staged
