@@ -286,15 +286,14 @@ class InPlaceApplier:
                                                          torch.Tensor]]] = {}
         for (param, checkpoint_dtype, *_), copies in layouts.items():
             counts = [changed[i].count for i, _ in copies]
-            at, value_at = change.elements([i for i, _ in copies])
-            positions = change.positions[at].to(self.device)
+            positions = change.positions_of([i for i, _ in copies]).to(self.device)
             src_offset = _repeated([t.src_offset for _, t in copies], counts).to(self.device)
             dst_offset = _repeated([t.dst_offset for _, t in copies], counts).to(self.device)
             segment = _repeated([i for i, _ in copies], counts).to(self.device)
             covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
             written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
             dtype = params[param].dtype
-            in_file = change.values[changed[copies[0][0]].dtype]
+            in_file = change.values_of([i for i, _ in copies])
             if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
                 # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
                 # and the check sums) are not in them. A change with its old values (packed-1) compares them
@@ -306,11 +305,11 @@ class InPlaceApplier:
             quantized = param in self.quantized.params  # (its old and new values kept as the checkpoint's)
             names_of.setdefault(param, set()).update(changed[i].name for i, _ in copies)
             if change.packed:
-                old, new = (part[value_at].to(self.device)[covered] for part in in_file)
+                old, new = (part.to(self.device)[covered] for part in in_file)
                 per_param.setdefault(param, []).append((index[covered], *(v if quantized else v.to(dtype)
                                                                          for v in (old, new))))
             elif not quantized:
-                xor = in_file[0][value_at].to(self.device)[covered]
+                xor = in_file[0].to(self.device)[covered]
                 pending.setdefault((param, checkpoint_dtype), []).append(
                     (changed[copies[0][0]].step or 0, segment[covered], index[covered], positions[covered], xor))
         for (param, checkpoint_dtype), parts in pending.items():
@@ -367,7 +366,7 @@ class InPlaceApplier:
         if not indices:
             return []
         segment = _repeated(list(range(len(indices))), [change.entries[i].count for i in indices]).to(self.device)
-        mixed = check_positions(change.positions[change.elements(indices)[0]].to(self.device))
+        mixed = check_positions(change.positions_of(indices).to(self.device))
         sums = torch.zeros(len(indices), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
         return [v & CHECK_MASK for v in sums.tolist()]
 

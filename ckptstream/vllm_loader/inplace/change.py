@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 import numpy
 import torch
 
-from ...codec import bit_pattern, torch_dtype
+from ...codec import INT_OF_SIZE, bit_pattern, torch_dtype
 from ...errors import IntegrityError
 from ...format import ENCODING_PIECES, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ChangeCheck, Manifest, TensorEntry
 from ...hf import tensor_specs
@@ -389,16 +389,24 @@ class ChangeFile:
             return ChangedTensor(entry.shape, at, parts[0], parts[1])
         return ChangedTensor(entry.shape, at, None, None, parts[0], entry.check, entry.step)
 
-    def elements(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the changed elements of the entries ``indices`` lie, end to end in that order: (their indices in
-        ``positions``, in their dtype's ``values``). One gather then reads many entries: a slice per entry costs
-        a reader beside a generating engine a wait for the interpreter each (thousands of experts' tensors)."""
-        counts = numpy.asarray([self.entries[i].count for i in indices], dtype=numpy.int64)
-        ends = numpy.cumsum(counts)
-        local = numpy.arange(int(ends[-1]) if len(ends) else 0, dtype=numpy.int64) - numpy.repeat(ends - counts, counts)
-        starts = (numpy.asarray([self.entries[i].start for i in indices], dtype=numpy.int64),
-                  numpy.asarray([self.entries[i].value_start for i in indices], dtype=numpy.int64))
-        return tuple(torch.from_numpy(numpy.repeat(first, counts) + local) for first in starts)  # type: ignore[return-value]
+    def positions_of(self, indices: list[int]) -> torch.Tensor:
+        """The positions of the entries ``indices``, end to end in that order."""
+        return _ranges(self.positions, [(self.entries[i].start, self.entries[i].count) for i in indices])
+
+    def values_of(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        """The values (old and new, or the XOR) of the entries ``indices`` (all of one dtype), end to end."""
+        held = self.values[self.entries[indices[0]].dtype]
+        ranges = [(self.entries[i].value_start, self.entries[i].count) for i in indices]
+        return tuple(_ranges(values, ranges) for values in held)
+
+
+def _ranges(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The (start, count) ranges of the 1-D host ``tensor``, end to end, gathered by numpy: a torch slice per entry
+    would cost a reader beside a generating engine a wait for the interpreter each (thousands of experts' tensors),
+    and one index of every element would cost memory and time."""
+    flat = tensor.view(INT_OF_SIZE[tensor.element_size()]).numpy()  # (numpy holds no bf16)
+    gathered = numpy.concatenate([flat[start:start + count] for start, count in ranges])
+    return torch.from_numpy(gathered).view(tensor.dtype)
 
 
 def load_change(handle: Any) -> ChangeFile:
