@@ -106,8 +106,7 @@ class Follower:
         self.wake = threading.Event()
         self.observers: list[FollowerObserver] = [LogLines(log), *config.observers,
                                                   ReplicaRecordWriter(self.stream.storage)]
-        self.metrics_server = attach_metrics(self.observers, self.record, url, config.metrics_host,
-                                             config.metrics_port)
+        self.metrics_server = attach_metrics(self.observers, self.record, url, config.metrics_host, config.metrics_port)
 
     def close(self) -> None:
         """Release the cached versions it holds (a restarted follower adopts the one its servers serve);
@@ -510,9 +509,8 @@ class Follower:
                 unlock(hold)
 
     def _reconcile(self, clients: list[VllmControl]) -> None:
-        """A server that restarted or was given back (its weight version is not ours) gets the current
-        version again. A restarted follower adopts the version its servers report, when its cache holds
-        that version."""
+        """A server that restarted or was given back (its weight version is not ours) gets the current version
+        again, and traces. A restarted follower adopts the version its servers report, if cached here."""
         if self.current is None:
             self._adopt_served(clients)
             if self.current is None:
@@ -525,7 +523,9 @@ class Follower:
             if served != str(self.current):
                 log.info("%s serves %r, not version %d; reloading it", client.url, served, self.current)
                 client.wait_ready(timeout=60)
-                self._load_into(client, self.current, self._current_path(client))
+                path = self._current_path(client)
+                self._load_into(client, self.current, path)
+                self.in_place.prepare([client], path)  # (a restarted server's workers have traced nothing)
 
     def _adopt_served(self, clients: list[VllmControl]) -> None:
         try:

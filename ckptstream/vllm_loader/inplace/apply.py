@@ -32,20 +32,25 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy
 import torch
 
 from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
 from ...format import CHECK_MASK, ChangeCheck, version_name
-from .change import ChangeFile
 from .quantized import QuantizedParams
 from .trace import Target, TensorPlan, TensorSpec, plan_tensors
+
+if TYPE_CHECKING:
+    from .change import ChangeFile
 
 log = logging.getLogger("ckptstream.inplace")
 
 _MAP_CHUNK = 1 << 22  # checkpoint elements mapped at a time where whole tensors are (a quantized unit's base)
+PREPARE_BATCH = 256
+"""Checkpoint tensors ``InPlaceApplier.prepare`` traces per ``load_weights`` call: a full reload, which stops the
+trace, waits for one such batch at most."""
 
 
 def map_positions(target: Target, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,40 +122,50 @@ class InPlaceApplier:
         self._writes: list[_Write] = []
         self._applied: list[_Write] = []  # what the last apply wrote, for ``revert``
         self._planning: threading.Thread | None = None  # ``prepare``'s
+        self._prepared = False  # (its trace went through every tensor)
+        self._stop_planning = threading.Event()
         self._plan_lock = threading.Lock()  # held while ``plans`` grows (``_plan``) or is read whole
 
     def prepare(self, path: str) -> None:
         """Plan every tensor of the checkpoint directory ``path`` in a background thread, while the engine
         generates: tracing thousands of loaders (a MoE model's experts) then costs the first update nothing.
-        Once per worker (the follower asks after every full reload: the model's structure does not change)."""
+        The follower asks after every start and full reload; a worker traces each tensor once (the model's
+        structure does not change), and goes on where a reload stopped it (``quiesce``) or a trace failed."""
         from ...codec import torch_dtype
         from ...hf import tensor_specs
 
-        if self._planning is not None:
+        if self._prepared or (self._planning is not None and self._planning.is_alive()):
             return
         # (the headers read now: the directory may go once the call returns; none here, e.g. on a node that keeps
         # no copy: the first change traces its own)
         specs = {name: (shape, torch_dtype(dtype)) for name, (dtype, shape) in tensor_specs(path).items()}
         if specs:
+            self._stop_planning.clear()
             self._planning = threading.Thread(target=self._prepare, args=(path, specs), name="ckptstream-plan",
                                               daemon=True)
             self._planning.start()
 
-    def wait_prepared(self) -> None:
-        """Wait for ``prepare``'s trace to end. vLLM's full reload must not run beside it: its layerwise reload
-        swaps the parameters whose loaders the trace's ``load_weights`` calls, and counts what those loaders
-        are given (a reload beside a trace failed in CI: ``'Parameter' object has no attribute
-        'weight_loader'``)."""
+    def quiesce(self) -> None:
+        """Stop ``prepare``'s trace after its current batch of tensors and wait for a staging to end. vLLM's full
+        reload must not run beside either: its layerwise reload swaps the parameters whose loaders a trace's
+        ``load_weights`` calls and counts what those loaders are given (a reload beside a trace failed in CI:
+        ``'Parameter' object has no attribute 'weight_loader'``). The reload, inside the pause, waits for one
+        batch at most (``PREPARE_BATCH``)."""
         if self._planning is not None:
+            self._stop_planning.set()
             self._planning.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def _prepare(self, path: str, specs: dict[str, TensorSpec]) -> None:
+        names = list(specs)  # (in the files' order: a layer's tensors together)
         try:
             with torch.no_grad():
-                # Only the plans that found a plain copy are kept: a reason found now (e.g. a storage replaced by a
-                # full reload running beside the trace) is asked again by the change that needs the tensor.
-                self._plan({name: spec for name, spec in specs.items() if name not in self.plans},
-                           keep=lambda plan: plan.problem is None)
+                for start in range(0, len(names), PREPARE_BATCH):
+                    if self._stop_planning.is_set():
+                        return
+                    self._plan({name: specs[name] for name in names[start:start + PREPARE_BATCH]})
+            self._prepared = True
         except Exception as exc:  # noqa: BLE001 - the first change plans what it needs again
             log.warning("tracing the loaders of %s before the first change failed (%s: %s); the first change "
                         "traces its own", path, type(exc).__name__, exc)
@@ -233,8 +248,7 @@ class InPlaceApplier:
             with safe_open(path, framework="pt") as handle, torch.no_grad(), \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 change = load_change(handle)
-                dtypes = {name: held[0].dtype for name, held in change.values.items()}
-                self._plan({e.name: (e.shape, dtypes[e.dtype]) for e in change.entries if e.name not in self.plans})
+                self._plan({e.name: (e.shape, change.dtype(e)) for e in change.entries if e.name not in self.plans})
                 base = str((handle.metadata() or {}).get("base"))  # (a change in a cache: <stream>/.changes/<file>)
                 base_dir = Path(path).parent.parent / version_name(int(base)) if base.isdigit() else None
                 result, writes = self._map_all(change, base_dir)
@@ -245,14 +259,14 @@ class InPlaceApplier:
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
             self._result = {"error": f"{type(exc).__name__}: {exc}"}
 
-    def _plan(self, specs: dict[str, TensorSpec], keep: Callable[[TensorPlan], bool] = lambda plan: True) -> None:
-        """Trace ``specs`` not planned yet into ``plans`` (those ``keep`` takes), one thread at a time: ``prepare``'s
-        and a stage's never trace at once, nor read ``plans`` while the other adds to it."""
+    def _plan(self, specs: dict[str, TensorSpec]) -> None:
+        """Trace ``specs`` not planned yet into ``plans``, one thread at a time: ``prepare``'s and a stage's never
+        trace at once, nor read ``plans`` while the other adds to it."""
         with self._plan_lock:
             specs = {name: spec for name, spec in specs.items() if name not in self.plans}
             if specs:
                 with self.quantized.tracing(self.model) as model:
-                    self.plans.update((n, p) for n, p in plan_tensors(model, specs).items() if keep(p))
+                    self.plans.update(plan_tensors(model, specs))
 
     def _map_all(self, change: ChangeFile, base_dir: Path | None) -> tuple[dict[str, Any], list[_Write]]:
         """Map every changed tensor onto the parameters: the copies that share a layout (parameter, dtype,
@@ -262,7 +276,6 @@ class InPlaceApplier:
         them (``xor-1``, ``xor-steps-1``) are read from the parameters, its checks summed per tensor (and step)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         changed = change.entries
-        dtypes = {name: held[0].dtype for name, held in change.values.items()}
         unpatchable: dict[str, str] = {}
         unverifiable: dict[str, str] = {}  # (xor-1) tensor -> why this rank cannot read its checkpoint bits
         layouts: dict[tuple[Any, ...], list[tuple[int, Target]]] = {}  # layout -> [(tensor's index, copy)]
@@ -274,7 +287,7 @@ class InPlaceApplier:
             elif plan.targets:
                 loaded.append(i)
                 for target in plan.targets:
-                    key = (target.param, dtypes[tensor.dtype], target.sizes, target.src_strides, target.dst_strides,
+                    key = (target.param, tensor.dtype, target.sizes, target.src_strides, target.dst_strides,
                            tensor.step)
                     layouts.setdefault(key, []).append((i, target))
         written = torch.zeros(len(changed), dtype=torch.int64, device=self.device)
@@ -284,7 +297,8 @@ class InPlaceApplier:
         # (xor) per parameter and checkpoint dtype: per copy (step, segment, storage offsets, positions, XOR)
         pending: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]]] = {}
-        for (param, checkpoint_dtype, *_), copies in layouts.items():
+        for (param, *_), copies in layouts.items():
+            checkpoint_dtype = change.dtype(changed[copies[0][0]])
             counts = [changed[i].count for i, _ in copies]
             positions = change.positions_of([i for i, _ in copies]).to(self.device)
             src_offset = _repeated([t.src_offset for _, t in copies], counts).to(self.device)

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 import numpy
 import torch
 
-from ...codec import INT_OF_SIZE, bit_pattern, torch_dtype
+from ...codec import bit_pattern, torch_dtype
 from ...errors import IntegrityError
 from ...format import ENCODING_PIECES, ENCODING_UNCHANGED, ENCODING_XOR_ZSTD, ChangeCheck, Manifest, TensorEntry
 from ...hf import tensor_specs
@@ -389,6 +389,10 @@ class ChangeFile:
             return ChangedTensor(entry.shape, at, parts[0], parts[1])
         return ChangedTensor(entry.shape, at, None, None, parts[0], entry.check, entry.step)
 
+    def dtype(self, entry: ChangeEntry) -> torch.dtype:
+        """The torch dtype of ``entry``'s values."""
+        return self.values[entry.dtype][0].dtype
+
     def positions_of(self, indices: list[int]) -> torch.Tensor:
         """The positions of the entries ``indices``, end to end in that order."""
         return _ranges(self.positions, [(self.entries[i].start, self.entries[i].count) for i in indices])
@@ -404,8 +408,9 @@ def _ranges(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor
     """The (start, count) ranges of the 1-D host ``tensor``, end to end, gathered by numpy: a torch slice per entry
     would cost a reader beside a generating engine a wait for the interpreter each (thousands of experts' tensors),
     and one index of every element would cost memory and time."""
-    flat = tensor.view(INT_OF_SIZE[tensor.element_size()]).numpy()  # (numpy holds no bf16)
-    gathered = numpy.concatenate([flat[start:start + count] for start, count in ranges])
+    size = tensor.element_size()
+    flat = tensor.view(torch.uint8).numpy()  # (numpy holds no bf16)
+    gathered = numpy.concatenate([flat[start * size:(start + count) * size] for start, count in ranges])
     return torch.from_numpy(gathered).view(tensor.dtype)
 
 
