@@ -5,10 +5,13 @@ Per depth it prints the checkpoint tensors, the elements changed and the change 
 (the loaders traced: once per model), a later staging (plans reused), and the apply (what the pause holds), each
 the median of ``--repeat`` runs, and whether the patched model equals a full ``load_weights`` of the new version
 (``--check``). With ``--baseline MODULE`` (a copy of an older ``apply.py``, e.g.
-``git show 2643a1c:ckptstream/vllm_loader/apply.py > /tmp/apply_old.py``) the same figures for that applier
-are printed beside, in the same run.
+``git show main:ckptstream/vllm_loader/inplace/apply.py > /tmp/apply_old.py``) the same figures for that applier
+are printed beside, in the same run. With ``--busy``, each staging is also timed beside a thread that does what a
+generating engine's loop does to the interpreter (Python work between small torch ops): a staging in a vLLM
+worker shares the GIL with it, and each of its own ops may wait for the GIL again.
 
     python tools/bench_apply.py --layers 2 4 8 --experts 128 --hidden 256 --intermediate 96
+    python tools/bench_apply.py --layers 8 --busy --baseline /tmp/apply_old.py
     python tools/bench_apply.py --device cuda --layers 8 16 --experts 128 --hidden 2048 --intermediate 768
 """
 
@@ -20,6 +23,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,17 +51,48 @@ def _load(spec: FusedSpec, state: dict[str, torch.Tensor], device: torch.device)
     return model
 
 
+class _EngineLoop:
+    """A thread that keeps the interpreter as busy as a generating engine's loop: Python work between small
+    torch ops (each of which lets go of the GIL, as vLLM's scheduling and sampling do)."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def _run(self) -> None:
+        state = torch.zeros(64)
+        while not self._stop.is_set():
+            for _ in range(20):
+                state = state + 1
+            sum(range(500))
+
+    def __enter__(self) -> _EngineLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _time_applier(module: Any, spec: FusedSpec, base: dict, new: dict, change: Path, device: torch.device,
-                  repeat: int, check: bool) -> dict[str, Any]:
-    """First staging, later stagings and applies (each on a fresh base model, plans kept) with ``module``."""
+                  repeat: int, check: bool, busy: bool) -> dict[str, Any]:
+    """First staging, later stagings and applies (each on a fresh base model, plans kept) with ``module``; with
+    ``busy``, the later stagings also beside an ``_EngineLoop``."""
     model = _load(spec, base, device)
     applier = module.InPlaceApplier(model, device)
     first = stage_s = None
-    stages, applies = [], []
+    stages, applies, busy_stages = [], [], []
     for i in range(repeat + 1):
         if i:
             with torch.no_grad():
                 model.load_weights(base.items())  # back to the base version, plans kept
+        if i and busy:
+            with _EngineLoop():
+                started = time.perf_counter()
+                applier.stage(str(change))
+                applier.staged(wait=True)
+                busy_stages.append(time.perf_counter() - started)
         _sync(device)
         started = time.perf_counter()
         applier.stage(str(change))
@@ -78,7 +113,7 @@ def _time_applier(module: Any, spec: FusedSpec, base: dict, new: dict, change: P
         reference = dict(_load(spec, new, device).named_parameters())
         equal = all(torch.equal(bit_pattern(p), bit_pattern(reference[n])) for n, p in model.named_parameters())
     return {"first_stage_s": first, "stage_s": statistics.median(stages), "apply_s": statistics.median(applies),
-            "equal": equal}
+            "busy_stage_s": statistics.median(busy_stages) if busy_stages else None, "equal": equal}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--check", action="store_true", help="compare with a full load_weights of the new version")
     parser.add_argument("--baseline", help="path of an older apply.py to time beside the current one")
+    parser.add_argument("--busy", action="store_true", help="also time each staging beside a busy engine loop")
     parser.add_argument("--threads", type=int, help="torch's CPU threads (1 on a busy host: OpenMP threads spin)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
@@ -100,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     appliers = {"current": current_apply}
     if args.baseline:
-        spec_ = importlib.util.spec_from_file_location("ckptstream.vllm_loader._baseline_apply", args.baseline)
+        spec_ = importlib.util.spec_from_file_location("ckptstream.vllm_loader.inplace._baseline_apply", args.baseline)
         baseline = importlib.util.module_from_spec(spec_)
         sys.modules[spec_.name] = baseline  # (its dataclasses look their module up)
         spec_.loader.exec_module(baseline)
@@ -109,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device}; experts {args.experts}, hidden {args.hidden}, intermediate {args.intermediate}; "
           f"{args.fraction:.0%} of elements changed; medians of {args.repeat}")
     print(f"{'applier':>9} {'layers':>6} {'tensors':>8} {'changed':>10} {'change MB':>9} {'1st stage s':>11} "
-          f"{'stage s':>8} {'apply s':>8} {'equal':>6}")
+          f"{'stage s':>8} {'busy stage s':>12} {'apply s':>8} {'equal':>6}")
     with tempfile.TemporaryDirectory() as scratch:
         for layers in args.layers:
             spec = FusedSpec(layers=layers, experts=args.experts, hidden=args.hidden,
@@ -123,17 +159,22 @@ def main(argv: list[str] | None = None) -> int:
             summary = write_change(((n, base[n], new[n]) for n in new), change, total=total, max_fraction=1.0,
                                    stream_id="bench", base=0, version=1)
             for label, module in appliers.items():
-                figures = _time_applier(module, spec, base, new, change, device, args.repeat, args.check)
+                figures = _time_applier(module, spec, base, new, change, device, args.repeat, args.check, args.busy)
                 row = {"applier": label, "layers": layers, "tensors": len(new), "changed": summary.changed,
                        "change_bytes": change.stat().st_size, **figures}
                 rows.append(row)
                 print(f"{label:>9} {layers:>6} {len(new):>8} {summary.changed:>10} "
                       f"{row['change_bytes'] / 1e6:>9.1f} {figures['first_stage_s']:>11.3f} "
-                      f"{figures['stage_s']:>8.3f} {figures['apply_s']:>8.4f} {str(figures['equal']):>6}", flush=True)
+                      f"{figures['stage_s']:>8.3f} {_seconds(figures['busy_stage_s']):>12} "
+                      f"{figures['apply_s']:>8.4f} {str(figures['equal']):>6}", flush=True)
             del base, new
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":

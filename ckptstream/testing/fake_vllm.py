@@ -229,8 +229,9 @@ class FakeVllmClient:
                  "host": node.host, "node_rank": node.node_rank, "rank": rank}
                 for rank, node in enumerate(self.nodes)]
 
-    def prepare_in_place(self, path: str) -> None:
+    def prepare_in_place(self, path: str) -> bool:
         self._call("prepare_in_place", path)
+        return self.in_place
 
     def stage_change(self, path: str) -> list[dict[str, Any]]:
         """With ``in_place``: each node reads the change file at ``path`` on its own disk (an error where it

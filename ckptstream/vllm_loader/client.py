@@ -72,9 +72,10 @@ class VllmControl(Protocol):
     def check_weight_version(self, version: str) -> None:
         """Raise unless ``weight_version()`` is ``version``."""
 
-    def prepare_in_place(self, path: str) -> None:
+    def prepare_in_place(self, path: str) -> bool:
         """Have every worker trace the weight loaders of the checkpoint directory ``path`` in the background while
-        the engine generates, so that the first change stages without it (nothing where it cannot)."""
+        the engine generates, so that the first change stages without it; whether they took the call (False: an
+        older ckptstream worker extension, or none)."""
 
     def stage_change(self, path: str) -> list[dict[str, Any]]:
         """Have every worker map the change file ``path`` onto its parameters while the engine generates;
@@ -372,7 +373,7 @@ class VllmClient:
             raise VllmError(f"{self.url}/collective_rpc {HOLD_METHOD} answered {str(results)[:300]}")
         return results
 
-    def prepare_in_place(self, path: str) -> None:
+    def prepare_in_place(self, path: str) -> bool:
         # One call, no probe first: each call waits for a step of the engine, and one in flight when vLLM is
         # stopped holds its HTTP server's shutdown (an older extension, or none, refuses it: nothing to prepare).
         try:
@@ -380,7 +381,8 @@ class VllmClient:
         except VllmUnreachable:
             raise
         except VllmError:
-            pass
+            return False
+        return True
 
     def stage_change(self, path: str, poll_interval: float = 0.02) -> list[dict[str, Any]]:
         """Stage the change in the background on every rank, then poll (each poll a short RPC, so the engine

@@ -83,7 +83,7 @@ class WorkerExtension:
 
         applier = getattr(self, "_ckptstream_in_place", None)
         if applier is not None:
-            applier.wait_prepared()
+            applier.quiesce()  # (no trace of the loaders may run beside vLLM's reload)
         return reload_share(self, path)
 
     def ckptstream_prepare(self, path: str) -> bool:

@@ -105,14 +105,15 @@ def test_loaders_traced_before_the_first_change_leave_it_nothing_to_trace(tmp_pa
     assert _same_parameters(model, _loaded(new)) == []
 
 
-def test_a_full_reload_waits_for_the_loaders_traced_in_the_background(tmp_path, monkeypatch):
-    """vLLM's layerwise reload swaps the parameters whose loaders ``prepare``'s trace calls: run beside it, a
-    reload failed in CI (``'Parameter' object has no attribute 'weight_loader'``). The worker's reload waits for
-    the trace. (The reload here stands for vLLM's and records what ran beside it; the trace is the real one,
-    held until a reload comes or 2 s pass: without the wait, the reload runs while the trace is held.)"""
+def test_a_full_reload_stops_the_background_trace_and_waits_for_a_staging(tmp_path, monkeypatch):
+    """vLLM's layerwise reload swaps the parameters whose loaders a trace calls: run beside ``prepare``'s, a reload
+    failed in CI (``'Parameter' object has no attribute 'weight_loader'``). The worker's reload stops the trace
+    after its current batch and waits for it, and for a staging; the next ``prepare`` goes on where it stopped.
+    (The reload here stands for vLLM's and records what ran beside it; the trace and the staging are the real ones,
+    each held until a reload comes or 2 s pass: without the wait, the reload runs while they are held.)"""
     from safetensors.torch import save_file
 
-    from ckptstream.vllm_loader.inplace import apply
+    from ckptstream.vllm_loader.inplace import apply, change
     from ckptstream.vllm_loader.worker import WorkerExtension
 
     base = fused_checkpoint(SPEC)
@@ -121,29 +122,47 @@ def test_a_full_reload_waits_for_the_loaders_traced_in_the_background(tmp_path, 
     save_file({n: t.contiguous() for n, t in base.items() if n != "lm_head.weight"}, str(served / "model.safetensors"))
     model = _loaded(base)
     applier = InPlaceApplier(model, torch.device("cpu"))
-    tracing, reloading, traced = threading.Event(), threading.Event(), threading.Event()
-    real_plan = apply.plan_tensors
+    held, reloading, done = threading.Event(), threading.Event(), threading.Event()
+    batches: list[int] = []
 
-    def held_plan(m, specs):
-        tracing.set()
-        reloading.wait(timeout=2)
-        plans = real_plan(m, specs)
-        traced.set()
-        return plans
+    def holding(real):
+        def call(*args):
+            held.set()
+            reloading.wait(timeout=2)
+            answer = real(*args)
+            done.set()
+            return answer
+        return call
 
     reloads: list[bool] = []
 
     def reload_weights(**_: object) -> None:
-        reloads.append(traced.is_set())
+        reloads.append(done.is_set())
         reloading.set()
 
-    monkeypatch.setattr(apply, "plan_tensors", held_plan)
-    applier.prepare(str(served))
-    assert tracing.wait(timeout=60)
     worker = SimpleNamespace(_ckptstream_in_place=applier, model_runner=None, reload_weights=reload_weights)
+    monkeypatch.setattr(apply, "PREPARE_BATCH", 8)
+    real_plan = apply.plan_tensors
+    monkeypatch.setattr(apply, "plan_tensors", holding(lambda m, specs: batches.append(len(specs)) or
+                                                       real_plan(m, specs)))
+    applier.prepare(str(served))
+    assert held.wait(timeout=60)
     WorkerExtension.ckptstream_reload_weights(worker, str(served))
-    assert reloads == [True]  # the trace had ended when the reload began
+    assert reloads == [True] and batches == [8] and len(applier.plans) == 8  # stopped after its first batch
+    monkeypatch.setattr(apply, "plan_tensors", real_plan)
+    applier.prepare(str(served))  # (asked again after the reload: it goes on)
+    applier._planning.join()  # (the trace's thread: quiesce would stop it)
     assert len(applier.plans) == len(base) - 1
+
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(4))
+    for event in (held, reloading, done):
+        event.clear()
+    monkeypatch.setattr(change, "load_change", holding(change.load_change))
+    applier.stage(str(_change(base, new, tmp_path / "change.safetensors")))
+    assert held.wait(timeout=60)
+    WorkerExtension.ckptstream_reload_weights(worker, str(served))
+    assert reloads == [True, True]  # the staging had read its change when the reload began
 
 
 def test_an_old_value_that_differs_writes_nothing(tmp_path):

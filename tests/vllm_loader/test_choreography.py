@@ -58,8 +58,9 @@ def test_follower_takes_fake_clients_and_a_config(stream, tmp_path):
         update = follower.step()
     assert update is not None and update.version == 2
     assert server.weight_version_label == "2" and server.loaded_version == 2
-    assert [c for c, _ in server.calls][-8:] == ["pause", "reload_weights", "reset_prefix_cache", "set_weight_version",
-                                                 "resume", "check_resumed", "check_weight_version", "probe"]
+    assert [c for c, _ in server.calls][-9:] == ["pause", "reload_weights", "reset_prefix_cache", "set_weight_version",
+                                                 "resume", "check_resumed", "check_weight_version", "probe",
+                                                 "prepare_in_place"]
     with pytest.raises(TypeError, match="unknown follower option"):
         Follower(url, [server], cache_dir=tmp_path / "cache", polling=3)
 
@@ -80,10 +81,28 @@ def test_the_change_is_offered_to_the_servers_unless_reload_only(stream, tmp_pat
     assert update.fallbacks == {"no_extension": 1} and update.applied_in_place == 0 and offered.loaded_version == 3
     assert reloading.calls_of("stage_change") == [] and plain.fallbacks == {"disabled": 1}
     assert reloading.loaded_version == 3
+    # Its workers are asked to trace their loaders on what they serve after a full reload (the first change then
+    # stages without tracing): once here, as it refused (no extension); a server that reloads only is not.
+    assert [Path(p).name for p in offered.calls_of("prepare_in_place")] == ["000000000002"]
+    assert reloading.calls_of("prepare_in_place") == []
     with Follower(url, [offered], cache_dir=tmp_path / "a", replica_id="offered") as follower:
         follower.adopt(3)
+        assert Path(offered.calls_of("prepare_in_place")[-1]).name == "000000000003"  # (a follower restarted)
         publisher.publish(_state(9)).result()  # 7 of 20 elements: more than a patch is worth
         assert follower.step().fallbacks == {"large_change": 1} and len(offered.calls_of("stage_change")) == 1
+
+
+def test_workers_trace_their_loaders_after_each_full_reload_and_a_restart(stream, tmp_path):
+    """A server whose version arrived by a full reload (the first one; a restart brought back) is asked to trace its
+    loaders on it while it serves, so that its first change stages without tracing."""
+    url, _ = stream
+    server = FakeVllmClient(in_place=True)
+    with Follower(url, [server], cache_dir=tmp_path / "cache", replica_id="traced") as follower:
+        assert follower.step().fallbacks == {"first_version": 1}
+        assert [Path(p).name for p in server.calls_of("prepare_in_place")] == ["000000000002"]
+        server.restart()
+        assert follower.step() is None and server.loaded_version == 2  # (reconciled: the current version again)
+        assert [Path(p).name for p in server.calls_of("prepare_in_place")] == ["000000000002"] * 2
 
 
 def test_each_delta_is_read_once_per_update_and_the_update_reports_what_it_read(stream_url, tmp_path):

@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ...credentials import redact
-from ...errors import (CkptStreamError, MissingBaseError, NodesNotReady,
-                       RouterError, VersionNotFoundError)
+from ...errors import CkptStreamError, MissingBaseError, NodesNotReady, RouterError, VersionNotFoundError
 from ...format import MANIFESTS_DIR, MARKER_FILE, STREAM_KIND_WEIGHTS, Manifest
 from ...reader import ReplicaRecord, Stream, replica_path
 from ...reader.replicas import STATE_ASIDE, remember_refusal
@@ -107,8 +106,7 @@ class Follower:
         self.wake = threading.Event()
         self.observers: list[FollowerObserver] = [LogLines(log), *config.observers,
                                                   ReplicaRecordWriter(self.stream.storage)]
-        self.metrics_server = attach_metrics(self.observers, self.record, url, config.metrics_host,
-                                             config.metrics_port)
+        self.metrics_server = attach_metrics(self.observers, self.record, url, config.metrics_host, config.metrics_port)
 
     def close(self) -> None:
         """Release the cached versions it holds (a restarted follower adopts the one its servers serve);
@@ -128,8 +126,7 @@ class Follower:
 
     def run(self, stop: threading.Event) -> None:
         """Follow until ``stop`` is set: discover, update, reconcile restarted servers, heartbeat."""
-        heartbeat = threading.Thread(target=self._heartbeat, args=(stop,), name="ckptstream-heartbeat",
-                                     daemon=True)
+        heartbeat = threading.Thread(target=self._heartbeat, args=(stop,), name="ckptstream-heartbeat", daemon=True)
         heartbeat.start()
         watcher = self._watch()
 
@@ -202,8 +199,7 @@ class Follower:
         for client in self.clients:
             self.nodes.hold_served(client, version)
         self._report(version=version, state="serving")
-        for client in self.clients:  # (after the report: the servers serve meanwhile)
-            self.in_place.prepare(client, self.cache.path(version))
+        self.in_place.prepare(self.clients, self.cache.path(version))  # (after the report: they serve meanwhile)
         if self.config.cache_versions == 0:  # loaded (and its headers read): its copy is no longer needed here
             self._keep_served()
 
@@ -255,6 +251,7 @@ class Follower:
         in_place = 0
         fallbacks: collections.Counter[str] = collections.Counter()
         done: list[VllmControl] = []
+        fully_reloaded: list[VllmControl] = []
         waiting: list[tuple[VllmControl, str]] = []  # to reload fully once decoded, and why
         verify: list[VllmControl] = []
         for client in targets:
@@ -277,6 +274,7 @@ class Follower:
             done.append(client)
             if fallback is not None:
                 fallbacks[fallback] += 1
+                fully_reloaded.append(client)
             else:
                 in_place += 1
                 if self.in_place.verify_due(client):
@@ -308,6 +306,7 @@ class Follower:
                 pause_s += paused
                 reload_s += reloaded
                 done.append(client)
+                fully_reloaded.append(client)
                 fallbacks[fallback] += 1
             if waiting:
                 lag_s = commit_age(manifest.created)
@@ -319,6 +318,8 @@ class Follower:
                 self.nodes.hold_served(client, version)  # (reloaded: what the head asked the nodes for is over)
                 fallbacks["verify"] += 1
         self.current = version
+        if path is not None:  # (the others have traced their loaders: in place since)
+            self.in_place.prepare(fully_reloaded, path)
         self._keep_served()
         fetched = self._reads.bytes_read() - bytes_before  # measured: what this update read from storage
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
@@ -339,8 +340,7 @@ class Follower:
         try:
             with self._gate(client.url, version):
                 try:
-                    result = self._load_into(client, version, path, restore=restore, restored=restored,
-                                             change=staged)
+                    result = self._load_into(client, version, path, restore=restore, restored=restored, change=staged)
                 except VllmError:
                     # A server whose reload failed got the last good version back inside its pause,
                     # else gets it now, before the gate lets it serve again.
@@ -442,8 +442,7 @@ class Follower:
         return gate.hold(url, version) if gate is not None else contextlib.nullcontext()
 
     def _restore_paused(self, client: VllmControl, restore: Path) -> bool:
-        """Reload the current version into a paused server whose reload failed (every rank reloads it);
-        returns whether it did."""
+        """Reload the current version into a paused server whose reload failed (every rank): whether it did."""
         try:
             client.reload_weights(str(restore))
             client.reset_prefix_cache()
@@ -510,9 +509,8 @@ class Follower:
                 unlock(hold)
 
     def _reconcile(self, clients: list[VllmControl]) -> None:
-        """A server that restarted or was given back (its weight version is not ours) gets the current
-        version again. A restarted follower adopts the version its servers report, when its cache holds
-        that version."""
+        """A server that restarted or was given back (its weight version is not ours) gets the current version
+        again, and traces. A restarted follower adopts the version its servers report, if cached here."""
         if self.current is None:
             self._adopt_served(clients)
             if self.current is None:
@@ -525,7 +523,9 @@ class Follower:
             if served != str(self.current):
                 log.info("%s serves %r, not version %d; reloading it", client.url, served, self.current)
                 client.wait_ready(timeout=60)
-                self._load_into(client, self.current, self._current_path(client))
+                path = self._current_path(client)
+                self._load_into(client, self.current, path)
+                self.in_place.prepare([client], path)  # (a restarted server's workers have traced nothing)
 
     def _adopt_served(self, clients: list[VllmControl]) -> None:
         try:

@@ -43,6 +43,7 @@ class InPlaceUpdates:
         self.old_values: dict[str, str] = {}
         self._count: collections.Counter[str] = collections.Counter()  # updates applied in place, per server URL
         self._explained: set[str] = set()  # fallback explanations logged (each once)
+        self._unprepared: set[str] = set()  # servers that refused ``prepare``
 
     def change(self, version: int, path: Path | None, current: int | None) -> tuple[Path | None, str | None]:
         """The change from the served version to ``version`` in the cache, or why there is none
@@ -128,15 +129,19 @@ class InPlaceUpdates:
             return None, "no_change"
         return None, "first_version"
 
-    def prepare(self, client: VllmControl, served: Path) -> None:
-        """Have ``client``'s workers trace their loaders on the served version's directory ``served`` while they
-        generate, so that the first change stages sooner (where in-place updates are on)."""
-        if not self.config.apply_in_place or client.url in self.off:
-            return
-        try:
-            client.prepare_in_place(str(served))
-        except VllmError as exc:  # (the first change traces what it needs)
-            log.info("%s: tracing the loaders before the first change failed: %s", client.url, exc)
+    def prepare(self, clients: Sequence[VllmControl], served: Path) -> None:
+        """Have the workers of ``clients`` trace their loaders on the directory ``served`` of the version they
+        serve while they generate, so that the first change stages sooner (where in-place updates are on). Asked
+        after every start and full reload (a restarted server's workers have traced nothing); a worker traces
+        once. A server that refused it once (no worker extension, or an older one) is not asked again."""
+        for client in clients:
+            if not self.config.apply_in_place or client.url in self.off or client.url in self._unprepared:
+                continue
+            try:
+                if not client.prepare_in_place(str(served)):
+                    self._unprepared.add(client.url)
+            except VllmError as exc:  # (the first change traces what it needs)
+                log.info("%s: tracing the loaders before the first change failed: %s", client.url, exc)
 
     def stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
         """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change staged

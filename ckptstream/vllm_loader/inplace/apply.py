@@ -32,7 +32,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy
 import torch
@@ -42,9 +42,15 @@ from ...format import CHECK_MASK, ChangeCheck, version_name
 from .quantized import QuantizedParams
 from .trace import Target, TensorPlan, TensorSpec, plan_tensors
 
+if TYPE_CHECKING:
+    from .change import ChangeFile
+
 log = logging.getLogger("ckptstream.inplace")
 
 _MAP_CHUNK = 1 << 22  # checkpoint elements mapped at a time where whole tensors are (a quantized unit's base)
+PREPARE_BATCH = 256
+"""Checkpoint tensors ``InPlaceApplier.prepare`` traces per ``load_weights`` call: a full reload, which stops the
+trace, waits for one such batch at most."""
 
 
 def map_positions(target: Target, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,32 +101,6 @@ class _Write:
         return self.old.numel()
 
 
-@dataclass
-class _Changed:
-    """A changed checkpoint tensor of a change file (host tensors): its old and new values, or (``xor-1``)
-    the XOR of both and the publisher's check (``xor-steps-1``: of the step that makes version ``step``)."""
-
-    name: str
-    positions: torch.Tensor
-    old: torch.Tensor | None
-    new: torch.Tensor | None
-    xor: torch.Tensor | None = None
-    check: ChangeCheck | None = None
-    step: int | None = None
-
-    @property
-    def key(self) -> str:
-        """Its name in ``staged``'s ``coverage`` and ``checks``: the tensor's, with ``@`` and the version its
-        step makes in a change of several steps."""
-        return self.name if self.step is None else f"{self.name}@{self.step}"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        values = self.new if self.new is not None else self.xor
-        assert values is not None
-        return values.dtype
-
-
 class InPlaceApplier:
     """One worker's in-place updates: ``stage`` a change (in the background: the engine keeps generating),
     ``staged`` until it is ready, ``apply`` it inside the pause, or ``discard`` it. Plans are kept per
@@ -142,39 +122,50 @@ class InPlaceApplier:
         self._writes: list[_Write] = []
         self._applied: list[_Write] = []  # what the last apply wrote, for ``revert``
         self._planning: threading.Thread | None = None  # ``prepare``'s
+        self._prepared = False  # (its trace went through every tensor)
+        self._stop_planning = threading.Event()
         self._plan_lock = threading.Lock()  # held while ``plans`` grows (``_plan``) or is read whole
 
     def prepare(self, path: str) -> None:
         """Plan every tensor of the checkpoint directory ``path`` in a background thread, while the engine
-        generates: tracing thousands of loaders (a MoE model's experts) then costs the first update nothing."""
+        generates: tracing thousands of loaders (a MoE model's experts) then costs the first update nothing.
+        The follower asks after every start and full reload; a worker traces each tensor once (the model's
+        structure does not change), and goes on where a reload stopped it (``quiesce``) or a trace failed."""
         from ...codec import torch_dtype
         from ...hf import tensor_specs
 
-        if self._planning is not None and self._planning.is_alive():
+        if self._prepared or (self._planning is not None and self._planning.is_alive()):
             return
         # (the headers read now: the directory may go once the call returns; none here, e.g. on a node that keeps
         # no copy: the first change traces its own)
         specs = {name: (shape, torch_dtype(dtype)) for name, (dtype, shape) in tensor_specs(path).items()}
         if specs:
+            self._stop_planning.clear()
             self._planning = threading.Thread(target=self._prepare, args=(path, specs), name="ckptstream-plan",
                                               daemon=True)
             self._planning.start()
 
-    def wait_prepared(self) -> None:
-        """Wait for ``prepare``'s trace to end. vLLM's full reload must not run beside it: its layerwise reload
-        swaps the parameters whose loaders the trace's ``load_weights`` calls, and counts what those loaders
-        are given (a reload beside a trace failed in CI: ``'Parameter' object has no attribute
-        'weight_loader'``)."""
+    def quiesce(self) -> None:
+        """Stop ``prepare``'s trace after its current batch of tensors and wait for a staging to end. vLLM's full
+        reload must not run beside either: its layerwise reload swaps the parameters whose loaders a trace's
+        ``load_weights`` calls and counts what those loaders are given (a reload beside a trace failed in CI:
+        ``'Parameter' object has no attribute 'weight_loader'``). The reload, inside the pause, waits for one
+        batch at most (``PREPARE_BATCH``)."""
         if self._planning is not None:
+            self._stop_planning.set()
             self._planning.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def _prepare(self, path: str, specs: dict[str, TensorSpec]) -> None:
+        names = list(specs)  # (in the files' order: a layer's tensors together)
         try:
             with torch.no_grad():
-                # Only the plans that found a plain copy are kept: a reason found now (e.g. a storage replaced by a
-                # full reload running beside the trace) is asked again by the change that needs the tensor.
-                self._plan({name: spec for name, spec in specs.items() if name not in self.plans},
-                           keep=lambda plan: plan.problem is None)
+                for start in range(0, len(names), PREPARE_BATCH):
+                    if self._stop_planning.is_set():
+                        return
+                    self._plan({name: specs[name] for name in names[start:start + PREPARE_BATCH]})
+            self._prepared = True
         except Exception as exc:  # noqa: BLE001 - the first change plans what it needs again
             log.warning("tracing the loaders of %s before the first change failed (%s: %s); the first change "
                         "traces its own", path, type(exc).__name__, exc)
@@ -250,23 +241,17 @@ class InPlaceApplier:
     def _stage(self, path: str) -> None:
         from safetensors import safe_open
 
-        from .change import read_change
+        from .change import load_change
 
         try:
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            with safe_open(path, framework="pt") as change, torch.no_grad(), \
+            with safe_open(path, framework="pt") as handle, torch.no_grad(), \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-                changed: list[_Changed] = []
-                unplanned: dict[str, TensorSpec] = {}
-                for name, tensor in read_change(change):
-                    changed.append(_Changed(name, tensor.positions, tensor.old, tensor.new, tensor.xor, tensor.check,
-                                            tensor.step))
-                    if name not in self.plans:
-                        unplanned[name] = (tuple(tensor.shape), changed[-1].dtype)
-                self._plan(unplanned)
-                base = str((change.metadata() or {}).get("base"))  # (a change in a cache: <stream>/.changes/<file>)
+                change = load_change(handle)
+                self._plan({e.name: (e.shape, change.dtype(e)) for e in change.entries if e.name not in self.plans})
+                base = str((handle.metadata() or {}).get("base"))  # (a change in a cache: <stream>/.changes/<file>)
                 base_dir = Path(path).parent.parent / version_name(int(base)) if base.isdigit() else None
-                result, writes = self._map_all(changed, base_dir)
+                result, writes = self._map_all(change, base_dir)
             if stream is not None:
                 stream.synchronize()
             self._writes = writes
@@ -274,22 +259,23 @@ class InPlaceApplier:
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
             self._result = {"error": f"{type(exc).__name__}: {exc}"}
 
-    def _plan(self, specs: dict[str, TensorSpec], keep: Callable[[TensorPlan], bool] = lambda plan: True) -> None:
-        """Trace ``specs`` not planned yet into ``plans`` (those ``keep`` takes), one thread at a time: ``prepare``'s
-        and a stage's never trace at once, nor read ``plans`` while the other adds to it."""
+    def _plan(self, specs: dict[str, TensorSpec]) -> None:
+        """Trace ``specs`` not planned yet into ``plans``, one thread at a time: ``prepare``'s and a stage's never
+        trace at once, nor read ``plans`` while the other adds to it."""
         with self._plan_lock:
             specs = {name: spec for name, spec in specs.items() if name not in self.plans}
             if specs:
                 with self.quantized.tracing(self.model) as model:
-                    self.plans.update((n, p) for n, p in plan_tensors(model, specs).items() if keep(p))
+                    self.plans.update(plan_tensors(model, specs))
 
-    def _map_all(self, changed: list[_Changed], base_dir: Path | None) -> tuple[dict[str, Any], list[_Write]]:
+    def _map_all(self, change: ChangeFile, base_dir: Path | None) -> tuple[dict[str, Any], list[_Write]]:
         """Map every changed tensor onto the parameters: the copies that share a layout (parameter, dtype,
-        sizes and strides) in one batch each, the writes merged per parameter (a quantized one's made by
-        ``quantized.QuantizedParams.writes``, from ``base_dir``, the base version's copy, where a unit's scale
-        changes). The old values of a change without them (``xor-1``, ``xor-steps-1``) are read from the
-        parameters, its checks summed per tensor (and step)."""
+        sizes and strides) in one batch each, gathered from the file's tensors at once (no op per tensor), the
+        writes merged per parameter (a quantized one's made by ``quantized.QuantizedParams.writes``, from
+        ``base_dir``, the base version's copy, where a unit's scale changes). The old values of a change without
+        them (``xor-1``, ``xor-steps-1``) are read from the parameters, its checks summed per tensor (and step)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
+        changed = change.entries
         unpatchable: dict[str, str] = {}
         unverifiable: dict[str, str] = {}  # (xor-1) tensor -> why this rank cannot read its checkpoint bits
         layouts: dict[tuple[Any, ...], list[tuple[int, Target]]] = {}  # layout -> [(tensor's index, copy)]
@@ -311,16 +297,18 @@ class InPlaceApplier:
         # (xor) per parameter and checkpoint dtype: per copy (step, segment, storage offsets, positions, XOR)
         pending: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]]] = {}
-        for (param, checkpoint_dtype, *_), copies in layouts.items():
-            counts = [changed[i].positions.numel() for i, _ in copies]
-            positions = torch.cat([changed[i].positions for i, _ in copies]).to(self.device)
+        for (param, *_), copies in layouts.items():
+            checkpoint_dtype = change.dtype(changed[copies[0][0]])
+            counts = [changed[i].count for i, _ in copies]
+            positions = change.positions_of([i for i, _ in copies]).to(self.device)
             src_offset = _repeated([t.src_offset for _, t in copies], counts).to(self.device)
             dst_offset = _repeated([t.dst_offset for _, t in copies], counts).to(self.device)
             segment = _repeated([i for i, _ in copies], counts).to(self.device)
             covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
             written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
             dtype = params[param].dtype
-            if changed[copies[0][0]].xor is not None and not _holds_exactly(dtype, checkpoint_dtype):
+            in_file = change.values_of([i for i, _ in copies])
+            if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
                 # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
                 # and the check sums) are not in them. A change with its old values (packed-1) compares them
                 # in the runtime dtype instead.
@@ -330,13 +318,12 @@ class InPlaceApplier:
                                      for i, _ in copies})
             quantized = param in self.quantized.params  # (its old and new values kept as the checkpoint's)
             names_of.setdefault(param, set()).update(changed[i].name for i, _ in copies)
-            if changed[copies[0][0]].xor is None:
-                old = torch.cat([changed[i].old for i, _ in copies]).to(self.device)[covered]
-                new = torch.cat([changed[i].new for i, _ in copies]).to(self.device)[covered]
+            if change.packed:
+                old, new = (part.to(self.device)[covered] for part in in_file)
                 per_param.setdefault(param, []).append((index[covered], *(v if quantized else v.to(dtype)
                                                                          for v in (old, new))))
             elif not quantized:
-                xor = torch.cat([changed[i].xor for i, _ in copies]).to(self.device)[covered]
+                xor = in_file[0].to(self.device)[covered]
                 pending.setdefault((param, checkpoint_dtype), []).append(
                     (changed[copies[0][0]].step or 0, segment[covered], index[covered], positions[covered], xor))
         for (param, checkpoint_dtype), parts in pending.items():
@@ -372,7 +359,7 @@ class InPlaceApplier:
             else:
                 writes.extend(_Write(*write) for write in made)
         counts_written = written.tolist()
-        coverage = {changed[i].key: [counts_written[i], changed[i].positions.numel()] for i in loaded}
+        coverage = {changed[i].key: [counts_written[i], changed[i].count] for i in loaded}
         result: dict[str, Any] = {"unpatchable": unpatchable, "coverage": coverage,
                                   "elements": sum(w.elements for w in writes)}
         if unverifiable:
@@ -380,21 +367,21 @@ class InPlaceApplier:
         if changed and changed[0].check is not None:
             position_sums, old_sums, new_sums = ([v & CHECK_MASK for v in row] for row in sums.tolist())
             checked = [i for i in loaded if changed[i].check is not None]
-            every_position = self._position_sums([changed[i].positions for i in checked])
+            every_position = self._position_sums(change, checked)
             result["checks"] = {changed[i].key: {
                 "held": ChangeCheck(counts_written[i], old_sums[i], new_sums[i]).to_json(),
                 "held_positions": f"{position_sums[i]:016x}", "expected": changed[i].check.to_json(),
                 "positions": f"{every:016x}"} for i, every in zip(checked, every_position)}
         return result, writes
 
-    def _position_sums(self, positions: list[torch.Tensor]) -> list[int]:
-        """Per tensor's ``positions``, the sum of their ``check_positions`` (mod 2^64), all on the device at once:
-        per tensor on the host, a model of thousands of experts spent most of its staging here."""
-        if not positions:
+    def _position_sums(self, change: ChangeFile, indices: list[int]) -> list[int]:
+        """Per entry ``indices`` of ``change``, the sum of its positions' ``check_positions`` (mod 2^64), all on the
+        device at once: per tensor on the host, a model of thousands of experts spent most of its staging here."""
+        if not indices:
             return []
-        segment = _repeated(list(range(len(positions))), [p.numel() for p in positions]).to(self.device)
-        mixed = check_positions(torch.cat(positions).to(self.device))
-        sums = torch.zeros(len(positions), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
+        segment = _repeated(list(range(len(indices))), [change.entries[i].count for i in indices]).to(self.device)
+        mixed = check_positions(change.positions_of(indices).to(self.device))
+        sums = torch.zeros(len(indices), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
         return [v & CHECK_MASK for v in sums.tolist()]
 
     def _base_values(self, base_dir: Path | None, param: str, start: int, stop: int) -> torch.Tensor | str:

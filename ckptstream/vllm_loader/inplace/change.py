@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
+import numpy
 import torch
 
 from ...codec import bit_pattern, torch_dtype
@@ -343,10 +344,79 @@ class _Change:
         return ChangeSummary(self.changed, total, self.tensors)
 
 
-def read_change(handle: Any) -> Iterator[tuple[str, ChangedTensor]]:
-    """Per changed tensor of an open change file (``safetensors.safe_open``) of any layout, in the order
-    written (``xor-steps-1``: once per step, oldest first): its name and ``ChangedTensor`` (views of the
-    file's few tensors)."""
+@dataclass(frozen=True)
+class ChangeEntry:
+    """A changed tensor's entry in a change file: its name, shape, dtype (the checkpoint's name of it), the number
+    of changed elements, where they start in the file's positions (``start``) and in its values of that dtype
+    (``value_start``); for ``xor-1`` its publisher's check, for ``xor-steps-1`` also the version its step makes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    count: int
+    start: int
+    value_start: int
+    check: ChangeCheck | None = None
+    step: int | None = None
+
+    @property
+    def key(self) -> str:
+        """Its name in a staging's ``coverage`` and ``checks``: the tensor's, with ``@`` and the version its step
+        makes in a change of several steps."""
+        return self.name if self.step is None else f"{self.name}@{self.step}"
+
+
+@dataclass(frozen=True)
+class ChangeFile:
+    """A change file read whole (``load_change``): its entries, and its few tensors: every entry's positions end to
+    end, and per dtype its values (old and new: ``packed-1``; the XOR of both: ``xor-1``, ``xor-steps-1``)."""
+
+    entries: list[ChangeEntry]
+    positions: torch.Tensor
+    values: dict[str, tuple[torch.Tensor, ...]]
+
+    @property
+    def packed(self) -> bool:
+        """Whether it holds old and new values (``packed-1``) rather than their XOR."""
+        return any(len(held) == 2 for held in self.values.values())
+
+    def tensor(self, i: int) -> ChangedTensor:
+        """Entry ``i`` as a ``ChangedTensor`` (views of the file's tensors)."""
+        entry = self.entries[i]
+        at = self.positions[entry.start:entry.start + entry.count]
+        parts = [v[entry.value_start:entry.value_start + entry.count] for v in self.values[entry.dtype]]
+        if len(parts) == 2:
+            return ChangedTensor(entry.shape, at, parts[0], parts[1])
+        return ChangedTensor(entry.shape, at, None, None, parts[0], entry.check, entry.step)
+
+    def dtype(self, entry: ChangeEntry) -> torch.dtype:
+        """The torch dtype of ``entry``'s values."""
+        return self.values[entry.dtype][0].dtype
+
+    def positions_of(self, indices: list[int]) -> torch.Tensor:
+        """The positions of the entries ``indices``, end to end in that order."""
+        return _ranges(self.positions, [(self.entries[i].start, self.entries[i].count) for i in indices])
+
+    def values_of(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        """The values (old and new, or the XOR) of the entries ``indices`` (all of one dtype), end to end."""
+        held = self.values[self.entries[indices[0]].dtype]
+        ranges = [(self.entries[i].value_start, self.entries[i].count) for i in indices]
+        return tuple(_ranges(values, ranges) for values in held)
+
+
+def _ranges(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The (start, count) ranges of the 1-D host ``tensor``, end to end, gathered by numpy: a torch slice per entry
+    would cost a reader beside a generating engine a wait for the interpreter each (thousands of experts' tensors),
+    and one index of every element would cost memory and time."""
+    size = tensor.element_size()
+    flat = tensor.view(torch.uint8).numpy()  # (numpy holds no bf16)
+    gathered = numpy.concatenate([flat[start * size:(start + count) * size] for start, count in ranges])
+    return torch.from_numpy(gathered).view(tensor.dtype)
+
+
+def load_change(handle: Any) -> ChangeFile:
+    """The change file open in ``handle`` (``safetensors.safe_open``), of any layout, its entries checked against
+    its tensors (``ValueError`` where they disagree)."""
     metadata = handle.metadata() or {}
     layout = metadata.get(_LAYOUT_KEY)
     if layout not in (_LAYOUT, _XOR_LAYOUT, _STEPS_LAYOUT):
@@ -355,42 +425,40 @@ def read_change(handle: Any) -> Iterator[tuple[str, ChangedTensor]]:
     kinds = (_OLD, _NEW) if layout == _LAYOUT else (_XOR,)
     steps = [int(v) for _, v in json.loads(metadata["steps"])] if layout == _STEPS_LAYOUT else []
     positions = handle.get_tensor(_POSITIONS)
-    entries = json.loads(metadata["tensors"])
-    values: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
+    values: dict[str, tuple[torch.Tensor, ...]] = {}
     counts: dict[str, int] = {}
-    checks: list[ChangeCheck | None] = []
-    at_step: list[int | None] = []
-    for entry in entries:
-        dtype, count = entry[2], entry[3]
+    entries: list[ChangeEntry] = []
+    start = 0
+    for entry in json.loads(metadata["tensors"]):
+        name, shape, dtype, count = entry[0], entry[1], entry[2], entry[3]
         if not isinstance(count, int) or count <= 0:
             raise ValueError(f"a change file's tensor holds {count!r} changed elements")
         check = None
         if layout != _LAYOUT:
             check = ChangeCheck.from_json(entry[4] if len(entry) > 4 else None)
             if not check.known or check.count != count:
-                raise ValueError(f"a change file's tensor {entry[0]!r} has no check of its {count} changes")
+                raise ValueError(f"a change file's tensor {name!r} has no check of its {count} changes")
         step = None
         if layout == _STEPS_LAYOUT:
             index = entry[5] if len(entry) > 5 else None
-            if not isinstance(index, int) or not 0 <= index < len(steps) or (at_step and steps[index] < at_step[-1]):
-                raise ValueError(f"a change file's tensor {entry[0]!r} names no step, or not in order: {index!r}")
+            if not isinstance(index, int) or not 0 <= index < len(steps) or (
+                    entries and entries[-1].step is not None and steps[index] < entries[-1].step):
+                raise ValueError(f"a change file's tensor {name!r} names no step, or not in order: {index!r}")
             step = steps[index]
-        checks.append(check)
-        at_step.append(step)
-        counts[dtype] = counts.get(dtype, 0) + count
         if dtype not in values:
-            values[dtype] = ([handle.get_tensor(kind + dtype) for kind in kinds], [0])
-    if sum(counts.values()) != positions.numel() or any(
-            v.numel() != counts[d] for d, (held, _) in values.items() for v in held):
-        raise ValueError("a change file's tensors do not hold the elements its metadata counts")
-    start = 0
-    for (name, shape, dtype, count, *_), check, step in zip(entries, checks, at_step):
-        held, offset = values[dtype]
-        parts = [v[offset[0]:offset[0] + count] for v in held]
-        at = positions[start:start + count]
-        if layout == _LAYOUT:
-            yield name, ChangedTensor(tuple(shape), at, parts[0], parts[1])
-        else:
-            yield name, ChangedTensor(tuple(shape), at, None, None, parts[0], check, step)
+            values[dtype] = tuple(handle.get_tensor(kind + dtype) for kind in kinds)
+        entries.append(ChangeEntry(name, tuple(shape), dtype, count, start, counts.get(dtype, 0), check, step))
+        counts[dtype] = counts.get(dtype, 0) + count
         start += count
-        offset[0] += count
+    if start != positions.numel() or any(v.numel() != counts[d] for d, held in values.items() for v in held):
+        raise ValueError("a change file's tensors do not hold the elements its metadata counts")
+    return ChangeFile(entries, positions, values)
+
+
+def read_change(handle: Any) -> Iterator[tuple[str, ChangedTensor]]:
+    """Per changed tensor of an open change file (``safetensors.safe_open``) of any layout, in the order
+    written (``xor-steps-1``: once per step, oldest first): its name and ``ChangedTensor`` (views of the
+    file's few tensors)."""
+    change = load_change(handle)
+    for i, entry in enumerate(change.entries):
+        yield entry.name, change.tensor(i)
