@@ -28,6 +28,9 @@ CANARY_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 7, 5, 3], [11] * 12)
 """Token-id prompts whose greedy continuations and logprobs ``--verify-apply`` compares before and after a full
 reload (small ids: every vocabulary has them)."""
 CANARY_TOKENS = 4
+STAGED_POLL_MAX_S = 0.1
+"""At most this long between two asks whether the workers have staged a change: a staging's end is seen this much
+later at most (each ask a short RPC that holds the engine loop for a moment; the asks start 20 ms apart)."""
 
 
 class VllmControl(Protocol):
@@ -396,7 +399,7 @@ class VllmClient:
             if time.monotonic() > deadline:
                 raise VllmError(f"{self.url}: staging {path} did not end within {self.reload_timeout:.0f} s")
             time.sleep(poll_interval)
-            poll_interval = min(poll_interval * 1.5, 0.5)  # each poll holds the engine loop for a moment
+            poll_interval = min(poll_interval * 1.5, STAGED_POLL_MAX_S)
 
     def apply_change(self) -> list[dict[str, Any]]:
         return self._extension_call(APPLY_METHOD, {}, timeout=self.reload_timeout)

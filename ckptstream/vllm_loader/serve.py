@@ -461,11 +461,13 @@ def _serve_node(url: str, vllm_args: Sequence[str], *, version: int | str, pin: 
 
 def _start_child(command: list[str], env: dict[str, str], vllm_log: str | os.PathLike[str] | None
                  ) -> tuple[subprocess.Popen[bytes], _OutputTail, IO[str] | None]:
-    """Start vLLM with its output passed on (to ``vllm_log`` or stderr) and its last lines kept."""
+    """Start vLLM with its output passed on (to ``vllm_log`` or stderr) and its last lines kept, in a session of its
+    own: a terminal's Ctrl-C reaches serve alone, which stops the follower, then vLLM. (Reaching vLLM too, it stopped
+    its engine while a call of the follower's was in flight, and vLLM's HTTP server waited a minute for it.)"""
     log_file = open(vllm_log, "a", encoding="utf-8") if vllm_log is not None else None
     try:
         child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT)
+                                 stderr=subprocess.STDOUT, start_new_session=True)
     except BaseException:
         if log_file is not None:
             log_file.close()

@@ -142,7 +142,7 @@ def test_serve_passes_the_api_key_in_vllms_environment(tmp_path):
     with open(log, "wb") as out:
         serve = subprocess.Popen(["ckptstream", "serve", url, "--port", str(port), "--cache-dir",
                                   str(tmp_path / "cache")], env={**_env_without_vllm_settings(), "VLLM_API_KEY": key},
-                                 stdout=out, stderr=subprocess.STDOUT)
+                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # (a terminal's job)
     client = VllmClient(f"http://127.0.0.1:{port}", api_key=key)
     started = False
     try:
@@ -161,7 +161,7 @@ def test_serve_passes_the_api_key_in_vllms_environment(tmp_path):
         assert refused.value.code == 401
         assert client.generate([1, 2, 3], 2)
     finally:
-        serve.send_signal(signal.SIGTERM)
+        os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C while it serves: a clean stop, vLLM's too
         code = serve.wait(timeout=120)
     assert code == 0, log.read_text()[-3000:]
 
@@ -189,8 +189,8 @@ def test_serve_reports_vllms_own_error_when_vllm_cannot_start(tmp_path):
 
 
 def test_ctrl_c_while_vllm_starts_is_a_clean_stop(tmp_path):
-    """Ctrl-C reaches the whole foreground process group (vLLM too): that is a stop request, exit 0 with
-    no error, not "vLLM went away while starting"."""
+    """Ctrl-C reaches the whole foreground process group (vLLM runs in a session of its own: serve stops it): that
+    is a stop request, exit 0 with no error, not "vLLM went away while starting"."""
     from ckptstream.vllm_loader import free_port
 
     model = write_tiny_model(tmp_path / "model", TinyModelSpec())
