@@ -6,9 +6,9 @@ user set neither, it passes ``VLLM_CPU_KVCACHE_SPACE`` and ``--gpu-memory-utiliz
 (vLLM's CPU backend otherwise reserves 92 % of the memory node and refuses to start when that much is
 not free), and ``--skip-tokenizer-init`` for a model without tokenizer files; it logs what it added.
 
-vLLM runs as a child process in a session of its own (``vllm_child``): its output goes through this process (to
-the log file, or to stderr), and its last lines are kept so that a start that fails is reported with vLLM's own
-error line.
+vLLM runs as a child process (``vllm_child``; from a terminal, in a session of its own): its output goes through
+this process (to the log file, or to stderr), and its last lines are kept so that a start that fails is reported
+with vLLM's own error line.
 
 An engine spanning nodes (``nnodes`` > 1) is served by one ``serve`` per node, with the same stream and
 vLLM arguments: node rank 0 starts vLLM's head (the API server) with the follower, which reloads a version

@@ -1,7 +1,7 @@
-"""vLLM as ``serve``'s child process: started in a session of its own with its output passed on (to a log file or
-stderr) and its last lines kept (``last_error_line``: vLLM's own error line for a start that fails), watched, and
-stopped: on a stop request (Ctrl-C, SIGTERM, SIGHUP), by SIGTERM, then every process it started that is left, and
-the shared memory they left (``shm.EngineSegments``).
+"""vLLM as ``serve``'s child process: started (from a terminal, in a session of its own) with its output passed on
+(to a log file or stderr) and its last lines kept (``last_error_line``: vLLM's own error line for a start that
+fails), watched, and stopped: on a stop request (Ctrl-C, SIGTERM, SIGHUP), by SIGTERM, then every process it started
+that is left, and the shared memory they left (``shm.EngineSegments``).
 """
 
 from __future__ import annotations
@@ -82,13 +82,15 @@ def _writer(stream: IO[str]) -> Callable[[str], None]:
 
 def start_child(command: list[str], env: dict[str, str], vllm_log: str | os.PathLike[str] | None
                  ) -> tuple[subprocess.Popen[bytes], OutputTail, IO[str] | None]:
-    """Start vLLM with its output passed on (to ``vllm_log`` or stderr) and its last lines kept, in a session of its
-    own: a terminal's Ctrl-C reaches serve alone, which stops the follower, then vLLM. (Reaching vLLM too, it stopped
-    its engine while a call of the follower's was in flight, and vLLM's HTTP server waited a minute for it.)"""
+    """Start vLLM with its output passed on (to ``vllm_log`` or stderr) and its last lines kept. From the main thread
+    (the CLI, where a terminal's signals come), in a session of its own: Ctrl-C reaches serve alone, which stops the
+    follower, then vLLM (reaching vLLM too, it stopped vLLM's engine first, and serve exited 1). Elsewhere (a fleet's
+    actor, a background serve) in the caller's process group, which Ray kills whole with a dead actor."""
     log_file = open(vllm_log, "a", encoding="utf-8") if vllm_log is not None else None
     try:
         child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=threading.current_thread() is threading.main_thread())
     except BaseException:
         if log_file is not None:
             log_file.close()
@@ -138,7 +140,7 @@ def stop_on_signals(stop: threading.Event, child: subprocess.Popen[bytes]) -> tu
 
 
 def kill_group(child: subprocess.Popen[bytes]) -> None:
-    """SIGKILL every process left in vLLM's process group (vLLM leads it: ``start_child``)."""
+    """SIGKILL every process left in vLLM's process group, where vLLM leads one (``start_child``)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)
 
