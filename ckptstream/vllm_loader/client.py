@@ -77,8 +77,8 @@ class VllmControl(Protocol):
 
     def prepare_in_place(self, path: str) -> bool:
         """Have every worker trace the weight loaders of the checkpoint directory ``path`` in the background while
-        the engine generates, so that the first change stages without it; whether they took the call (False: an
-        older ckptstream worker extension, or none)."""
+        the engine generates, so that the first change stages without it; False where the server has no such call
+        (an older ckptstream worker extension, or none)."""
 
     def stage_change(self, path: str) -> list[dict[str, Any]]:
         """Have every worker map the change file ``path`` onto its parameters while the engine generates;
@@ -377,13 +377,15 @@ class VllmClient:
         return results
 
     def prepare_in_place(self, path: str) -> bool:
-        # One call, no probe first: each call waits for a step of the engine, and one in flight when vLLM is
-        # stopped holds its HTTP server's shutdown (an older extension, or none, refuses it: nothing to prepare).
+        # One call, no probe first: each call waits for a step of the engine (the methods are asked only where it
+        # failed: an older extension, or none, refuses it, and then there is nothing to prepare).
         try:
             self._extension_call(PREPARE_METHOD, {"path": str(path)})
         except VllmUnreachable:
             raise
         except VllmError:
+            if self._has_method(PREPARE_METHOD):
+                raise  # (it failed there: asked again after the next full reload)
             return False
         return True
 

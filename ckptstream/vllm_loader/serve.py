@@ -6,8 +6,9 @@ user set neither, it passes ``VLLM_CPU_KVCACHE_SPACE`` and ``--gpu-memory-utiliz
 (vLLM's CPU backend otherwise reserves 92 % of the memory node and refuses to start when that much is
 not free), and ``--skip-tokenizer-init`` for a model without tokenizer files; it logs what it added.
 
-vLLM's output goes through this process (to the log file, or to stderr); its last lines are kept so that a
-start that fails is reported with vLLM's own error line.
+vLLM runs as a child process (``vllm_child``; from a terminal, in a session of its own): its output goes through
+this process (to the log file, or to stderr), and its last lines are kept so that a start that fails is reported
+with vLLM's own error line.
 
 An engine spanning nodes (``nnodes`` > 1) is served by one ``serve`` per node, with the same stream and
 vLLM arguments: node rank 0 starts vLLM's head (the API server) with the follower, which reloads a version
@@ -19,28 +20,25 @@ model from their own node's disk.
 
 from __future__ import annotations
 
-import collections
 import importlib.metadata
 import logging
 import os
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..basehash import base_model_hash
 from ..credentials import redact
 from ..errors import SourceNotFoundError, VllmArgumentError, VllmUnreachable
 from ..format import LATEST, STREAM_KIND_ADAPTER
 from ..lora_aliases import ALIASES_ENV
-from ..process import die_with_parent, free_port, stop_process
+from ..process import free_port
 from ..reader import Stream
 from ..reader.adapter import DEFAULT_KEEP, check_adapter_fits
-from ..shm import SHM_DIR, EngineSegments
+from ..shm import EngineSegments
 from .adapters.follower import AdapterFollower, default_adapter_name
 from .follow.agent import NodeAgent
 from .follow.cache import safe_owner
@@ -51,6 +49,7 @@ from .load_format import LOAD_FORMAT, PLUGIN, loader_installed
 from .observe import OnUpdate, UpdateRecord
 from .worker import EXTENSION_CLASS
 from .vllm_args import has_option, int_option
+from .vllm_child import last_error_line, start_child, stop_child, stop_on_signals, watch_child
 
 log = logging.getLogger("ckptstream.serve")
 
@@ -70,17 +69,6 @@ API_KEY_ENV = "VLLM_API_KEY"
 """Seconds the head of a multi-node engine waits for every node to hold a version before retrying later."""
 VLLM_MASTER_PORT = 29501
 """vLLM's default ``--master-port`` (``ParallelConfig.master_port``): part of a multi-node engine's default id."""
-OUTPUT_LINES_KEPT = 400
-"""vLLM output lines kept to report a failed start (the root cause comes well before the last line)."""
-
-# An exception line of a Python traceback, after vLLM's "(Proc pid=N) LEVEL date time [file:line] " prefix.
-_LOG_PREFIX = re.compile(r"^(\([^)]*\)\s+)?([A-Z]+\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[[^\]]*\]\s+)?")
-_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)):\s*\S")
-# vLLM's wrappers that point back at the root cause instead of saying it.
-_DEFERRING = ("root cause", "see stack trace")
-_CONTINUATION_LINES = 2
-_NOT_CONTINUATION = ("Traceback", "File ", "For further information", "The above exception")
-
 
 def vllm_command(model_dir: str, host: str, port: int, vllm_args: Sequence[str], served_name: str) -> list[str]:
     """The vLLM OpenAI server command line (``python -m``: the ``vllm`` script fails under vllm-cpu), with
@@ -227,52 +215,6 @@ def adapter_vllm_settings(vllm_args: Sequence[str], *, keep: int, rank: int,
         raise VllmArgumentError(f"--max-lora-rank {max_rank} is below the adapters' rank {rank}",
                                 hint=f"Pass --max-lora-rank {fitting[0]} or leave it out")
     return args, {RUNTIME_LORA_ENV: "True", ALIASES_ENV: str(aliases)}
-
-
-def last_error_line(lines: Sequence[str]) -> str | None:
-    """vLLM's own last error line in its output: the last exception line that states a cause (vLLM's
-    "see root cause above" wrappers skipped), else the last exception line, else the last line. Lines
-    that continue an exception's message (pydantic's field and reason) are appended after ``; ``."""
-    texts = [_LOG_PREFIX.sub("", line.rstrip(), count=1) for line in lines]
-    found = [i for i, text in enumerate(texts) if _EXCEPTION_LINE.match(text)]
-    stating = [i for i in found if not any(d in texts[i].lower() for d in _DEFERRING)]
-    if not found:
-        rest = [text.strip() for text in texts if text.strip()]
-        return rest[-1] if rest else None
-    at = (stating or found)[-1]
-    parts = [texts[at].strip()]
-    for line in lines[at + 1:at + 1 + _CONTINUATION_LINES]:
-        if not line.strip() or _LOG_PREFIX.match(line).group(0) or line.lstrip().startswith(_NOT_CONTINUATION):
-            break
-        parts.append(line.strip())
-    return "; ".join(parts)
-
-
-class _OutputTail:
-    """Passes a child's output on (``write`` per line) and keeps its last lines."""
-
-    def __init__(self, source: IO[bytes], write: Callable[[str], object]):
-        self.lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES_KEPT)
-        self._source, self._write = source, write
-        self.thread = threading.Thread(target=self._copy, daemon=True, name="ckptstream-vllm-output")
-        self.thread.start()
-
-    def _copy(self) -> None:
-        for raw in iter(self._source.readline, b""):
-            line = raw.decode("utf-8", "replace")
-            self.lines.append(line)
-            try:
-                self._write(line)
-            except (OSError, ValueError):  # the sink went away (closed log, broken pipe): keep the tail
-                pass
-
-
-def _writer(stream: IO[str]) -> Callable[[str], None]:
-    def write(line: str) -> None:
-        stream.write(line)
-        stream.flush()
-
-    return write
 
 
 def serve(url: str, vllm_args: Sequence[str], *, version: int | str = LATEST, pin: bool = False,
@@ -444,96 +386,28 @@ def _serve_node(url: str, vllm_args: Sequence[str], *, version: int | str, pin: 
         if added:
             log.info("passing vLLM %s, which you did not set (set them to override)", ", ".join(added))
         log.info("version %d materialized in %s; starting vLLM's workers of node %d", first, path, node_rank)
-        child, output, log_file = _start_child(vllm_headless_command(str(path), args), env, vllm_log)
-        previous, signalled = _stop_on_signals(stop)
-        _watch_child(child, stop, on_exit)
+        child, output, log_file = start_child(vllm_headless_command(str(path), args), env, vllm_log)
+        previous, signalled = stop_on_signals(stop, child)
+        watch_child(child, stop, on_exit)
         try:
             agent.run(stop)
         finally:
-            for sig, handler in previous.items():
+            exited_alone = stop_child(child, output, log_file, EngineSegments())
+            for sig, handler in previous.items():  # (after the stop: a second Ctrl-C hurries it)
                 signal.signal(sig, handler)
-            exited_alone = _stop_child(child, output, log_file, EngineSegments())
         if exited_alone and not signalled.is_set():
             log.error("vLLM exited with code %s: %s", child.returncode, last_error_line(list(output.lines)))
             return 1
         return 0
 
 
-def _start_child(command: list[str], env: dict[str, str], vllm_log: str | os.PathLike[str] | None
-                 ) -> tuple[subprocess.Popen[bytes], _OutputTail, IO[str] | None]:
-    """Start vLLM with its output passed on (to ``vllm_log`` or stderr) and its last lines kept, in a session of its
-    own: a terminal's Ctrl-C reaches serve alone, which stops the follower, then vLLM. (Reaching vLLM too, it stopped
-    its engine while a call of the follower's was in flight, and vLLM's HTTP server waited a minute for it.)"""
-    log_file = open(vllm_log, "a", encoding="utf-8") if vllm_log is not None else None
-    try:
-        child = subprocess.Popen(command, env=env, preexec_fn=die_with_parent, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-    except BaseException:
-        if log_file is not None:
-            log_file.close()
-        raise
-    assert child.stdout is not None
-    return child, _OutputTail(child.stdout, _writer(log_file or sys.stderr)), log_file
-
-
-def _watch_child(child: subprocess.Popen[bytes], stop: threading.Event, on_exit: Callable[[int], object] | None
-                 ) -> threading.Event:
-    """Watch vLLM's process (not its output, which its children may keep open): the moment it exits, tell
-    ``on_exit`` its exit code, set the returned event, then ``stop``."""
-    died = threading.Event()
-
-    def watch() -> None:
-        code = child.wait()
-        died.set()
-        if on_exit is not None:
-            try:
-                on_exit(code)
-            except Exception:  # noqa: BLE001 - the caller's hook: serve still stops
-                log.exception("on_exit hook failed")
-        stop.set()
-
-    threading.Thread(target=watch, daemon=True, name="ckptstream-vllm").start()
-    return died
-
-
-def _stop_on_signals(stop: threading.Event) -> tuple[dict[int, Any], threading.Event]:
-    """Ctrl-C and SIGTERM set ``stop`` (from the main thread only); returns the previous handlers and
-    an event telling a stop request from vLLM exiting on its own."""
-    signalled = threading.Event()
-
-    def on_signal(*_: object) -> None:
-        signalled.set()
-        stop.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} \
-        if threading.current_thread() is threading.main_thread() else {}
-    return previous, signalled
-
-
-def _stop_child(child: subprocess.Popen[bytes], output: _OutputTail, log_file: IO[str] | None,
-                segments: EngineSegments) -> bool:
-    """Stop vLLM (if it still runs), remove the shared memory it left (``segments``, noted while it ran) and
-    close its log; returns whether it had exited on its own."""
-    exited_alone = child.poll() is not None
-    if not exited_alone:
-        segments.note(child.pid)
-        stop_process(child, timeout=30)
-    removed = segments.remove_orphans()
-    if removed:
-        log.info("removed the shared memory vLLM left: %s", ", ".join(f"{SHM_DIR}/{name}" for name in removed))
-    output.thread.join(timeout=10)
-    if log_file is not None:
-        log_file.close()
-    return exited_alone
-
-
 def _run_child(command: list[str], env: dict[str, str], base_url: str, api_key: str | None, ready_timeout: float,
                stop: threading.Event, vllm_log: str | os.PathLike[str] | None,
                on_exit: Callable[[int], object] | None, follow: Callable[[VllmClient], None]) -> int:
     """Start vLLM, wait until it generates, ``follow`` it until ``stop``; stop vLLM."""
-    child, output, log_file = _start_child(command, env, vllm_log)
-    previous, signalled = _stop_on_signals(stop)  # a stop request, even if it also reached vLLM
-    died = _watch_child(child, stop, on_exit)
+    child, output, log_file = start_child(command, env, vllm_log)
+    previous, signalled = stop_on_signals(stop, child)
+    died = watch_child(child, stop, on_exit)
     segments = EngineSegments()
     try:
         client = VllmClient(base_url, api_key=api_key)
@@ -553,9 +427,9 @@ def _run_child(command: list[str], env: dict[str, str], base_url: str, api_key: 
         segments.note(child.pid)  # (those of a vLLM that exits on its own, too)
         follow(client)
     finally:
-        for sig, handler in previous.items():
+        exited_alone = stop_child(child, output, log_file, segments)
+        for sig, handler in previous.items():  # (after the stop: a second Ctrl-C hurries it)
             signal.signal(sig, handler)
-        exited_alone = _stop_child(child, output, log_file, segments)
     if exited_alone:
         log.error("vLLM exited with code %s: %s", child.returncode, last_error_line(list(output.lines)))
         return 1

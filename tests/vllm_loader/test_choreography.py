@@ -27,7 +27,8 @@ from ckptstream.reader.stream import MANIFEST_CACHE_SIZE
 from ckptstream.testing.fake_vllm import FakeVllmClient
 from ckptstream.vllm_loader import Follower, FollowerConfig, Takeover, VersionCache, replay
 from ckptstream.reader.replicas import REFUSED_KEPT
-from ckptstream.vllm_loader.serve import default_vllm_settings, last_error_line, vllm_platform_is_cpu
+from ckptstream.vllm_loader.serve import default_vllm_settings, vllm_platform_is_cpu
+from ckptstream.vllm_loader.vllm_child import last_error_line
 from ckptstream.vllm_loader.follow.takeover import lock_path
 from tests.helpers import preloaded_context, preloaded_process
 

@@ -28,6 +28,7 @@ import torch
 from ckptstream import Publisher, Stream
 from ckptstream.format import manifest_path, version_name
 from ckptstream.hf import iter_hf_weights
+from ckptstream.process import stop_process
 from ckptstream.reader import ReplicaRecord
 from ckptstream.shm import EngineSegments
 from ckptstream.testing.pagecache import drop_pages, resident_bytes
@@ -79,8 +80,8 @@ def stop_nodes(nodes: list[subprocess.Popen]) -> list[int]:
     for node in nodes:
         try:
             codes.append(node.wait(timeout=60))
-        except subprocess.TimeoutExpired:
-            os.killpg(node.pid, signal.SIGKILL)
+        except subprocess.TimeoutExpired:  # (vLLM runs in a session of its own: its processes are killed too)
+            stop_process(node, timeout=0)
             codes.append(node.wait())
     segments.remove_orphans()
     return codes

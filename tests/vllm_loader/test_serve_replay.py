@@ -22,6 +22,7 @@ import pytest
 
 from ckptstream import Publisher, Stream
 from ckptstream.hf import iter_hf_weights
+from ckptstream.process import stop_process
 from ckptstream.reader import ReplicaRecord
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.errors import VllmError
@@ -211,7 +212,7 @@ def test_ctrl_c_while_vllm_starts_is_a_clean_stop(tmp_path):
             code = serve.wait(timeout=120)
         finally:
             if serve.poll() is None:
-                os.killpg(serve.pid, signal.SIGKILL)
+                stop_process(serve, timeout=0)  # (and vLLM, in a session of its own)
     text = log.read_text(errors="replace")
     assert code == 0, text[-3000:]
     assert "Error:" not in text and "stopped while vLLM was starting" in text

@@ -287,6 +287,7 @@ class InPlaceUpdates:
                     else ", and the canary prompts' tokens (the server gave no logprobs)")
         log.info("version %d on %s: the in-place update equals a full reload, every parameter bit for bit%s",
                  version, client.url, compared)
+        self.prepare([client], path)  # (the reload stopped a trace that may not have ended)
         return True
 
     def turn_off(self, client: VllmControl, why: str) -> bool:

@@ -32,7 +32,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy
 import torch
@@ -164,7 +164,10 @@ class InPlaceApplier:
                 for start in range(0, len(names), PREPARE_BATCH):
                     if self._stop_planning.is_set():
                         return
-                    self._plan({name: specs[name] for name in names[start:start + PREPARE_BATCH]})
+                    # Only the plans that found a plain copy are kept: a reason found now is asked again by the
+                    # change that needs the tensor (then kept), so that nothing transient stays for good.
+                    self._plan({name: specs[name] for name in names[start:start + PREPARE_BATCH]},
+                               keep=lambda plan: plan.problem is None)
             self._prepared = True
         except Exception as exc:  # noqa: BLE001 - the first change plans what it needs again
             log.warning("tracing the loaders of %s before the first change failed (%s: %s); the first change "
@@ -259,14 +262,14 @@ class InPlaceApplier:
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
             self._result = {"error": f"{type(exc).__name__}: {exc}"}
 
-    def _plan(self, specs: dict[str, TensorSpec]) -> None:
-        """Trace ``specs`` not planned yet into ``plans``, one thread at a time: ``prepare``'s and a stage's never
-        trace at once, nor read ``plans`` while the other adds to it."""
+    def _plan(self, specs: dict[str, TensorSpec], keep: Callable[[TensorPlan], bool] = lambda plan: True) -> None:
+        """Trace ``specs`` not planned yet into ``plans`` (those ``keep`` takes), one thread at a time: ``prepare``'s
+        and a stage's never trace at once, nor read ``plans`` while the other adds to it."""
         with self._plan_lock:
             specs = {name: spec for name, spec in specs.items() if name not in self.plans}
             if specs:
                 with self.quantized.tracing(self.model) as model:
-                    self.plans.update(plan_tensors(model, specs))
+                    self.plans.update((n, p) for n, p in plan_tensors(model, specs).items() if keep(p))
 
     def _map_all(self, change: ChangeFile, base_dir: Path | None) -> tuple[dict[str, Any], list[_Write]]:
         """Map every changed tensor onto the parameters: the copies that share a layout (parameter, dtype,
@@ -307,7 +310,6 @@ class InPlaceApplier:
             covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
             written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
             dtype = params[param].dtype
-            in_file = change.values_of([i for i, _ in copies])
             if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
                 # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
                 # and the check sums) are not in them. A change with its old values (packed-1) compares them
@@ -319,11 +321,11 @@ class InPlaceApplier:
             quantized = param in self.quantized.params  # (its old and new values kept as the checkpoint's)
             names_of.setdefault(param, set()).update(changed[i].name for i, _ in copies)
             if change.packed:
-                old, new = (part.to(self.device)[covered] for part in in_file)
+                old, new = (part.to(self.device)[covered] for part in change.values_of([i for i, _ in copies]))
                 per_param.setdefault(param, []).append((index[covered], *(v if quantized else v.to(dtype)
                                                                          for v in (old, new))))
             elif not quantized:
-                xor = in_file[0].to(self.device)[covered]
+                xor = change.values_of([i for i, _ in copies])[0].to(self.device)[covered]
                 pending.setdefault((param, checkpoint_dtype), []).append(
                     (changed[copies[0][0]].step or 0, segment[covered], index[covered], positions[covered], xor))
         for (param, checkpoint_dtype), parts in pending.items():
