@@ -81,7 +81,7 @@ def _writer(stream: IO[str]) -> Callable[[str], None]:
 
 
 def start_child(command: list[str], env: dict[str, str], vllm_log: str | os.PathLike[str] | None
-                 ) -> tuple[subprocess.Popen[bytes], OutputTail, IO[str] | None]:
+                ) -> tuple[subprocess.Popen[bytes], OutputTail, IO[str] | None]:
     """Start vLLM with its output passed on (to ``vllm_log`` or stderr) and its last lines kept. From the main thread
     (the CLI, where a terminal's signals come), in a session of its own: Ctrl-C reaches serve alone, which stops the
     follower, then vLLM (reaching vLLM too, it stopped vLLM's engine first, and serve exited 1). Elsewhere (a fleet's
@@ -100,7 +100,7 @@ def start_child(command: list[str], env: dict[str, str], vllm_log: str | os.Path
 
 
 def watch_child(child: subprocess.Popen[bytes], stop: threading.Event, on_exit: Callable[[int], object] | None
-                 ) -> threading.Event:
+                ) -> threading.Event:
     """Watch vLLM's process (not its output, which its children may keep open): the moment it exits, tell
     ``on_exit`` its exit code, set the returned event, then ``stop``."""
     died = threading.Event()
@@ -146,7 +146,7 @@ def kill_group(child: subprocess.Popen[bytes]) -> None:
 
 
 def stop_child(child: subprocess.Popen[bytes], output: OutputTail, log_file: IO[str] | None,
-                segments: EngineSegments) -> bool:
+               segments: EngineSegments) -> bool:
     """Stop vLLM (if it still runs), remove the shared memory it left (``segments``, noted while it ran) and
     close its log; returns whether it had exited on its own."""
     exited_alone = child.poll() is not None

@@ -134,8 +134,10 @@ class InPlaceUpdates:
         serve while they generate, so that the first change stages sooner (where in-place updates are on). Asked
         after every start and full reload (a restarted server's workers have traced nothing); a worker traces
         once. A server that refused it once (no worker extension, or an older one) is not asked again."""
+        if not self.config.apply_in_place:
+            return
         for client in clients:
-            if not self.config.apply_in_place or client.url in self.off or client.url in self._unprepared:
+            if client.url in self.off or client.url in self._unprepared:
                 continue
             try:
                 if not client.prepare_in_place(str(served)):

@@ -301,12 +301,13 @@ class InPlaceApplier:
         pending: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]]] = {}
         for (param, *_), copies in layouts.items():
-            checkpoint_dtype = change.dtype(changed[copies[0][0]])
-            counts = [changed[i].count for i, _ in copies]
-            positions = change.positions_of([i for i, _ in copies]).to(self.device)
+            indices = [i for i, _ in copies]
+            checkpoint_dtype = change.dtype(changed[indices[0]])
+            counts = [changed[i].count for i in indices]
+            positions = change.positions_of(indices).to(self.device)
             src_offset = _repeated([t.src_offset for _, t in copies], counts).to(self.device)
             dst_offset = _repeated([t.dst_offset for _, t in copies], counts).to(self.device)
-            segment = _repeated([i for i, _ in copies], counts).to(self.device)
+            segment = _repeated(indices, counts).to(self.device)
             covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
             written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
             dtype = params[param].dtype
@@ -317,17 +318,17 @@ class InPlaceApplier:
                 held, stored = (str(d).removeprefix("torch.") for d in (dtype, checkpoint_dtype))
                 unverifiable.update({changed[i].name: f"{param} holds its values as {held}, which cannot hold "
                                                       f"every {stored} value of the checkpoint"
-                                     for i, _ in copies})
+                                     for i in indices})
             quantized = param in self.quantized.params  # (its old and new values kept as the checkpoint's)
-            names_of.setdefault(param, set()).update(changed[i].name for i, _ in copies)
+            names_of.setdefault(param, set()).update(changed[i].name for i in indices)
             if change.packed:
-                old, new = (part.to(self.device)[covered] for part in change.values_of([i for i, _ in copies]))
+                old, new = (part.to(self.device)[covered] for part in change.values_of(indices))
                 per_param.setdefault(param, []).append((index[covered], *(v if quantized else v.to(dtype)
                                                                          for v in (old, new))))
             elif not quantized:
-                xor = change.values_of([i for i, _ in copies])[0].to(self.device)[covered]
+                xor = change.values_of(indices)[0].to(self.device)[covered]
                 pending.setdefault((param, checkpoint_dtype), []).append(
-                    (changed[copies[0][0]].step or 0, segment[covered], index[covered], positions[covered], xor))
+                    (changed[indices[0]].step or 0, segment[covered], index[covered], positions[covered], xor))
         for (param, checkpoint_dtype), parts in pending.items():
             # The old values are this rank's own, gathered once at every step's offsets: the checks of the
             # steps at its positions say if right. The steps apply in order on them, in memory.
