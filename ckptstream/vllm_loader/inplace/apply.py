@@ -356,7 +356,7 @@ class InPlaceApplier:
                 writes.append(_Write(param, *merged))
                 continue
             made = self.quantized.writes(param, *merged, _flat(params[self.quantized.params[param].scale]),
-                                         lambda name, start, stop: self._base_values(base_dir, name, start, stop))
+                                         lambda name, spans: self._base_values(base_dir, name, spans))
             if isinstance(made, str):
                 unpatchable.update({name: made for name in names_of[param]})
             else:
@@ -387,9 +387,11 @@ class InPlaceApplier:
         sums = torch.zeros(len(indices), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
         return [v & CHECK_MASK for v in sums.tolist()]
 
-    def _base_values(self, base_dir: Path | None, param: str, start: int, stop: int) -> torch.Tensor | str:
-        """The checkpoint values of ``base_dir`` (a version's copy) that ``param``'s storage offsets [start, stop)
-        load, on the device (every checkpoint tensor of the copy planned first), or why not."""
+    def _base_values(self, base_dir: Path | None, param: str,
+                     spans: list[tuple[int, int]]) -> list[torch.Tensor] | str:
+        """The checkpoint values of ``base_dir`` (a version's copy) that ``param``'s storage ranges ``spans`` (sorted,
+        apart) load, on the device, or why not. Every checkpoint tensor of the copy is planned first; each one
+        that loads into a span is read once."""
         from safetensors import safe_open
 
         from ...codec import torch_dtype
@@ -403,27 +405,34 @@ class InPlaceApplier:
                         if name not in self.plans})
             self._base_files = base_dir, {name: path for name, (path, _, _) in found.items()}
         files = self._base_files[1]
-        values, seen = None, torch.zeros(stop - start, dtype=torch.bool, device=self.device)
+        starts = torch.tensor([start for start, _ in spans], device=self.device)
+        stops = torch.tensor([stop for _, stop in spans], device=self.device)
+        sizes = [stop - start for start, stop in spans]
+        at = torch.cumsum(stops - starts, 0) - (stops - starts)  # where each span's values begin
+        values, seen = None, torch.zeros(sum(sizes), dtype=torch.bool, device=self.device)
         with self._plan_lock:
             plans = list(self.plans.items())
         for name, plan in plans:
             for target in plan.targets:
                 reach = target.dst_offset + sum((n - 1) * s for n, s in zip(target.sizes, target.dst_strides))
-                if target.param != param or reach < start or target.dst_offset >= stop or name not in files:
+                if target.param != param or reach < spans[0][0] or target.dst_offset >= spans[-1][1] \
+                        or name not in files:
                     continue
                 with safe_open(str(files[name]), framework="pt") as handle:
                     tensor = handle.get_tensor(name).reshape(-1)
                 if values is None:
-                    values = torch.empty(stop - start, dtype=tensor.dtype, device=self.device)
+                    values = torch.empty(sum(sizes), dtype=tensor.dtype, device=self.device)
                 for begin in range(0, tensor.numel(), _MAP_CHUNK):  # (bounded temporaries on the device)
                     end = min(begin + _MAP_CHUNK, tensor.numel())
                     covered, dst = map_positions(target, torch.arange(begin, end, device=self.device))
-                    inside = (dst >= start) & (dst < stop)
-                    values[dst[inside] - start] = tensor[begin:end].to(self.device)[covered][inside]
-                    seen[dst[inside] - start] = True
+                    span = (torch.searchsorted(starts, dst, right=True) - 1).clamp_min(0)
+                    inside = (dst >= starts[span]) & (dst < stops[span])
+                    where = at[span[inside]] + dst[inside] - starts[span[inside]]
+                    values[where] = tensor[begin:end].to(self.device)[covered][inside]
+                    seen[where] = True
         if values is None or not bool(seen.all()):
-            return f"the copy of the base version fills {int(seen.sum())} of its {stop - start} elements"
-        return values
+            return f"the copy of the base version fills {int(seen.sum())} of its {sum(sizes)} elements"
+        return list(values.split(sizes))
 
 
 def _holds_exactly(runtime: torch.dtype, checkpoint: torch.dtype) -> bool:
