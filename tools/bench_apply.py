@@ -75,45 +75,69 @@ class _EngineLoop:
         self._thread.join()
 
 
-def _time_applier(module: Any, spec: FusedSpec, base: dict, new: dict, change: Path, device: torch.device,
-                  repeat: int, check: bool, busy: bool) -> dict[str, Any]:
-    """First staging, later stagings and applies (each on a fresh base model, plans kept) with ``module``; with
-    ``busy``, the later stagings also beside an ``_EngineLoop``."""
-    model = _load(spec, base, device)
-    applier = module.InPlaceApplier(model, device)
-    first = stage_s = None
-    stages, applies, busy_stages = [], [], []
-    for i in range(repeat + 1):
-        if i:
+class _Runs:
+    """One applier's runs on a model of its own: the first staging (its loaders traced), then later stagings and
+    applies, each on the base version again, plans kept; with ``busy``, each later staging also beside an
+    ``_EngineLoop``."""
+
+    def __init__(self, module: Any, spec: FusedSpec, base: dict, change: Path, device: torch.device, busy: bool):
+        self.model = _load(spec, base, device)
+        self.applier = module.InPlaceApplier(self.model, device)
+        self.base, self.change, self.device, self.busy = base, change, device, busy
+        self.first: float | None = None
+        self.stages: list[float] = []
+        self.applies: list[float] = []
+        self.busy_stages: list[float] = []
+
+    def run(self) -> None:
+        if self.first is not None:
             with torch.no_grad():
-                model.load_weights(base.items())  # back to the base version, plans kept
-        if i and busy:
-            with _EngineLoop():
-                started = time.perf_counter()
-                applier.stage(str(change))
-                applier.staged(wait=True)
-                busy_stages.append(time.perf_counter() - started)
-        _sync(device)
+                self.model.load_weights(self.base.items())  # back to the base version, plans kept
+            if self.busy:
+                with _EngineLoop():
+                    started = time.perf_counter()
+                    self.applier.stage(str(self.change))
+                    self.applier.staged(wait=True)
+                    self.busy_stages.append(time.perf_counter() - started)
+        _sync(self.device)
         started = time.perf_counter()
-        applier.stage(str(change))
-        result = applier.staged(wait=True)
+        self.applier.stage(str(self.change))
+        result = self.applier.staged(wait=True)
         stage_s = time.perf_counter() - started
         assert result is not None and not result.get("error") and not result.get("unpatchable"), result
         started = time.perf_counter()
-        answer = applier.apply()
+        answer = self.applier.apply()
         apply_s = time.perf_counter() - started
         assert answer.get("applied"), answer
-        if i == 0:
-            first = stage_s
+        if self.first is None:
+            self.first = stage_s
         else:
-            stages.append(stage_s)
-            applies.append(apply_s)
-    equal = None
-    if check:
-        reference = dict(_load(spec, new, device).named_parameters())
-        equal = all(torch.equal(bit_pattern(p), bit_pattern(reference[n])) for n, p in model.named_parameters())
-    return {"first_stage_s": first, "stage_s": statistics.median(stages), "apply_s": statistics.median(applies),
-            "busy_stage_s": statistics.median(busy_stages) if busy_stages else None, "equal": equal}
+            self.stages.append(stage_s)
+            self.applies.append(apply_s)
+
+    def figures(self, spec: FusedSpec, new: dict, check: bool) -> dict[str, Any]:
+        equal = None
+        if check:
+            reference = dict(_load(spec, new, self.device).named_parameters())
+            equal = all(torch.equal(bit_pattern(p), bit_pattern(reference[n]))
+                        for n, p in self.model.named_parameters())
+        return {"first_stage_s": self.first, "stage_s": statistics.median(self.stages),
+                "apply_s": statistics.median(self.applies),
+                "busy_stage_s": statistics.median(self.busy_stages) if self.busy_stages else None, "equal": equal}
+
+
+def _warm_up(appliers: dict[str, Any], device: torch.device, scratch: Path) -> None:
+    """A small change staged and applied once by every applier: what the first run in a process pays alone (torch's
+    first ops, imports) is paid before any timing."""
+    spec = FusedSpec(layers=1, experts=2)
+    base = fused_checkpoint(spec)
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(2))
+    change = scratch / "warm-up.safetensors"
+    write_change(((n, base[n], new[n]) for n in new), change, total=sum(t.numel() for t in new.values()),
+                 max_fraction=1.0, stream_id="bench", base=0, version=1)
+    for module in appliers.values():
+        _Runs(module, spec, base, change, device, busy=False).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'applier':>9} {'layers':>6} {'tensors':>8} {'changed':>10} {'change MB':>9} {'1st stage s':>11} "
           f"{'stage s':>8} {'busy stage s':>12} {'apply s':>8} {'equal':>6}")
     with tempfile.TemporaryDirectory() as scratch:
+        _warm_up(appliers, device, Path(scratch))
         for layers in args.layers:
             spec = FusedSpec(layers=layers, experts=args.experts, hidden=args.hidden,
                              intermediate=args.intermediate, vocab=4096)
@@ -158,8 +183,12 @@ def main(argv: list[str] | None = None) -> int:
             total = sum(t.numel() for t in new.values())
             summary = write_change(((n, base[n], new[n]) for n in new), change, total=total, max_fraction=1.0,
                                    stream_id="bench", base=0, version=1)
-            for label, module in appliers.items():
-                figures = _time_applier(module, spec, base, new, change, device, args.repeat, args.check, args.busy)
+            runs = {label: _Runs(module, spec, base, change, device, args.busy) for label, module in appliers.items()}
+            for round_ in range(args.repeat + 1):  # (interleaved, the order turned each round: no applier runs
+                for label in list(runs)[::1 if round_ % 2 == 0 else -1]:  # on a machine the other warmed)
+                    runs[label].run()
+            for label, timed in runs.items():
+                figures = timed.figures(spec, new, args.check)
                 row = {"applier": label, "layers": layers, "tensors": len(new), "changed": summary.changed,
                        "change_bytes": change.stat().st_size, **figures}
                 rows.append(row)
