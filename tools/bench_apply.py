@@ -8,10 +8,15 @@ the median of ``--repeat`` runs, and whether the patched model equals a full ``l
 ``git show main:ckptstream/vllm_loader/inplace/apply.py > /tmp/apply_old.py``) the same figures for that applier
 are printed beside, in the same run. With ``--busy``, each staging is also timed beside a thread that does what a
 generating engine's loop does to the interpreter (Python work between small torch ops): a staging in a vLLM
-worker shares the GIL with it, and each of its own ops may wait for the GIL again.
+worker shares the GIL with it, and each of its own ops may wait for the GIL again. With ``--fp8 SCHEME``
+(``tensor``, ``channel``, ``block``) the fused parameters are served quantized to FP8 as vLLM's online methods
+quantize them (``quantize_fused``, with the torch mirrors of vLLM's ops), the base version's copy beside the change
+(the units whose scale moves are quantized again from it); ``written`` counts the elements written, whole units
+included.
 
     python tools/bench_apply.py --layers 2 4 8 --experts 128 --hidden 256 --intermediate 96
     python tools/bench_apply.py --layers 8 --busy --baseline /tmp/apply_old.py
+    python tools/bench_apply.py --layers 4 --hidden 512 --intermediate 256 --fp8 channel --check
     python tools/bench_apply.py --device cuda --layers 8 16 --experts 128 --hidden 2048 --intermediate 768
 """
 
@@ -29,11 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream.codec import bit_pattern  # noqa: E402
-from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint  # noqa: E402
+from ckptstream.format import version_name  # noqa: E402
+from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint, quantize_fused  # noqa: E402
 from ckptstream.testing.models import rl_like_step  # noqa: E402
 from ckptstream.vllm_loader.inplace import apply as current_apply  # noqa: E402
 from ckptstream.vllm_loader.inplace.change import write_change  # noqa: E402
@@ -75,45 +82,80 @@ class _EngineLoop:
         self._thread.join()
 
 
-def _time_applier(module: Any, spec: FusedSpec, base: dict, new: dict, change: Path, device: torch.device,
-                  repeat: int, check: bool, busy: bool) -> dict[str, Any]:
-    """First staging, later stagings and applies (each on a fresh base model, plans kept) with ``module``; with
-    ``busy``, the later stagings also beside an ``_EngineLoop``."""
-    model = _load(spec, base, device)
-    applier = module.InPlaceApplier(model, device)
-    first = stage_s = None
-    stages, applies, busy_stages = [], [], []
-    for i in range(repeat + 1):
-        if i:
-            with torch.no_grad():
-                model.load_weights(base.items())  # back to the base version, plans kept
-        if i and busy:
-            with _EngineLoop():
-                started = time.perf_counter()
-                applier.stage(str(change))
-                applier.staged(wait=True)
-                busy_stages.append(time.perf_counter() - started)
-        _sync(device)
+class _Runs:
+    """One applier's runs on a model of its own: the first staging (its loaders traced), then later stagings and
+    applies, each on the base version again, plans kept; with ``busy``, each later staging also beside an
+    ``_EngineLoop``."""
+
+    def __init__(self, module: Any, spec: FusedSpec, base: dict, change: Path, device: torch.device, busy: bool,
+                 fp8: str | None = None):
+        self.model = _load(spec, base, device)
+        self.fp8 = fp8
+        quantized = quantize_fused(self.model, fp8) if fp8 else None
+        self.applier = module.InPlaceApplier(self.model, device, quantized)
+        self.served = {name: param.detach().clone() for name, param in self.model.named_parameters()}
+        self.change, self.device, self.busy = change, device, busy
+        self.first: float | None = None
+        self.stages: list[float] = []
+        self.applies: list[float] = []
+        self.busy_stages: list[float] = []
+        self.written = 0
+
+    def run(self) -> None:
+        if self.first is not None:
+            with torch.no_grad():  # back to the base version, plans kept
+                for name, param in self.model.named_parameters():
+                    param.copy_(self.served[name])
+            if self.busy:
+                with _EngineLoop():
+                    started = time.perf_counter()
+                    self.applier.stage(str(self.change))
+                    self.applier.staged(wait=True)
+                    self.busy_stages.append(time.perf_counter() - started)
+        _sync(self.device)
         started = time.perf_counter()
-        applier.stage(str(change))
-        result = applier.staged(wait=True)
+        self.applier.stage(str(self.change))
+        result = self.applier.staged(wait=True)
         stage_s = time.perf_counter() - started
         assert result is not None and not result.get("error") and not result.get("unpatchable"), result
         started = time.perf_counter()
-        answer = applier.apply()
+        answer = self.applier.apply()
         apply_s = time.perf_counter() - started
         assert answer.get("applied"), answer
-        if i == 0:
-            first = stage_s
+        self.written = answer["applied"]
+        if self.first is None:
+            self.first = stage_s
         else:
-            stages.append(stage_s)
-            applies.append(apply_s)
-    equal = None
-    if check:
-        reference = dict(_load(spec, new, device).named_parameters())
-        equal = all(torch.equal(bit_pattern(p), bit_pattern(reference[n])) for n, p in model.named_parameters())
-    return {"first_stage_s": first, "stage_s": statistics.median(stages), "apply_s": statistics.median(applies),
-            "busy_stage_s": statistics.median(busy_stages) if busy_stages else None, "equal": equal}
+            self.stages.append(stage_s)
+            self.applies.append(apply_s)
+
+    def figures(self, spec: FusedSpec, new: dict, check: bool) -> dict[str, Any]:
+        equal = None
+        if check:
+            fresh = _load(spec, new, self.device)
+            if self.fp8:
+                quantize_fused(fresh, self.fp8)
+            reference = dict(fresh.named_parameters())
+            equal = all(torch.equal(bit_pattern(p), bit_pattern(reference[n]))
+                        for n, p in self.model.named_parameters())
+        return {"first_stage_s": self.first, "stage_s": statistics.median(self.stages),
+                "apply_s": statistics.median(self.applies),
+                "busy_stage_s": statistics.median(self.busy_stages) if self.busy_stages else None,
+                "written": self.written, "equal": equal}
+
+
+def _warm_up(appliers: dict[str, Any], device: torch.device, scratch: Path) -> None:
+    """A small change staged and applied once by every applier: what the first run in a process pays alone (torch's
+    first ops, imports) is paid before any timing."""
+    spec = FusedSpec(layers=1, experts=2)
+    base = fused_checkpoint(spec)
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(2))
+    change = scratch / "warm-up.safetensors"
+    write_change(((n, base[n], new[n]) for n in new), change, total=sum(t.numel() for t in new.values()),
+                 max_fraction=1.0, stream_id="bench", base=0, version=1)
+    for module in appliers.values():
+        _Runs(module, spec, base, change, device, busy=False).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", help="path of an older apply.py to time beside the current one")
     parser.add_argument("--busy", action="store_true", help="also time each staging beside a busy engine loop")
     parser.add_argument("--threads", type=int, help="torch's CPU threads (1 on a busy host: OpenMP threads spin)")
+    parser.add_argument("--fp8", choices=["tensor", "channel", "block"],
+                        help="serve the fused parameters quantized to FP8 (vLLM's online method of that scheme)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -143,10 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         appliers["baseline"] = baseline
     rows = []
     print(f"device {device}; experts {args.experts}, hidden {args.hidden}, intermediate {args.intermediate}; "
-          f"{args.fraction:.0%} of elements changed; medians of {args.repeat}")
+          f"{args.fraction:.0%} of elements changed; medians of {args.repeat}"
+          + (f"; served as FP8 per {args.fp8}" if args.fp8 else ""))
     print(f"{'applier':>9} {'layers':>6} {'tensors':>8} {'changed':>10} {'change MB':>9} {'1st stage s':>11} "
-          f"{'stage s':>8} {'busy stage s':>12} {'apply s':>8} {'equal':>6}")
+          f"{'stage s':>8} {'busy stage s':>12} {'apply s':>8} {'written':>10} {'equal':>6}")
     with tempfile.TemporaryDirectory() as scratch:
+        _warm_up(appliers, device, Path(scratch))
         for layers in args.layers:
             spec = FusedSpec(layers=layers, experts=args.experts, hidden=args.hidden,
                              intermediate=args.intermediate, vocab=4096)
@@ -154,19 +200,30 @@ def main(argv: list[str] | None = None) -> int:
             new = {n: t.clone() for n, t in base.items()}
             rl_like_step(new, fraction=args.fraction, max_ulps=3, generator=torch.Generator().manual_seed(1))
             new["lm_head.weight"] = new["model.embed_tokens.weight"]
-            change = Path(scratch) / f"change-{layers}.safetensors"
+            root = Path(scratch) / f"layers-{layers}"  # (laid out as a follower's cache: the change, the base)
+            change = root / ".changes" / f"{version_name(0)}-{version_name(1)}.safetensors"
+            change.parent.mkdir(parents=True)
+            if args.fp8:
+                (root / version_name(0)).mkdir()
+                save_file({n: t.contiguous() for n, t in base.items() if n != "lm_head.weight"},
+                          str(root / version_name(0) / "model.safetensors"))
             total = sum(t.numel() for t in new.values())
             summary = write_change(((n, base[n], new[n]) for n in new), change, total=total, max_fraction=1.0,
                                    stream_id="bench", base=0, version=1)
-            for label, module in appliers.items():
-                figures = _time_applier(module, spec, base, new, change, device, args.repeat, args.check, args.busy)
+            runs = {label: _Runs(module, spec, base, change, device, args.busy, args.fp8)
+                    for label, module in appliers.items()}
+            for round_ in range(args.repeat + 1):  # (interleaved, the order turned each round: no applier runs
+                for label in list(runs)[::1 if round_ % 2 == 0 else -1]:  # on a machine the other warmed)
+                    runs[label].run()
+            for label, timed in runs.items():
+                figures = timed.figures(spec, new, args.check)
                 row = {"applier": label, "layers": layers, "tensors": len(new), "changed": summary.changed,
                        "change_bytes": change.stat().st_size, **figures}
                 rows.append(row)
                 print(f"{label:>9} {layers:>6} {len(new):>8} {summary.changed:>10} "
                       f"{row['change_bytes'] / 1e6:>9.1f} {figures['first_stage_s']:>11.3f} "
                       f"{figures['stage_s']:>8.3f} {_seconds(figures['busy_stage_s']):>12} "
-                      f"{figures['apply_s']:>8.4f} {str(figures['equal']):>6}", flush=True)
+                      f"{figures['apply_s']:>8.4f} {figures['written']:>10} {str(figures['equal']):>6}", flush=True)
             del base, new
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

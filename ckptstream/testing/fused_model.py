@@ -12,9 +12,15 @@ reference an in-place update must equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
+
+if TYPE_CHECKING:
+    from ..vllm_loader.inplace.quantized import QuantizedParam, QuantizedParams
+
+FUSED = ("qkv_proj", "w13", "w2")
+"""The parameters vLLM's online FP8 methods quantize: the fused qkv as one matrix, ``w13`` and ``w2`` per expert."""
 
 
 @dataclass(frozen=True)
@@ -109,3 +115,41 @@ def fused_checkpoint(spec: FusedSpec, seed: int = 0) -> dict[str, torch.Tensor]:
             state[p + f"mlp.experts.{e}.down_proj.weight"] = tensor(h, spec.intermediate)
         state[p + "input_layernorm.weight"] = torch.ones(h, dtype=spec.dtype)
     return state
+
+
+def quantize_fused(model: FusedModel, scheme: str, block: tuple[int, int] = (128, 128)) -> QuantizedParams:
+    """Quantize ``model``'s fused parameters (``FUSED``) to FP8 unit by unit, as vLLM's online methods do after
+    loading (``scheme``: ``quantized.TENSOR``, ``CHANNEL`` or ``BLOCK``, with the torch mirrors of vLLM's ops), each
+    beside its scales (``<name>_scale``): what an in-place apply then needs to know of them."""
+    from ..vllm_loader.inplace.quantized import REFERENCE, QuantizedParam, QuantizedParams
+
+    params, stand_ins = {}, {}
+    for i, layer in enumerate(model.layers):
+        for weight in FUSED:
+            bf16 = layer._parameters[weight]
+            assert bf16 is not None
+            spec = QuantizedParam(f"layers.{i}.{weight}_scale", scheme, tuple(bf16.shape), bf16.dtype, block)
+            quantized, scales = quantize_units(bf16.detach(), spec)
+            layer._parameters[weight] = torch.nn.Parameter(quantized, requires_grad=False)
+            layer._parameters[f"{weight}_scale"] = torch.nn.Parameter(scales, requires_grad=False)
+            params[f"layers.{i}.{weight}"] = spec
+            stand_ins[f"layers.{i}.{weight}"] = lambda shape=tuple(bf16.shape), dtype=bf16.dtype: torch.empty(
+                shape, dtype=dtype)
+    return QuantizedParams(params, stand_ins, REFERENCE)
+
+
+def quantize_units(values: torch.Tensor, spec: QuantizedParam) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` (a fused parameter's) quantized matrix by matrix as a whole, the way a load does: (FP8 values,
+    their scales, flat)."""
+    from ..vllm_loader.inplace.quantized import (CHANNEL, TENSOR, reference_block_quantize,
+                                                 reference_channel_quantize, reference_quantize)
+
+    parts = []
+    for matrix in values.reshape(-1, *spec.shape[-2:]):
+        if spec.scheme == TENSOR:
+            parts.append(reference_quantize(matrix))
+        elif spec.scheme == CHANNEL:
+            parts.append(reference_channel_quantize(matrix))
+        else:
+            parts.append(reference_block_quantize(matrix, spec.block))
+    return torch.cat([q for q, _ in parts]).reshape(values.shape), torch.cat([s.reshape(-1) for _, s in parts])

