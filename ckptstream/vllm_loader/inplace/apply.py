@@ -290,13 +290,9 @@ class InPlaceApplier:
                     layouts.setdefault(key, []).append((i, target))
         written = torch.zeros(len(changed), dtype=torch.int64, device=self.device)
         sums = torch.zeros(3, len(changed), dtype=torch.int64, device=self.device)  # per tensor: positions, old, new
-        checked = bool(changed) and changed[0].check is not None
-        every_position = torch.zeros(len(changed), dtype=torch.int64, device=self.device)  # (over all its positions)
-        summed: set[int] = set()  # the tensors whose positions ``every_position`` holds (a tensor copied twice: once)
         per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         names_of: dict[str, set[str]] = {}  # parameter -> the changed tensors it loads
-        # (xor) per parameter and checkpoint dtype: per copy (step, segment, storage offsets, the positions'
-        # ``check_positions``, XOR)
+        # (xor) per parameter and checkpoint dtype: per copy (step, segment, storage offsets, positions, XOR)
         pending: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]]] = {}
         for (param, *_), copies in layouts.items():
@@ -309,15 +305,6 @@ class InPlaceApplier:
             segment = _repeated(indices, counts).to(self.device)
             covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
             written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
-            mixed = check_positions(positions) if checked or not change.packed else None
-            if checked and mixed is not None:
-                fresh = [i not in summed for i in indices]
-                summed.update(indices)
-                if all(fresh):
-                    every_position.index_add_(0, segment, mixed)
-                else:
-                    keep = torch.from_numpy(numpy.repeat(numpy.asarray(fresh), counts)).to(self.device)
-                    every_position.index_add_(0, segment[keep], mixed[keep])
             dtype = params[param].dtype
             if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
                 # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
@@ -335,9 +322,8 @@ class InPlaceApplier:
                                                                          for v in (old, new))))
             elif not quantized:
                 xor = change.values_of(indices)[0].to(self.device)[covered]
-                assert mixed is not None
                 pending.setdefault((param, checkpoint_dtype), []).append(
-                    (changed[indices[0]].step or 0, segment[covered], index[covered], mixed[covered], xor))
+                    (changed[indices[0]].step or 0, segment[covered], index[covered], positions[covered], xor))
         for (param, checkpoint_dtype), parts in pending.items():
             # The old values are this rank's own, gathered once at every step's offsets: the checks of the
             # steps at its positions say if right. The steps apply in order on them, in memory.
@@ -346,11 +332,12 @@ class InPlaceApplier:
             ints = INT_OF_SIZE[first.element_size()]
             values = first.view(ints).clone()
             for _, step in itertools.groupby(sorted(parts, key=lambda part: part[0]), key=lambda part: part[0]):
-                found = [(segment, torch.searchsorted(held, index), mixed, xor.view(ints))
-                         for _, segment, index, mixed, xor in step]
+                found = [(segment, torch.searchsorted(held, index), positions, xor.view(ints))
+                         for _, segment, index, positions, xor in step]
                 olds = [values[at] for _, at, _, _ in found]  # (each tensor of a step reads the values before it)
-                for (segment, at, mixed, xor), old in zip(found, olds):
+                for (segment, at, positions, xor), old in zip(found, olds):
                     new = old ^ xor
+                    mixed = check_positions(positions)
                     sums[0].index_add_(0, segment, mixed)
                     for row, bits in enumerate((old, new), 1):
                         sums[row].index_add_(0, segment, check_terms(mixed, bits))
@@ -375,14 +362,27 @@ class InPlaceApplier:
                                   "elements": sum(w.elements for w in writes)}
         if unverifiable:
             result["unverifiable"] = unverifiable
-        if checked:
-            position_sums, old_sums, new_sums, every = ([v & CHECK_MASK for v in row]
-                                                        for row in torch.cat([sums, every_position[None]]).tolist())
+        if changed and changed[0].check is not None:
+            position_sums, old_sums, new_sums = ([v & CHECK_MASK for v in row] for row in sums.tolist())
+            checked = [i for i in loaded if changed[i].check is not None]
+            every_position = self._position_sums(change, checked)
             result["checks"] = {changed[i].key: {
                 "held": ChangeCheck(counts_written[i], old_sums[i], new_sums[i]).to_json(),
                 "held_positions": f"{position_sums[i]:016x}", "expected": changed[i].check.to_json(),
-                "positions": f"{every[i]:016x}"} for i in loaded if changed[i].check is not None}
+                "positions": f"{every:016x}"} for i, every in zip(checked, every_position)}
         return result, writes
+
+    def _position_sums(self, change: ChangeFile, indices: list[int]) -> list[int]:
+        """Per entry ``indices`` of ``change``, the sum of its positions' ``check_positions`` (mod 2^64), all on the
+        device at once: per tensor on the host, a model of thousands of experts spent most of its staging here. (Not
+        summed in the pass per layout, which has the positions too: an op more per layout costs a staging beside a
+        generating engine more than the gather, each op waiting for the interpreter lock again.)"""
+        if not indices:
+            return []
+        segment = _repeated(list(range(len(indices))), [change.entries[i].count for i in indices]).to(self.device)
+        mixed = check_positions(change.positions_of(indices).to(self.device))
+        sums = torch.zeros(len(indices), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
+        return [v & CHECK_MASK for v in sums.tolist()]
 
     def _base_values(self, base_dir: Path | None, param: str,
                      spans: list[tuple[int, int]]) -> list[torch.Tensor] | str:
