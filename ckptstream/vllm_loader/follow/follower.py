@@ -318,8 +318,6 @@ class Follower:
                 self.nodes.hold_served(client, version)  # (reloaded: what the head asked the nodes for is over)
                 fallbacks["verify"] += 1
         self.current = version
-        if path is not None:  # (the others have traced their loaders: in place since)
-            self.in_place.prepare(fully_reloaded, path)
         self._keep_served()
         fetched = self._reads.bytes_read() - bytes_before  # measured: what this update read from storage
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
@@ -327,6 +325,8 @@ class Follower:
                               fallbacks=dict(fallbacks), cache_s=cache_s, stage_s=stage_s)
         self._notify("on_update", update)
         self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
+        if path is not None:  # (after the report: each call waits for an engine step; the others traced already)
+            self.in_place.prepare(fully_reloaded, path)
         return update
 
     def _update_server(self, client: VllmControl, version: int, path: Path | None, restore: Path | None,
