@@ -33,18 +33,19 @@ BLOCK_SHAPE = (8, 12)  # (blocks at the edges of every matrix: 32 and 16 columns
 SCHEMES = (TENSOR, CHANNEL, BLOCK)
 
 
-def _served(state: dict[str, torch.Tensor], scheme: str = TENSOR,
-            block: tuple[int, int] = BLOCK_SHAPE) -> tuple[FusedModel, QuantizedParams]:
+def _served(state: dict[str, torch.Tensor], scheme: str = TENSOR, block: tuple[int, int] = BLOCK_SHAPE,
+            spec: FusedSpec = SPEC) -> tuple[FusedModel, QuantizedParams]:
     """A ``FusedModel`` loaded with ``state`` whose fused parameters were then quantized to FP8 unit by unit, as
     vLLM's online methods do after loading, with what the applier needs to know of them."""
-    model = FusedModel(SPEC)
+    model = FusedModel(spec)
     with torch.no_grad():
         model.load_weights(state.items())
     return model, quantize_fused(model, scheme, block)
 
 
-def _reloaded(state: dict[str, torch.Tensor], scheme: str = TENSOR, block: tuple[int, int] = BLOCK_SHAPE) -> FusedModel:
-    return _served(state, scheme, block)[0]
+def _reloaded(state: dict[str, torch.Tensor], scheme: str = TENSOR, block: tuple[int, int] = BLOCK_SHAPE,
+              spec: FusedSpec = SPEC) -> FusedModel:
+    return _served(state, scheme, block, spec)[0]
 
 
 def _differing(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
@@ -170,6 +171,41 @@ def test_heavy_changes_equal_a_fresh_quantization(tmp_path: Path, scheme: str, b
     assert _differing(model, _reloaded(new, scheme, block)) == []
     assert applier.revert()["reverted"]
     assert _differing(model, _reloaded(base, scheme, block)) == []
+
+
+@pytest.mark.parametrize("scheme", [CHANNEL, BLOCK])
+def test_units_quantized_beside_the_held_scale_a_few_at_a_time_equal_all_at_once(tmp_path: Path, scheme: str,
+                                                                                  monkeypatch):
+    """The units beside their held scales go to vLLM's op in parts of bounded size (here one or two units a part):
+    the same bytes as all at once, and as a fresh quantization."""
+    from ckptstream.vllm_loader.inplace import quantized as module
+
+    monkeypatch.setattr(module, "_BESIDE_ELEMENTS", 64)
+    base = fused_checkpoint(SPEC)
+    new = _new_version(base, "kept", scheme)
+    model, quantized = _served(base, scheme)
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=False))
+    assert staging_problem([staged]) is None, staged
+    assert applier.apply().get("applied")
+    assert _differing(model, _reloaded(new, scheme)) == []
+
+
+@pytest.mark.parametrize("case", ["raised", "lowered"])
+def test_large_units_quantized_again_are_written_by_ranges(tmp_path: Path, case: str):
+    """Per tensor, a unit is a whole matrix (here 131 K elements: the fused qkv, an expert's w13): one quantized again
+    is written as a range of storage offsets, not an index of each, and equals a fresh quantization."""
+    spec = FusedSpec(layers=2, experts=3, hidden=256, intermediate=256)
+    base = fused_checkpoint(spec)
+    new = _new_version(base, case)
+    model, quantized = _served(base, TENSOR, spec=spec)
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=True))
+    assert staging_problem([staged]) is None, staged
+    assert any(isinstance(write.index, slice) and write.index.stop - write.index.start > 65536
+               for write in applier._writes)
+    assert applier.apply().get("applied")
+    assert _differing(model, _reloaded(new, TENSOR, spec=spec)) == []
+    assert applier.revert()["reverted"]
+    assert _differing(model, _reloaded(base, TENSOR, spec=spec)) == []
 
 
 def test_rows_at_the_smallest_scale_keep_it(tmp_path: Path):

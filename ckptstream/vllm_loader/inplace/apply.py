@@ -26,10 +26,8 @@ Imported by the worker extension only when used (torch).
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import itertools
-import math
 import logging
 import threading
 from dataclasses import dataclass
@@ -41,8 +39,9 @@ import torch
 
 from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
 from ...format import CHECK_MASK, ChangeCheck, version_name
+from .base_copy import BaseCopy
 from .quantized import QuantizedParams
-from .trace import Target, TensorPlan, TensorSpec, plan_tensors
+from .trace import Target, TensorPlan, TensorSpec, map_copy, plan_tensors
 
 if TYPE_CHECKING:
     from .change import ChangeFile
@@ -52,23 +51,6 @@ log = logging.getLogger("ckptstream.inplace")
 PREPARE_BATCH = 256
 """Checkpoint tensors ``InPlaceApplier.prepare`` traces per ``load_weights`` call: a full reload, which stops the
 trace, waits for one such batch at most."""
-
-
-def _map(layout: Target, positions: torch.Tensor, src_offset: torch.Tensor,
-         dst_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where ``layout`` copies ``positions`` of several checkpoint tensors copied with the same sizes and strides
-    (every expert of a layer, every layer), each with its own offsets: (covered mask, flat storage offsets of
-    all)."""
-    rest = positions - src_offset
-    covered = rest >= 0
-    dst = dst_offset.clone()
-    for size, src_stride, dst_stride in zip(layout.sizes, layout.src_strides, layout.dst_strides):
-        index = torch.div(rest, src_stride, rounding_mode="floor")
-        rest = rest - index * src_stride
-        covered &= index < size
-        dst += index * dst_stride
-    covered &= rest == 0
-    return covered, dst
 
 
 def _repeated(values: list[int], counts: list[int]) -> torch.Tensor:
@@ -110,7 +92,6 @@ class InPlaceApplier:
         self.model = model
         self.device = device
         self.quantized = QuantizedParams.of_model(model, device) if quantized is None else quantized
-        self._base_files: tuple[Path, dict[str, Path]] | None = None  # (the last base read: tensor -> its file)
         self.plans: dict[str, TensorPlan] = {}
         self._thread: threading.Thread | None = None
         self._result: dict[str, Any] | None = None
@@ -303,7 +284,7 @@ class InPlaceApplier:
             src_offset = _repeated([t.src_offset for _, t in copies], counts).to(self.device)
             dst_offset = _repeated([t.dst_offset for _, t in copies], counts).to(self.device)
             segment = _repeated(indices, counts).to(self.device)
-            covered, index = _map(copies[0][1], positions, src_offset, dst_offset)
+            covered, index = map_copy(copies[0][1], positions, src_offset, dst_offset)
             written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
             dtype = params[param].dtype
             if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
@@ -345,17 +326,28 @@ class InPlaceApplier:
             dtype = params[param].dtype
             per_param.setdefault(param, []).append((held, first.to(dtype), values.view(checkpoint_dtype).to(dtype)))
         writes = []
-        for param, groups in per_param.items():
-            merged = [torch.cat(parts) for parts in zip(*groups)]
-            if param not in self.quantized.params:
-                writes.append(_Write(param, *merged))
-                continue
-            made = self.quantized.writes(param, *merged, _flat(params[self.quantized.params[param].scale]),
-                                         lambda name, spans: self._base_values(base_dir, name, spans))
-            if isinstance(made, str):
-                unpatchable.update({name: made for name in names_of[param]})
-            else:
-                writes.extend(_Write(*write) for write in made)
+        opened: list[BaseCopy | str] = []  # (the base copy, opened once a unit's scale moves)
+
+        def base_values(name: str, spans: list[tuple[int, int]]) -> list[torch.Tensor] | str:
+            if not opened:
+                opened.append(self._open_base(base_dir))
+            return opened[0] if isinstance(opened[0], str) else opened[0].values(name, spans)
+
+        try:
+            for param, groups in per_param.items():
+                merged = [torch.cat(parts) for parts in zip(*groups)]
+                if param not in self.quantized.params:
+                    writes.append(_Write(param, *merged))
+                    continue
+                made = self.quantized.writes(param, *merged, _flat(params[self.quantized.params[param].scale]),
+                                             base_values)
+                if isinstance(made, str):
+                    unpatchable.update({name: made for name in names_of[param]})
+                else:
+                    writes.extend(_Write(*write) for write in made)
+        finally:
+            if opened and not isinstance(opened[0], str):
+                opened[0].close()
         counts_written = written.tolist()
         coverage = {changed[i].key: [counts_written[i], changed[i].count] for i in loaded}
         result: dict[str, Any] = {"unpatchable": unpatchable, "coverage": coverage,
@@ -384,76 +376,19 @@ class InPlaceApplier:
         sums = torch.zeros(len(indices), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
         return [v & CHECK_MASK for v in sums.tolist()]
 
-    def _base_values(self, base_dir: Path | None, param: str,
-                     spans: list[tuple[int, int]]) -> list[torch.Tensor] | str:
-        """The checkpoint values of ``base_dir`` (a version's copy) that ``param``'s storage ranges ``spans`` (sorted,
-        apart) load, on the device, or why not. Every checkpoint tensor of the copy is planned first. Each copy into
-        a span is followed back from the span's offsets to the checkpoint positions they load, and only the rows of
-        the tensor holding those are read: the cost follows the spans, not the tensors' sizes."""
-        from safetensors import safe_open
-
+    def _open_base(self, base_dir: Path | None) -> BaseCopy | str:
+        """The base version's copy ``base_dir`` to read units of FP8 parameters back from (every checkpoint tensor of
+        it planned first), or why there is none."""
         from ...codec import torch_dtype
         from ...hf import tensor_files
 
         if base_dir is None or not base_dir.is_dir():
             return "no copy of the base version on this node"
-        if self._base_files is None or self._base_files[0] != base_dir:
-            found = tensor_files(base_dir)
-            self._plan({name: (shape, torch_dtype(dtype)) for name, (_, dtype, shape) in found.items()
-                        if name not in self.plans})
-            self._base_files = base_dir, {name: path for name, (path, _, _) in found.items()}
-        files = self._base_files[1]
-        sizes = [stop - start for start, stop in spans]
-        at = list(itertools.accumulate(sizes, initial=0))  # where each span's values begin
-        offsets = torch.cat([torch.arange(start, stop, device=self.device) for start, stop in spans])
-        starts, stops = [start for start, _ in spans], [stop for _, stop in spans]
-        values, seen = None, torch.zeros(at[-1], dtype=torch.bool, device=self.device)
+        found = tensor_files(base_dir)
+        self._plan({name: (shape, torch_dtype(dtype)) for name, (_, dtype, shape) in found.items()})
         with self._plan_lock:
-            plans = list(self.plans.items())
-        for name, plan in plans:
-            for target in plan.targets:
-                reach = target.dst_offset + sum((n - 1) * s for n, s in zip(target.sizes, target.dst_strides))
-                first, last = bisect.bisect_right(stops, target.dst_offset), bisect.bisect_right(starts, reach)
-                if target.param != param or first >= last or name not in files:
-                    continue  # (no span within its reach)
-                wanted = offsets[at[first]:at[last]]
-                covered, positions = _map(_backwards(target), wanted, torch.full_like(wanted, target.dst_offset),
-                                          torch.full_like(wanted, target.src_offset))
-                if not bool(covered.any()):
-                    continue
-                positions = positions[covered]
-                tensor, first_position = _rows_holding(files[name], name, positions, safe_open)
-                if values is None:
-                    values = torch.empty(at[-1], dtype=tensor.dtype, device=self.device)
-                where = covered.nonzero().reshape(-1) + at[first]
-                values[where] = tensor.to(self.device)[positions - first_position]
-                seen[where] = True
-        if values is None or not bool(seen.all()):
-            return f"the copy of the base version fills {int(seen.sum())} of its {at[-1]} elements"
-        return list(values.split(sizes))
-
-
-def _backwards(target: Target) -> Target:
-    """``target`` the other way round: from the parameter's storage offsets to the checkpoint tensor's positions
-    (``_map`` then finds which offsets it writes, and from where). Its dimensions go by the storage strides, largest
-    first, as ``_map`` needs; a copy writes each offset once (vLLM's loaders copy into views), so they nest."""
-    dims = sorted(((size, dst, src) for size, dst, src in zip(target.sizes, target.dst_strides, target.src_strides)
-                   if size > 1), key=lambda dim: -dim[1])
-    return Target(target.param, tuple(d[0] for d in dims), target.dst_offset, tuple(d[1] for d in dims),
-                  target.src_offset, tuple(d[2] for d in dims))
-
-
-def _rows_holding(path: Path, name: str, positions: torch.Tensor, safe_open: Any) -> tuple[torch.Tensor, int]:
-    """(the rows of checkpoint tensor ``name`` in ``path`` that hold the flat ``positions``, flat; the position its
-    first element is)."""
-    with safe_open(str(path), framework="pt") as handle:
-        part = handle.get_slice(name)
-        shape = part.get_shape()
-        if not shape:
-            return handle.get_tensor(name).reshape(-1), 0
-        row = math.prod(shape[1:])
-        first, last = int(positions.min()) // row, int(positions.max()) // row + 1
-        return part[first:last].reshape(-1), first * row
+            plans = dict(self.plans)
+        return BaseCopy({name: path for name, (path, _, _) in found.items()}, plans, self.device)
 
 
 def _holds_exactly(runtime: torch.dtype, checkpoint: torch.dtype) -> bool:

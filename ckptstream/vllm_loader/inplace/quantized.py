@@ -54,6 +54,7 @@ MIN_BLOCK_AMAX = 1e-4
 """The smallest absolute maximum ``per_block_cast_to_fp8`` scales a block by."""
 
 _GATHERED = 1 << 16  # units up to this many elements are written by one index; larger ones (matrices) by ranges
+_BESIDE_ELEMENTS = 1 << 24  # values (with room) quantized beside the held scale per call of vLLM's op
 
 TENSOR, CHANNEL, BLOCK = "tensor", "channel", "block"
 """A quantized parameter's units: each matrix (a Linear's weight, an expert), each row of one, each block of one."""
@@ -329,25 +330,13 @@ class QuantizedParams:
         units -> their FP8 values and scales) quantizes them all at once. (bytes, per value whether its unit's
         scale came back: not where its unit changed whole, no room left beside it.)"""
         touched, counts = torch.unique_consecutive(units, return_counts=True)
-        row_of = torch.repeat_interleave(torch.arange(len(touched), device=units.device), counts)
-        column = torch.arange(len(units), device=units.device) - (torch.cumsum(counts, 0) - counts)[row_of]
-        room = counts < width
-        placed = room[row_of]
-        matrix = torch.zeros(len(touched), width, dtype=values.dtype, device=values.device)
-        matrix[row_of[placed], column[placed]] = values[placed]
-        target = held[touched]
-        nearest = (target * FP8_MAX).to(values.dtype)
-        quantized = torch.zeros(matrix.shape, dtype=torch.uint8, device=values.device)
-        settled = torch.zeros(len(touched), dtype=torch.bool, device=values.device)
-        for step in (0, 1, -1):
-            matrix[:, -1] = _stepped(nearest, step)
-            attempt, scales = quantize(matrix)
-            fits = (scales.reshape(-1) == target) & room & ~settled
-            quantized[fits] = attempt.view(torch.uint8).reshape(matrix.shape)[fits]
-            settled |= fits
-            if bool((settled | ~room).all()):
-                break
-        return quantized[row_of, column.clamp(max=width - 1)], settled[row_of]
+        ends = torch.cumsum(counts, 0).tolist()
+        per_part = max(1, _BESIDE_ELEMENTS // width)  # (units at a time: bounded temporaries on the device)
+        parts = [_beside_held_part(values[ends[first - 1] if first else 0:ends[min(first + per_part, len(ends)) - 1]],
+                                   counts[first:first + per_part], held[touched[first:first + per_part]], width,
+                                   quantize)
+                 for first in range(0, len(ends), per_part)]
+        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
 
     def _requantized(self, param: str, spec: QuantizedParam, moved: torch.Tensor, units: torch.Tensor,
                      index: torch.Tensor, new: torch.Tensor,
@@ -375,9 +364,9 @@ class QuantizedParams:
             starts = torch.tensor([found[i].start for i in members], device=device)
             read_at = torch.tensor([span_at[found[i].span] + found[i].start - found[i].span[0] for i in members],
                                    device=device)
-            contiguous = found[members[0]].contiguous
-            before = torch.stack([values[at:at + rows * cols] for at in read_at.tolist()]) if contiguous \
-                else values[read_at[:, None] + grid]
+            whole = found[members[0]].contiguous and rows * cols > _GATHERED  # (matrices: sliced and written by
+            before = torch.stack([values[at:at + rows * cols] for at in read_at.tolist()]) if whole \
+                else values[read_at[:, None] + grid]  # ranges, not indexed by millions)
             at = torch.isin(units, numbers)
             ordinal = torch.searchsorted(numbers, units[at])
             inner = index[at] - starts[ordinal]
@@ -386,7 +375,7 @@ class QuantizedParams:
                   + inner % found[members[0]].stride] = new[at]
             (q_before, s_before), (q_after, s_after) = (self._whole(spec, matrix.reshape(-1, rows, cols))
                                                         for matrix in (before, after))
-            if contiguous and rows * cols > _GATHERED:  # (whole matrices: written by ranges, no index of millions)
+            if whole:
                 made.extend((param, found[i].offsets(), q_old, q_new)
                             for i, q_old, q_new in zip(members, q_before, q_after))
             else:
@@ -396,20 +385,51 @@ class QuantizedParams:
 
     def _whole(self, spec: QuantizedParam, matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Units of one shape, each a matrix of ``matrices`` [units, rows, cols], quantized as a load quantizes
-        them: (their FP8 values as bytes, their scales). Rows, and blocks of a whole block's height, go to the op at
-        once, stacked."""
+        them: (their FP8 values as bytes, their scales). Rows, and blocks (those at the bottom edge filled out with
+        zeros: the same maximum), go to the op at once, stacked; matrices per tensor one by one."""
         count, rows, cols = matrices.shape
         if spec.scheme == CHANNEL:
             quantized, scales = self.quantizers.channel(matrices.reshape(count, cols))
-        elif spec.scheme == BLOCK and rows == spec.block[0]:
-            quantized, scales = self.quantizers.block(matrices.reshape(count * rows, cols), spec.block)
+        elif spec.scheme == BLOCK:
+            high = spec.block[0]
+            blocks = torch.zeros(count, high, cols, dtype=matrices.dtype, device=matrices.device)
+            blocks[:, :rows] = matrices
+            quantized, scales = self.quantizers.block(blocks.reshape(count * high, cols), spec.block)
+            quantized = quantized.view(torch.uint8).reshape(count, high, cols)[:, :rows]
         else:
-            one = self.quantizers.tensor if spec.scheme == TENSOR \
-                else lambda matrix, _: self.quantizers.block(matrix, spec.block)
-            parts = [one(matrix, None) for matrix in matrices]
+            parts = [self.quantizers.tensor(matrix, None) for matrix in matrices]
             quantized = torch.stack([q.view(torch.uint8) for q, _ in parts])
             scales = torch.stack([s.reshape(()) for _, s in parts])
         return quantized.view(torch.uint8).reshape(count, -1), scales.reshape(-1).float()
+
+
+def _beside_held_part(values: torch.Tensor, counts: torch.Tensor, target: torch.Tensor, width: int,
+                      quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``QuantizedParams._beside_held`` for some units: ``counts`` values each, ``target`` their held scales. A
+    unit whose scale does not come back is tried again alone at the next step."""
+    row_of = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    column = torch.arange(len(values), device=values.device) - (torch.cumsum(counts, 0) - counts)[row_of]
+    room = counts < width  # (the last column holds the value beside them)
+    placed = room[row_of]
+    matrix = torch.zeros(len(counts), width, dtype=values.dtype, device=values.device)
+    matrix[row_of[placed], column[placed]] = values[placed]
+    nearest = (target * FP8_MAX).to(values.dtype)
+    quantized = torch.zeros(matrix.shape, dtype=torch.uint8, device=values.device)
+    settled = torch.zeros(len(counts), dtype=torch.bool, device=values.device)
+    pending = room.clone()
+    for step in (0, 1, -1):
+        rows = pending.nonzero().reshape(-1)
+        if not len(rows):
+            break
+        trial = matrix[rows]
+        trial[:, -1] = _stepped(nearest[rows], step)
+        attempt, scales = quantize(trial)
+        fits = scales.reshape(-1) == target[rows]
+        quantized[rows[fits]] = attempt.view(torch.uint8).reshape(trial.shape)[fits]
+        settled[rows[fits]] = True
+        pending[rows[fits]] = False
+    return quantized[row_of, column], settled[row_of]
 
 
 def _stepped(values: torch.Tensor, step: int) -> torch.Tensor:

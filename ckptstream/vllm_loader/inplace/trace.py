@@ -31,6 +31,23 @@ class Target:
     dst_strides: tuple[int, ...]
 
 
+def map_copy(layout: Target, positions: torch.Tensor, src_offset: torch.Tensor,
+             dst_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``layout`` copies ``positions`` of several checkpoint tensors copied with the same sizes and strides
+    (every expert of a layer, every layer), each with its own offsets: (covered mask, flat storage offsets of
+    all)."""
+    rest = positions - src_offset
+    covered = rest >= 0
+    dst = dst_offset.clone()
+    for size, src_stride, dst_stride in zip(layout.sizes, layout.src_strides, layout.dst_strides):
+        index = torch.div(rest, src_stride, rounding_mode="floor")
+        rest = rest - index * src_stride
+        covered &= index < size
+        dst += index * dst_stride
+    covered &= rest == 0
+    return covered, dst
+
+
 @dataclass
 class TensorPlan:
     """Where a checkpoint tensor lands (``targets``; none: the model does not load it), or why it cannot be
