@@ -105,10 +105,11 @@ def test_loaders_traced_before_the_first_change_leave_it_nothing_to_trace(tmp_pa
     assert _same_parameters(model, _loaded(new)) == []
 
 
-def test_a_full_reload_stops_the_background_trace_and_waits_for_a_staging(tmp_path, monkeypatch):
+def test_a_full_reload_stops_the_background_trace_and_a_staging(tmp_path, monkeypatch):
     """vLLM's layerwise reload swaps the parameters whose loaders a trace calls: run beside ``prepare``'s, a reload
     failed in CI (``'Parameter' object has no attribute 'weight_loader'``). The worker's reload stops the trace
-    after its current batch and waits for it, and for a staging; the next ``prepare`` goes on where it stopped.
+    after its current batch, and a staging at its next step, and waits for them; the next ``prepare`` goes on where
+    it stopped, the next staging goes through.
     (The reload here stands for vLLM's and records what ran beside it; the trace and the staging are the real ones,
     each held until a reload comes or 2 s pass: without the wait, the reload runs while they are held.)"""
     from safetensors.torch import save_file
@@ -158,11 +159,17 @@ def test_a_full_reload_stops_the_background_trace_and_waits_for_a_staging(tmp_pa
     rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(4))
     for event in (held, reloading, done):
         event.clear()
-    monkeypatch.setattr(change, "load_change", holding(change.load_change))
+    real_load = change.load_change
+    monkeypatch.setattr(change, "load_change", holding(real_load))
     applier.stage(str(_change(base, new, tmp_path / "change.safetensors")))
     assert held.wait(timeout=60)
     WorkerExtension.ckptstream_reload_weights(worker, str(served))
-    assert reloads == [True, True]  # the staging had read its change when the reload began
+    assert reloads == [True, True]  # the staging had read its change when the reload began,
+    assert "staging stopped" in applier.staged(wait=True)["error"]  # and stopped there: not staged whole
+    monkeypatch.setattr(change, "load_change", real_load)
+    applier.stage(str(tmp_path / "change.safetensors"))  # (the next staging goes through)
+    assert "error" not in applier.staged(wait=True) and applier.apply().get("applied")
+    assert _same_parameters(model, _loaded(new)) == []
 
 
 def test_an_old_value_that_differs_writes_nothing(tmp_path):

@@ -63,6 +63,10 @@ def _flat(param: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(param.detach(), (param.untyped_storage().nbytes() // param.element_size(),), (1,), 0)
 
 
+class _Stopped(Exception):
+    """A staging stopped by ``InPlaceApplier.quiesce``."""
+
+
 @dataclass
 class _Write:
     """Elements of the change written into one parameter: flat storage offsets (or a range of them: a quantized
@@ -100,6 +104,7 @@ class InPlaceApplier:
         self._planning: threading.Thread | None = None  # ``prepare``'s
         self._prepared = False  # (its trace went through every tensor)
         self._stop_planning = threading.Event()
+        self._stop_staging = threading.Event()  # (``quiesce``: a full reload comes)
         self._plan_lock = threading.Lock()  # held while ``plans`` grows (``_plan``) or is read whole
 
     def prepare(self, path: str) -> None:
@@ -122,15 +127,17 @@ class InPlaceApplier:
             self._planning.start()
 
     def quiesce(self) -> None:
-        """Stop ``prepare``'s trace after its current batch of tensors and wait for a staging to end. vLLM's full
-        reload must not run beside either: its layerwise reload swaps the parameters whose loaders a trace's
+        """Stop ``prepare``'s trace after its current batch of tensors, and a staging at its next step (a batch of
+        tensors traced, a layout mapped: the staging then reports it stopped), and wait for them. vLLM's full reload
+        must not run beside either: its layerwise reload swaps the parameters whose loaders a trace's
         ``load_weights`` calls and counts what those loaders are given (a reload beside a trace failed in CI:
-        ``'Parameter' object has no attribute 'weight_loader'``). The reload, inside the pause, waits for one
-        batch at most (``PREPARE_BATCH``)."""
+        ``'Parameter' object has no attribute 'weight_loader'``). The reload, inside the pause, waits for one such
+        step at most (a staging the follower gave up on, too: not for all of it)."""
         if self._planning is not None:
             self._stop_planning.set()
             self._planning.join()
         if self._thread is not None:
+            self._stop_staging.set()
             self._thread.join()
 
     def _prepare(self, path: str, specs: dict[str, TensorSpec]) -> None:
@@ -152,6 +159,7 @@ class InPlaceApplier:
     def stage(self, path: str) -> None:
         """Read the change at ``path`` and map it onto this worker's parameters, in a background thread."""
         self.discard()
+        self._stop_staging.clear()
         self._thread = threading.Thread(target=self._stage, args=(path,), name="ckptstream-stage", daemon=True)
         self._thread.start()
 
@@ -227,7 +235,10 @@ class InPlaceApplier:
             with safe_open(path, framework="pt") as handle, torch.no_grad(), \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 change = load_change(handle)
-                self._plan({e.name: (e.shape, change.dtype(e)) for e in change.entries if e.name not in self.plans})
+                unplanned = [e for e in change.entries if e.name not in self.plans]
+                for start in range(0, len(unplanned), PREPARE_BATCH):
+                    self._go_on_staging()
+                    self._plan({e.name: (e.shape, change.dtype(e)) for e in unplanned[start:start + PREPARE_BATCH]})
                 base = str((handle.metadata() or {}).get("base"))  # (a change in a cache: <stream>/.changes/<file>)
                 base_dir = Path(path).parent.parent / version_name(int(base)) if base.isdigit() else None
                 result, writes = self._map_all(change, base_dir)
@@ -235,8 +246,15 @@ class InPlaceApplier:
                 stream.synchronize()
             self._writes = writes
             self._result = result
+        except _Stopped:
+            self._result = {"error": "staging stopped: a full reload of the server came first"}
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
             self._result = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _go_on_staging(self) -> None:
+        """Raise ``_Stopped`` where ``quiesce`` asked the staging to stop."""
+        if self._stop_staging.is_set():
+            raise _Stopped
 
     def _plan(self, specs: dict[str, TensorSpec], keep: Callable[[TensorPlan], bool] = lambda plan: True) -> None:
         """Trace ``specs`` not planned yet into ``plans`` (those ``keep`` takes), one thread at a time: ``prepare``'s
@@ -277,6 +295,7 @@ class InPlaceApplier:
         pending: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]]] = {}
         for (param, *_), copies in layouts.items():
+            self._go_on_staging()
             indices = [i for i, _ in copies]
             checkpoint_dtype = change.dtype(changed[indices[0]])
             counts = [changed[i].count for i in indices]
@@ -335,6 +354,7 @@ class InPlaceApplier:
 
         try:
             for param, groups in per_param.items():
+                self._go_on_staging()
                 merged = [torch.cat(parts) for parts in zip(*groups)]
                 if param not in self.quantized.params:
                     writes.append(_Write(param, *merged))
