@@ -387,8 +387,7 @@ class InPlaceApplier:
     def _position_sums(self, change: ChangeFile, indices: list[int]) -> list[int]:
         """Per entry ``indices`` of ``change``, the sum of its positions' ``check_positions`` (mod 2^64), all on the
         device at once: per tensor on the host, a model of thousands of experts spent most of its staging here. (Not
-        summed in the pass per layout, which has the positions too: an op more per layout costs a staging beside a
-        generating engine more than the gather, each op waiting for the interpreter lock again.)"""
+        summed in the pass per layout, which has the positions too: that adds an op per layout, and showed no gain.)"""
         if not indices:
             return []
         segment = _repeated(list(range(len(indices))), [change.entries[i].count for i in indices]).to(self.device)

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -193,6 +195,17 @@ class QuantizedParam:
         (rows, cols), (high, wide) = self.shape[-2:], self.block
         return -(-rows // high), -(-cols // wide)
 
+    @property
+    def count(self) -> int:
+        """How many units (scales) it has."""
+        matrices = math.prod(self.shape[:-2])
+        if self.scheme == TENSOR:
+            return matrices
+        if self.scheme == CHANNEL:
+            return matrices * self.shape[-2]
+        down, across = self._blocks
+        return matrices * down * across
+
     def unit_of(self, offsets: torch.Tensor) -> torch.Tensor:
         """The unit (its scale's index) of each storage offset."""
         rows, cols = self.shape[-2:]
@@ -284,7 +297,8 @@ class QuantizedParams:
         order = torch.argsort(units, stable=True)
         units, index = units[order], index[order]
         old, new = old[order].to(spec.dtype), new[order].to(spec.dtype)  # (vLLM's loader casts before quantizing)
-        (q_old, moved_old), (q_new, moved_new) = (self._with_held(spec, v, units, held) for v in (old, new))
+        touched, counts = torch.unique_consecutive(units, return_counts=True)
+        (q_old, moved_old), (q_new, moved_new) = (self._with_held(spec, v, touched, counts, held) for v in (old, new))
         moved = torch.unique(units[moved_old | moved_new])
         kept = ~torch.isin(units, moved)
         made: list[tuple[str, torch.Tensor | slice, torch.Tensor, torch.Tensor]] = []
@@ -297,29 +311,29 @@ class QuantizedParams:
             made.extend(again)
         return made
 
-    def _with_held(self, spec: QuantizedParam, values: torch.Tensor, units: torch.Tensor,
+    def _with_held(self, spec: QuantizedParam, values: torch.Tensor, touched: torch.Tensor, counts: torch.Tensor,
                    held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``values`` quantized with the scales held for their ``units`` (sorted), as bytes; per value, whether its
-        unit's scale may move: it or another value of it quantizes to ±448, or vLLM's op did not give the held scale
-        back)."""
+        """(``values`` quantized with the scales held for their units, as bytes; per value, whether its unit's scale
+        may move: it or another value of it quantizes to ±448, or vLLM's op did not give the held scale back).
+        ``values`` go unit by unit: ``counts`` of each unit of ``touched``."""
         settled = None
         if spec.scheme == CHANNEL:
-            width = int(torch.unique_consecutive(units, return_counts=True)[1].max()) + 1
-            as_bytes, settled = self._beside_held(values, units, held, width, self.quantizers.channel)
+            as_bytes, settled = self._beside_held(values, touched, counts, held, int(counts.max()) + 1,
+                                                  self.quantizers.channel)
         elif spec.scheme == BLOCK:
             high, wide = spec.block
             as_bytes, settled = self._beside_held(
-                values, units, held, high * wide, lambda blocks: self.quantizers.block(blocks.reshape(-1, wide),
-                                                                                       spec.block))
+                values, touched, counts, held, high * wide,
+                lambda blocks: self.quantizers.block(blocks.reshape(-1, wide), spec.block))
         else:  # (vLLM's static op with the held scale: its dynamic one element for element)
-            touched, counts = torch.unique_consecutive(units, return_counts=True)
             as_bytes = torch.cat([self.quantizers.tensor(part, held[unit:unit + 1])[0].view(torch.uint8)
                                   for unit, part in zip(touched.tolist(), values.split(counts.tolist()))])
         moved = (as_bytes & 0x7F) >= _FP8_MAX_BITS
         return as_bytes, moved if settled is None else moved | ~settled
 
     @staticmethod
-    def _beside_held(values: torch.Tensor, units: torch.Tensor, held: torch.Tensor, width: int,
+    def _beside_held(values: torch.Tensor, touched: torch.Tensor, counts: torch.Tensor, held: torch.Tensor,
+                     width: int,
                      quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per channel and per block, vLLM's own op quantizes ``values`` with the held scales: where the method
@@ -329,7 +343,6 @@ class QuantizedParams:
         the held one (the held scale × 448 rounded, then a step either side), and ``quantize`` (a matrix of such
         units -> their FP8 values and scales) quantizes them all at once. (bytes, per value whether its unit's
         scale came back: not where its unit changed whole, no room left beside it.)"""
-        touched, counts = torch.unique_consecutive(units, return_counts=True)
         ends = torch.cumsum(counts, 0).tolist()
         per_part = max(1, _BESIDE_ELEMENTS // width)  # (units at a time: bounded temporaries on the device)
         parts = [_beside_held_part(values[ends[first - 1] if first else 0:ends[min(first + per_part, len(ends)) - 1]],
@@ -350,7 +363,7 @@ class QuantizedParams:
         if isinstance(read, str):
             return f"{param}: the scale of its unit {int(moved[0])} changes, and its new values are not here ({read})"
         values = torch.cat([part.to(spec.dtype) for part in read])
-        span_at = dict(zip(spans, (torch.cumsum(torch.tensor([0] + [b - a for a, b in spans]), 0)).tolist()))
+        span_at = dict(zip(spans, itertools.accumulate((stop - start for start, stop in spans), initial=0)))
         shapes: dict[tuple[int, int], list[int]] = {}
         for i, unit in enumerate(found):
             shapes.setdefault((unit.rows, unit.cols), []).append(i)
@@ -477,17 +490,16 @@ def _layout(layer: torch.nn.Module, method: object, kind: str, scheme: str, weig
     if param.untyped_storage().nbytes() != numel or param.storage_offset():
         return "its FP8 storage is padded or shared"
     rows, cols = shape[-2:]
-    matrices = shape[0] if moe else 1
     transposed = not moe and scheme != BLOCK  # (a Linear's per-tensor and per-channel weight is ``qweight.t()``)
     if transposed and (tuple(param.shape) != (cols, rows) or tuple(param.stride()) != (1, cols)):
         return "its FP8 layout is not the transposed bf16 one"
     if not transposed and (tuple(param.shape) != shape or not param.is_contiguous()):
         return "its FP8 layout is not its bf16 one"
-    units = {TENSOR: matrices, CHANNEL: matrices * rows,
-             BLOCK: matrices * -(-rows // block[0]) * -(-cols // block[1])}[scheme]
+    found = scheme, shape, recorded.dtype, (int(block[0]), int(block[1]))
+    units = QuantizedParam(scale, *found).count
     if scales.numel() != units:
         return f"it has {scales.numel()} scales where its {scheme} units are {units}"
-    return scheme, shape, recorded.dtype, (int(block[0]), int(block[1]))
+    return found
 
 
 def _recorded(layer: torch.nn.Module, weight: str) -> torch.Tensor | None:
