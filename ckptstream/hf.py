@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import SourceNotFoundError
+from .errors import IntegrityError, SourceNotFoundError
 from .format import is_reserved_asset_name, is_safe_file_name
 
 
@@ -54,13 +54,17 @@ def tensor_specs(directory: str | os.PathLike[str]) -> dict[str, tuple[str, tupl
 
 def tensor_files(directory: str | os.PathLike[str]) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     """Name -> (the safetensors file holding it, its dtype, its shape) of every tensor in a model directory, from
-    the file headers only."""
-    from safetensors import safe_open
+    the file headers only; a header that cannot be read is an ``IntegrityError`` naming its file."""
+    from safetensors import SafetensorError, safe_open
 
     files = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                piece = f.get_slice(name)
-                files[name] = (path, piece.get_dtype(), tuple(piece.get_shape()))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    files[name] = (path, piece.get_dtype(), tuple(piece.get_shape()))
+        except SafetensorError as exc:
+            raise IntegrityError(f"its safetensors header cannot be read ({exc})", file=str(path),
+                                 hint="The file is truncated or not a safetensors file") from exc
     return files

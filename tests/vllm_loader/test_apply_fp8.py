@@ -208,6 +208,22 @@ def test_large_units_quantized_again_are_written_by_ranges(tmp_path: Path, case:
     assert _differing(model, _reloaded(base, TENSOR, spec=spec)) == []
 
 
+def test_a_damaged_base_copy_is_named_and_nothing_is_written(tmp_path: Path):
+    """A unit to quantize again whole, and the base version's copy truncated: the staging fails naming the file
+    (the follower then reloads fully), and the served parameters stay as they were."""
+    base = fused_checkpoint(SPEC)
+    new = _new_version(base, "raised", CHANNEL)
+    model, quantized = _served(base, CHANNEL)
+    change = _cache(tmp_path, base, new, with_base=True)
+    copy = tmp_path / version_name(0) / "model.safetensors"
+    copy.write_bytes(copy.read_bytes()[:copy.stat().st_size // 2])
+    applier = InPlaceApplier(model, torch.device("cpu"), quantized)
+    applier.stage(str(change))
+    error = applier.staged(wait=True)["error"]
+    assert "IntegrityError" in error and str(copy) in error
+    assert _differing(model, _reloaded(base, CHANNEL)) == []
+
+
 def test_rows_at_the_smallest_scale_keep_it(tmp_path: Path):
     """Per channel, a row of tiny values is scaled by vLLM's floor, not by its maximum: changed, it keeps the
     floor (the value beside the changed ones must give it back), and equals a fresh quantization."""

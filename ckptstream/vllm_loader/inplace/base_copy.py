@@ -20,6 +20,7 @@ from typing import Any
 import numpy
 import torch
 
+from ...errors import IntegrityError
 from .trace import Target, TensorPlan, map_copy
 
 
@@ -73,18 +74,22 @@ class BaseCopy:
     def _rows_holding(self, name: str, positions: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(the rows of checkpoint tensor ``name`` that hold the flat ``positions``, flat; the position its first
         element is)."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = self._files[name]
-        if path not in self._handles:
-            self._handles[path] = self._opened.enter_context(safe_open(str(path), framework="pt"))
-        part = self._handles[path].get_slice(name)
-        shape = part.get_shape()
-        if not shape:
-            return self._handles[path].get_tensor(name).reshape(-1), 0
-        row = math.prod(shape[1:])
-        first, last = int(positions.min()) // row, int(positions.max()) // row + 1
-        return part[first:last].reshape(-1), first * row
+        try:
+            if path not in self._handles:
+                self._handles[path] = self._opened.enter_context(safe_open(str(path), framework="pt"))
+            part = self._handles[path].get_slice(name)
+            shape = part.get_shape()
+            if not shape:
+                return self._handles[path].get_tensor(name).reshape(-1), 0
+            row = math.prod(shape[1:])
+            first, last = int(positions.min()) // row, int(positions.max()) // row + 1
+            return part[first:last].reshape(-1), first * row
+        except SafetensorError as exc:
+            raise IntegrityError(f"the base version's copy cannot be read back ({exc})", file=str(path),
+                                 tensor=name) from exc
 
 
 def backwards(target: Target) -> Target:
