@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import statistics
 import sys
@@ -267,6 +268,18 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
         shutil.rmtree(root, ignore_errors=True)
 
 
+class _StagingPhases(logging.Handler):
+    """Prints the follower's line of each staging's phases on the workers (wall and CPU seconds of each), and its
+    warnings (e.g. why an update was reloaded fully)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "staged on its workers" in message:
+            print(f"    staging on the worker: {message.split(' staged on its workers in ', 1)[-1]}", flush=True)
+        elif record.levelno >= logging.WARNING:
+            print(f"    follower: {message}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=SHAPES, choices=SHAPES)
@@ -287,6 +300,9 @@ def main() -> int:
     import vllm
 
     print(f"{device}, vLLM {vllm.__version__}; {args.updates} updates per shape, 1 % of elements each", flush=True)
+    staged = logging.getLogger("ckptstream.follow")  # (each staging's phases on the workers, printed as they come)
+    staged.setLevel(logging.INFO)
+    staged.addHandler(_StagingPhases())
     results = []
     for shape in args.shapes:
         try:

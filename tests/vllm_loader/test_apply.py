@@ -662,3 +662,106 @@ def test_the_weight_transfer_engine_stages_the_change_with_old_values_where_it_c
         assert engine._old_values is not None and "float16" in engine._old_values
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["packed-1", "xor-1", "xor-steps-1"])
+def test_a_change_staged_in_chunks_equals_one_staged_at_once(tmp_path, monkeypatch, layout):
+    """The staging maps every copy of a dtype at once in chunks of ``STAGING_CHUNK_ELEMENTS``: chunks of a few
+    hundred elements, which cut through tensors' runs of copies, parameters and steps, report the same coverage,
+    checks and writes as one chunk, and the applied model equals a full load, for every layout of change."""
+    from ckptstream import Publisher, Stream
+    from ckptstream.vllm_loader.inplace import apply
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
+
+    generator = torch.Generator().manual_seed(11)
+    states = [fused_checkpoint(SPEC)]
+    for _ in range(3 if layout == "xor-steps-1" else 1):
+        states.append({n: t.clone() for n, t in states[-1].items()})
+        rl_like_step(states[-1], fraction=0.05, max_ulps=3, generator=generator)
+        states[-1]["lm_head.weight"] = states[-1]["model.embed_tokens.weight"]
+    change = tmp_path / "change.safetensors"
+    if layout == "packed-1":
+        _change(states[0], states[-1], change)
+    else:
+        with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
+            for state in states:
+                publisher.publish(state).result()
+        assert build_change_unbased(Stream(str(tmp_path / "stream")), change, base=0, version=len(states) - 1,
+                                    max_fraction=1.0).problem is None
+    assert _layout(change) == layout
+
+    def staged(chunk: int) -> tuple[FusedModel, InPlaceApplier, dict]:
+        monkeypatch.setattr(apply, "STAGING_CHUNK_ELEMENTS", chunk)
+        model = _loaded(states[0])
+        applier = InPlaceApplier(model, torch.device("cpu"))
+        applier.stage(str(change))
+        result = applier.staged(wait=True)
+        assert result is not None and not result.get("error") and staging_problem([result]) is None, result
+        result.pop("seconds")
+        return model, applier, result
+
+    _, _, at_once = staged(1 << 30)
+    model, applier, in_chunks = staged(300)
+    assert in_chunks == at_once
+    assert applier.apply().get("applied") == at_once["elements"]
+    assert _same_parameters(model, _loaded(states[-1])) == []
+
+
+class _OverlappingLoads(torch.nn.Module):
+    """A model whose loader copies two checkpoint tensors into spans of one parameter that meet: a full load leaves
+    the later one's values where they overlap."""
+
+    def __init__(self):
+        super().__init__()
+        self.both = torch.nn.Parameter(torch.zeros(12, dtype=torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, weight in weights:
+            {"a": self.both[0:8], "b": self.both[4:12], "norm": self.norm}[name].copy_(weight)
+
+
+def test_tensors_copied_into_overlapping_spans_of_a_parameter_are_unpatchable(tmp_path):
+    """Which value a full load leaves where two tensors' copies overlap depends on the loaders' order, which a change
+    cannot tell: those tensors are unpatchable (the follower reloads fully), and nothing of the change is written;
+    a tensor of its own span is patchable as ever."""
+    old = {"a": torch.arange(8, dtype=torch.bfloat16), "b": torch.arange(8, 16).to(torch.bfloat16),
+           "norm": torch.ones(4, dtype=torch.bfloat16)}
+    new = {name: tensor + 1 for name, tensor in old.items()}
+    model = _OverlappingLoads()
+    with torch.no_grad():
+        model.load_weights(old.items())
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    applier = InPlaceApplier(model, torch.device("cpu"))
+    applier.stage(str(_change(old, new, tmp_path / "change.safetensors")))
+    result = applier.staged(wait=True)
+    assert sorted(result["unpatchable"]) == ["a", "b"], result
+    assert "overlaps another tensor's" in result["unpatchable"]["a"]
+    problem = staging_problem([result])
+    assert problem is not None and problem[0] == "unpatchable"
+    assert "error" in applier.apply()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_copies_of_every_layout_mapped_at_once_equal_each_mapped_alone():
+    """``map_copies`` maps the copies of norms (1-D), matrices, fused q/k/v and gate/up shards and experts at once
+    (fewer dimensions padded, shared numbers kept as numbers): each element lands where ``map_copy`` puts it alone,
+    and positions outside a copy's slice are not covered."""
+    from ckptstream.vllm_loader.inplace.trace import map_copies, map_copy
+
+    state = fused_checkpoint(SPEC)
+    plans = plan_tensors(_loaded(state), {name: (tuple(t.shape), t.dtype) for name, t in state.items()})
+    generator = torch.Generator().manual_seed(5)
+    copies, positions = [], []
+    for name, plan in plans.items():
+        for target in plan.targets:
+            copies.append(target)
+            positions.append(torch.randint(0, state[name].numel(), (50,), generator=generator).sort().values)
+    assert {len(target.sizes) for target in copies} == {1, 2}
+    copy = torch.arange(len(copies)).repeat_interleave(50)
+    covered, index = map_copies(copies, torch.cat(positions), copy)
+    for k, (target, at) in enumerate(zip(copies, positions)):
+        alone_covered, alone = map_copy(target, at, torch.full_like(at, target.src_offset),
+                                        torch.full_like(at, target.dst_offset))
+        assert torch.equal(covered[copy == k], alone_covered)
+        assert torch.equal(index[copy == k][alone_covered], alone[alone_covered])

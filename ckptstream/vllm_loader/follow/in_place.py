@@ -189,7 +189,13 @@ class InPlaceUpdates:
         return f"{self.old_values[client.url]}; no change with old values to stage instead{self._where()}"
 
     def _stage(self, client: VllmControl, change: Path) -> tuple[str, str] | None:
-        return staging_problem(client.stage_change(str(change)))
+        results = client.stage_change(str(change))
+        timed = [r["seconds"] for r in results if isinstance(r.get("seconds"), dict)]
+        if timed:  # (the slowest rank's: where a staging beside generation goes)
+            slowest = max(timed, key=lambda seconds: seconds.get("wall", 0.0))
+            log.info("%s: %s staged on its workers in %s", client.url, change.name,
+                     ", ".join(f"{phase} {value:.3f} s" for phase, value in slowest.items()))
+        return staging_problem(results)
 
     def _with_old_values(self, change: Path) -> Path | None:
         """``change.with_old_values`` for ``change``, built where this node has the served version's copy: not

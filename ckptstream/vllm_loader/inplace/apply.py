@@ -30,18 +30,18 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import numpy
 import torch
 
 from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
 from ...format import CHECK_MASK, ChangeCheck, version_name
 from .base_copy import BaseCopy
 from .quantized import QuantizedParams
-from .trace import Target, TensorPlan, TensorSpec, map_copy, plan_tensors
+from .trace import Target, TensorPlan, TensorSpec, map_copies, plan_tensors
 
 if TYPE_CHECKING:
     from .change import ChangeFile
@@ -53,14 +53,62 @@ PREPARE_BATCH = 256
 trace, waits for one such batch at most."""
 
 
-def _repeated(values: list[int], counts: list[int]) -> torch.Tensor:
-    """Each value repeated its count times (numpy's: torch's CPU threads spin on a busy host)."""
-    return torch.from_numpy(numpy.repeat(numpy.asarray(values, dtype=numpy.int64), counts))
-
-
 def _flat(param: torch.Tensor) -> torch.Tensor:
     """A 1-D view of the whole storage of ``param`` in its dtype."""
     return torch.as_strided(param.detach(), (param.untyped_storage().nbytes() // param.element_size(),), (1,), 0)
+
+
+STAGING_CHUNK_ELEMENTS = 1 << 24
+"""Changed elements a staging maps at once (``trace.map_copies``): its device memory beside the served model is a
+few int64 arrays of this many elements (~130 MB each), and its ops follow the chunks, not the tensors."""
+
+
+@dataclass
+class _Mapped:
+    """A chunk of a change's copies mapped onto this rank: per copy its (parameter, step) and how many of its
+    elements land here (``per_copy``); per element landing here, in the copies' order, its storage offset in its
+    parameter (``index``), its position's check terms, its checkpoint tensor's index in the change, its values."""
+
+    copies: list[tuple[str, int]]
+    per_copy: list[int]
+    position_sums: list[int] | None  # per copy, its tensor's sum over every changed position (with checks)
+    index: torch.Tensor
+    mixed: torch.Tensor | None  # ``codec.check_positions`` of the positions (a change with checks)
+    tensor: torch.Tensor
+    values: tuple[torch.Tensor, ...]
+
+    def __post_init__(self) -> None:
+        self.runs: list[tuple[str, int]] = []  # (parameter, step) of each run of consecutive copies sharing them
+        self._counts: list[int] = []  # elements of each run
+        for copy, count in zip(self.copies, self.per_copy):
+            if self.runs and self.runs[-1] == copy:
+                self._counts[-1] += count
+            else:
+                self.runs.append(copy)
+                self._counts.append(count)
+
+    def split(self, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Each of the per-element ``tensors`` cut into the runs' views."""
+        return [tensor.split(self._counts) for tensor in tensors]
+
+
+class _Clock:
+    """A staging's seconds per phase, and its thread's CPU seconds among them: where a staging beside a generating
+    engine takes longer than alone, the wall seconds the CPU seconds lack are waits (the interpreter lock, the
+    device)."""
+
+    def __init__(self) -> None:
+        self._started = self._last = time.perf_counter()
+        self._cpu = time.thread_time()
+        self._laps: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._laps[phase], self._last = now - self._last, now
+
+    def seconds(self) -> dict[str, float]:
+        return {**{phase: round(s, 4) for phase, s in self._laps.items()},
+                "wall": round(self._last - self._started, 4), "cpu": round(time.thread_time() - self._cpu, 4)}
 
 
 class _Stopped(Exception):
@@ -106,6 +154,7 @@ class InPlaceApplier:
         self._stop_planning = threading.Event()
         self._stop_staging = threading.Event()  # (``quiesce``: a full reload comes)
         self._plan_lock = threading.Lock()  # held while ``plans`` grows (``_plan``) or is read whole
+        self._overlaps: tuple[int, dict[str, set[str]]] = (0, {})  # (plans they were found in, ``_overlapping``)
 
     def prepare(self, path: str) -> None:
         """Plan every tensor of the checkpoint directory ``path`` in a background thread, while the engine
@@ -230,22 +279,27 @@ class InPlaceApplier:
 
         from .change import load_change
 
+        clock = _Clock()
         try:
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             with safe_open(path, framework="pt") as handle, torch.no_grad(), \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 change = load_change(handle)
+                clock.lap("read")
                 unplanned = [e for e in change.entries if e.name not in self.plans]
                 for start in range(0, len(unplanned), PREPARE_BATCH):
                     self._go_on_staging()
                     self._plan({e.name: (e.shape, change.dtype(e)) for e in unplanned[start:start + PREPARE_BATCH]})
+                clock.lap("trace")
                 base = str((handle.metadata() or {}).get("base"))  # (a change in a cache: <stream>/.changes/<file>)
                 base_dir = Path(path).parent.parent / version_name(int(base)) if base.isdigit() else None
                 result, writes = self._map_all(change, base_dir)
+                clock.lap("map")
             if stream is not None:
                 stream.synchronize()
+            clock.lap("device")
             self._writes = writes
-            self._result = result
+            self._result = {**result, "seconds": clock.seconds()}
         except _Stopped:
             self._result = {"error": "staging stopped: a full reload of the server came first"}
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
@@ -265,17 +319,25 @@ class InPlaceApplier:
                 with self.quantized.tracing(self.model) as model:
                     self.plans.update((n, p) for n, p in plan_tensors(model, specs).items() if keep(p))
 
+    def _overlapping(self) -> dict[str, set[str]]:
+        """``_overlapping`` of the plans, found again only when they grew."""
+        with self._plan_lock:
+            if self._overlaps[0] != len(self.plans):
+                self._overlaps = (len(self.plans), _overlapping(self.plans))
+            return self._overlaps[1]
+
     def _map_all(self, change: ChangeFile, base_dir: Path | None) -> tuple[dict[str, Any], list[_Write]]:
-        """Map every changed tensor onto the parameters: the copies that share a layout (parameter, dtype,
-        sizes and strides) in one batch each, gathered from the file's tensors at once (no op per tensor), the
-        writes merged per parameter (a quantized one's made by ``quantized.QuantizedParams.writes``, from
-        ``base_dir``, the base version's copy, where a unit's scale changes). The old values of a change without
-        them (``xor-1``, ``xor-steps-1``) are read from the parameters, its checks summed per tensor (and step)."""
+        """Map every changed tensor onto the parameters: every copy of a checkpoint dtype at once, in chunks of at most
+        ``STAGING_CHUNK_ELEMENTS`` (``trace.map_copies``; the ops made follow the parameters and the chunks, not the
+        tensors or layouts), the writes merged per parameter (a quantized one's made by
+        ``quantized.QuantizedParams.writes``, from ``base_dir``, the base version's copy, where a unit's scale changes).
+        The old values of a change without them (``xor-1``, ``xor-steps-1``) are read from the parameters, its checks
+        summed per tensor (and step)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         changed = change.entries
         unpatchable: dict[str, str] = {}
         unverifiable: dict[str, str] = {}  # (xor-1) tensor -> why this rank cannot read its checkpoint bits
-        layouts: dict[tuple[Any, ...], list[tuple[int, Target]]] = {}  # layout -> [(tensor's index, copy)]
+        groups: dict[str, list[tuple[int, Target]]] = {}  # checkpoint dtype -> [(tensor's index, copy)]
         loaded: list[int] = []
         for i, tensor in enumerate(changed):
             plan = self.plans[tensor.name]
@@ -283,47 +345,59 @@ class InPlaceApplier:
                 unpatchable[tensor.name] = plan.problem
             elif plan.targets:
                 loaded.append(i)
-                for target in plan.targets:
-                    key = (target.param, tensor.dtype, target.sizes, target.src_strides, target.dst_strides,
-                           tensor.step)
-                    layouts.setdefault(key, []).append((i, target))
-        written = torch.zeros(len(changed), dtype=torch.int64, device=self.device)
+                groups.setdefault(tensor.dtype, []).extend((i, target) for target in plan.targets)
+        overlapping = self._overlapping()
+        for copies in groups.values():
+            for i, target in copies:
+                if changed[i].name in overlapping.get(target.param, ()):
+                    unpatchable[changed[i].name] = (f"its copy into {target.param} overlaps another tensor's: which "
+                                                    "value a full load leaves there depends on the loaders' order")
+        written = [0] * len(changed)
+        every_position: dict[int, int] = {}  # tensor's index -> the sum of its every changed position's check terms
         sums = torch.zeros(3, len(changed), dtype=torch.int64, device=self.device)  # per tensor: positions, old, new
         per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         names_of: dict[str, set[str]] = {}  # parameter -> the changed tensors it loads
-        # (xor) per parameter and checkpoint dtype: per copy (step, segment, storage offsets, positions, XOR)
+        # (xor-steps-1) per parameter and checkpoint dtype: per step (step, tensor per element, offsets, positions, XOR)
         pending: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]]] = {}
-        for (param, *_), copies in layouts.items():
-            self._go_on_staging()
-            indices = [i for i, _ in copies]
-            checkpoint_dtype = change.dtype(changed[indices[0]])
-            counts = [changed[i].count for i in indices]
-            positions = change.positions_of(indices).to(self.device)
-            src_offset = _repeated([t.src_offset for _, t in copies], counts).to(self.device)
-            dst_offset = _repeated([t.dst_offset for _, t in copies], counts).to(self.device)
-            segment = _repeated(indices, counts).to(self.device)
-            covered, index = map_copy(copies[0][1], positions, src_offset, dst_offset)
-            written.index_add_(0, segment[covered], torch.ones_like(index[covered]))
-            dtype = params[param].dtype
-            if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
-                # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
-                # and the check sums) are not in them. A change with its old values (packed-1) compares them
-                # in the runtime dtype instead.
-                held, stored = (str(d).removeprefix("torch.") for d in (dtype, checkpoint_dtype))
-                unverifiable.update({changed[i].name: f"{param} holds its values as {held}, which cannot hold "
-                                                      f"every {stored} value of the checkpoint"
-                                     for i in indices})
-            quantized = param in self.quantized.params  # (its old and new values kept as the checkpoint's)
-            names_of.setdefault(param, set()).update(changed[i].name for i in indices)
-            if change.packed:
-                old, new = (part.to(self.device)[covered] for part in change.values_of(indices))
-                per_param.setdefault(param, []).append((index[covered], *(v if quantized else v.to(dtype)
-                                                                         for v in (old, new))))
-            elif not quantized:
-                xor = change.values_of(indices)[0].to(self.device)[covered]
-                pending.setdefault((param, checkpoint_dtype), []).append(
-                    (changed[indices[0]].step or 0, segment[covered], index[covered], positions[covered], xor))
+        for copies in groups.values():
+            copies = [copy for copy in copies if changed[copy[0]].name not in unpatchable]
+            if not copies:
+                continue
+            checkpoint_dtype = change.dtype(changed[copies[0][0]])
+            # (a parameter's copies together, each step's in order: each chunk then splits into (parameter, step) runs)
+            copies.sort(key=lambda copy: (copy[1].param, changed[copy[0]].step or 0))
+            for i, target in copies:
+                names_of.setdefault(target.param, set()).add(changed[i].name)
+            for param in {target.param for _, target in copies}:
+                dtype = params[param].dtype
+                if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
+                    # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
+                    # and the check sums) are not in them. A change with its old values (packed-1) compares them
+                    # in the runtime dtype instead.
+                    held, stored = (str(d).removeprefix("torch.") for d in (dtype, checkpoint_dtype))
+                    unverifiable.update({name: f"{param} holds its values as {held}, which cannot hold every "
+                                               f"{stored} value of the checkpoint" for name in names_of[param]})
+            for chunk in _chunks(copies, [changed[i].count for i, _ in copies]):
+                self._go_on_staging()
+                mapped = self._map_chunk(change, chunk)
+                for (i, _), count in zip(chunk, mapped.per_copy):
+                    written[i] += count
+                for (i, _), total in zip(chunk, mapped.position_sums or ()):
+                    every_position[i] = total & CHECK_MASK  # (each copy of a tensor has all its positions)
+                if change.packed:
+                    for (param, _), index, old, new in zip(mapped.runs, *mapped.split(mapped.index, *mapped.values)):
+                        quantized = param in self.quantized.params  # (its values kept as the checkpoint's)
+                        dtype = params[param].dtype
+                        per_param.setdefault(param, []).append(
+                            (index, *(v if quantized else _as(v, dtype) for v in (old, new))))
+                elif changed[0].step is None:
+                    self._xor_in_memory(mapped, params, checkpoint_dtype, sums, per_param)
+                else:
+                    for (param, step), *parts in zip(mapped.runs, *mapped.split(mapped.tensor, mapped.index,
+                                                                         mapped.mixed, mapped.values[0])):
+                        if param not in self.quantized.params:
+                            pending.setdefault((param, checkpoint_dtype), []).append((step, *parts))
         for (param, checkpoint_dtype), parts in pending.items():
             # The old values are this rank's own, gathered once at every step's offsets: the checks of the
             # steps at its positions say if right. The steps apply in order on them, in memory.
@@ -332,15 +406,12 @@ class InPlaceApplier:
             ints = INT_OF_SIZE[first.element_size()]
             values = first.view(ints).clone()
             for _, step in itertools.groupby(sorted(parts, key=lambda part: part[0]), key=lambda part: part[0]):
-                found = [(segment, torch.searchsorted(held, index), positions, xor.view(ints))
-                         for _, segment, index, positions, xor in step]
+                found = [(segment, torch.searchsorted(held, index), mixed, xor.view(ints))
+                         for _, segment, index, mixed, xor in step]
                 olds = [values[at] for _, at, _, _ in found]  # (each tensor of a step reads the values before it)
-                for (segment, at, positions, xor), old in zip(found, olds):
+                for (segment, at, mixed, xor), old in zip(found, olds):
                     new = old ^ xor
-                    mixed = check_positions(positions)
-                    sums[0].index_add_(0, segment, mixed)
-                    for row, bits in enumerate((old, new), 1):
-                        sums[row].index_add_(0, segment, check_terms(mixed, bits))
+                    _add_checks(sums, segment, mixed, old, new)
                     values[at] = new
             dtype = params[param].dtype
             per_param.setdefault(param, []).append((held, first.to(dtype), values.view(checkpoint_dtype).to(dtype)))
@@ -353,9 +424,9 @@ class InPlaceApplier:
             return opened[0] if isinstance(opened[0], str) else opened[0].values(name, spans)
 
         try:
-            for param, groups in per_param.items():
+            for param, parts in per_param.items():
                 self._go_on_staging()
-                merged = [torch.cat(parts) for parts in zip(*groups)]
+                merged = [part[0] if len(parts) == 1 else torch.cat(part) for part in zip(*parts)]
                 if param not in self.quantized.params:
                     writes.append(_Write(param, *merged))
                     continue
@@ -368,32 +439,73 @@ class InPlaceApplier:
         finally:
             if opened and not isinstance(opened[0], str):
                 opened[0].close()
-        counts_written = written.tolist()
-        coverage = {changed[i].key: [counts_written[i], changed[i].count] for i in loaded}
+        coverage = {changed[i].key: [written[i], changed[i].count] for i in loaded}
         result: dict[str, Any] = {"unpatchable": unpatchable, "coverage": coverage,
                                   "elements": sum(w.elements for w in writes)}
         if unverifiable:
             result["unverifiable"] = unverifiable
         if changed and changed[0].check is not None:
             position_sums, old_sums, new_sums = ([v & CHECK_MASK for v in row] for row in sums.tolist())
-            checked = [i for i in loaded if changed[i].check is not None]
-            every_position = self._position_sums(change, checked)
+            checked = [i for i in loaded if changed[i].check is not None and i in every_position]
             result["checks"] = {changed[i].key: {
-                "held": ChangeCheck(counts_written[i], old_sums[i], new_sums[i]).to_json(),
+                "held": ChangeCheck(written[i], old_sums[i], new_sums[i]).to_json(),
                 "held_positions": f"{position_sums[i]:016x}", "expected": changed[i].check.to_json(),
-                "positions": f"{every:016x}"} for i, every in zip(checked, every_position)}
+                "positions": f"{every_position[i]:016x}"} for i in checked}
         return result, writes
 
-    def _position_sums(self, change: ChangeFile, indices: list[int]) -> list[int]:
-        """Per entry ``indices`` of ``change``, the sum of its positions' ``check_positions`` (mod 2^64), all on the
-        device at once: per tensor on the host, a model of thousands of experts spent most of its staging here. (Not
-        summed in the pass per layout, which has the positions too: that adds an op per layout, and showed no gain.)"""
-        if not indices:
-            return []
-        segment = _repeated(list(range(len(indices))), [change.entries[i].count for i in indices]).to(self.device)
-        mixed = check_positions(change.positions_of(indices).to(self.device))
-        sums = torch.zeros(len(indices), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
-        return [v & CHECK_MASK for v in sums.tolist()]
+    def _map_chunk(self, change: ChangeFile, copies: list[tuple[int, Target]]) -> _Mapped:
+        """The elements of ``copies`` (changed tensor's index, copy; sorted by parameter and step) that land on this
+        rank: their storage offsets, tensors, values and, for a change with checks, their positions' check terms;
+        per copy, how many land here and (with checks) the sum of all its positions' terms."""
+        indices = [i for i, _ in copies]
+        counts = [change.entries[i].count for i in indices]
+        positions = change.positions_of(indices).to(self.device)
+        every_copy = torch.repeat_interleave(torch.tensor(counts).to(self.device), output_size=positions.numel())
+        covered, index = map_copies([target for _, target in copies], positions, every_copy)
+        mixed = check_positions(positions) if change.entries[0].check is not None else None
+        # (one synchronization for what lands here and the sums)
+        per_copy = torch.zeros(len(copies), dtype=torch.int64, device=self.device).index_add_(
+            0, every_copy, covered.to(torch.int64))
+        if mixed is None:
+            landed, position_sums = per_copy.tolist(), None
+        else:
+            every = torch.zeros(len(copies), dtype=torch.int64, device=self.device).index_add_(0, every_copy, mixed)
+            landed, position_sums = torch.stack([per_copy, every]).tolist()
+        values = tuple(part.to(self.device) for part in change.values_of(indices))
+        if sum(landed) < positions.numel():  # (an engine's ranks each hold a slice: only this rank's elements)
+            where = covered.nonzero().squeeze(1)
+            every_copy, index, values = every_copy[where], index[where], tuple(part[where] for part in values)
+            mixed = mixed[where] if mixed is not None else None
+        tensor_of_copy = torch.tensor(indices, dtype=torch.int64).to(self.device)
+        return _Mapped([(target.param, change.entries[i].step or 0) for i, target in copies], landed, position_sums,
+                       index, mixed, tensor_of_copy[every_copy], values)
+
+    def _xor_in_memory(self, mapped: _Mapped, params: dict[str, torch.Tensor], checkpoint_dtype: torch.dtype,
+                       sums: torch.Tensor,
+                       per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
+        """A chunk of a one-step change without old values (``xor-1``): the old values read from each parameter (an op
+        or two each), the new ones and the checks made over the whole chunk at once. A quantized parameter's values
+        are not the checkpoint's (the follower stages the change with old values for it: ``unverifiable``)."""
+        kept = [k for k, (param, _) in enumerate(mapped.runs) if param not in self.quantized.params]
+        if not kept:
+            return
+        (index,) = mapped.split(mapped.index)
+        assert mapped.mixed is not None
+        if len(kept) == len(mapped.runs):
+            tensor, mixed, xor = mapped.tensor, mapped.mixed, mapped.values[0]
+        else:
+            tensor, mixed, xor = (torch.cat([runs[k] for k in kept]) for runs in
+                                  mapped.split(mapped.tensor, mapped.mixed, mapped.values[0]))
+        olds = [_as(_flat(params[mapped.runs[k][0]])[index[k]], checkpoint_dtype) for k in kept]
+        old = olds[0] if len(olds) == 1 else torch.cat(olds)
+        ints = INT_OF_SIZE[old.element_size()]
+        new = old.view(ints) ^ xor.view(ints)
+        _add_checks(sums, tensor, mixed, old.view(ints), new)
+        counts = [index[k].numel() for k in kept]
+        for k, old_run, new_run in zip(kept, old.split(counts), new.view(checkpoint_dtype).split(counts)):
+            param = mapped.runs[k][0]
+            dtype = params[param].dtype
+            per_param.setdefault(param, []).append((index[k], _as(old_run, dtype), _as(new_run, dtype)))
 
     def _open_base(self, base_dir: Path | None) -> BaseCopy | str:
         """The base version's copy ``base_dir`` to read units of FP8 parameters back from (every checkpoint tensor of
@@ -421,3 +533,54 @@ def _holds_exactly(runtime: torch.dtype, checkpoint: torch.dtype) -> bool:
     wide, narrow = torch.finfo(runtime), torch.finfo(checkpoint)
     return (wide.bits > narrow.bits and wide.eps <= narrow.eps and wide.max >= narrow.max
             and wide.smallest_normal <= narrow.smallest_normal)
+
+
+def _as(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` in ``dtype`` (no op where they are: each op of a staging may wait for the interpreter lock)."""
+    return values if values.dtype == dtype else values.to(dtype)
+
+
+def _add_checks(sums: torch.Tensor, tensor: torch.Tensor, mixed: torch.Tensor, old: torch.Tensor,
+                new: torch.Tensor) -> None:
+    """Add the change-check terms of elements (the index of each one's changed tensor, its position's terms:
+    ``codec.check_positions``, its old and new bits) to the sums per tensor: ``sums`` rows positions, old, new
+    (FORMAT.md "Change checks")."""
+    sums[0].index_add_(0, tensor, mixed)
+    sums[1].index_add_(0, tensor, check_terms(mixed, old))
+    sums[2].index_add_(0, tensor, check_terms(mixed, new))
+
+
+def _chunks(copies: list[tuple[int, Target]], counts: list[int]) -> Iterator[list[tuple[int, Target]]]:
+    """``copies`` in runs of at most ``STAGING_CHUNK_ELEMENTS`` elements (``counts`` each; a larger copy alone)."""
+    chunk: list[tuple[int, Target]] = []
+    size = 0
+    for copy, count in zip(copies, counts):
+        if chunk and size + count > STAGING_CHUNK_ELEMENTS:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(copy)
+        size += count
+    if chunk:
+        yield chunk
+
+
+def _overlapping(plans: dict[str, TensorPlan]) -> dict[str, set[str]]:
+    """The parameters into which two copies of ``plans`` may write the same element (their spans of storage offsets
+    meet), and the checkpoint tensors of those copies: a full load leaves the later copy's value there, which a
+    change cannot tell."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for name, plan in plans.items():
+        for target in plan.targets:
+            start, end = target.span
+            if end > start:
+                spans.setdefault(target.param, []).append((start, end, name))
+    found: dict[str, set[str]] = {}
+    for param, held in spans.items():
+        held.sort()
+        reach, reaching = held[0][1], held[0][2]  # (the furthest end so far, and whose)
+        for start, end, name in held[1:]:
+            if start < reach:
+                found.setdefault(param, set()).update((name, reaching))
+            if end > reach:
+                reach, reaching = end, name
+    return found

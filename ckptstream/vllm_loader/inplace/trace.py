@@ -8,8 +8,9 @@ another in-place write, a reassigned ``.data``, a failure) makes that tensor unp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -30,20 +31,64 @@ class Target:
     dst_offset: int
     dst_strides: tuple[int, ...]
 
+    @functools.cached_property
+    def row(self) -> tuple[int, ...]:
+        """Its numbers as ``map_copies`` lays them out: the offsets, then per dimension size and strides."""
+        return (self.src_offset, self.dst_offset,
+                *(v for dim in zip(self.sizes, self.src_strides, self.dst_strides) for v in dim))
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The storage offsets it may write: [first, last + 1) (empty where a size is 0)."""
+        if not all(self.sizes):
+            return self.dst_offset, self.dst_offset
+        return self.dst_offset, self.dst_offset + 1 + sum((size - 1) * stride for size, stride in
+                                                          zip(self.sizes, self.dst_strides))
+
 
 def map_copy(layout: Target, positions: torch.Tensor, src_offset: torch.Tensor,
              dst_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where ``layout`` copies ``positions`` of several checkpoint tensors copied with the same sizes and strides
     (every expert of a layer, every layer), each with its own offsets: (covered mask, flat storage offsets of
     all)."""
-    rest = positions - src_offset
+    return _strided(positions - src_offset, dst_offset, zip(layout.sizes, layout.src_strides, layout.dst_strides))
+
+
+def map_copies(copies: Sequence[Target], positions: torch.Tensor,
+               copy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``copies`` put ``positions`` of their checkpoint tensors, element ``k`` copied by ``copies[copy[k]]``,
+    whatever their parameters, sizes and strides: all at once, so that the ops a staging makes follow no count of
+    tensors or layouts. A dimension every copy shares is a number, the others are gathered per element. (covered
+    mask, flat storage offsets in each element's parameter)."""
+    dims = max(len(target.sizes) for target in copies)
+    # (fewer dimensions padded in front: size 1 and a source stride no offset reaches, so that its index is 0)
+    padding = [(1, _NO_STRIDE, 0) * (dims - d) for d in range(dims + 1)]
+    columns = list(zip(*(target.row[:2] + padding[len(target.sizes)] + target.row[2:] for target in copies)))
+    varying = [k for k, column in enumerate(columns) if len(set(column)) > 1]
+    per_element: list[Any] = [column[0] for column in columns]
+    if varying:  # (one transfer, one gather per varying column)
+        table = torch.tensor([columns[k] for k in varying], dtype=torch.int64).to(positions.device)
+        for row, k in enumerate(varying):
+            per_element[k] = table[row][copy]
+    dst = per_element[1] if isinstance(per_element[1], torch.Tensor) else torch.full_like(positions, per_element[1])
+    return _strided(positions - per_element[0], dst,
+                    [tuple(per_element[2 + 3 * d:5 + 3 * d]) for d in range(dims)])
+
+
+_NO_STRIDE = 1 << 62
+
+
+def _strided(rest: torch.Tensor, dst: torch.Tensor, dims: Iterable[tuple[Any, Any, Any]]) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """Decompose the offsets ``rest`` into indices of ``dims`` (size, source stride, destination stride: numbers, or
+    one per element), largest source stride first: (whether each is an element of the copy, ``dst`` plus its
+    indices times the destination strides)."""
     covered = rest >= 0
-    dst = dst_offset.clone()
-    for size, src_stride, dst_stride in zip(layout.sizes, layout.src_strides, layout.dst_strides):
+    for size, src_stride, dst_stride in dims:
         index = torch.div(rest, src_stride, rounding_mode="floor")
         rest = rest - index * src_stride
         covered &= index < size
-        dst += index * dst_stride
+        dst = dst + index * dst_stride
     covered &= rest == 0
     return covered, dst
 
