@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -235,17 +236,17 @@ def loads_json(raw: bytes, *, version: int | None, file: str) -> Any:
 
 def json_depth(value: Any) -> int:
     """Nesting depth of arrays and objects in a parsed JSON value (a scalar has depth 0), iteratively."""
+    if not isinstance(value, (dict, list, tuple)):
+        return 0
     deepest = 0
-    pending = [(value, 1)]
+    pending = [(value, 1)]  # (containers only: a manifest's scalars are most of its values)
     while pending:
         item, depth = pending.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
-        if children is None:
-            continue
         deepest = max(deepest, depth)
         if depth > MAX_JSON_DEPTH:
             return depth
-        pending.extend((child, depth + 1) for child in children)
+        children = item.values() if isinstance(item, dict) else item
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
     return deepest
 
 
@@ -861,19 +862,25 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
     encoding = c.get(item, "encoding", str, name)
     if encoding not in allowed:
         raise c.fail(f"encoding {encoding!r} is not allowed here", name)
-    entry = TensorEntry(name=name, dtype=dtype, shape=tuple(shape_list), hash=c.hash(item, "hash", name),
-                        encoding=encoding, changed=c.count(item, "changed", optional=True, tensor=name))
-    if entry.nbytes > MAX_FILE_BYTES:
+    # (its fields gathered, the entry made once: three copies of a frozen dataclass per tensor were a third of
+    # parsing the manifest of a MoE model's thousands of tensors, on every update's path)
+    fields: dict[str, Any] = {"name": name, "dtype": dtype, "shape": tuple(shape_list),
+                              "hash": c.hash(item, "hash", name), "encoding": encoding,
+                              "changed": c.count(item, "changed", optional=True, tensor=name)}
+    itemsize = DTYPE_SIZES[dtype]
+    nbytes = math.prod(fields["shape"]) * itemsize
+    if nbytes > MAX_FILE_BYTES:
         raise c.fail("tensor is larger than any file may be", name)
     if whole is not None:
         offsets = c.get(item, "offsets", list, name)
         if len(offsets) > MAX_SHAPE_DIMS or not all(
                 isinstance(o, int) and not isinstance(o, bool) and 0 <= o <= MAX_FILE_BYTES for o in offsets):
             raise c.fail(f"invalid piece offsets {offsets[:MAX_SHAPE_DIMS + 1]!r}", name)
-        entry = dataclasses.replace(entry, offsets=tuple(offsets))
+        fields["offsets"] = tuple(offsets)
     if encoding == ENCODING_PIECES:
         items = c.get(item, "pieces", list, name)
         piece_encodings = allowed - {ENCODING_PIECES}
+        entry = TensorEntry(**fields)
         pieces = tuple(_parse_tensor(c, p, piece_encodings, file_sizes, entry) for p in items)
         problem = pieces_problem(entry.shape, pieces)
         if problem is not None:
@@ -882,29 +889,28 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
             raise c.fail("the tensor's hash is not the hash of its pieces' hashes", name)
         return dataclasses.replace(entry, pieces=pieces)
     if encoding == ENCODING_UNCHANGED:
-        return entry
+        return TensorEntry(**fields)
     file = c.file_name(item, "file", name)
     if file not in file_sizes:
         raise c.fail(f"tensor is stored in {file!r}, which the manifest does not list", name)
     offset, length = c.count(item, "offset", tensor=name), c.count(item, "length", tensor=name)
     if offset + length > file_sizes[file]:
         raise c.fail(f"stored range [{offset}, {offset + length}) lies beyond the end of {file}", name)
-    entry = dataclasses.replace(entry, file=file, offset=offset, length=length,
-                                stored_hash=c.hash(item, "stored_hash", name))
+    fields.update(file=file, offset=offset, length=length, stored_hash=c.hash(item, "stored_hash", name))
     if encoding == ENCODING_XOR_ZSTD and "check" in item:  # (null included: malformed, not absent)
         try:
-            entry = dataclasses.replace(entry, check=ChangeCheck.from_json(item["check"]))
+            check = fields["check"] = ChangeCheck.from_json(item["check"])
         except ValueError as exc:
             raise c.fail(str(exc), name) from None
-        if entry.check.known and entry.check.count > entry.numel:
-            raise c.fail(f"its change check counts {entry.check.count} changed elements of its {entry.numel}", name)
-        if entry.check.known and entry.changed is not None and entry.check.count != entry.changed:
-            raise c.fail(f"its change check counts {entry.check.count} changed elements, its 'changed' "
-                         f"{entry.changed}", name)
+        if check.known and check.count > nbytes // itemsize:
+            raise c.fail(f"its change check counts {check.count} changed elements of its {nbytes // itemsize}", name)
+        if check.known and fields["changed"] is not None and check.count != fields["changed"]:
+            raise c.fail(f"its change check counts {check.count} changed elements, its 'changed' "
+                         f"{fields['changed']}", name)
     if encoding == ENCODING_RAW:
-        if length != entry.nbytes:
-            raise c.fail(f"raw tensor stores {length} bytes but its shape and dtype need {entry.nbytes}", name)
-        return entry
+        if length != nbytes:
+            raise c.fail(f"raw tensor stores {length} bytes but its shape and dtype need {nbytes}", name)
+        return TensorEntry(**fields)
     chunk_list = c.get(item, "chunks", list, name)
     chunks = []
     layouts = (LAYOUT_DENSE, LAYOUT_SPARSE) if encoding == ENCODING_XOR_ZSTD else (LAYOUT_DENSE,)
@@ -912,14 +918,14 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
         if (not isinstance(chunk, list) or len(chunk) != 3
                 or not all(isinstance(x, int) and not isinstance(x, bool) for x in chunk[:2])
                 or not 0 < chunk[0] <= MAX_CHUNK_BYTES or not 0 <= chunk[1] <= MAX_FILE_BYTES
-                or chunk[0] % entry.itemsize or chunk[2] not in layouts):
+                or chunk[0] % itemsize or chunk[2] not in layouts):
             raise c.fail(f"invalid chunk {chunk!r}", name)
         if chunk[2] == LAYOUT_DENSE and chunk[0] > MAX_ZSTD_RATIO * chunk[1]:
             raise c.fail(f"a chunk of {chunk[0]} bytes cannot be stored in a zstd frame of {chunk[1]}", name)
         chunks.append((chunk[0], chunk[1], chunk[2]))
-    if sum(c[0] for c in chunks) != entry.nbytes or sum(c[1] for c in chunks) != length:
+    if sum(c[0] for c in chunks) != nbytes or sum(c[1] for c in chunks) != length:
         raise c.fail("chunk sizes do not add up to the tensor's and the stored range's sizes", name)
-    return dataclasses.replace(entry, shuffle=bool(c.get(item, "shuffle", bool, name)), chunks=tuple(chunks))
+    return TensorEntry(**fields, shuffle=bool(c.get(item, "shuffle", bool, name)), chunks=tuple(chunks))
 
 
 # ---------------------------------------------------------------------------------------- stream.json

@@ -707,39 +707,81 @@ def test_a_change_staged_in_chunks_equals_one_staged_at_once(tmp_path, monkeypat
     assert _same_parameters(model, _loaded(states[-1])) == []
 
 
-class _OverlappingLoads(torch.nn.Module):
-    """A model whose loader copies two checkpoint tensors into spans of one parameter that meet: a full load leaves
-    the later one's values where they overlap."""
+class _SharedSpans(torch.nn.Module):
+    """A model whose loader copies two checkpoint tensors into spans of one parameter that meet: the column halves
+    of a fused parameter (``interleaved``: no element written twice), or overlapping ranges (a full load leaves the
+    later tensor's values where they meet)."""
 
-    def __init__(self):
+    def __init__(self, interleaved: bool):
         super().__init__()
-        self.both = torch.nn.Parameter(torch.zeros(12, dtype=torch.bfloat16), requires_grad=False)
+        self.interleaved = interleaved
+        self.both = torch.nn.Parameter(torch.zeros(16, 32, dtype=torch.bfloat16), requires_grad=False)
         self.norm = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
 
     def load_weights(self, weights):
+        flat = self.both.view(-1)
+        halves = {"a": self.both[:, :16], "b": self.both[:, 16:]} if self.interleaved else {
+            "a": flat[0:256].view(16, 16), "b": flat[128:384].view(16, 16)}
         for name, weight in weights:
-            {"a": self.both[0:8], "b": self.both[4:12], "norm": self.norm}[name].copy_(weight)
+            {**halves, "norm": self.norm}[name].copy_(weight)
 
 
-def test_tensors_copied_into_overlapping_spans_of_a_parameter_are_unpatchable(tmp_path):
-    """Which value a full load leaves where two tensors' copies overlap depends on the loaders' order, which a change
-    cannot tell: those tensors are unpatchable (the follower reloads fully), and nothing of the change is written;
-    a tensor of its own span is patchable as ever."""
-    old = {"a": torch.arange(8, dtype=torch.bfloat16), "b": torch.arange(8, 16).to(torch.bfloat16),
-           "norm": torch.ones(4, dtype=torch.bfloat16)}
-    new = {name: tensor + 1 for name, tensor in old.items()}
-    model = _OverlappingLoads()
+def _shared_spans_versions(tmp_path: Path) -> tuple[str, list[dict[str, torch.Tensor]]]:
+    from ckptstream import Publisher
+
+    generator = torch.Generator().manual_seed(3)
+    states = [{"a": torch.randn(16, 16, generator=generator).to(torch.bfloat16),
+               "b": torch.randn(16, 16, generator=generator).to(torch.bfloat16),
+               "norm": torch.randn(4, generator=generator).to(torch.bfloat16)}]
+    states.append({name: tensor.clone() for name, tensor in states[0].items()})
+    rl_like_step(states[1], fraction=0.1, max_ulps=3, generator=generator)
+    with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
+        for state in states:
+            publisher.publish(state).result()
+    return str(tmp_path / "stream"), states
+
+
+@pytest.mark.parametrize("layout", ["packed-1", "xor-1"])
+def test_tensors_copied_into_column_halves_of_a_parameter_equal_a_full_load(tmp_path, layout):
+    """Copies whose spans of storage offsets meet but whose elements interleave (the column halves of a fused
+    parameter) are applied by the path that gathers each parameter's old values once and applies the copies in
+    order: the patched model equals a full load, for both layouts of change."""
+    from ckptstream import Stream
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
+
+    stream, (old, new) = _shared_spans_versions(tmp_path)
+    change = tmp_path / "change.safetensors"
+    if layout == "packed-1":
+        _change(old, new, change)
+    else:
+        assert build_change_unbased(Stream(stream), change, base=0, version=1, max_fraction=1.0).problem is None
+    assert _layout(change) == layout
+
+    def loaded(state: dict[str, torch.Tensor]) -> _SharedSpans:
+        model = _SharedSpans(interleaved=True)
+        with torch.no_grad():
+            model.load_weights(state.items())
+        return model
+
+    model = loaded(old)
+    assert not torch.equal(model.both, loaded(new).both)
+    assert _stage_and_apply(model, change).get("applied")
+    assert _same_parameters(model, loaded(new)) == []
+
+
+def test_tensors_copied_over_one_another_are_refused_by_their_old_values(tmp_path):
+    """Two tensors copied over one another: the parameter holds the later one's values where they meet, so the
+    earlier one's old values there are not what it holds, and the apply writes nothing."""
+    stream, (old, new) = _shared_spans_versions(tmp_path)
+    model = _SharedSpans(interleaved=False)
     with torch.no_grad():
         model.load_weights(old.items())
     before = {n: p.clone() for n, p in model.named_parameters()}
     applier = InPlaceApplier(model, torch.device("cpu"))
     applier.stage(str(_change(old, new, tmp_path / "change.safetensors")))
-    result = applier.staged(wait=True)
-    assert sorted(result["unpatchable"]) == ["a", "b"], result
-    assert "overlaps another tensor's" in result["unpatchable"]["a"]
-    problem = staging_problem([result])
-    assert problem is not None and problem[0] == "unpatchable"
-    assert "error" in applier.apply()
+    assert staging_problem([applier.staged(wait=True)]) is None
+    answer = applier.apply()
+    assert "differ from the base version; nothing written" in answer.get("error", ""), answer
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
@@ -765,3 +807,40 @@ def test_copies_of_every_layout_mapped_at_once_equal_each_mapped_alone():
                                         torch.full_like(at, target.dst_offset))
         assert torch.equal(covered[copy == k], alone_covered)
         assert torch.equal(index[copy == k][alone_covered], alone[alone_covered])
+
+
+class _MixedDtypes(torch.nn.Module):
+    """A bf16 parameter loaded from a bf16 checkpoint tensor (rows 0:4) and an fp32 one (rows 4:8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(8, 16, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, weight in weights:
+            (self.p[:4] if name == "a" else self.p[4:]).copy_(weight)
+
+
+def test_only_the_tensors_a_parameter_rounds_are_unverifiable(tmp_path):
+    """A change from the deltas alone whose fp32 tensor lands in a bf16 parameter cannot be checked there
+    (``unverifiable``), but the bf16 tensor loaded into the same parameter can: it alone is not named."""
+    from ckptstream import Publisher, Stream
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
+
+    generator = torch.Generator().manual_seed(0)
+    states = [{"a": torch.randn(4, 16, generator=generator).to(torch.bfloat16),
+               "b": torch.randn(4, 16, generator=generator)}]
+    states.append({name: tensor.clone() for name, tensor in states[0].items()})
+    rl_like_step(states[1], fraction=0.3, max_ulps=3, generator=generator)
+    with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
+        for state in states:
+            publisher.publish(state).result()
+    change = tmp_path / "change.safetensors"
+    assert build_change_unbased(Stream(str(tmp_path / "stream")), change, base=0, version=1,
+                                max_fraction=1.0).problem is None
+    model = _MixedDtypes()
+    with torch.no_grad():
+        model.load_weights(states[0].items())
+    applier = InPlaceApplier(model, torch.device("cpu"))
+    applier.stage(str(change))
+    assert sorted(applier.staged(wait=True)["unverifiable"]) == ["b"]

@@ -59,8 +59,9 @@ def _flat(param: torch.Tensor) -> torch.Tensor:
 
 
 STAGING_CHUNK_ELEMENTS = 1 << 24
-"""Changed elements a staging maps at once (``trace.map_copies``): its device memory beside the served model is a
-few int64 arrays of this many elements (~130 MB each), and its ops follow the chunks, not the tensors."""
+"""Changed elements a staging maps at once (``trace.map_copies``; a copy of more goes alone): its device memory beside
+the served model peaks at about ten int64 arrays of this many elements (~130 MB each), and its ops follow the chunks,
+not the tensors."""
 
 
 @dataclass
@@ -135,9 +136,10 @@ class InPlaceApplier:
     ``staged`` until it is ready, ``apply`` it inside the pause, or ``discard`` it. Plans are kept per
     checkpoint tensor (the model's structure does not change).
 
-    The cost follows the change, not the number of checkpoint tensors: staging maps the positions of every
-    tensor copied the same way (the experts of a fused MoE parameter, the layers of a model) in one batch on
-    the device, and the apply is one check and one scatter per runtime parameter, with one synchronization.
+    The cost follows the change, not the number of checkpoint tensors: staging maps the positions of every copy
+    (the experts of a fused MoE parameter, the layers of a model, whatever their layouts) in chunks of changed
+    elements on the device, and the apply is one check and one scatter per runtime parameter, with one
+    synchronization.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, quantized: QuantizedParams | None = None):
@@ -154,7 +156,7 @@ class InPlaceApplier:
         self._stop_planning = threading.Event()
         self._stop_staging = threading.Event()  # (``quiesce``: a full reload comes)
         self._plan_lock = threading.Lock()  # held while ``plans`` grows (``_plan``) or is read whole
-        self._overlaps: tuple[int, dict[str, set[str]]] = (0, {})  # (plans they were found in, ``_overlapping``)
+        self._shared: tuple[int, set[str]] = (0, set())  # (plans it was found in, ``_shared_spans``)
 
     def prepare(self, path: str) -> None:
         """Plan every tensor of the checkpoint directory ``path`` in a background thread, while the engine
@@ -177,7 +179,7 @@ class InPlaceApplier:
 
     def quiesce(self) -> None:
         """Stop ``prepare``'s trace after its current batch of tensors, and a staging at its next step (a batch of
-        tensors traced, a layout mapped: the staging then reports it stopped), and wait for them. vLLM's full reload
+        tensors traced, a chunk mapped: the staging then reports it stopped), and wait for them. vLLM's full reload
         must not run beside either: its layerwise reload swaps the parameters whose loaders a trace's
         ``load_weights`` calls and counts what those loaders are given (a reload beside a trace failed in CI:
         ``'Parameter' object has no attribute 'weight_loader'``). The reload, inside the pause, waits for one such
@@ -319,15 +321,15 @@ class InPlaceApplier:
                 with self.quantized.tracing(self.model) as model:
                     self.plans.update((n, p) for n, p in plan_tensors(model, specs).items() if keep(p))
 
-    def _overlapping(self) -> dict[str, set[str]]:
-        """``_overlapping`` of the plans, found again only when they grew."""
+    def _shared_spans(self) -> set[str]:
+        """``_shared_spans`` of the plans, found again only when they grew."""
         with self._plan_lock:
-            if self._overlaps[0] != len(self.plans):
-                self._overlaps = (len(self.plans), _overlapping(self.plans))
-            return self._overlaps[1]
+            if self._shared[0] != len(self.plans):
+                self._shared = (len(self.plans), _shared_spans(self.plans))
+            return self._shared[1]
 
     def _map_all(self, change: ChangeFile, base_dir: Path | None) -> tuple[dict[str, Any], list[_Write]]:
-        """Map every changed tensor onto the parameters: every copy of a checkpoint dtype at once, in chunks of at most
+        """Map every changed tensor onto the parameters: every copy of a checkpoint dtype at once, in chunks of about
         ``STAGING_CHUNK_ELEMENTS`` (``trace.map_copies``; the ops made follow the parameters and the chunks, not the
         tensors or layouts), the writes merged per parameter (a quantized one's made by
         ``quantized.QuantizedParams.writes``, from ``base_dir``, the base version's copy, where a unit's scale changes).
@@ -346,12 +348,7 @@ class InPlaceApplier:
             elif plan.targets:
                 loaded.append(i)
                 groups.setdefault(tensor.dtype, []).extend((i, target) for target in plan.targets)
-        overlapping = self._overlapping()
-        for copies in groups.values():
-            for i, target in copies:
-                if changed[i].name in overlapping.get(target.param, ()):
-                    unpatchable[changed[i].name] = (f"its copy into {target.param} overlaps another tensor's: which "
-                                                    "value a full load leaves there depends on the loaders' order")
+        shared = self._shared_spans()
         written = [0] * len(changed)
         every_position: dict[int, int] = {}  # tensor's index -> the sum of its every changed position's check terms
         sums = torch.zeros(3, len(changed), dtype=torch.int64, device=self.device)  # per tensor: positions, old, new
@@ -361,15 +358,14 @@ class InPlaceApplier:
         pending: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]]] = {}
         for copies in groups.values():
-            copies = [copy for copy in copies if changed[copy[0]].name not in unpatchable]
-            if not copies:
-                continue
             checkpoint_dtype = change.dtype(changed[copies[0][0]])
             # (a parameter's copies together, each step's in order: each chunk then splits into (parameter, step) runs)
             copies.sort(key=lambda copy: (copy[1].param, changed[copy[0]].step or 0))
+            loads: dict[str, set[str]] = {}  # parameter -> the changed tensors of this dtype it loads
             for i, target in copies:
+                loads.setdefault(target.param, set()).add(changed[i].name)
                 names_of.setdefault(target.param, set()).add(changed[i].name)
-            for param in {target.param for _, target in copies}:
+            for param, names in loads.items():
                 dtype = params[param].dtype
                 if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
                     # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
@@ -377,7 +373,7 @@ class InPlaceApplier:
                     # in the runtime dtype instead.
                     held, stored = (str(d).removeprefix("torch.") for d in (dtype, checkpoint_dtype))
                     unverifiable.update({name: f"{param} holds its values as {held}, which cannot hold every "
-                                               f"{stored} value of the checkpoint" for name in names_of[param]})
+                                               f"{stored} value of the checkpoint" for name in names})
             for chunk in _chunks(copies, [changed[i].count for i, _ in copies]):
                 self._go_on_staging()
                 mapped = self._map_chunk(change, chunk)
@@ -391,12 +387,17 @@ class InPlaceApplier:
                         dtype = params[param].dtype
                         per_param.setdefault(param, []).append(
                             (index, *(v if quantized else _as(v, dtype) for v in (old, new))))
-                elif changed[0].step is None:
-                    self._xor_in_memory(mapped, params, checkpoint_dtype, sums, per_param)
                 else:
+                    # One step, into parameters no two copies share a span of: at once. Several steps, or a shared
+                    # span (two copies may write one element: gathered once, the copies applied in order): per
+                    # parameter. A quantized parameter's values are not the checkpoint's (the follower stages the
+                    # change with old values for it: ``unverifiable``).
+                    at_once = changed[0].step is None
+                    if at_once:
+                        self._xor_in_memory(mapped, params, checkpoint_dtype, sums, per_param, shared)
                     for (param, step), *parts in zip(mapped.runs, *mapped.split(mapped.tensor, mapped.index,
                                                                          mapped.mixed, mapped.values[0])):
-                        if param not in self.quantized.params:
+                        if param not in self.quantized.params and not (at_once and param not in shared):
                             pending.setdefault((param, checkpoint_dtype), []).append((step, *parts))
         for (param, checkpoint_dtype), parts in pending.items():
             # The old values are this rank's own, gathered once at every step's offsets: the checks of the
@@ -481,12 +482,13 @@ class InPlaceApplier:
                        index, mixed, tensor_of_copy[every_copy], values)
 
     def _xor_in_memory(self, mapped: _Mapped, params: dict[str, torch.Tensor], checkpoint_dtype: torch.dtype,
-                       sums: torch.Tensor,
-                       per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
-        """A chunk of a one-step change without old values (``xor-1``): the old values read from each parameter (an op
-        or two each), the new ones and the checks made over the whole chunk at once. A quantized parameter's values
-        are not the checkpoint's (the follower stages the change with old values for it: ``unverifiable``)."""
-        kept = [k for k, (param, _) in enumerate(mapped.runs) if param not in self.quantized.params]
+                       sums: torch.Tensor, per_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+                       shared: set[str]) -> None:
+        """A chunk of a one-step change without old values (``xor-1``), but for quantized parameters and ``shared``
+        ones: the old values read from each parameter (an op or two each), the new ones and the checks made over the
+        whole chunk at once."""
+        kept = [k for k, (param, _) in enumerate(mapped.runs)
+                if param not in self.quantized.params and param not in shared]
         if not kept:
             return
         (index,) = mapped.split(mapped.index)
@@ -564,23 +566,23 @@ def _chunks(copies: list[tuple[int, Target]], counts: list[int]) -> Iterator[lis
         yield chunk
 
 
-def _overlapping(plans: dict[str, TensorPlan]) -> dict[str, set[str]]:
-    """The parameters into which two copies of ``plans`` may write the same element (their spans of storage offsets
-    meet), and the checkpoint tensors of those copies: a full load leaves the later copy's value there, which a
-    change cannot tell."""
-    spans: dict[str, list[tuple[int, int, str]]] = {}
-    for name, plan in plans.items():
+def _shared_spans(plans: dict[str, TensorPlan]) -> set[str]:
+    """The parameters in which the spans of storage offsets of two copies of ``plans`` meet: their copies may write
+    one element twice (a full load leaves the later one's value), or interleave (column halves of a fused
+    parameter), which the spans cannot tell apart."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for plan in plans.values():
         for target in plan.targets:
             start, end = target.span
             if end > start:
-                spans.setdefault(target.param, []).append((start, end, name))
-    found: dict[str, set[str]] = {}
+                spans.setdefault(target.param, []).append((start, end))
+    shared = set()
     for param, held in spans.items():
         held.sort()
-        reach, reaching = held[0][1], held[0][2]  # (the furthest end so far, and whose)
-        for start, end, name in held[1:]:
+        reach = held[0][1]  # (the furthest end so far)
+        for start, end in held[1:]:
             if start < reach:
-                found.setdefault(param, set()).update((name, reaching))
-            if end > reach:
-                reach, reaching = end, name
-    return found
+                shared.add(param)
+                break
+            reach = max(reach, end)
+    return shared

@@ -64,15 +64,16 @@ def map_copies(copies: Sequence[Target], positions: torch.Tensor,
     # (fewer dimensions padded in front: size 1 and a source stride no offset reaches, so that its index is 0)
     padding = [(1, _NO_STRIDE, 0) * (dims - d) for d in range(dims + 1)]
     columns = list(zip(*(target.row[:2] + padding[len(target.sizes)] + target.row[2:] for target in copies)))
-    varying = [k for k, column in enumerate(columns) if len(set(column)) > 1]
-    per_element: list[Any] = [column[0] for column in columns]
-    if varying:  # (one transfer, one gather per varying column)
-        table = torch.tensor([columns[k] for k in varying], dtype=torch.int64).to(positions.device)
-        for row, k in enumerate(varying):
-            per_element[k] = table[row][copy]
-    dst = per_element[1] if isinstance(per_element[1], torch.Tensor) else torch.full_like(positions, per_element[1])
-    return _strided(positions - per_element[0], dst,
-                    [tuple(per_element[2 + 3 * d:5 + 3 * d]) for d in range(dims)])
+    varying = {k: row for row, k in enumerate(k for k, column in enumerate(columns) if len(set(column)) > 1)}
+    table = torch.tensor([columns[k] for k in varying], dtype=torch.int64).to(positions.device) if varying else None
+
+    def column(k: int) -> Any:  # (gathered per element when used: a dimension's arrays live while it is mapped)
+        return table[varying[k]][copy] if table is not None and k in varying else columns[k][0]
+
+    dst = column(1)
+    dst = dst if isinstance(dst, torch.Tensor) else torch.full_like(positions, dst)
+    return _strided(positions - column(0), dst,
+                    ((column(2 + 3 * d), column(3 + 3 * d), column(4 + 3 * d)) for d in range(dims)))
 
 
 _NO_STRIDE = 1 << 62
