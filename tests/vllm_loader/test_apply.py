@@ -40,6 +40,21 @@ def _change(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], out: Pat
     return out
 
 
+def _change_from_deltas(tmp_path: Path, states: list[dict[str, torch.Tensor]]) -> Path:
+    """``states`` published as a keyframe and deltas (with change checks), and the change from the first to the last
+    from the deltas alone (``xor-1``; across several, ``xor-steps-1``)."""
+    from ckptstream import Publisher, Stream
+    from ckptstream.vllm_loader.inplace.change import build_change_unbased
+
+    with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
+        for state in states:
+            publisher.publish(state).result()
+    change = tmp_path / "change.safetensors"
+    assert build_change_unbased(Stream(str(tmp_path / "stream")), change, base=0, version=len(states) - 1,
+                                max_fraction=1.0).problem is None
+    return change
+
+
 def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     """The names of the parameters that differ bitwise."""
     theirs = dict(b.named_parameters())
@@ -441,21 +456,13 @@ def test_a_change_across_three_deltas_equals_a_full_load_and_a_forged_step_fails
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from ckptstream import Publisher, Stream
-    from ckptstream.vllm_loader.inplace.change import build_change_unbased
-
     generator = torch.Generator().manual_seed(7)
     states = [fused_checkpoint(SPEC)]
     for _ in range(3):
         states.append({n: t.clone() for n, t in states[-1].items()})
         rl_like_step(states[-1], fraction=0.05, max_ulps=3, generator=generator)
         states[-1]["lm_head.weight"] = states[-1]["model.embed_tokens.weight"]
-    with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
-        for state in states:
-            publisher.publish(state).result()
-    change = tmp_path / "change.safetensors"
-    assert build_change_unbased(Stream(str(tmp_path / "stream")), change, base=0, version=3,
-                                max_fraction=1.0).problem is None
+    change = _change_from_deltas(tmp_path, states)
     model = _loaded(states[0])
     applier = InPlaceApplier(model, torch.device("cpu"))
     applier.stage(str(change))
@@ -669,9 +676,7 @@ def test_a_change_staged_in_chunks_equals_one_staged_at_once(tmp_path, monkeypat
     """The staging maps every copy of a dtype at once in chunks of ``STAGING_CHUNK_ELEMENTS``: chunks of a few
     hundred elements, which cut through tensors' runs of copies, parameters and steps, report the same coverage,
     checks and writes as one chunk, and the applied model equals a full load, for every layout of change."""
-    from ckptstream import Publisher, Stream
     from ckptstream.vllm_loader.inplace import apply
-    from ckptstream.vllm_loader.inplace.change import build_change_unbased
 
     generator = torch.Generator().manual_seed(11)
     states = [fused_checkpoint(SPEC)]
@@ -679,15 +684,8 @@ def test_a_change_staged_in_chunks_equals_one_staged_at_once(tmp_path, monkeypat
         states.append({n: t.clone() for n, t in states[-1].items()})
         rl_like_step(states[-1], fraction=0.05, max_ulps=3, generator=generator)
         states[-1]["lm_head.weight"] = states[-1]["model.embed_tokens.weight"]
-    change = tmp_path / "change.safetensors"
-    if layout == "packed-1":
-        _change(states[0], states[-1], change)
-    else:
-        with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
-            for state in states:
-                publisher.publish(state).result()
-        assert build_change_unbased(Stream(str(tmp_path / "stream")), change, base=0, version=len(states) - 1,
-                                    max_fraction=1.0).problem is None
+    change = (_change(states[0], states[-1], tmp_path / "change.safetensors") if layout == "packed-1"
+              else _change_from_deltas(tmp_path, states))
     assert _layout(change) == layout
 
     def staged(chunk: int) -> tuple[FusedModel, InPlaceApplier, dict]:
@@ -726,19 +724,14 @@ class _SharedSpans(torch.nn.Module):
             {**halves, "norm": self.norm}[name].copy_(weight)
 
 
-def _shared_spans_versions(tmp_path: Path) -> tuple[str, list[dict[str, torch.Tensor]]]:
-    from ckptstream import Publisher
-
+def _shared_spans_versions() -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(3)
     states = [{"a": torch.randn(16, 16, generator=generator).to(torch.bfloat16),
                "b": torch.randn(16, 16, generator=generator).to(torch.bfloat16),
                "norm": torch.randn(4, generator=generator).to(torch.bfloat16)}]
     states.append({name: tensor.clone() for name, tensor in states[0].items()})
     rl_like_step(states[1], fraction=0.1, max_ulps=3, generator=generator)
-    with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
-        for state in states:
-            publisher.publish(state).result()
-    return str(tmp_path / "stream"), states
+    return states
 
 
 @pytest.mark.parametrize("layout", ["packed-1", "xor-1"])
@@ -746,15 +739,9 @@ def test_tensors_copied_into_column_halves_of_a_parameter_equal_a_full_load(tmp_
     """Copies whose spans of storage offsets meet but whose elements interleave (the column halves of a fused
     parameter) are applied by the path that gathers each parameter's old values once and applies the copies in
     order: the patched model equals a full load, for both layouts of change."""
-    from ckptstream import Stream
-    from ckptstream.vllm_loader.inplace.change import build_change_unbased
-
-    stream, (old, new) = _shared_spans_versions(tmp_path)
-    change = tmp_path / "change.safetensors"
-    if layout == "packed-1":
-        _change(old, new, change)
-    else:
-        assert build_change_unbased(Stream(stream), change, base=0, version=1, max_fraction=1.0).problem is None
+    old, new = _shared_spans_versions()
+    change = (_change(old, new, tmp_path / "change.safetensors") if layout == "packed-1"
+              else _change_from_deltas(tmp_path, [old, new]))
     assert _layout(change) == layout
 
     def loaded(state: dict[str, torch.Tensor]) -> _SharedSpans:
@@ -772,7 +759,7 @@ def test_tensors_copied_into_column_halves_of_a_parameter_equal_a_full_load(tmp_
 def test_tensors_copied_over_one_another_are_refused_by_their_old_values(tmp_path):
     """Two tensors copied over one another: the parameter holds the later one's values where they meet, so the
     earlier one's old values there are not what it holds, and the apply writes nothing."""
-    stream, (old, new) = _shared_spans_versions(tmp_path)
+    old, new = _shared_spans_versions()
     model = _SharedSpans(interleaved=False)
     with torch.no_grad():
         model.load_weights(old.items())
@@ -824,20 +811,12 @@ class _MixedDtypes(torch.nn.Module):
 def test_only_the_tensors_a_parameter_rounds_are_unverifiable(tmp_path):
     """A change from the deltas alone whose fp32 tensor lands in a bf16 parameter cannot be checked there
     (``unverifiable``), but the bf16 tensor loaded into the same parameter can: it alone is not named."""
-    from ckptstream import Publisher, Stream
-    from ckptstream.vllm_loader.inplace.change import build_change_unbased
-
     generator = torch.Generator().manual_seed(0)
     states = [{"a": torch.randn(4, 16, generator=generator).to(torch.bfloat16),
                "b": torch.randn(4, 16, generator=generator)}]
     states.append({name: tensor.clone() for name, tensor in states[0].items()})
     rl_like_step(states[1], fraction=0.3, max_ulps=3, generator=generator)
-    with Publisher(str(tmp_path / "stream"), keyframe_every=10) as publisher:
-        for state in states:
-            publisher.publish(state).result()
-    change = tmp_path / "change.safetensors"
-    assert build_change_unbased(Stream(str(tmp_path / "stream")), change, base=0, version=1,
-                                max_fraction=1.0).problem is None
+    change = _change_from_deltas(tmp_path, states)
     model = _MixedDtypes()
     with torch.no_grad():
         model.load_weights(states[0].items())
