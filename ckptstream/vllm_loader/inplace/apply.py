@@ -364,8 +364,8 @@ class InPlaceApplier:
             loads: dict[str, set[str]] = {}  # parameter -> the changed tensors of this dtype it loads
             for i, target in copies:
                 loads.setdefault(target.param, set()).add(changed[i].name)
-                names_of.setdefault(target.param, set()).add(changed[i].name)
             for param, names in loads.items():
+                names_of.setdefault(param, set()).update(names)
                 dtype = params[param].dtype
                 if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
                     # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
@@ -395,9 +395,12 @@ class InPlaceApplier:
                     at_once = changed[0].step is None
                     if at_once:
                         self._xor_in_memory(mapped, params, checkpoint_dtype, sums, per_param, shared)
-                    for (param, step), *parts in zip(mapped.runs, *mapped.split(mapped.tensor, mapped.index,
-                                                                         mapped.mixed, mapped.values[0])):
-                        if param not in self.quantized.params and not (at_once and param not in shared):
+                    later = [k for k, (param, _) in enumerate(mapped.runs) if param not in self.quantized.params
+                             and not (at_once and param not in shared)]
+                    if later:  # (split only then: most chunks of a one-step change have no such run)
+                        runs = list(zip(mapped.runs, *mapped.split(mapped.tensor, mapped.index, mapped.mixed,
+                                                                   mapped.values[0])))
+                        for (param, step), *parts in (runs[k] for k in later):
                             pending.setdefault((param, checkpoint_dtype), []).append((step, *parts))
         for (param, checkpoint_dtype), parts in pending.items():
             # The old values are this rank's own, gathered once at every step's offsets: the checks of the

@@ -51,8 +51,8 @@ class BaseCopy:
         values: torch.Tensor | None = None
         seen = torch.zeros(at[-1], dtype=torch.bool)
         for name, target in self._copies.get(param, []):
-            reach = target.dst_offset + sum((n - 1) * s for n, s in zip(target.sizes, target.dst_strides))
-            first, last = bisect.bisect_right(stops, target.dst_offset), bisect.bisect_right(starts, reach)
+            start, end = target.span
+            first, last = bisect.bisect_right(stops, start), bisect.bisect_right(starts, end - 1)
             if first >= last:
                 continue  # (no span within its reach)
             wanted = offsets[at[first]:at[last]]
