@@ -324,3 +324,37 @@ def test_a_change_from_the_deltas_alone_holds_each_changes_xor_and_check(chain):
     stream.storage.put(manifest_path(3), unchecked.to_bytes())
     assert build_change_unbased(Stream(stream.url), tmp / "none.safetensors", base=2, version=3,
                                 max_fraction=0.5).problem == UNCHECKED
+
+
+def test_a_change_file_keeps_its_positions_in_int32_and_reads_int64_ones_alike(chain, monkeypatch):
+    """Positions are written as int32 where every changed tensor's elements fit (half the bytes to write, read and
+    send to a device); int64 where one does not; either reads to the same int64 positions, and a change file whose
+    positions are neither is refused."""
+    from safetensors.torch import save_file
+
+    from ckptstream.vllm_loader.inplace import change as change_module
+
+    stream, states, tmp = chain
+    narrow, wide = tmp / "narrow.safetensors", tmp / "wide.safetensors"
+    build_change_unbased(stream, narrow, base=0, version=1, max_fraction=0.5)
+    monkeypatch.setattr(change_module, "_NARROW_POSITIONS_MAX", 7)  # (as if some tensor were past 2^31 elements)
+    build_change_unbased(stream, wide, base=0, version=1, max_fraction=0.5)
+    with safe_open(str(narrow), framework="pt") as a, safe_open(str(wide), framework="pt") as b:
+        assert a.get_tensor("positions").dtype == torch.int32 and b.get_tensor("positions").dtype == torch.int64
+        assert a.metadata() == b.metadata()
+        read_a, read_b = dict(read_change(a)), dict(read_change(b))
+        tensors, metadata = {key: b.get_tensor(key) for key in b.keys()}, b.metadata()
+    assert read_a.keys() == read_b.keys() and read_a
+    for name, tensor in read_a.items():
+        assert tensor.positions.dtype == torch.int64 and torch.equal(tensor.positions, read_b[name].positions)
+        assert torch.equal(bit_pattern(tensor.xor), bit_pattern(read_b[name].xor))
+        assert tensor.check == read_b[name].check
+    # (each tensor's positions against the full versions: the elements that differ)
+    for name, tensor in read_a.items():
+        differs = bit_pattern(states[0][name].reshape(-1)) != bit_pattern(states[1][name].reshape(-1))
+        assert torch.equal(tensor.positions, differs.nonzero().view(-1)), name
+    foreign = tmp / "foreign.safetensors"
+    save_file({**tensors, "positions": tensors["positions"].to(torch.float64)}, str(foreign), metadata=metadata)
+    with safe_open(str(foreign), framework="pt") as handle, pytest.raises(ValueError, match="positions are"):
+        dict(read_change(handle))
+

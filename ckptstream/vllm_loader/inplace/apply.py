@@ -463,7 +463,7 @@ class InPlaceApplier:
         per copy, how many land here and (with checks) the sum of all its positions' terms."""
         indices = [i for i, _ in copies]
         counts = [change.entries[i].count for i in indices]
-        positions = change.positions_of(indices).to(self.device)
+        positions = _as(change.positions_of(indices).to(self.device), torch.int64)  # (int32 in most files)
         every_copy = torch.repeat_interleave(torch.tensor(counts).to(self.device), output_size=positions.numel())
         covered, index = map_copies([target for _, target in copies], positions, every_copy)
         mixed = check_positions(positions) if change.entries[0].check is not None else None
