@@ -6,7 +6,7 @@ Per shape: a random model is written, published as a keyframe, served by ``serve
 the follower), then ``--updates`` versions follow, each changing 1 % of the elements by a few ulps. Per update:
 the path it took (in place, or the full-reload fallback and its reason), the pause, commit→serving, and the
 worst latency a client's 4-token request saw from the commit until serving (its *stall*), against a full
-reload of the same version on the same server (pause + ``reload_weights`` of a fresh copy of it + resume).
+reload of the same version on the same server (pause + ``reload_weights`` of its cached files, hard-linked + resume).
 "Equal": the greedy tokens **and their logprobs** of the canary prompts (``client.CANARY_PROMPTS``, each sent
 alone, the client held back meanwhile) after the update equal those after that full reload (with ``--hashes``, and
 every runtime parameter's bytes: FP8 weights and their scales).
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import statistics
 import sys
@@ -199,6 +200,8 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
         url = str(root / "stream")
         publisher = Publisher(url, assets=model, keyframe_every=args.updates + 1)
         publisher.publish(state).result()
+        for weights in model.glob("*.safetensors"):  # (published: a deep model's memory goes to the stream and cache)
+            weights.unlink()
         shape_args = vllm_args + (["--quantization", QUANTIZED[shape][1]] if shape in QUANTIZED else [])
         print(f"[{shape}] {tensors} tensors, {size / 1e9:.2f} GB bf16; written and published in "
               f"{time.perf_counter() - started:.0f} s; vLLM args: {' '.join(shape_args)}", flush=True)
@@ -225,7 +228,9 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                 after_update = client.canary()
                 hashes = client.parameter_hashes() if args.hashes else None
                 fresh = root / f"fresh-{manifest.version}"
-                shutil.copytree(root / "cache" / stream.info().stream_id / version_name(manifest.version), fresh)
+                # (hard links: the cached files stay whole for the reload, whatever the follower's cache drops)
+                shutil.copytree(root / "cache" / stream.info().stream_id / version_name(manifest.version), fresh,
+                                copy_function=os.link)
                 reload_pause = full_reload(client, fresh)
                 equal = client.canary() == after_update
                 if hashes is not None:

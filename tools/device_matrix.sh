@@ -3,6 +3,7 @@
 #
 #   STEP=apply bash tools/device_matrix.sh                       # tools/bench_apply.py on the GPU (~2 min)
 #   STEP=matrix SHAPES="moe mla" bash tools/device_matrix.sh     # tools/bench_matrix.py (~3-4 min a shape)
+#   PYSPY=1 PYSPY_AFTER=120 STEP=matrix ...                      # with py-spy's samples of every process: $OUT/spy.raw
 #
 # GPU vLLM 0.24.0 is installed by tools/gpu_vllm_env.sh. The baseline applier for STEP=apply is .bench/apply_old.py
 # (`git show 2643a1c:ckptstream/vllm_loader/apply.py`), carried. Logs and JSON under $OUT.
@@ -18,6 +19,11 @@ apply)
         2>&1 | tee "$OUT/apply.log"
     ;;
 matrix)
+    if [ -n "${PYSPY:-}" ]; then  # py-spy (carried in .whl) samples the bench, the follower and vLLM's processes
+        ( sleep "${PYSPY_AFTER:-0}"; pid=$(pgrep -f -o "^python3 tools/bench_matrix.py") &&
+          /tmp/site/bin/py-spy record --pid "$pid" --subprocesses --threads --nonblocking --rate 100 --format raw \
+              --output "$OUT/spy.raw" --duration "${PYSPY_SECONDS:-300}" >"$OUT/spy.log" 2>&1 ) &
+    fi
     timeout "${SECONDS_LIMIT:-560}" python3 tools/bench_matrix.py --shapes ${SHAPES:-moe} ${LAYERS:+--layers $LAYERS} \
         --size "${SIZE:-15GB}" --updates "${UPDATES:-3}" ${HASHES:+--hashes} --workdir /dev/shm/matrix --json "$OUT/matrix.json" 2>&1 \
         | grep -v -E "^(INFO|DEBUG)|^\(EngineCore" | tee "$OUT/matrix.log"
