@@ -290,3 +290,27 @@ def test_a_wider_checkpoint_is_quantized_from_the_served_dtype(tmp_path: Path, s
     assert staging_problem([staged]) is None, staged
     assert applier.apply().get("applied")
     assert _differing(model, _reloaded(new, scheme)) == []
+
+
+@pytest.mark.parametrize("case", ["under", "at"])
+def test_per_tensor_a_unit_is_quantized_again_only_where_its_maximum_moves(tmp_path: Path, case: str):
+    """Per tensor, a unit's maximum is its held scale × 448. Elements just under it (they quantize to 448 with the
+    held scale) change and the scale stays: patched without the base copy, the scale kept. The element at it moves
+    by one step: the unit is quantized again from the base copy, the scale moves. Both equal a fresh quantization."""
+    base = fused_checkpoint(SPEC)
+    # (the tensor of layer 0's qkv unit that holds its maximum)
+    q = max((f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"), key=lambda n: float(base[n].abs().max()))
+    magnitudes = base[q].abs().float().view(-1)
+    top = int(magnitudes.argmax())
+    near = [(top + k) % magnitudes.numel() for k in range(1, 6)]
+    base[q].view(-1)[near] = (magnitudes[top] * 0.99).to(torch.bfloat16)  # (quantize to 448 with its scale)
+    new = {n: t.clone() for n, t in base.items()}
+    # under: those just under the maximum one bf16 step closer to zero; at: the maximum one step closer to zero
+    new[q].view(-1).view(torch.int16)[near if case == "under" else [top]] -= 1
+    model, quantized = _served(base)
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=case == "at"))
+    assert staging_problem([staged]) is None and not staged["unpatchable"], staged
+    before = model.layers[0].qkv_proj_scale.clone()
+    assert applier.apply().get("applied")
+    assert _differing(model, _reloaded(new)) == []
+    assert torch.equal(model.layers[0].qkv_proj_scale, before) == (case == "under")

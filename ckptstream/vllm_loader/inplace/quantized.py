@@ -15,9 +15,11 @@ trace (``trace.plan_tensors``) runs on a copy of the model's module tree in whic
 restores), with the loader unwrapped, in host memory never touched. The model itself keeps generating meanwhile.
 
 **The write, per unit.** A reload computes the unit's scale from its new absolute maximum (per channel and per
-block, at least a floor). Where no changed element's old or new value quantizes to ±448 (float8_e4m3fn's largest
-value) with the held scale, that scale stays: the maximum is an unchanged element's (an element at the maximum
-quantizes to 448 exactly, a larger one to 448 or more), or the unit stays under the floor. So the unchanged elements
+block, at least a floor). Per tensor, the maximum is the held scale × 448: where no changed element's old value was
+at it and no new one reaches it, the scale stays. Per channel and per block, where no changed element's old or new
+value quantizes to ±448 (float8_e4m3fn's largest value) with the held scale, that scale stays: the maximum is an
+unchanged element's (an element at the maximum quantizes to 448 exactly, a larger one to 448 or more), or the unit
+stays under the floor. So the unchanged elements
 keep their bytes, and the changed ones are quantized with the held scale as the method quantizes: per tensor by
 vLLM's static op (its dynamic one element for element); per channel (whose op divides by the scale) and per block
 (``per_block_cast_to_fp8``, which vLLM compiles: its division may round otherwise than torch's) by vLLM's own op on
@@ -55,6 +57,9 @@ MIN_CHANNEL_SCALE = 1.0 / (FP8_MAX * 512.0)
 MIN_BLOCK_AMAX = 1e-4
 """The smallest absolute maximum ``per_block_cast_to_fp8`` scales a block by."""
 
+_MAXIMUM_SLACK = 2.0 ** -20
+"""Per tensor, values this close under a unit's maximum read from its scale count as at it: the scale's rounding
+(a few float32 steps, 2^-22 each) stays inside, a step of bf16 (2^-8) or float16 (2^-11) far outside."""
 _GATHERED = 1 << 16  # units up to this many elements are written by one index; larger ones (matrices) by ranges
 _BESIDE_ELEMENTS = 1 << 24  # values (with room) quantized beside the held scale per call of vLLM's op
 
@@ -328,6 +333,14 @@ class QuantizedParams:
         else:  # (vLLM's static op with the held scale: its dynamic one element for element)
             as_bytes = torch.cat([self.quantizers.tensor(part, held[unit:unit + 1])[0].view(torch.uint8)
                                   for unit, part in zip(touched.tolist(), values.split(counts.tolist()))])
+            # The unit's maximum is its held scale × 448 (the scale's rounding is far below a step of the model's
+            # dtype; a unit under a floor of the scale reads the floor's, which it keeps): the scale stays unless a
+            # changed element was at the maximum (it may fall) or a new one reaches it (it rises). Quantizing to 448
+            # says less: elements up to 3.5 % under the maximum do, and a large unit (a dense Linear of 100 M
+            # elements) has some among 1 % changed at every update: each then quantized whole from the base copy.
+            maxima = (held[touched].float() * FP8_MAX).repeat_interleave(counts, output_size=values.numel())
+            at_maximum = values.abs().float() >= maxima * (1 - _MAXIMUM_SLACK)
+            return as_bytes, at_maximum | ~torch.isfinite(values)
         moved = (as_bytes & 0x7F) >= _FP8_MAX_BITS
         return as_bytes, moved if settled is None else moved | ~settled
 
