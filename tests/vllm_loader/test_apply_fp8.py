@@ -314,3 +314,30 @@ def test_per_tensor_a_unit_is_quantized_again_only_where_its_maximum_moves(tmp_p
     assert applier.apply().get("applied")
     assert _differing(model, _reloaded(new)) == []
     assert torch.equal(model.layers[0].qkv_proj_scale, before) == (case == "under")
+
+
+def test_the_base_copy_reads_ranges_of_copies_in_order_and_out_of_order(tmp_path: Path):
+    """``BaseCopy`` gives what a parameter's storage ranges load: a tensor copied in order (read as rows, copied as
+    slices) and one copied transposed (followed back through its strides), ranges across both and inside each."""
+    from ckptstream.vllm_loader.inplace.base_copy import BaseCopy
+    from ckptstream.vllm_loader.inplace.trace import Target, TensorPlan, map_copy
+
+    a, b = (torch.randn(4, 6, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (1, 2))
+    save_file({"a": a, "b": b.reshape(6, 4).contiguous()}, str(tmp_path / "model.safetensors"))
+    in_order = Target("p", (4, 6), 0, (6, 1), 0, (6, 1))
+    transposed = Target("p", (6, 4), 0, (4, 1), 24, (1, 6))  # (b's element [i, j] at 24 + j·6 + i)
+    assert in_order.in_order and not transposed.in_order
+    storage = torch.empty(48, dtype=torch.bfloat16)
+    storage[:24] = a.reshape(-1)
+    _, offsets = map_copy(transposed, torch.arange(24), torch.tensor(0), torch.tensor(24))
+    storage[offsets] = b.reshape(-1)
+    files = {"a": tmp_path / "model.safetensors", "b": tmp_path / "model.safetensors"}
+    copy = BaseCopy(files, {"a": TensorPlan([in_order]), "b": TensorPlan([transposed])}, torch.device("cpu"))
+    try:
+        spans = [(2, 10), (20, 30), (41, 48)]
+        got = copy.values("p", spans)
+        assert not isinstance(got, str)
+        assert all(torch.equal(part, storage[start:stop]) for part, (start, stop) in zip(got, spans))
+        assert copy.values("p", [(40, 50)]) == "the copy of the base version fills 8 of its 10 elements"
+    finally:
+        copy.close()

@@ -2,9 +2,10 @@
 checkpoint values that storage ranges of a runtime parameter load. An FP8 unit whose scale moves is quantized
 again whole from them (``quantized.QuantizedParams.writes``).
 
-The cost follows the ranges, not the tensors: each copy of a checkpoint tensor into a range is followed back from
-the range's storage offsets to the checkpoint positions they load (``backwards``), and only the rows of the tensor
-that hold those are read, on the host, each file opened once while the copy is open (one staging); the values go
+The cost follows the ranges, not the tensors: a copy in order (a Linear's shard, an expert: ``Target.in_order``) is
+read as the rows its part of a range loads and copied as a slice; any other copy is followed back from the range's
+storage offsets to the checkpoint positions they load (``backwards``), and only the rows of the tensor that hold
+those are read, on the host, each file opened once while the copy is open (one staging); the values go
 to the device in one transfer.
 """
 
@@ -47,7 +48,7 @@ class BaseCopy:
         sizes = [stop - start for start, stop in spans]
         at = list(itertools.accumulate(sizes, initial=0))  # where each span's values begin
         starts, stops = [start for start, _ in spans], [stop for _, stop in spans]
-        offsets = torch.from_numpy(numpy.repeat(numpy.asarray(starts) - at[:-1], sizes) + numpy.arange(at[-1]))
+        offsets: torch.Tensor | None = None  # (every span's storage offsets: made only for a copy out of order)
         values: torch.Tensor | None = None
         seen = torch.zeros(at[-1], dtype=torch.bool)
         for name, target in self._copies.get(param, []):
@@ -55,6 +56,19 @@ class BaseCopy:
             first, last = bisect.bisect_right(stops, start), bisect.bisect_right(starts, end - 1)
             if first >= last:
                 continue  # (no span within its reach)
+            if target.in_order:  # (a Linear's shard, an expert's: read as rows, copied as slices, no index)
+                for k in range(first, last):
+                    low, high = max(starts[k], start), min(stops[k], end)
+                    source = target.src_offset + low - start
+                    rows, first_position = self._rows_holding(name, source, source + high - low)
+                    if values is None:
+                        values = torch.empty(at[-1], dtype=rows.dtype)
+                    into = slice(at[k] + low - starts[k], at[k] + high - starts[k])
+                    values[into] = rows[source - first_position:source - first_position + high - low]
+                    seen[into] = True
+                continue
+            if offsets is None:
+                offsets = torch.from_numpy(numpy.repeat(numpy.asarray(starts) - at[:-1], sizes) + numpy.arange(at[-1]))
             wanted = offsets[at[first]:at[last]]
             covered, positions = map_copy(backwards(target), wanted, torch.full_like(wanted, target.dst_offset),
                                           torch.full_like(wanted, target.src_offset))
@@ -62,7 +76,7 @@ class BaseCopy:
             if not len(where):
                 continue
             positions = positions[where]
-            rows, first_position = self._rows_holding(name, positions)
+            rows, first_position = self._rows_holding(name, int(positions.min()), int(positions.max()) + 1)
             if values is None:
                 values = torch.empty(at[-1], dtype=rows.dtype)
             values[where + at[first]] = rows[positions - first_position]
@@ -71,9 +85,9 @@ class BaseCopy:
             return f"the copy of the base version fills {int(seen.sum())} of its {at[-1]} elements"
         return list(values.to(self.device).split(sizes))
 
-    def _rows_holding(self, name: str, positions: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(the rows of checkpoint tensor ``name`` that hold the flat ``positions``, flat; the position its first
-        element is)."""
+    def _rows_holding(self, name: str, first_position: int, end_position: int) -> tuple[torch.Tensor, int]:
+        """(the rows of checkpoint tensor ``name`` that hold the flat positions [``first_position``,
+        ``end_position``), flat; the position its first element is)."""
         from safetensors import SafetensorError, safe_open
 
         path = self._files[name]
@@ -85,7 +99,7 @@ class BaseCopy:
             if not shape:
                 return self._handles[path].get_tensor(name).reshape(-1), 0
             row = math.prod(shape[1:])
-            first, last = int(positions.min()) // row, int(positions.max()) // row + 1
+            first, last = first_position // row, (end_position - 1) // row + 1
             return part[first:last].reshape(-1), first * row
         except SafetensorError as exc:
             raise IntegrityError(f"the base version's copy cannot be read back ({exc})", file=str(path),

@@ -37,6 +37,18 @@ class Target:
         return (self.src_offset, self.dst_offset,
                 *(v for dim in zip(self.sizes, self.src_strides, self.dst_strides) for v in dim))
 
+    @functools.cached_property
+    def in_order(self) -> bool:
+        """Whether it copies a run of the tensor's positions to a run of storage offsets, element for element in order
+        (``src_offset + k`` to ``dst_offset + k``): a row-major block of rows, a whole tensor."""
+        dims = [(size, src, dst) for size, src, dst in zip(self.sizes, self.src_strides, self.dst_strides) if size > 1]
+        step = 1
+        for size, src, dst in reversed(dims):
+            if src != step or dst != step:
+                return False
+            step *= size
+        return True
+
     @property
     def span(self) -> tuple[int, int]:
         """The storage offsets it may write: [first, last + 1) (empty where a size is 0)."""
