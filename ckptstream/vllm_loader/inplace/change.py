@@ -150,7 +150,8 @@ def build_change_from_deltas(stream: Stream, base_dir: Path, out: Path, *, base:
         def gathered(entry: TensorEntry, positions: torch.Tensor,
                      xors: torch.Tensor) -> tuple[TensorEntry, torch.Tensor, torch.Tensor, torch.Tensor]:
             old = base_tensors.gather(entry, positions) if positions.numel() else xors
-            return entry, positions, old, old ^ xors
+            dtype = torch_dtype(entry.dtype)
+            return entry, positions, old.view(dtype), (old ^ xors).view(dtype)
 
         # (a tensor's changes cost 8 bytes of position and at most 8 of value each while they are read)
         changes = stream.changes_since(version, base, gathered, max_tensor_bytes=(budget + 1) * 16)
@@ -159,8 +160,7 @@ def build_change_from_deltas(stream: Stream, base_dir: Path, out: Path, *, base:
         change = _Change(max_fraction * total)
         try:
             for entry, positions, old, new in changes:
-                dtype = torch_dtype(entry.dtype)
-                if not change.add(entry.name, entry.shape, positions, old.view(dtype), new.view(dtype)):
+                if not change.add(entry.name, entry.shape, positions, old, new):
                     return ChangeSummary(change.changed, total, change.tensors, problem=TOO_MANY)
         except TooManyChanges:
             return ChangeSummary(budget + 1, total, change.tensors, problem=TOO_MANY)
@@ -217,9 +217,12 @@ def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
     budget = int(max_fraction * total)
     change = _Change(max_fraction * total, (_XOR,), _XOR_LAYOUT if len(steps) == 1 else _STEPS_LAYOUT)
     for index, ((below, step), step_checks) in enumerate(zip(steps, checks)):
-        # (a tensor's changes cost 8 bytes of position and at most 8 of value each while they are read)
+        # (a tensor's changes cost 8 bytes of position and at most 8 of value each while they are read; viewed in
+        # its dtype on the reading threads: each torch call on this one waits for the interpreter lock again, up to
+        # a switch interval, while they decode, thousands of times for a MoE model's experts)
         changes = stream.changes_since(step.version, below.version,
-                                       lambda entry, positions, xors: (entry, positions, xors),
+                                       lambda entry, positions, xors: (entry, positions,
+                                                                       xors.view(torch_dtype(entry.dtype))),
                                        max_tensor_bytes=(budget - change.changed + 1) * 16)
         if changes is None:
             return ChangeSummary(0, 0, 0, problem=WHOLE)
@@ -231,7 +234,7 @@ def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
                     raise IntegrityError(f"the delta changes {positions.numel()} elements, its check counts "
                                          f"{check.count}", version=step.version, tensor=entry.name,
                                          hint="The version is forged or damaged; run `ckptstream verify`")
-                if not change.add(entry.name, entry.shape, positions, xors.view(torch_dtype(entry.dtype)),
+                if not change.add(entry.name, entry.shape, positions, xors,
                                   check=check, step=None if len(steps) == 1 else index):
                     return ChangeSummary(change.changed, total, change.tensors, problem=TOO_MANY)
         except TooManyChanges:
@@ -326,7 +329,7 @@ class _Change:
         lists = self.values.setdefault(dtype, [[] for _ in self.kinds])
         self._rank.append(len(lists[0]))
         for held, value in zip(lists, values):
-            held.append(value.contiguous())
+            held.append(value)  # (1-D and contiguous, as the builders make them: ``write`` reads their bytes)
         return True
 
     def write(self, out: Path, total: int, *, stream_id: str, base: int, version: int,
