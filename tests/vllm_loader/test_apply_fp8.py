@@ -292,23 +292,32 @@ def test_a_wider_checkpoint_is_quantized_from_the_served_dtype(tmp_path: Path, s
     assert _differing(model, _reloaded(new, scheme)) == []
 
 
-@pytest.mark.parametrize("case", ["under", "at"])
+@pytest.mark.parametrize("case", ["under", "at", "at, subnormal"])
 def test_per_tensor_a_unit_is_quantized_again_only_where_its_maximum_moves(tmp_path: Path, case: str):
     """Per tensor, a unit's maximum is its held scale × 448. Elements just under it (they quantize to 448 with the
     held scale) change and the scale stays: patched without the base copy, the scale kept. The element at it moves
-    by one step: the unit is quantized again from the base copy, the scale moves. Both equal a fresh quantization."""
+    by one step: the unit is quantized again from the base copy, the scale moves; so too where the scale is
+    subnormal (its low bits lost: the maximum is not the scale × 448 there). All equal a fresh quantization."""
     base = fused_checkpoint(SPEC)
+    if case == "at, subnormal":
+        for p in "qkv":
+            name = f"model.layers.0.self_attn.{p}_proj.weight"
+            base[name] = (base[name].float() * 1e-39).to(torch.bfloat16)
     # (the tensor of layer 0's qkv unit that holds its maximum)
     q = max((f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"), key=lambda n: float(base[n].abs().max()))
     magnitudes = base[q].abs().float().view(-1)
     top = int(magnitudes.argmax())
     near = [(top + k) % magnitudes.numel() for k in range(1, 6)]
-    base[q].view(-1)[near] = (magnitudes[top] * 0.99).to(torch.bfloat16)  # (quantize to 448 with its scale)
+    if case == "under":
+        base[q].view(-1)[near] = (magnitudes[top] * 0.99).to(torch.bfloat16)  # (quantize to 448 with its scale)
+    elif case == "at, subnormal":  # (one maximum whose scale × 448 rounds over it: the scale's low bits lost)
+        base[q].view(-1)[top] = torch.tensor(1.8367e-40).to(torch.bfloat16)
+        assert float(base[q].abs().max()) == float(base[q].view(-1)[top]) > float(magnitudes.sort().values[-2])
     new = {n: t.clone() for n, t in base.items()}
     # under: those just under the maximum one bf16 step closer to zero; at: the maximum one step closer to zero
     new[q].view(-1).view(torch.int16)[near if case == "under" else [top]] -= 1
     model, quantized = _served(base)
-    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=case == "at"))
+    applier, staged = _stage(model, quantized, _cache(tmp_path, base, new, with_base=case != "under"))
     assert staging_problem([staged]) is None and not staged["unpatchable"], staged
     before = model.layers[0].qkv_proj_scale.clone()
     assert applier.apply().get("applied")
@@ -318,12 +327,14 @@ def test_per_tensor_a_unit_is_quantized_again_only_where_its_maximum_moves(tmp_p
 
 def test_the_base_copy_reads_ranges_of_copies_in_order_and_out_of_order(tmp_path: Path):
     """``BaseCopy`` gives what a parameter's storage ranges load: a tensor copied in order (read as rows, copied as
-    slices) and one copied transposed (followed back through its strides), ranges across both and inside each."""
+    slices) and one copied transposed (followed back through its strides), ranges across both and inside each; an
+    empty copy adds nothing."""
     from ckptstream.vllm_loader.inplace.base_copy import BaseCopy
     from ckptstream.vllm_loader.inplace.trace import Target, TensorPlan, map_copy
 
     a, b = (torch.randn(4, 6, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (1, 2))
-    save_file({"a": a, "b": b.reshape(6, 4).contiguous()}, str(tmp_path / "model.safetensors"))
+    save_file({"a": a, "b": b.reshape(6, 4).contiguous(), "c": torch.ones(0, 4, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
     in_order = Target("p", (4, 6), 0, (6, 1), 0, (6, 1))
     transposed = Target("p", (6, 4), 0, (4, 1), 24, (1, 6))  # (b's element [i, j] at 24 + j·6 + i)
     assert in_order.in_order and not transposed.in_order
@@ -331,8 +342,10 @@ def test_the_base_copy_reads_ranges_of_copies_in_order_and_out_of_order(tmp_path
     storage[:24] = a.reshape(-1)
     _, offsets = map_copy(transposed, torch.arange(24), torch.tensor(0), torch.tensor(24))
     storage[offsets] = b.reshape(-1)
-    files = {"a": tmp_path / "model.safetensors", "b": tmp_path / "model.safetensors"}
-    copy = BaseCopy(files, {"a": TensorPlan([in_order]), "b": TensorPlan([transposed])}, torch.device("cpu"))
+    empty = Target("p", (0, 4), 0, (4, 1), 25, (1, 6))  # (a copy of nothing, out of order: it reads nothing)
+    files = {name: tmp_path / "model.safetensors" for name in "abc"}
+    copy = BaseCopy(files, {"a": TensorPlan([in_order]), "b": TensorPlan([transposed]), "c": TensorPlan([empty])},
+                    torch.device("cpu"))
     try:
         spans = [(2, 10), (20, 30), (41, 48)]
         got = copy.values("p", spans)

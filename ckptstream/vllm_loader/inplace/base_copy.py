@@ -54,8 +54,8 @@ class BaseCopy:
         for name, target in self._copies.get(param, []):
             start, end = target.span
             first, last = bisect.bisect_right(stops, start), bisect.bisect_right(starts, end - 1)
-            if first >= last:
-                continue  # (no span within its reach)
+            if start >= end or first >= last:
+                continue  # (it copies nothing, or no span is within its reach)
             if target.in_order:  # (a Linear's shard, an expert's: read as rows, copied as slices, no index)
                 for k in range(first, last):
                     low, high = max(starts[k], start), min(stops[k], end)

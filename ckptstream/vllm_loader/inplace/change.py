@@ -354,6 +354,8 @@ class _Change:
                     _LAYOUT_KEY: self.layout, "tensors": json.dumps([self.entries[i] for i in order])}
         if steps is not None:
             metadata["steps"] = json.dumps(steps)
+        tensors.sort(key=lambda tensor: -tensor[2].itemsize)  # (each then starts aligned to its dtype, as safetensors'
+        # own writer lays them out: a reader may view the bytes in place)
         sizes = [sum(piece.nbytes for piece in pieces) for _, pieces, _ in tensors]
         header, _ = safetensors_header(((name, TORCH_TO_DTYPE[dtype], (size // dtype.itemsize,), size)
                                         for (name, _, dtype), size in zip(tensors, sizes)), metadata)

@@ -58,8 +58,9 @@ MIN_BLOCK_AMAX = 1e-4
 """The smallest absolute maximum ``per_block_cast_to_fp8`` scales a block by."""
 
 _MAXIMUM_SLACK = 2.0 ** -20
-"""Per tensor, values this close under a unit's maximum read from its scale count as at it: the scale's rounding
-(a few float32 steps, 2^-22 each) stays inside, a step of bf16 (2^-8) or float16 (2^-11) far outside."""
+"""Per tensor, a value whose quotient by 448 is this close under its unit's scale counts as at the unit's maximum: the
+rounding of vLLM's division (a few float32 steps, 2^-23 each) stays inside, a step of bf16 (2^-8) or float16 (2^-11)
+far outside (a float32 model's values a few steps under the maximum count too: quantized whole, as exactly)."""
 _GATHERED = 1 << 16  # units up to this many elements are written by one index; larger ones (matrices) by ranges
 _BESIDE_ELEMENTS = 1 << 24  # values (with room) quantized beside the held scale per call of vLLM's op
 
@@ -319,30 +320,31 @@ class QuantizedParams:
     def _with_held(self, spec: QuantizedParam, values: torch.Tensor, touched: torch.Tensor, counts: torch.Tensor,
                    held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(``values`` quantized with the scales held for their units, as bytes; per value, whether its unit's scale
-        may move: it or another value of it quantizes to ±448, or vLLM's op did not give the held scale back).
-        ``values`` go unit by unit: ``counts`` of each unit of ``touched``."""
-        settled = None
+        may move: per tensor, it is at the unit's maximum or past it; per channel and per block, it or another value
+        of it quantizes to ±448, or vLLM's op did not give the held scale back). ``values`` go unit by unit:
+        ``counts`` of each unit of ``touched``."""
+        if spec.scheme == TENSOR:  # (vLLM's static op with the held scale: its dynamic one element for element)
+            as_bytes = torch.cat([self.quantizers.tensor(part, held[unit:unit + 1])[0].view(torch.uint8)
+                                  for unit, part in zip(touched.tolist(), values.split(counts.tolist()))])
+            # The held scale is the unit's maximum over 448, rounded: a value whose own quotient reaches it (within
+            # ``_MAXIMUM_SLACK``) is at the maximum or past it. The scale stays unless a changed element was there (it
+            # may fall) or a new one gets there (it rises). Quantizing to 448 says less: elements up to 3.5 % under
+            # the maximum do, and a large unit (a dense Linear of 100 M elements) has some among 1 % changed at every
+            # update, each then quantized whole from the base copy. (Quotients, not the scale × 448: a subnormal
+            # scale has lost the maximum's low bits.)
+            scales = held[touched].float().repeat_interleave(counts, output_size=values.numel())
+            at_maximum = values.abs().float() / FP8_MAX >= scales * (1 - _MAXIMUM_SLACK)
+            return as_bytes, at_maximum | ~torch.isfinite(values)
         if spec.scheme == CHANNEL:
             as_bytes, settled = self._beside_held(values, touched, counts, held, int(counts.max()) + 1,
                                                   self.quantizers.channel)
-        elif spec.scheme == BLOCK:
+        else:
             high, wide = spec.block
             as_bytes, settled = self._beside_held(
                 values, touched, counts, held, high * wide,
                 lambda blocks: self.quantizers.block(blocks.reshape(-1, wide), spec.block))
-        else:  # (vLLM's static op with the held scale: its dynamic one element for element)
-            as_bytes = torch.cat([self.quantizers.tensor(part, held[unit:unit + 1])[0].view(torch.uint8)
-                                  for unit, part in zip(touched.tolist(), values.split(counts.tolist()))])
-            # The unit's maximum is its held scale × 448 (the scale's rounding is far below a step of the model's
-            # dtype; a unit under a floor of the scale reads the floor's, which it keeps): the scale stays unless a
-            # changed element was at the maximum (it may fall) or a new one reaches it (it rises). Quantizing to 448
-            # says less: elements up to 3.5 % under the maximum do, and a large unit (a dense Linear of 100 M
-            # elements) has some among 1 % changed at every update: each then quantized whole from the base copy.
-            maxima = (held[touched].float() * FP8_MAX).repeat_interleave(counts, output_size=values.numel())
-            at_maximum = values.abs().float() >= maxima * (1 - _MAXIMUM_SLACK)
-            return as_bytes, at_maximum | ~torch.isfinite(values)
         moved = (as_bytes & 0x7F) >= _FP8_MAX_BITS
-        return as_bytes, moved if settled is None else moved | ~settled
+        return as_bytes, moved | ~settled
 
     @staticmethod
     def _beside_held(values: torch.Tensor, touched: torch.Tensor, counts: torch.Tensor, held: torch.Tensor,
