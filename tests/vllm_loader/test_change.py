@@ -353,6 +353,13 @@ def test_a_change_file_keeps_its_positions_in_int32_and_reads_int64_ones_alike(c
     for name, tensor in read_a.items():
         differs = bit_pattern(states[0][name].reshape(-1)) != bit_pattern(states[1][name].reshape(-1))
         assert torch.equal(tensor.positions, differs.nonzero().view(-1)), name
+    for path in (narrow, wide):  # every tensor's bytes start aligned to its dtype (a reader may view them in place)
+        raw = path.read_bytes()
+        length = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + length])
+        sizes = {"I64": 8, "F64": 8, "I32": 4, "F32": 4, "BF16": 2, "F16": 2, "I16": 2}
+        assert all((8 + length + spec["data_offsets"][0]) % sizes[spec["dtype"]] == 0
+                   for name, spec in header.items() if name != "__metadata__")
     foreign = tmp / "foreign.safetensors"
     save_file({**tensors, "positions": tensors["positions"].to(torch.float64)}, str(foreign), metadata=metadata)
     with safe_open(str(foreign), framework="pt") as handle, pytest.raises(ValueError, match="positions are"):
