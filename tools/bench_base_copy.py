@@ -5,7 +5,7 @@ tensors (``--rows`` × ``--cols`` each, copied in order one after the other, as 
 whole; with ``--baseline`` (a copy of an older ``base_copy.py``, e.g. ``git show b67ff0e^:ckptstream/vllm_loader/
 inplace/base_copy.py > /tmp/base_copy_old.py``) timed beside it, the two in turn, medians of ``--repeat``.
 
-    python tools/bench_base_copy.py --rows 9472 --cols 3584 --baseline /tmp/base_copy_old.py
+    python tools/bench_base_copy.py --rows 12288 --cols 4096 --baseline /tmp/base_copy_old.py   # the 15 GB dense shape's
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from ckptstream.vllm_loader.inplace.trace import Target, TensorPlan  # noqa: E40
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=9472)
-    parser.add_argument("--cols", type=int, default=3584)
+    parser.add_argument("--rows", type=int, default=12288)
+    parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--baseline", help="path of an older base_copy.py to time beside the current one")
     args = parser.parse_args()
