@@ -5,7 +5,7 @@ tensors (``--rows`` × ``--cols`` each, copied in order one after the other, as 
 whole; with ``--baseline`` (a copy of an older ``base_copy.py``, e.g. ``git show b67ff0e^:ckptstream/vllm_loader/
 inplace/base_copy.py > /tmp/base_copy_old.py``) timed beside it, the two in turn, medians of ``--repeat``.
 
-    python tools/bench_base_copy.py --rows 12288 --cols 4096 --baseline /tmp/base_copy_old.py   # the 15 GB dense shape's
+    python tools/bench_base_copy.py --baseline /tmp/base_copy_old.py   # the 15 GB dense shape's gate and up
 """
 
 from __future__ import annotations
