@@ -675,8 +675,10 @@ def test_the_weight_transfer_engine_stages_the_change_with_old_values_where_it_c
 def test_a_change_staged_in_chunks_equals_one_staged_at_once(tmp_path, monkeypatch, layout):
     """The staging maps every copy of a dtype at once in chunks of ``STAGING_CHUNK_ELEMENTS``: chunks of a few
     hundred elements, which cut through tensors' runs of copies, parameters and steps, report the same coverage,
-    checks and writes as one chunk, and the applied model equals a full load, for every layout of change."""
+    checks and writes as one chunk, and the applied model equals a full load, for every layout of change; so do
+    chunks gathered as a GPU gathers them."""
     from ckptstream.vllm_loader.inplace import apply
+    from ckptstream.vllm_loader.inplace import change as change_module
 
     generator = torch.Generator().manual_seed(11)
     states = [fused_checkpoint(SPEC)]
@@ -703,6 +705,22 @@ def test_a_change_staged_in_chunks_equals_one_staged_at_once(tmp_path, monkeypat
     assert in_chunks == at_once
     assert applier.apply().get("applied") == at_once["elements"]
     assert _same_parameters(model, _loaded(states[-1])) == []
+    # As a GPU gathers each chunk's ranges (from the window that holds them, by an index), here on the CPU: the same.
+    monkeypatch.setattr(change_module, "_ranges", _through_windows)
+    model, applier, windowed = staged(300)
+    assert windowed == at_once
+    assert applier.apply().get("applied") == at_once["elements"]
+    assert _same_parameters(model, _loaded(states[-1])) == []
+
+
+def _through_windows(tensor: torch.Tensor, ranges: list[tuple[int, int]],
+                     device: torch.device | None = None) -> torch.Tensor:
+    """``change._ranges`` as a GPU takes them, whatever the device: the window that holds them, one index."""
+    from ckptstream.vllm_loader.inplace.change import _gather_window
+
+    low = min(start for start, _ in ranges)
+    window = tensor[low:max(start + count for start, count in ranges)]
+    return _gather_window(window, [(start - low, count) for start, count in ranges], sum(c for _, c in ranges))
 
 
 class _SharedSpans(torch.nn.Module):

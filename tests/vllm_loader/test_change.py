@@ -365,3 +365,26 @@ def test_a_change_file_keeps_its_positions_in_int32_and_reads_int64_ones_alike(c
     with safe_open(str(foreign), framework="pt") as handle, pytest.raises(ValueError, match="positions are"):
         dict(read_change(handle))
 
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bfloat16])
+def test_ranges_gathered_from_a_window_on_a_device_equal_the_hosts_gather(dtype):
+    """What a GPU worker does with a change file's tensors (``change._gather_window``: the window holding a chunk's
+    ranges sent whole, one index made there) gives the host's gather (numpy, by ranges): ranges out of order,
+    adjacent, apart, of one element, run here on the CPU's tensors."""
+    from ckptstream.vllm_loader.inplace.change import _gather_window, _ranges
+
+    generator = torch.Generator().manual_seed(3)
+    tensor = torch.randint(-2**15, 2**15, (5000,), generator=generator, dtype=torch.int64).to(dtype)
+    for _ in range(20):
+        cuts = sorted(torch.randint(0, 5000, (16,), generator=generator).unique().tolist())
+        ranges = [(start, stop - start) for start, stop in zip(cuts, cuts[1:]) if stop > start]
+        ranges = [ranges[i] for i in torch.randperm(len(ranges), generator=generator).tolist()][:9] + [(4999, 1)]
+        low = min(start for start, _ in ranges)
+        window = tensor[low:max(start + count for start, count in ranges)]
+        total = sum(count for _, count in ranges)
+        expected = _ranges(tensor, ranges)
+        assert expected.numel() == total and expected.dtype == dtype
+        got = _gather_window(window, [(start - low, count) for start, count in ranges], total)
+        assert torch.equal(bit_pattern(got), bit_pattern(expected))
+        assert torch.equal(_ranges(tensor, ranges, torch.device("cpu")), expected)

@@ -463,7 +463,7 @@ class InPlaceApplier:
         per copy, how many land here and (with checks) the sum of all its positions' terms."""
         indices = [i for i, _ in copies]
         counts = [change.entries[i].count for i in indices]
-        positions = _as(change.positions_of(indices).to(self.device), torch.int64)  # (int32 in most files)
+        positions = _as(change.positions_of(indices, self.device), torch.int64)  # (int32 in most files)
         every_copy = torch.repeat_interleave(torch.tensor(counts).to(self.device), output_size=positions.numel())
         covered, index = map_copies([target for _, target in copies], positions, every_copy)
         mixed = check_positions(positions) if change.entries[0].check is not None else None
@@ -475,7 +475,7 @@ class InPlaceApplier:
         else:
             every = torch.zeros(len(copies), dtype=torch.int64, device=self.device).index_add_(0, every_copy, mixed)
             landed, position_sums = torch.stack([per_copy, every]).tolist()
-        values = tuple(part.to(self.device) for part in change.values_of(indices))
+        values = change.values_of(indices, self.device)
         if sum(landed) < positions.numel():  # (an engine's ranks each hold a slice: only this rank's elements)
             where = covered.nonzero().squeeze(1)
             every_copy, index, values = every_copy[where], index[where], tuple(part[where] for part in values)

@@ -418,25 +418,51 @@ class ChangeFile:
         """The torch dtype of ``entry``'s values."""
         return self.values[entry.dtype][0].dtype
 
-    def positions_of(self, indices: list[int]) -> torch.Tensor:
-        """The positions of the entries ``indices``, end to end in that order, in the file's dtype."""
-        return _ranges(self.positions, [(self.entries[i].start, self.entries[i].count) for i in indices])
+    def positions_of(self, indices: list[int], device: torch.device | None = None) -> torch.Tensor:
+        """The positions of the entries ``indices``, end to end in that order, in the file's dtype, on ``device``
+        (the host's by default)."""
+        return _ranges(self.positions, [(self.entries[i].start, self.entries[i].count) for i in indices], device)
 
-    def values_of(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
-        """The values (old and new, or the XOR) of the entries ``indices`` (all of one dtype), end to end."""
+    def values_of(self, indices: list[int], device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+        """The values (old and new, or the XOR) of the entries ``indices`` (all of one dtype), end to end, on
+        ``device`` (the host's by default)."""
         held = self.values[self.entries[indices[0]].dtype]
         ranges = [(self.entries[i].value_start, self.entries[i].count) for i in indices]
-        return tuple(_ranges(values, ranges) for values in held)
+        return tuple(_ranges(values, ranges, device) for values in held)
 
 
-def _ranges(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """The (start, count) ranges of the 1-D host ``tensor``, end to end, gathered by numpy: a torch slice per entry
-    would cost a reader beside a generating engine a wait for the interpreter each (thousands of experts' tensors),
-    and one index of every element would cost memory and time."""
+_WINDOW_SLACK = 2
+"""A GPU gathers ranges itself from the window of the file's tensor that holds them, sent whole, where that window
+holds at most this many times their elements (a staging chunk's copies are a few layers' parameters, close together
+in the file: about 1.5 times); sparser ranges are gathered on the host and sent."""
+
+
+def _ranges(tensor: torch.Tensor, ranges: list[tuple[int, int]], device: torch.device | None = None) -> torch.Tensor:
+    """The (start, count) ranges of the 1-D host ``tensor``, end to end, on ``device`` (the host's by default).
+    On the host they are gathered by numpy: a torch slice per entry would cost a reader beside a generating engine a
+    wait for the interpreter each (thousands of experts' tensors), and one index of every element would cost memory
+    and time. A GPU takes the window that holds them in one transfer and gathers them itself (``_gather_window``):
+    inside a GPU server the host's gather was the larger part of a staging."""
+    if device is not None and device.type != "cpu":
+        low, high = min(start for start, _ in ranges), max(start + count for start, count in ranges)
+        total = sum(count for _, count in ranges)
+        if high - low <= _WINDOW_SLACK * total:
+            return _gather_window(tensor[low:high].to(device), [(start - low, count) for start, count in ranges],
+                                  total)
     size = tensor.element_size()
     flat = tensor.view(torch.uint8).numpy()  # (numpy holds no bf16)
-    gathered = numpy.concatenate([flat[start * size:(start + count) * size] for start, count in ranges])
-    return torch.from_numpy(gathered).view(tensor.dtype)
+    gathered = torch.from_numpy(numpy.concatenate([flat[start * size:(start + count) * size]
+                                                   for start, count in ranges])).view(tensor.dtype)
+    return gathered if device is None else gathered.to(device)
+
+
+def _gather_window(window: torch.Tensor, ranges: list[tuple[int, int]], total: int) -> torch.Tensor:
+    """The (start, count) ranges of the 1-D ``window``, ``total`` elements end to end, by one index made on its
+    device (a few ops, whatever the number of ranges)."""
+    starts, counts = (torch.tensor(column, dtype=torch.int64).to(window.device) for column in zip(*ranges))
+    begins = torch.cumsum(counts, 0) - counts  # (where each range begins in the result)
+    index = torch.repeat_interleave(starts - begins, counts, output_size=total)
+    return window[index.add_(torch.arange(total, device=window.device))]
 
 
 def load_change(handle: Any) -> ChangeFile:
