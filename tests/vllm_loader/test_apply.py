@@ -713,14 +713,15 @@ def test_a_change_staged_in_chunks_equals_one_staged_at_once(tmp_path, monkeypat
     assert _same_parameters(model, _loaded(states[-1])) == []
 
 
-def _through_windows(tensor: torch.Tensor, ranges: list[tuple[int, int]],
-                     device: torch.device | None = None) -> torch.Tensor:
-    """``change._ranges`` as a GPU takes them, whatever the device: the window that holds them, one index."""
+def _through_windows(tensors: tuple[torch.Tensor, ...], ranges: list[tuple[int, int]],
+                     device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+    """``change._ranges`` as a GPU takes them, whatever the device and the window's size: the window that holds
+    them, one index."""
     from ckptstream.vllm_loader.inplace.change import _gather_window
 
-    low = min(start for start, _ in ranges)
-    window = tensor[low:max(start + count for start, count in ranges)]
-    return _gather_window(window, [(start - low, count) for start, count in ranges], sum(c for _, c in ranges))
+    low, high = min(start for start, _ in ranges), max(start + count for start, count in ranges)
+    relative = [(start - low, count) for start, count in ranges]
+    return _gather_window(tuple(tensor[low:high] for tensor in tensors), relative, sum(c for _, c in ranges))
 
 
 class _SharedSpans(torch.nn.Module):

@@ -366,25 +366,36 @@ def test_a_change_file_keeps_its_positions_in_int32_and_reads_int64_ones_alike(c
         dict(read_change(handle))
 
 
-
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bfloat16])
 def test_ranges_gathered_from_a_window_on_a_device_equal_the_hosts_gather(dtype):
-    """What a GPU worker does with a change file's tensors (``change._gather_window``: the window holding a chunk's
-    ranges sent whole, one index made there) gives the host's gather (numpy, by ranges): ranges out of order,
-    adjacent, apart, of one element, run here on the CPU's tensors."""
-    from ckptstream.vllm_loader.inplace.change import _gather_window, _ranges
+    """What a GPU worker does with a change file's tensors (``change._window``: the span holding a chunk's ranges,
+    sent whole where it is dense enough; ``change._gather_window``: one index made there) gives the host's gather
+    (numpy, by ranges): ranges out of order, adjacent, apart, repeated (a tensor copied twice), of one element, run
+    here on the CPU's tensors; ranges one after the other are the window itself."""
+    from ckptstream.vllm_loader.inplace.change import _WINDOW_SLACK, _gather_window, _ranges, _window
 
     generator = torch.Generator().manual_seed(3)
     tensor = torch.randint(-2**15, 2**15, (5000,), generator=generator, dtype=torch.int64).to(dtype)
-    for _ in range(20):
+    other = tensor.flip(0).contiguous()  # (a second tensor gathered by the same index: old and new values)
+    windowed = 0
+    for _ in range(40):
         cuts = sorted(torch.randint(0, 5000, (16,), generator=generator).unique().tolist())
         ranges = [(start, stop - start) for start, stop in zip(cuts, cuts[1:]) if stop > start]
-        ranges = [ranges[i] for i in torch.randperm(len(ranges), generator=generator).tolist()][:9] + [(4999, 1)]
-        low = min(start for start, _ in ranges)
-        window = tensor[low:max(start + count for start, count in ranges)]
+        ranges = [ranges[i] for i in torch.randperm(len(ranges), generator=generator).tolist()][:9]
+        ranges += [ranges[0], (4999, 1)]
+        expected = _ranges((tensor, other), ranges)
+        low, high = min(s for s, _ in ranges), max(s + c for s, c in ranges)
         total = sum(count for _, count in ranges)
-        expected = _ranges(tensor, ranges)
-        assert expected.numel() == total and expected.dtype == dtype
-        got = _gather_window(window, [(start - low, count) for start, count in ranges], total)
-        assert torch.equal(bit_pattern(got), bit_pattern(expected))
-        assert torch.equal(_ranges(tensor, ranges, torch.device("cpu")), expected)
+        assert expected[0].numel() == total and expected[0].dtype == dtype
+        found = _window(ranges)
+        assert (found is None) == (high - low > _WINDOW_SLACK * total)
+        if found is not None:
+            windowed += 1
+            assert found == ((low, high), [(start - low, count) for start, count in ranges], total)
+        got = _gather_window((tensor[low:high], other[low:high]), [(start - low, count) for start, count in ranges],
+                             total)
+        assert all(torch.equal(bit_pattern(g), bit_pattern(e)) for g, e in zip(got, expected))
+        assert all(torch.equal(g, e) for g, e in zip(_ranges((tensor, other), ranges, torch.device("cpu")), expected))
+    assert 0 < windowed < 40  # (both decisions taken)
+    (whole,) = _gather_window((tensor[10:30],), [(0, 5), (5, 15)], 20)
+    assert whole.data_ptr() == tensor[10:30].data_ptr()

@@ -60,8 +60,8 @@ def _flat(param: torch.Tensor) -> torch.Tensor:
 
 STAGING_CHUNK_ELEMENTS = 1 << 24
 """Changed elements a staging maps at once (``trace.map_copies``; a copy of more goes alone): its device memory beside
-the served model peaks at about ten int64 arrays of this many elements (~130 MB each), and its ops follow the chunks,
-not the tensors."""
+the served model peaks at about ten int64 arrays of this many elements (~130 MB each; a GPU's gather of the chunk from
+the change file, ``change._gather_window``, two of them), and its ops follow the chunks, not the tensors."""
 
 
 @dataclass

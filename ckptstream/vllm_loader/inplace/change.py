@@ -421,48 +421,70 @@ class ChangeFile:
     def positions_of(self, indices: list[int], device: torch.device | None = None) -> torch.Tensor:
         """The positions of the entries ``indices``, end to end in that order, in the file's dtype, on ``device``
         (the host's by default)."""
-        return _ranges(self.positions, [(self.entries[i].start, self.entries[i].count) for i in indices], device)
+        (positions,) = _ranges((self.positions,), [(self.entries[i].start, self.entries[i].count) for i in indices],
+                               device)
+        return positions
 
     def values_of(self, indices: list[int], device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
         """The values (old and new, or the XOR) of the entries ``indices`` (all of one dtype), end to end, on
         ``device`` (the host's by default)."""
-        held = self.values[self.entries[indices[0]].dtype]
         ranges = [(self.entries[i].value_start, self.entries[i].count) for i in indices]
-        return tuple(_ranges(values, ranges, device) for values in held)
+        return _ranges(self.values[self.entries[indices[0]].dtype], ranges, device)
 
 
 _WINDOW_SLACK = 2
-"""A GPU gathers ranges itself from the window of the file's tensor that holds them, sent whole, where that window
+"""A GPU gathers ranges itself from the window of the file's tensors that holds them, sent whole, where that window
 holds at most this many times their elements (a staging chunk's copies are a few layers' parameters, close together
-in the file: about 1.5 times); sparser ranges are gathered on the host and sent."""
+in a one-step change's file: about 1.5 times; a change of several steps lays each step's apart, and its chunks'
+ranges are mostly gathered on the host)."""
 
 
-def _ranges(tensor: torch.Tensor, ranges: list[tuple[int, int]], device: torch.device | None = None) -> torch.Tensor:
-    """The (start, count) ranges of the 1-D host ``tensor``, end to end, on ``device`` (the host's by default).
-    On the host they are gathered by numpy: a torch slice per entry would cost a reader beside a generating engine a
-    wait for the interpreter each (thousands of experts' tensors), and one index of every element would cost memory
-    and time. A GPU takes the window that holds them in one transfer and gathers them itself (``_gather_window``):
-    inside a GPU server the host's gather was the larger part of a staging."""
-    if device is not None and device.type != "cpu":
-        low, high = min(start for start, _ in ranges), max(start + count for start, count in ranges)
-        total = sum(count for _, count in ranges)
-        if high - low <= _WINDOW_SLACK * total:
-            return _gather_window(tensor[low:high].to(device), [(start - low, count) for start, count in ranges],
-                                  total)
-    size = tensor.element_size()
-    flat = tensor.view(torch.uint8).numpy()  # (numpy holds no bf16)
-    gathered = torch.from_numpy(numpy.concatenate([flat[start * size:(start + count) * size]
+def _ranges(tensors: tuple[torch.Tensor, ...], ranges: list[tuple[int, int]],
+            device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+    """The (start, count) ranges (at least one, none empty) of each of the 1-D host ``tensors``, end to end, on
+    ``device`` (the host's by default). On the host they are gathered by numpy: a torch slice per entry would cost a
+    reader beside a generating engine a wait for the interpreter each (thousands of experts' tensors), and one index
+    of every element would cost memory and time. A GPU takes the window that holds them (``_window``) in one transfer
+    per tensor and gathers them itself with one index (``_gather_window``): inside a GPU server the host's gather was
+    the larger part of a staging."""
+    window = _window(ranges) if device is not None and device.type != "cpu" else None
+    if window is not None:
+        (low, high), relative, total = window
+        return _gather_window(tuple(tensor[low:high].to(device) for tensor in tensors), relative, total)
+    gathered = []
+    for tensor in tensors:
+        size = tensor.element_size()
+        flat = tensor.view(torch.uint8).numpy()  # (numpy holds no bf16)
+        part = torch.from_numpy(numpy.concatenate([flat[start * size:(start + count) * size]
                                                    for start, count in ranges])).view(tensor.dtype)
-    return gathered if device is None else gathered.to(device)
+        gathered.append(part if device is None else part.to(device))
+    return tuple(gathered)
 
 
-def _gather_window(window: torch.Tensor, ranges: list[tuple[int, int]], total: int) -> torch.Tensor:
-    """The (start, count) ranges of the 1-D ``window``, ``total`` elements end to end, by one index made on its
-    device (a few ops, whatever the number of ranges)."""
-    starts, counts = (torch.tensor(column, dtype=torch.int64).to(window.device) for column in zip(*ranges))
+def _window(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], list[tuple[int, int]], int] | None:
+    """The span [low, high) of elements that holds ``ranges``, the ranges relative to it, and their elements; None
+    where the span holds more than ``_WINDOW_SLACK`` times those (sending it whole would cost more than a gather on
+    the host)."""
+    low, high = min(start for start, _ in ranges), max(start + count for start, count in ranges)
+    total = sum(count for _, count in ranges)
+    if high - low > _WINDOW_SLACK * total:
+        return None
+    return (low, high), [(start - low, count) for start, count in ranges], total
+
+
+def _gather_window(windows: tuple[torch.Tensor, ...], ranges: list[tuple[int, int]],
+                   total: int) -> tuple[torch.Tensor, ...]:
+    """The (start, count) ranges of each 1-D window of ``windows`` (one device, one length), ``total`` elements end to
+    end. Ranges one after the other from the window's start are the window itself; others are gathered by one index
+    made on the device (a few ops, whatever the number of ranges; 16 bytes per element at its peak)."""
+    if all(start == (ranges[k - 1][0] + ranges[k - 1][1] if k else 0) for k, (start, _) in enumerate(ranges)):
+        return windows
+    device = windows[0].device
+    starts, counts = torch.tensor(ranges, dtype=torch.int64).to(device).unbind(1)  # (one transfer)
     begins = torch.cumsum(counts, 0) - counts  # (where each range begins in the result)
     index = torch.repeat_interleave(starts - begins, counts, output_size=total)
-    return window[index.add_(torch.arange(total, device=window.device))]
+    index.add_(torch.arange(total, device=device))
+    return tuple(window[index] for window in windows)
 
 
 def load_change(handle: Any) -> ChangeFile:
