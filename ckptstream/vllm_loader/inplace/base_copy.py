@@ -18,11 +18,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy
 import torch
 
 from ...errors import IntegrityError
-from .trace import Target, TensorPlan, map_copy
+from .trace import Target, TensorPlan, map_copy, range_index
 
 
 class BaseCopy:
@@ -68,7 +67,7 @@ class BaseCopy:
                     seen[into] = True
                 continue
             if offsets is None:
-                offsets = torch.from_numpy(numpy.repeat(numpy.asarray(starts) - at[:-1], sizes) + numpy.arange(at[-1]))
+                offsets = range_index(torch.tensor(starts), torch.tensor(sizes), at[-1])
             wanted = offsets[at[first]:at[last]]
             covered, positions = map_copy(backwards(target), wanted, torch.full_like(wanted, target.dst_offset),
                                           torch.full_like(wanted, target.src_offset))

@@ -41,6 +41,7 @@ from ...hf import tensor_specs
 from ...reader.decode import TooManyChanges
 from ...reader.materialize import MaterializedBase
 from ...reader.stream import Stream
+from .trace import range_index
 
 MAX_CHANGE_FRACTION = 0.05
 """Above this fraction of the elements changed, an update is reloaded fully: the staged positions and values
@@ -479,11 +480,8 @@ def _gather_window(windows: tuple[torch.Tensor, ...], ranges: list[tuple[int, in
     made on the device (a few ops, whatever the number of ranges; 16 bytes per element at its peak)."""
     if all(start == (ranges[k - 1][0] + ranges[k - 1][1] if k else 0) for k, (start, _) in enumerate(ranges)):
         return windows
-    device = windows[0].device
-    starts, counts = torch.tensor(ranges, dtype=torch.int64).to(device).unbind(1)  # (one transfer)
-    begins = torch.cumsum(counts, 0) - counts  # (where each range begins in the result)
-    index = torch.repeat_interleave(starts - begins, counts, output_size=total)
-    index.add_(torch.arange(total, device=device))
+    starts, counts = torch.tensor(ranges, dtype=torch.int64).to(windows[0].device).unbind(1)  # (one transfer)
+    index = range_index(starts, counts, total)
     return tuple(window[index] for window in windows)
 
 

@@ -15,18 +15,18 @@ trace (``trace.plan_tensors``) runs on a copy of the model's module tree in whic
 restores), with the loader unwrapped, in host memory never touched. The model itself keeps generating meanwhile.
 
 **The write, per unit.** A reload computes the unit's scale from its new absolute maximum (per channel and per
-block, at least a floor). Per tensor, the maximum is the held scale × 448: where no changed element's old value was
-at it and no new one reaches it, the scale stays. Per channel and per block, where no changed element's old or new
-value quantizes to ±448 (float8_e4m3fn's largest value) with the held scale, that scale stays: the maximum is an
-unchanged element's (an element at the maximum quantizes to 448 exactly, a larger one to 448 or more), or the unit
-stays under the floor. So the unchanged elements
-keep their bytes, and the changed ones are quantized with the held scale as the method quantizes: per tensor by
-vLLM's static op (its dynamic one element for element); per channel (whose op divides by the scale) and per block
-(``per_block_cast_to_fp8``, which vLLM compiles: its division may round otherwise than torch's) by vLLM's own op on
-each unit's changed values beside a value whose scale is the held one, the scale it gives back compared (a unit
-whose scale does not come back is quantized whole). Otherwise the whole unit is quantized again from its new values
-(the base version's copy the change was built on, with the change's new values), by vLLM's own op: new bytes and a
-new scale, as a reload computes them. The old values the apply checks are the base's, quantized the same way.
+block, at least a floor). Per tensor, the held scale is the maximum over 448: where no changed element's old value
+was at the maximum and no new one reaches it, the scale stays. Per channel and per block, where no changed element's
+old or new value quantizes to ±448 (float8_e4m3fn's largest value) with the held scale, that scale stays: the
+maximum is an unchanged element's (an element at the maximum quantizes to 448 exactly, a larger one to 448 or more),
+or the unit stays under the floor. So the unchanged elements keep their bytes, and the changed ones are quantized
+with the held scale as the method quantizes: per tensor by vLLM's static op (its dynamic one element for element);
+per channel (whose op divides by the scale) and per block (``per_block_cast_to_fp8``, which vLLM compiles: its
+division may round otherwise than torch's) by vLLM's own op on each unit's changed values beside a value whose scale
+is the held one, the scale it gives back compared (a unit whose scale does not come back is quantized whole).
+Otherwise the whole unit is quantized again from its new values (the base version's copy the change was built on,
+with the change's new values), by vLLM's own op: new bytes and a new scale, as a reload computes them. The old
+values the apply checks are the base's, quantized the same way.
 
 Written in place: those methods on a CUDA GPU, Linear weights on kernels that keep vLLM's layout (not CUTLASS's
 padding, not DeepGEMM's scale layout), MoE experts on the Triton backend. Any other quantized parameter is

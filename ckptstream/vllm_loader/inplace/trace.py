@@ -91,6 +91,14 @@ def map_copies(copies: Sequence[Target], positions: torch.Tensor,
 _NO_STRIDE = 1 << 62
 
 
+def range_index(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """The index of every element of the (start, count) ranges, ``total`` in all, end to end, on their device: a
+    few ops, whatever the number of ranges."""
+    begins = torch.cumsum(counts, 0) - counts  # (where each range begins in the result)
+    index = torch.repeat_interleave(starts - begins, counts, output_size=total)
+    return index.add_(torch.arange(total, device=index.device))
+
+
 def _strided(rest: torch.Tensor, dst: torch.Tensor, dims: Iterable[tuple[Any, Any, Any]]) -> tuple[torch.Tensor,
                                                                                                  torch.Tensor]:
     """Decompose the offsets ``rest`` into indices of ``dims`` (size, source stride, destination stride: numbers, or
