@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -139,30 +139,21 @@ def _write_mla(out: Path, layers: int) -> Path:
 
 
 class Load:
-    """A client sending 4-token requests one after the other, all along; ``hold`` stops it between requests."""
+    """A client sending 4-token requests one after the other, all along, from a process of its own as a rollout's
+    clients are (beside the follower's decoding threads in this process, its requests would wait on this
+    interpreter's lock too, and count that as the server's stall); ``hold`` stops it between requests.
+    Its times are ``time.perf_counter()``'s, one clock for every process of the machine (Linux: CLOCK_MONOTONIC)."""
 
-    def __init__(self, client: VllmClient):
-        self.client = client
-        self.samples: list[tuple[float, float, bool]] = []  # (sent at, latency, succeeded)
-        self.stop, self.running = threading.Event(), threading.Event()
+    def __init__(self, url: str):
+        context = multiprocessing.get_context("spawn")
+        self.running, self.idle, self.stop = context.Event(), context.Event(), context.Event()
         self.running.set()
-        self.idle = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            if not self.running.is_set():
-                self.idle.set()
-                self.running.wait(0.1)
-                continue
-            self.idle.clear()
-            sent = time.perf_counter()
-            try:
-                ok = len(self.client.generate(LOAD_PROMPT, 4)) == 4
-            except (VllmError, OSError):
-                ok = False
-            self.samples.append((sent, time.perf_counter() - sent, ok))
+        self._queue: multiprocessing.Queue[tuple[float, float, bool]] = context.Queue()
+        self._sent = context.Value("q", 0)
+        self.samples: list[tuple[float, float, bool]] = []  # (sent at, latency, succeeded)
+        self.process = context.Process(target=_send_requests, daemon=True, name="bench-client",
+                                       args=(url, self.running, self.idle, self.stop, self._queue, self._sent))
+        self.process.start()
 
     def hold(self) -> None:
         self.running.clear()
@@ -172,13 +163,39 @@ class Load:
         self.running.set()
 
     def window(self, start: float, end: float) -> list[tuple[float, float, bool]]:
-        """The requests in flight at any time between ``start`` and ``end``."""
+        """The requests in flight at any time between ``start`` and ``end`` (those finished so far)."""
+        self._collect()
         return [s for s in self.samples if s[0] <= end and s[0] + s[1] >= start]
 
     def close(self) -> None:
         self.stop.set()
         self.running.set()
-        self.thread.join(timeout=300)
+        self.process.join(timeout=300)
+        self._collect()
+
+    def _collect(self) -> None:
+        """Every sample the client process has sent so far."""
+        while len(self.samples) < self._sent.value:
+            self.samples.append(self._queue.get(timeout=60))
+
+
+def _send_requests(url: str, running: Any, idle: Any, stop: Any, samples: Any, sent: Any) -> None:
+    """``Load``'s process: one request after the other while ``running``, each sample put on ``samples``."""
+    client = VllmClient(url)
+    while not stop.is_set():
+        if not running.is_set():
+            idle.set()
+            running.wait(0.1)
+            continue
+        idle.clear()
+        started = time.perf_counter()
+        try:
+            ok = len(client.generate(LOAD_PROMPT, 4)) == 4
+        except (VllmError, OSError):
+            ok = False
+        samples.put((started, time.perf_counter() - started, ok))
+        with sent.get_lock():
+            sent.value += 1
 
 
 def full_reload(client: VllmClient, path: Path) -> float:
@@ -211,7 +228,7 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
         try:
             stream.wait_for_version(0, timeout=900, poll_interval=0.5)  # (serve starts vLLM on version 0)
             client = serve.client
-            load = Load(client)
+            load = Load(client.url)
             time.sleep(2)  # the client's steady latency before the first update
             generator = torch.Generator().manual_seed(1)
             for _ in range(args.updates):
@@ -222,9 +239,8 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                     time.sleep(0.005)
                 serving = time.perf_counter()
                 update = serve.updates[manifest.version]
-                time.sleep(0.5)  # requests that were stalled finish
+                load.hold()  # (after the request in flight, stalled or not, has finished)
                 window = load.window(committed, serving)
-                load.hold()
                 after_update = client.canary()
                 hashes = client.parameter_hashes() if args.hashes else None
                 fresh = root / f"fresh-{manifest.version}"
@@ -248,8 +264,9 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                        f"reload ({', '.join(update.fallbacks)})", "full_reload": reload_pause,
                        "stall": max((s[1] for s in window), default=0.0),
                        "failed": sum(not s[2] for s in window), "equal": equal,
-                       "phases": {"fetch": update.fetch_s, "decode": update.decode_s, "stage": update.stage_s,
-                                  "pause": update.pause_s, "cache_after": update.cache_s}}
+                       "phases": {"found": update.found_s, "fetch": update.fetch_s, "decode": update.decode_s,
+                                  "stage": update.stage_s, "pause": update.pause_s,
+                                  "checks": update.servers_s - update.pause_s, "cache_after": update.cache_s}}
                 rows.append(row)
                 print(f"[{shape}] version {row['version']}: delta {row['stored'] / 1e6:.1f} MB, {row['how']}, pause "
                       f"{row['pause']:.3f} s, commit->serving {row['lag']:.2f} s, worst stall {row['stall']:.3f} s, "

@@ -45,6 +45,9 @@ class UpdateRecord:
     fallbacks: dict[str, int] = field(default_factory=dict)  # servers reloaded fully instead, by FALLBACK_REASONS
     cache_s: float = 0.0  # decoding into the cache after serving it (a change applied from the fetched deltas)
     stage_s: float = 0.0  # the change mapped onto the servers' parameters by their workers, while they generated
+    found_s: float = 0.0  # from the version's commit to the follower starting on it (its poll, or a watch's wake)
+    servers_s: float = 0.0  # the servers updated one by one: each pause (pause_s) and the checks after it that the
+    # server generates, labelled, again
 
     def log_line(self) -> str:
         parts = [f"in place on {self.applied_in_place}"] if self.applied_in_place else []

@@ -120,6 +120,72 @@ def test_loaders_traced_before_the_first_change_leave_it_nothing_to_trace(tmp_pa
     assert _same_parameters(model, _loaded(new)) == []
 
 
+def test_tracing_and_staging_hand_the_interpreter_back_quickly_and_restore_its_interval(tmp_path, monkeypatch):
+    """Beside the engine's thread, the background trace and the staging run with the short switch interval
+    (``beside_engine``); once both are over, the interpreter's own is back."""
+    import sys
+
+    from safetensors.torch import save_file
+
+    from ckptstream.vllm_loader.inplace import apply
+    from ckptstream.vllm_loader.inplace.beside_engine import BESIDE_ENGINE_SWITCH_INTERVAL_S
+
+    base = fused_checkpoint(SPEC)
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(3))
+    served = tmp_path / "served"
+    served.mkdir()
+    save_file({n: t.contiguous() for n, t in base.items() if n != "lm_head.weight"}, str(served / "model.safetensors"))
+    applier = InPlaceApplier(_loaded(base), torch.device("cpu"))
+    intervals: list[float] = []
+    real_plan = apply.plan_tensors
+    monkeypatch.setattr(apply, "plan_tensors",
+                        lambda m, specs: intervals.append(sys.getswitchinterval()) or real_plan(m, specs))
+    outside = sys.getswitchinterval()
+    assert outside > BESIDE_ENGINE_SWITCH_INTERVAL_S
+    applier.prepare(str(served))
+    applier._planning.join()
+    applier.plans.pop("model.layers.0.mlp.experts.0.up_proj.weight")  # (the staging traces it again)
+    applier.stage(str(_change(base, new, tmp_path / "change.safetensors")))
+    assert applier.staged(wait=True).get("error") is None
+    assert len(intervals) >= 2 and intervals == pytest.approx([BESIDE_ENGINE_SWITCH_INTERVAL_S] * len(intervals))
+    assert sys.getswitchinterval() == pytest.approx(outside)
+
+
+def test_overlapping_works_beside_the_engine_restore_the_interval_once_the_last_ends():
+    import sys
+
+    from ckptstream.vllm_loader.inplace.beside_engine import BESIDE_ENGINE_SWITCH_INTERVAL_S, beside_engine
+
+    outside = sys.getswitchinterval()
+    first_in, second_out = threading.Event(), threading.Event()
+    seen: list[float] = []
+
+    def first() -> None:
+        with beside_engine():
+            first_in.set()
+            second_out.wait(timeout=60)
+            seen.append(sys.getswitchinterval())  # the second ended first: still short
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert first_in.wait(timeout=60)
+    with beside_engine():
+        assert sys.getswitchinterval() == pytest.approx(BESIDE_ENGINE_SWITCH_INTERVAL_S)
+    second_out.set()
+    thread.join()
+    assert seen == pytest.approx([BESIDE_ENGINE_SWITCH_INTERVAL_S])
+    assert sys.getswitchinterval() == pytest.approx(outside)
+    sys.setswitchinterval(BESIDE_ENGINE_SWITCH_INTERVAL_S / 2)  # shorter already: kept
+    shorter = sys.getswitchinterval()
+    try:
+        with beside_engine():
+            assert sys.getswitchinterval() == shorter
+        assert sys.getswitchinterval() == shorter
+    finally:
+        sys.setswitchinterval(outside)
+
+
 def test_a_full_reload_stops_the_background_trace_and_a_staging(tmp_path, monkeypatch):
     """vLLM's layerwise reload swaps the parameters whose loaders a trace calls: run beside ``prepare``'s, a reload
     failed in CI (``'Parameter' object has no attribute 'weight_loader'``). The worker's reload stops the trace

@@ -59,6 +59,8 @@ def test_follower_takes_fake_clients_and_a_config(stream, tmp_path):
         update = follower.step()
     assert update is not None and update.version == 2
     assert server.weight_version_label == "2" and server.loaded_version == 2
+    # The lag's parts: committed before the follower looked; the server's pause, then its checks.
+    assert 0 < update.found_s < update.lag_s and 0 < update.pause_s < update.servers_s < update.lag_s
     assert [c for c, _ in server.calls][-9:] == ["pause", "reload_weights", "reset_prefix_cache", "set_weight_version",
                                                  "resume", "check_resumed", "check_weight_version", "probe",
                                                  "prepare_in_place"]

@@ -183,7 +183,8 @@ def test_json_lines_are_the_update_records(run):
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert lines == [asdict(first), asdict(second)]
     assert set(lines[0]) == {"version", "base_version", "bytes_fetched", "prepare_s", "pause_s", "reload_s", "lag_s",
-                             "decoded", "fetch_s", "decode_s", "applied_in_place", "fallbacks", "cache_s", "stage_s"}
+                             "decoded", "fetch_s", "decode_s", "applied_in_place", "fallbacks", "cache_s", "stage_s",
+                             "found_s", "servers_s"}
     # Why each was reloaded rather than applied in place: nothing served yet, then too much changed.
     assert [line["fallbacks"] for line in lines] == [{"first_version": 1}, {"large_change": 1}]
 

@@ -224,6 +224,7 @@ class Follower:
     def _load(self, version: int, clients: Sequence[VllmControl] | None) -> UpdateRecord:
         bytes_before = self._reads.bytes_read()
         manifest = self.stream.manifest(version)
+        found_s = commit_age(manifest.created)
         self.fit.check(manifest)  # before fetching anything
         self._report(state="updating")
         started, read_before = time.perf_counter(), self._reads.read_seconds()
@@ -247,7 +248,7 @@ class Follower:
         if path is not None and change is None and why_not is None:
             # e.g. across a keyframe: both versions compared
             change, why_not = self.in_place.change(version, path, self.current)
-        pause_s = reload_s = stage_s = 0.0
+        pause_s = reload_s = stage_s = servers_s = 0.0
         in_place = 0
         fallbacks: collections.Counter[str] = collections.Counter()
         done: list[VllmControl] = []
@@ -264,7 +265,9 @@ class Follower:
             if staged is None and path is None:
                 waiting.append((client, fallback or "disabled"))
                 continue
+            update_started = time.perf_counter()
             paused, reloaded, failed = self._update_server(client, version, path, restore, staged, done)
+            servers_s += time.perf_counter() - update_started
             pause_s += paused
             reload_s += reloaded
             fallback = fallback or failed
@@ -302,7 +305,9 @@ class Follower:
                 raise
             cache_s = time.perf_counter() - cache_started
             for client, fallback in waiting:
+                update_started = time.perf_counter()
                 paused, reloaded, _ = self._update_server(client, version, path, restore, None, done)
+                servers_s += time.perf_counter() - update_started
                 pause_s += paused
                 reload_s += reloaded
                 done.append(client)
@@ -322,7 +327,8 @@ class Follower:
         fetched = self._reads.bytes_read() - bytes_before  # measured: what this update read from storage
         update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
                               fetch_s=fetch_s, decode_s=prepare_s - fetch_s, applied_in_place=in_place,
-                              fallbacks=dict(fallbacks), cache_s=cache_s, stage_s=stage_s)
+                              fallbacks=dict(fallbacks), cache_s=cache_s, stage_s=stage_s, found_s=found_s,
+                              servers_s=servers_s)
         self._notify("on_update", update)
         self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
         if path is not None:  # (after the report: each call waits for an engine step; the others traced already)

@@ -40,6 +40,7 @@ import torch
 from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
 from ...format import CHECK_MASK, ChangeCheck, version_name
 from .base_copy import BaseCopy
+from .beside_engine import beside_engine
 from .quantized import QuantizedParams
 from .trace import Target, TensorPlan, TensorSpec, map_copies, plan_tensors
 
@@ -194,7 +195,7 @@ class InPlaceApplier:
     def _prepare(self, path: str, specs: dict[str, TensorSpec]) -> None:
         names = list(specs)  # (in the files' order: a layer's tensors together)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), beside_engine():
                 for start in range(0, len(names), PREPARE_BATCH):
                     if self._stop_planning.is_set():
                         return
@@ -284,7 +285,7 @@ class InPlaceApplier:
         clock = _Clock()
         try:
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            with safe_open(path, framework="pt") as handle, torch.no_grad(), \
+            with safe_open(path, framework="pt") as handle, torch.no_grad(), beside_engine(), \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 change = load_change(handle)
                 clock.lap("read")
