@@ -491,3 +491,25 @@ def test_kept_reads_serve_a_range_read_while_keeping_once_within_their_bound(tmp
     kept.clear()
     kept.read("data", 0, 10)
     assert meter.bytes_read() == 76 and kept.kept_bytes == 0
+
+
+def test_a_kept_range_serves_its_parts_until_each_byte_was_served(tmp_path):
+    """A batch of tensors is read as one range while keeping; the decode then reads them one by one from memory."""
+    from ckptstream.storage.kept import KeptReads
+    from ckptstream.storage.timing import TimedReads
+
+    storage = open_storage(str(tmp_path))
+    storage.put("data", bytes(range(100)))
+    meter = TimedReads(storage)
+    kept = KeptReads(meter)
+    with kept.keeping(100):
+        kept.read_into("data", 10, memoryview(bytearray(30)))  # [10, 40) as one range
+    assert kept.read("data", 20, 30) == bytes(range(20, 30)) and kept.kept_bytes == 30
+    buffer = bytearray(10)
+    kept.read_into("data", 10, memoryview(buffer))
+    assert bytes(buffer) == bytes(range(10, 20)) and meter.bytes_read() == 30  # both from memory
+    assert kept.read("data", 35, 45) == bytes(range(35, 45)) and meter.bytes_read() == 40  # past its end: storage
+    assert kept.read("data", 30, 40) == bytes(range(30, 40)) and kept.kept_bytes == 0  # its last part: dropped
+    assert meter.bytes_read() == 40
+    kept.read("data", 10, 20)  # every byte served: read again
+    assert meter.bytes_read() == 50

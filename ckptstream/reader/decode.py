@@ -640,8 +640,8 @@ def changes_of_sparse(files: DataFiles, manifest: Manifest, entries: list[Tensor
     chunks: list[tuple[int, int, memoryview]] = []
     placed: list[tuple[TensorEntry, int]] = []  # per chunk: its tensor and its first byte in it
     firsts = [0]  # per tensor: its first element laid end to end
-    for entry in entries:
-        view = codec.buffer_of(files.read(manifest, entry))
+    for entry, stored in zip(entries, files.read_batch(manifest, entries)):
+        view = codec.buffer_of(stored)
         raw_pos = stored_pos = 0
         for raw_len, stored_len, _ in entry.chunks:
             chunks.append((firsts[-1] * itemsize + raw_pos, raw_len, view[stored_pos:stored_pos + stored_len]))

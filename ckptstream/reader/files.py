@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -111,22 +111,47 @@ class DataFiles:
         if out is None:
             out = torch.empty(entry.length, dtype=torch.uint8)
         assert out.dtype == torch.uint8 and out.numel() == entry.length and out.is_contiguous()
+        self._read_range(manifest, path, entry, out)
+        _check_stored(manifest, path, entry, out)
+        return out
+
+    def read_batch(self, manifest: Manifest, entries: Sequence[TensorEntry]) -> list[torch.Tensor]:
+        """``read`` of each of ``entries`` (in their order), those lying back to back in one file read as one range:
+        a batch of small tensors (a MoE model's experts) costs a read or a few, not one each."""
+        stored: dict[int, torch.Tensor] = {}
+        runs: list[list[int]] = []  # entries back to back in one file, by their places in ``entries``
+        for i in sorted(range(len(entries)), key=lambda i: (str(entries[i].file), entries[i].offset)):
+            entry = entries[i]
+            last = entries[runs[-1][-1]] if runs else None
+            if last is not None and (last.file, last.offset + last.length) == (entry.file, entry.offset):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = entries[run[0]], entries[run[-1]]
+            assert first.file is not None
+            self.check(manifest, first.file, first.name)
+            path = data_path(manifest.version, first.file)
+            data = torch.empty(last.offset + last.length - first.offset, dtype=torch.uint8)
+            self._read_range(manifest, path, first, data)
+            for i in run:
+                entry = entries[i]
+                stored[i] = data[entry.offset - first.offset:entry.offset - first.offset + entry.length]
+                _check_stored(manifest, path, entry, stored[i])
+        return [stored[i] for i in range(len(entries))]
+
+    def _read_range(self, manifest: Manifest, path: str, first: TensorEntry, out: torch.Tensor) -> None:
+        """Fill ``out`` with the bytes of ``path`` from ``first``'s on (``first``'s, or its and those after it), a
+        large range as concurrent ranged reads (an object store serves each request at a fraction of the link; a
+        file system does not mind)."""
         buffer = codec.buffer_of(out)
-        # A large tensor is fetched as concurrent ranged reads (an object store serves each request at
-        # a fraction of the link; a file system does not mind).
-        spans = [(start, buffer[start - entry.offset:end - entry.offset])
-                 for start, end in chunk_spans(entry.offset, entry.offset + entry.length)]
-        with _reading(manifest, path, entry):
+        spans = [(start, buffer[start - first.offset:end - first.offset])
+                 for start, end in chunk_spans(first.offset, first.offset + out.numel())]
+        with _reading(manifest, path, first):
             if len(spans) > 1:
                 self.storage.read_ranges_into(path, spans)
             else:
-                self.storage.read_into(path, entry.offset, buffer)
-        actual = content_hash(codec.buffer_of(out))
-        if actual != entry.stored_hash:
-            raise IntegrityError(f"stored bytes hash mismatch (expected {entry.stored_hash}, got {actual})",
-                                 version=manifest.version, file=path, tensor=entry.name,
-                                 hint="The stored data is corrupt; this version cannot be used")
-        return out
+                self.storage.read_into(path, first.offset, buffer)
 
     def read_range(self, manifest: Manifest, entry: TensorEntry, start: int, out: torch.Tensor) -> None:
         """Fill ``out`` (uint8, contiguous) with the stored bytes of ``entry`` from byte ``start`` on, its file
@@ -200,6 +225,15 @@ def _reading(manifest: Manifest, path: str, entry: TensorEntry) -> Iterator[None
     except EOFError:
         raise IntegrityError("data file is truncated", version=manifest.version, file=path, tensor=entry.name,
                              hint=_DAMAGED) from None
+
+
+def _check_stored(manifest: Manifest, path: str, entry: TensorEntry, stored: torch.Tensor) -> None:
+    """Refuse ``entry``'s stored bytes unless they hash to its ``stored_hash``."""
+    actual = content_hash(codec.buffer_of(stored))
+    if actual != entry.stored_hash:
+        raise IntegrityError(f"stored bytes hash mismatch (expected {entry.stored_hash}, got {actual})",
+                             version=manifest.version, file=path, tensor=entry.name,
+                             hint="The stored data is corrupt; this version cannot be used")
 
 
 def _check_file_hash(manifest: Manifest, file: FileEntry, digest: str) -> None:

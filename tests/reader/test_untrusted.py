@@ -307,6 +307,32 @@ def test_a_malformed_sparse_chunk_is_an_integrity_error_naming_it(stream_url, tm
         assert (info.value.version, info.value.file, info.value.tensor) == (1, data_path(1, entry.file), "w")
 
 
+def test_a_damaged_tensor_among_a_batch_read_as_one_range_is_named(stream_url):
+    """The sparse deltas of consecutive small tensors are read as one range (``DataFiles.read_batch``): each is still
+    checked against its own stored hash, and a damaged one is named, not the first of the range."""
+    generator = torch.Generator().manual_seed(0)
+    state = {f"expert.{i}": torch.randn(256, generator=generator).to(torch.bfloat16) for i in range(3)}
+    with Publisher(stream_url) as publisher:
+        publisher.publish(state).result()
+        for tensor in state.values():
+            tensor.view(torch.int16)[7] += 1
+        publisher.publish(state).result()
+    manifest = Stream(stream_url).manifest(1)
+    entries = [manifest.tensor(f"expert.{i}") for i in range(3)]
+    assert {e.file for e in entries} == {entries[0].file}
+    assert [e.offset for e in entries[1:]] == [e.offset + e.length for e in entries[:-1]]  # back to back
+    stream = Stream(stream_url)
+    found = {e.name: p.tolist() for e, p, _ in stream.changes_since(1, 0, lambda *f: f, max_tensor_bytes=1 << 20)}
+    assert found == {f"expert.{i}": [7] for i in range(3)}
+    path = data_path(1, entries[1].file)
+    data = bytearray(open_storage(stream_url).read(path))
+    data[entries[1].offset + entries[1].length - 1] ^= 0xFF
+    _replace(stream_url, path, bytes(data))
+    with pytest.raises(IntegrityError, match="stored bytes hash mismatch") as info:
+        list(Stream(stream_url).changes_since(1, 0, lambda *f: f, max_tensor_bytes=1 << 20))
+    assert (info.value.version, info.value.file, info.value.tensor) == (1, path, "expert.1")
+
+
 # ------------------------------------------------------------------------------------ damaged base copy
 
 @pytest.mark.parametrize("damage", ["truncate", "header"])
