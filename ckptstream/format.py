@@ -235,19 +235,21 @@ def loads_json(raw: bytes, *, version: int | None, file: str) -> Any:
 
 
 def json_depth(value: Any) -> int:
-    """Nesting depth of arrays and objects in a parsed JSON value (a scalar has depth 0), iteratively."""
-    if not isinstance(value, (dict, list, tuple)):
-        return 0
-    deepest = 0
-    pending = [(value, 1)]  # (containers only: a manifest's scalars are most of its values)
-    while pending:
-        item, depth = pending.pop()
-        deepest = max(deepest, depth)
+    """Nesting depth of arrays and objects in a parsed JSON value (a scalar has depth 0), level by level (never a
+    RecursionError; a manifest of thousands of tensors is checked at every commit and every read: one pass of list
+    comprehensions per level, not a step per container). Past ``MAX_JSON_DEPTH`` it stops, at ``MAX_JSON_DEPTH + 1``."""
+    level = [value] if isinstance(value, _CONTAINERS) else []
+    depth = 0
+    while level:
+        depth += 1
         if depth > MAX_JSON_DEPTH:
             return depth
-        children = item.values() if isinstance(item, dict) else item
-        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
-    return deepest
+        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, _CONTAINERS)]
+    return depth
+
+
+_CONTAINERS = (dict, list, tuple)
 
 
 # ------------------------------------------------------------------------------------------------ names
