@@ -234,6 +234,9 @@ def loads_json(raw: bytes, *, version: int | None, file: str) -> Any:
     return body
 
 
+_CONTAINERS = (dict, list, tuple)  # what ``json_depth`` descends into
+
+
 def json_depth(value: Any) -> int:
     """Nesting depth of arrays and objects in a parsed JSON value (a scalar has depth 0), level by level (never a
     RecursionError; a manifest of thousands of tensors is checked at every commit and every read: one pass of list
@@ -247,9 +250,6 @@ def json_depth(value: Any) -> int:
         level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
                  if isinstance(child, _CONTAINERS)]
     return depth
-
-
-_CONTAINERS = (dict, list, tuple)
 
 
 # ------------------------------------------------------------------------------------------------ names

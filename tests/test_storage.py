@@ -513,3 +513,25 @@ def test_a_kept_range_serves_its_parts_until_each_byte_was_served(tmp_path):
     assert meter.bytes_read() == 40
     kept.read("data", 10, 20)  # every byte served: read again
     assert meter.bytes_read() == 50
+
+
+def test_kept_ranges_overlapping_one_kept_are_not_kept_and_thousands_serve_their_reads(tmp_path):
+    from ckptstream.storage.kept import KeptReads
+    from ckptstream.storage.timing import TimedReads
+
+    storage = open_storage(str(tmp_path))
+    storage.put("data", bytes(range(256)) * 64)
+    meter = TimedReads(storage)
+    kept = KeptReads(meter)
+    with kept.keeping(1 << 20):
+        kept.read("data", 10, 40)
+        kept.read("data", 30, 50)  # overlaps [10, 40): read, not kept
+        assert kept.kept_bytes == 30
+        for start in range(100, 16100, 4):  # 4,000 ranges of one file, kept in reverse order of reads
+            kept.read("data", start, start + 4)
+    read = meter.bytes_read()
+    assert kept.read("data", 45, 50) == bytes(range(45, 50)) and meter.bytes_read() == read + 5  # from storage
+    for start in reversed(range(100, 16100, 4)):
+        assert kept.read("data", start + 1, start + 3) == (bytes(range(256)) * 64)[start + 1:start + 3]
+    assert meter.bytes_read() == read + 5  # every one from memory
+    assert kept.kept_bytes == 30 + 4000 * 4  # each served 2 of its 4 bytes: still kept

@@ -155,28 +155,45 @@ class Load:
                                        args=(url, self.running, self.idle, self.stop, self._queue, self._sent))
         self.process.start()
 
+    def started(self, samples: int = 20) -> None:
+        """Wait until the client has sent ``samples`` requests (its process imports torch first: seconds)."""
+        while self._sent.value < samples:
+            self._alive()
+            time.sleep(0.1)
+
     def hold(self) -> None:
         self.running.clear()
-        self.idle.wait(300)
+        while not self.idle.wait(1):
+            self._alive()
 
     def go(self) -> None:
         self.running.set()
 
     def window(self, start: float, end: float) -> list[tuple[float, float, bool]]:
-        """The requests in flight at any time between ``start`` and ``end`` (those finished so far)."""
+        """The requests in flight at any time between ``start`` and ``end`` (those finished so far); none is an
+        error (a client that sent nothing then would report no stall)."""
         self._collect()
-        return [s for s in self.samples if s[0] <= end and s[0] + s[1] >= start]
+        window = [s for s in self.samples if s[0] <= end and s[0] + s[1] >= start]
+        if not window:
+            raise RuntimeError(f"the client sent no request between {start:.2f} and {end:.2f}")
+        return window
 
     def close(self) -> None:
         self.stop.set()
         self.running.set()
-        self.process.join(timeout=300)
+        while self.process.is_alive():  # (a child with samples still queued exits once they are read)
+            self._collect()
+            self.process.join(timeout=0.5)
         self._collect()
 
     def _collect(self) -> None:
         """Every sample the client process has sent so far."""
         while len(self.samples) < self._sent.value:
             self.samples.append(self._queue.get(timeout=60))
+
+    def _alive(self) -> None:
+        if self.process.exitcode is not None:
+            raise RuntimeError(f"the client process ended (exit code {self.process.exitcode})")
 
 
 def _send_requests(url: str, running: Any, idle: Any, stop: Any, samples: Any, sent: Any) -> None:
@@ -229,7 +246,7 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
             stream.wait_for_version(0, timeout=900, poll_interval=0.5)  # (serve starts vLLM on version 0)
             client = serve.client
             load = Load(client.url)
-            time.sleep(2)  # the client's steady latency before the first update
+            load.started()  # (and its steady latency before the first update)
             generator = torch.Generator().manual_seed(1)
             for _ in range(args.updates):
                 rl_like_step(state, fraction=0.01, max_ulps=3, generator=generator)

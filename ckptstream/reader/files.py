@@ -22,7 +22,7 @@ from .. import codec
 from ..errors import IntegrityError
 from ..format import (KEYFRAME, MAX_SAFETENSORS_HEADER_BYTES, SAFETENSORS_LENGTH, FileEntry, Hasher, Manifest,
                       TensorEntry, content_hash, data_path, loads_json)
-from ..storage import Storage, chunk_spans
+from ..storage import RANGE_CHUNK_BYTES, Storage, chunk_spans
 
 CHECKED_FILES_CACHE_SIZE = 4096
 """Data files whose size (and header) a ``DataFiles`` remembers having checked."""
@@ -116,17 +116,23 @@ class DataFiles:
         return out
 
     def read_batch(self, manifest: Manifest, entries: Sequence[TensorEntry]) -> list[torch.Tensor]:
-        """``read`` of each of ``entries`` (in their order), those lying back to back in one file read as one range:
-        a batch of small tensors (a MoE model's experts) costs a read or a few, not one each."""
+        """``read`` of each of ``entries`` (in their order), those lying back to back in one file read as one range
+        of at most ``RANGE_CHUNK_BYTES``: a batch of small tensors (a MoE model's experts) costs a read or a few, not
+        one each. (A range at most that long is what a later ``read`` of each, kept, finds whole; larger entries
+        are read alone.) The tensors returned are views of their range's buffer, which each keeps alive."""
         stored: dict[int, torch.Tensor] = {}
         runs: list[list[int]] = []  # entries back to back in one file, by their places in ``entries``
+        run_bytes = 0
         for i in sorted(range(len(entries)), key=lambda i: (str(entries[i].file), entries[i].offset)):
             entry = entries[i]
             last = entries[runs[-1][-1]] if runs else None
-            if last is not None and (last.file, last.offset + last.length) == (entry.file, entry.offset):
+            if (last is not None and (last.file, last.offset + last.length) == (entry.file, entry.offset)
+                    and run_bytes + entry.length <= RANGE_CHUNK_BYTES):
                 runs[-1].append(i)
+                run_bytes += entry.length
             else:
                 runs.append([i])
+                run_bytes = entry.length
         for run in runs:
             first, last = entries[run[0]], entries[run[-1]]
             assert first.file is not None
@@ -143,7 +149,8 @@ class DataFiles:
     def _read_range(self, manifest: Manifest, path: str, first: TensorEntry, out: torch.Tensor) -> None:
         """Fill ``out`` with the bytes of ``path`` from ``first``'s on (``first``'s, or its and those after it), a
         large range as concurrent ranged reads (an object store serves each request at a fraction of the link; a
-        file system does not mind)."""
+        file system does not mind). A file missing or short is named with ``first`` (its size was checked before:
+        rare)."""
         buffer = codec.buffer_of(out)
         spans = [(start, buffer[start - first.offset:end - first.offset])
                  for start, end in chunk_spans(first.offset, first.offset + out.numel())]

@@ -108,7 +108,7 @@ class Stream:
 
     def keeping_reads(self, max_bytes: int) -> contextlib.AbstractContextManager[None]:
         """Inside the block, the data-file ranges read (at most ``max_bytes`` together) are kept in memory
-        after it, each for one more read of the same range (``storage.kept.KeptReads``): a version decoded
+        after it, each until it has served as many bytes as it holds (``storage.kept.KeptReads``): a version decoded
         after its change was built from its deltas (``changes_since``) reads those deltas from memory.
         ``drop_kept_reads()`` frees what is left."""
         return self._kept.keeping(max_bytes)

@@ -1,35 +1,38 @@
 """``KeptReads``: reads kept in memory for a while, so that a second reader of the same bytes reads none.
 
 A read-through cache in the manner of zarr's caching store, but for one task and bounded: only while a
-``keeping`` block runs are the ranges read kept (up to ``max_bytes`` together; what would exceed it is read
-and not kept), and a kept range serves later reads of that range or of parts of it (the change of a batch of
-tensors is read as one range, the decode reads them one by one) until each of its bytes has been served once,
-then is dropped. ``clear()`` drops what nobody read again. A follower keeps the deltas it builds an update's
-change from, and the decode of that version, which reads the same ranges of the same files, reads them from
-memory: each delta is read from storage once per update. Data files are immutable (their names are unique to
-their writer), so a kept range never goes stale.
+``keeping`` block runs are the ranges read kept (up to ``max_bytes`` together; what would exceed it, or overlap a
+range kept already, is read and not kept), and a kept range serves later reads of that range or of parts of it
+(the change of a batch of tensors is read as one range, the decode reads them one by one) until as many bytes as
+it holds have been served, then is dropped. ``clear()`` drops what nobody read again. A follower keeps the
+deltas it builds an update's change from, and the decode of that version, which reads the same ranges of the
+same files, reads them from memory: each delta is read from storage once per update. Data files are immutable
+(their names are unique to their writer), so a kept range never goes stale.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from .base import Storage
 from .wrapper import WrapperStorage
 
 
 class KeptReads(WrapperStorage):
-    """Reads of ``inner``, those made inside ``keeping()`` kept for one more read of the same range;
+    """Reads of ``inner``, those made inside ``keeping()`` kept for later reads of the same bytes;
     everything else passes through."""
 
     def __init__(self, inner: Storage):
         super().__init__(inner)
         self._lock = threading.Lock()
-        self._kept: dict[tuple[str, int, int], bytes] = {}
-        self._unserved: dict[tuple[str, int, int], int] = {}  # per kept range, its bytes no read has had yet
-        self._by_path: dict[str, list[tuple[str, int, int]]] = {}  # the kept ranges of each file
+        # Per file: the kept ranges' starts, sorted (a read finds the one range that may hold it by bisection: a
+        # version's deltas are one file of thousands of ranges), and per start the range.
+        self._starts: dict[str, list[int]] = {}
+        self._ranges: dict[str, dict[int, _Kept]] = {}
         self._kept_bytes = 0
         self._max_bytes: int | None = None  # keeping, up to this many bytes; None: not keeping
 
@@ -54,9 +57,8 @@ class KeptReads(WrapperStorage):
     def clear(self) -> None:
         """Drop every kept range."""
         with self._lock:
-            self._kept.clear()
-            self._unserved.clear()
-            self._by_path.clear()
+            self._starts.clear()
+            self._ranges.clear()
             self._kept_bytes = 0
 
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -90,33 +92,50 @@ class KeptReads(WrapperStorage):
 
     def _active(self) -> bool:
         with self._lock:
-            return self._max_bytes is not None or bool(self._kept)
+            return self._max_bytes is not None or bool(self._kept_bytes)
 
     def _take(self, key: tuple[str, int, int]) -> bytes | None:
-        """The bytes of ``key`` from a kept range holding them, if any; a range whose every byte has been served is
-        dropped."""
+        """The bytes of ``key`` from the kept range holding them, if any; a range that has served as many bytes
+        as it holds is dropped."""
         path, start, end = key
         with self._lock:
-            holder = key if key in self._kept else next(
-                (k for k in self._by_path.get(path, ()) if k[1] <= start and end <= k[2]), None)
-            if holder is None:
+            starts = self._starts.get(path)
+            if not starts:
                 return None
-            kept = self._kept[holder]
-            data = kept if holder == key else kept[start - holder[1]:end - holder[1]]
-            self._unserved[holder] -= end - start
-            if self._unserved[holder] <= 0:
-                del self._kept[holder], self._unserved[holder]
-                self._by_path[path].remove(holder)
-                self._kept_bytes -= len(kept)
+            at = bisect.bisect_right(starts, start) - 1
+            kept = self._ranges[path][starts[at]] if at >= 0 else None
+            if kept is None or end > kept.end:
+                return None
+            offset = start - kept.start
+            data = kept.data if (offset, end) == (0, kept.end) else kept.data[offset:end - kept.start]
+            kept.unserved -= end - start
+            if kept.unserved <= 0:
+                del starts[at], self._ranges[path][kept.start]
+                self._kept_bytes -= len(kept.data)
             return data
 
     def _keep(self, key: tuple[str, int, int], data: bytes | memoryview) -> None:
+        path, start, end = key
         with self._lock:
-            if self._max_bytes is None or key in self._kept or self._kept_bytes + len(data) > self._max_bytes:
+            if self._max_bytes is None or self._kept_bytes + len(data) > self._max_bytes:
                 return
-            if len(data) != key[2] - key[1]:
+            if len(data) != end - start:
                 return  # a read at the end of the file: not the range asked, not kept
-            self._kept[key] = bytes(data)
-            self._unserved[key] = len(data)
-            self._by_path.setdefault(key[0], []).append(key)
+            starts = self._starts.setdefault(path, [])
+            at = bisect.bisect_left(starts, start)
+            ranges = self._ranges.setdefault(path, {})
+            if (at > 0 and ranges[starts[at - 1]].end > start) or (at < len(starts) and starts[at] < end):
+                return  # overlaps a kept range: each read has one range that may hold it
+            starts.insert(at, start)
+            ranges[start] = _Kept(start, end, bytes(data), len(data))
             self._kept_bytes += len(data)
+
+
+@dataclass
+class _Kept:
+    """A kept range of a file: its bytes, and how many more bytes it serves before it is dropped."""
+
+    start: int
+    end: int
+    data: bytes
+    unserved: int

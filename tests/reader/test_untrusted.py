@@ -21,7 +21,10 @@ from ckptstream.errors import (EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_USAGE, Inval
 from ckptstream.format import (LATEST_HINT_FILE, STREAM_FILE, content_hash, data_path, manifest_path,
                                parse_latest_hint)
 from ckptstream.reader import ReplicaRecord, write_replica
+from ckptstream.reader import files as files_module
+from ckptstream.reader.files import DataFiles
 from ckptstream.storage import open_storage
+from ckptstream.storage.wrapper import WrapperStorage
 from ckptstream.testing.models import rl_like_step
 from tests.helpers import random_state
 
@@ -307,7 +310,7 @@ def test_a_malformed_sparse_chunk_is_an_integrity_error_naming_it(stream_url, tm
         assert (info.value.version, info.value.file, info.value.tensor) == (1, data_path(1, entry.file), "w")
 
 
-def test_a_damaged_tensor_among_a_batch_read_as_one_range_is_named(stream_url):
+def test_a_damaged_tensor_among_a_batch_read_as_one_range_is_named(stream_url, monkeypatch):
     """The sparse deltas of consecutive small tensors are read as one range (``DataFiles.read_batch``): each is still
     checked against its own stored hash, and a damaged one is named, not the first of the range."""
     generator = torch.Generator().manual_seed(0)
@@ -324,6 +327,22 @@ def test_a_damaged_tensor_among_a_batch_read_as_one_range_is_named(stream_url):
     stream = Stream(stream_url)
     found = {e.name: p.tolist() for e, p, _ in stream.changes_since(1, 0, lambda *f: f, max_tensor_bytes=1 << 20)}
     assert found == {f"expert.{i}": [7] for i in range(3)}
+    reads: list[tuple[int, int]] = []  # (offset, bytes) of each read of the data file
+
+    class Counted(WrapperStorage):
+        def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+            reads.append((offset, len(buffer)))
+            super().read_into(path, offset, buffer)
+
+    files = DataFiles(Counted(open_storage(stream_url)))
+    batch = files.read_batch(manifest, entries[::-1])  # (any order: each comes back in its place)
+    assert [bytes(b.numpy()) for b in batch] == [bytes(files.read(manifest, e).numpy()) for e in entries[::-1]]
+    assert reads[0] == (entries[0].offset, sum(e.length for e in entries))  # one read for the three
+    assert len(reads) == 1 + 3
+    reads.clear()  # a range is at most RANGE_CHUNK_BYTES (what a later read of each, kept, finds whole)
+    monkeypatch.setattr(files_module, "RANGE_CHUNK_BYTES", entries[0].length + entries[1].length)
+    files.read_batch(manifest, entries)
+    assert reads == [(entries[0].offset, entries[0].length + entries[1].length), (entries[2].offset, entries[2].length)]
     path = data_path(1, entries[1].file)
     data = bytearray(open_storage(stream_url).read(path))
     data[entries[1].offset + entries[1].length - 1] ^= 0xFF
