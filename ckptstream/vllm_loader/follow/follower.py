@@ -229,8 +229,7 @@ class Follower:
         self._report(state="updating")
         started, read_before = time.perf_counter(), self._reads.read_seconds()
         path: Path | None = None
-        # from the fetched deltas, before any decode
-        change, why_not = self.in_place.change(version, None, self.current)
+        change, why_not = self.in_place.change(version, None, self.current)  # from the fetched deltas, before a decode
         if change is not None:
             assert self.current is not None
             base, decoded = self.current, False
@@ -245,8 +244,7 @@ class Follower:
         restore = self.cache.path(self.current) if self.current is not None and self.current != version else None
         if restore is not None and not (restore / MARKER_FILE).is_file():
             restore = None  # gone: _revert decodes it again, outside the pause
-        if path is not None and change is None and why_not is None:
-            # e.g. across a keyframe: both versions compared
+        if path is not None and change is None and why_not is None:  # e.g. across a keyframe: both versions compared
             change, why_not = self.in_place.change(version, path, self.current)
         pause_s = reload_s = stage_s = servers_s = 0.0
         in_place = 0
@@ -265,11 +263,8 @@ class Follower:
             if staged is None and path is None:
                 waiting.append((client, fallback or "disabled"))
                 continue
-            update_started = time.perf_counter()
-            paused, reloaded, failed = self._update_server(client, version, path, restore, staged, done)
-            servers_s += time.perf_counter() - update_started
-            pause_s += paused
-            reload_s += reloaded
+            paused, reloaded, failed, took = self._update_server(client, version, path, restore, staged, done)
+            pause_s, reload_s, servers_s = pause_s + paused, reload_s + reloaded, servers_s + took
             fallback = fallback or failed
             if fallback is not None and path is None:
                 waiting.append((client, fallback))  # back on the served version, every rank
@@ -305,11 +300,8 @@ class Follower:
                 raise
             cache_s = time.perf_counter() - cache_started
             for client, fallback in waiting:
-                update_started = time.perf_counter()
-                paused, reloaded, _ = self._update_server(client, version, path, restore, None, done)
-                servers_s += time.perf_counter() - update_started
-                pause_s += paused
-                reload_s += reloaded
+                paused, reloaded, _, took = self._update_server(client, version, path, restore, None, done)
+                pause_s, reload_s, servers_s = pause_s + paused, reload_s + reloaded, servers_s + took
                 done.append(client)
                 fully_reloaded.append(client)
                 fallbacks[fallback] += 1
@@ -325,10 +317,9 @@ class Follower:
         self.current = version
         self._keep_served()
         fetched = self._reads.bytes_read() - bytes_before  # measured: what this update read from storage
-        update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded,
-                              fetch_s=fetch_s, decode_s=prepare_s - fetch_s, applied_in_place=in_place,
-                              fallbacks=dict(fallbacks), cache_s=cache_s, stage_s=stage_s, found_s=found_s,
-                              servers_s=servers_s)
+        update = UpdateRecord(version, base, fetched, prepare_s, pause_s, reload_s, lag_s, decoded, fetch_s=fetch_s,
+                              decode_s=prepare_s - fetch_s, applied_in_place=in_place, fallbacks=dict(fallbacks),
+                              cache_s=cache_s, stage_s=stage_s, found_s=found_s, servers_s=servers_s)
         self._notify("on_update", update)
         self._report(version=version, state="serving", last_error=None)  # what wait_for_version sees
         if path is not None:  # (after the report: each call waits for an engine step; the others traced already)
@@ -336,9 +327,10 @@ class Follower:
         return update
 
     def _update_server(self, client: VllmControl, version: int, path: Path | None, restore: Path | None,
-                       staged: Path | None, done: list[VllmControl]) -> tuple[float, float, str | None]:
-        """``_load_into`` one server under the update gate; if it fails, the servers ``done`` before it go
-        back to the current version too. What a failed update staged is discarded."""
+                       staged: Path | None, done: list[VllmControl]) -> tuple[float, float, str | None, float]:
+        """``_load_into`` one server under the update gate (its answer, and the seconds it all took); if it fails, the
+        servers ``done`` before it go back to the current version too. What a failed update staged is discarded."""
+        started = time.perf_counter()
         restored: list[VllmControl] = []
         loaded = False
         if restore is not None and self.config.nodes_ready_timeout is not None:  # on every node?
@@ -356,7 +348,7 @@ class Follower:
                         self._revert([client])
                     raise
             loaded = True
-            return result
+            return (*result, time.perf_counter() - started)
         except VllmError:
             for other in done:
                 with self._gate(other.url, version):
