@@ -206,6 +206,24 @@ def dumps_json(value: Any, *, what: str, indent: int | None = 1) -> bytes:
         raise ValueError(f"{what} is not strict JSON ({exc}); NaN and Infinity cannot be stored") from None
 
 
+def _manifest_json(body: dict[str, Any], *, what: str) -> bytes:
+    """Strict JSON of a manifest's ``body`` (FORMAT.md, "Manifest seal"): a member per line, and each element of a
+    member that is an array (a file, a tensor) on a line of its own, every line compact. Each line is serialized by
+    the json module's C encoder (``indent`` takes its Python encoder: 0.1 s for the manifest of a MoE model's 3,000
+    tensors, at every commit). Only the free-form members (``metadata``, ``writer``) are measured for
+    ``MAX_JSON_DEPTH``: the rest is the manifest's own typed structure, a few levels deep."""
+    if max(json_depth(body.get(key)) for key in _FREE_FORM_MEMBERS) > MAX_JSON_DEPTH - 1:
+        raise ValueError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
+    encode = json.JSONEncoder(allow_nan=False).encode
+    try:
+        members = [encode(key) + ": " + ("[\n  " + ",\n  ".join(map(encode, item)) + "\n ]"
+                                         if isinstance(item, list) and item else encode(item))
+                   for key, item in body.items()]
+    except ValueError as exc:
+        raise ValueError(f"{what} is not strict JSON ({exc}); NaN and Infinity cannot be stored") from None
+    return ("{\n " + ",\n ".join(members) + "\n}").encode()
+
+
 def loads_json(raw: bytes, *, version: int | None, file: str) -> Any:
     """Parse untrusted strict JSON (FORMAT.md, "JSON"): IntegrityError for text that is not UTF-8,
     malformed text, NaN/Infinity, a key repeated within one object, or nesting deeper than
@@ -214,11 +232,10 @@ def loads_json(raw: bytes, *, version: int | None, file: str) -> Any:
         raise ValueError(f"{token} is not JSON")
 
     def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        body: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in body:
-                raise ValueError(f"key {key[:80]!r} appears twice in one object")
-            body[key] = value
+        body = dict(pairs)
+        if len(body) != len(pairs):
+            repeated = next(key for i, (key, _) in enumerate(pairs) if any(key == k for k, _ in pairs[:i]))
+            raise ValueError(f"key {repeated[:80]!r} appears twice in one object")
         return body
 
     try:
@@ -235,6 +252,7 @@ def loads_json(raw: bytes, *, version: int | None, file: str) -> Any:
 
 
 _CONTAINERS = (dict, list, tuple)  # what ``json_depth`` descends into
+_FREE_FORM_MEMBERS = ("metadata", "writer")  # of a manifest: objects of any layout
 
 
 def json_depth(value: Any) -> int:
@@ -698,10 +716,11 @@ class Manifest:
         }
 
     def to_bytes(self) -> bytes:
-        """Strict JSON (``indent=1``), sealed with ``manifest_hash`` (FORMAT.md, "Manifest seal")."""
+        """Strict JSON (a member per line, a tensor per line), sealed with ``manifest_hash`` (FORMAT.md, "Manifest
+        seal")."""
         body = self.to_json()
         body["manifest_hash"] = _ZERO_HASH
-        raw = dumps_json(body, what=f"the manifest of version {self.version}")
+        raw = _manifest_json(body, what=f"the manifest of version {self.version}")
         start = raw.rfind(_MANIFEST_HASH_KEY) + len(_MANIFEST_HASH_KEY)
         return raw[:start] + content_hash(raw)[len(HASH_PREFIX):].encode() + raw[start + 32:]
 
@@ -753,18 +772,18 @@ class _Checker:
         return UnsafeManifestError(message, version=self.version, file=self.file, tensor=tensor,
                                    hint="The writer did not follow the ckptstream format; refusing it")
 
-    def get(self, obj: Any, key: str, kind: type | tuple[type, ...], tensor: str | None = None,
-            optional: bool = False) -> Any:
-        if not isinstance(obj, dict):
+    def get(self, obj: Any, key: str, kind: type, tensor: str | None = None, optional: bool = False) -> Any:
+        # (by exact type, as JSON parses them: a bool is no int; called a dozen times per tensor of a manifest)
+        if type(obj) is not dict:
             raise self.fail(f"expected an object holding {key!r}", tensor)
-        if key not in obj or obj[key] is None:
+        value = obj.get(key)
+        if type(value) is kind:
+            return value
+        if value is None:
             if optional:
                 return None
             raise self.fail(f"missing field {key!r}", tensor)
-        value = obj[key]
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, (int,))):
-            raise self.fail(f"field {key!r} has the wrong type", tensor)
-        return value
+        raise self.fail(f"field {key!r} has the wrong type", tensor)
 
     def count(self, obj: Any, key: str, limit: int = MAX_FILE_BYTES, tensor: str | None = None,
               optional: bool = False) -> int | None:
@@ -858,8 +877,7 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
         if not isinstance(item, dict) or "name" in item or "dtype" in item:
             raise c.fail("a piece is an object without 'name' or 'dtype' (its tensor's are its own)", name)
     shape_list = c.get(item, "shape", list, name)
-    if len(shape_list) > MAX_SHAPE_DIMS or not all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FILE_BYTES for d in shape_list):
+    if len(shape_list) > MAX_SHAPE_DIMS or not all(type(d) is int and 0 <= d <= MAX_FILE_BYTES for d in shape_list):
         raise c.fail(f"invalid shape {shape_list[:MAX_SHAPE_DIMS + 1]!r}", name)
     encoding = c.get(item, "encoding", str, name)
     if encoding not in allowed:
@@ -875,8 +893,7 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
         raise c.fail("tensor is larger than any file may be", name)
     if whole is not None:
         offsets = c.get(item, "offsets", list, name)
-        if len(offsets) > MAX_SHAPE_DIMS or not all(
-                isinstance(o, int) and not isinstance(o, bool) and 0 <= o <= MAX_FILE_BYTES for o in offsets):
+        if len(offsets) > MAX_SHAPE_DIMS or not all(type(o) is int and 0 <= o <= MAX_FILE_BYTES for o in offsets):
             raise c.fail(f"invalid piece offsets {offsets[:MAX_SHAPE_DIMS + 1]!r}", name)
         fields["offsets"] = tuple(offsets)
     if encoding == ENCODING_PIECES:
@@ -917,8 +934,7 @@ def _parse_tensor(c: _Checker, item: Any, allowed: frozenset[str], file_sizes: d
     chunks = []
     layouts = (LAYOUT_DENSE, LAYOUT_SPARSE) if encoding == ENCODING_XOR_ZSTD else (LAYOUT_DENSE,)
     for chunk in chunk_list:
-        if (not isinstance(chunk, list) or len(chunk) != 3
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in chunk[:2])
+        if (type(chunk) is not list or len(chunk) != 3 or type(chunk[0]) is not int or type(chunk[1]) is not int
                 or not 0 < chunk[0] <= MAX_CHUNK_BYTES or not 0 <= chunk[1] <= MAX_FILE_BYTES
                 or chunk[0] % itemsize or chunk[2] not in layouts):
             raise c.fail(f"invalid chunk {chunk!r}", name)

@@ -54,6 +54,25 @@ def test_manifest_round_trip_and_seal():
         Manifest.from_bytes(raw, version=4)
 
 
+def test_a_manifest_is_written_a_member_per_line_and_a_tensor_per_line():
+    data = b"\0" * 16
+    tensors = tuple(TensorEntry(f"layer.{i}.w", "BF16", (2, 4), content_hash(data), "raw", "a.safetensors", 16 * i, 16,
+                                content_hash(data)) for i in range(3))
+    manifest = _manifest(tensors=tensors, files=(FileEntry("a.safetensors", 48, content_hash(b"x")),),
+                         metadata={"loss": 1.5, "tags": ["a", {"b": None}]})
+    raw = manifest.to_bytes()
+    lines = raw.decode().split("\n")
+    body = json.loads(raw)
+    assert lines[0] == "{" and lines[-1] == "}" and len(lines) == 2 + len(body) + 2 + len(body["files"]) + len(tensors)
+    rows = [json.loads(line.rstrip(",")) for line in lines if line.startswith('  {"name": "layer.')]
+    assert rows == body["tensors"]
+    assert ' "metadata": {"loss": 1.5, "tags": ["a", {"b": null}]},' in lines
+    assert lines[-2].startswith(' "manifest_hash": "xxh3-128:')
+    assert Manifest.from_bytes(raw, version=3) == manifest
+    # (an earlier writer's layout, json.dumps(indent=1), reads the same: readers do not depend on it)
+    assert Manifest.from_bytes(_reseal(json.dumps(body, indent=1).encode()), version=3) == manifest
+
+
 def test_unsafe_names_and_ranges_are_refused():
     for name in ("../x", "a/b", "", ".hidden", "x" * 300, "C:\\x"):
         assert not is_safe_file_name(name)

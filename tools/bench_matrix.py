@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckptstream import Publisher, Stream  # noqa: E402
 from ckptstream.cli.options import parse_bytes  # noqa: E402
 from ckptstream.errors import VllmError  # noqa: E402
-from ckptstream.format import version_name  # noqa: E402
+from ckptstream.format import STREAM_FILE, version_name  # noqa: E402
 from ckptstream.hf import iter_hf_weights  # noqa: E402
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model  # noqa: E402
 from ckptstream.vllm_loader import BackgroundServe, VllmClient  # noqa: E402
@@ -138,6 +138,62 @@ def _write_mla(out: Path, layers: int) -> Path:
     return out
 
 
+class Trainer:
+    """The trainer, in a process of its own as a user's is (on another host, mostly): it holds the model's state and
+    its Publisher, publishes the keyframe, then at each ``step`` changes 1 % of the elements by a few ulps and
+    publishes them. Beside the follower in this process, its encoding threads and its copy of the base would wait
+    on this interpreter's lock with the follower's and count as the follower's time."""
+
+    def __init__(self, model: Path, url: str):
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.process = context.Process(target=_train, daemon=True, name="bench-trainer",
+                                       args=(child, str(model), url))
+        self.process.start()
+        self.tensors, self.size = self._reply()  # (once the keyframe is committed)
+
+    def step(self) -> tuple[int, int, float]:
+        """Publish the next version: its number, its stored bytes, and when its commit returned (perf_counter)."""
+        self._conn.send("step")
+        return self._reply()
+
+    def close(self) -> None:
+        if self.process.exitcode is None:
+            self._conn.send("stop")
+            self.process.join(timeout=60)
+
+    def _reply(self) -> Any:
+        while not self._conn.poll(1):
+            if self.process.exitcode is not None:
+                raise RuntimeError(f"the trainer process ended (exit code {self.process.exitcode})")
+        reply = self._conn.recv()
+        if isinstance(reply, str):
+            raise RuntimeError(f"the trainer failed: {reply}")
+        return reply
+
+
+def _train(conn: Any, model: str, url: str) -> None:
+    """``Trainer``'s process: replies to each ``step`` until ``stop``; a failure is replied as its text. A stream
+    already at ``url`` (``--keep``) goes on from its latest version."""
+    try:
+        latest = Stream(url).latest() if (Path(url) / STREAM_FILE).is_file() else None
+        state = dict(iter_hf_weights(Path(model)) if latest is None else Stream(url).iter_tensors(latest))
+        publisher = Publisher(url, assets=model, keyframe_every=1 << 20)  # (deltas only, in a run)
+        if latest is None:
+            publisher.publish(state).result()
+            for weights in Path(model).glob("*.safetensors"):  # (published: a deep model's memory goes to the stream)
+                weights.unlink()
+        conn.send((len(state), sum(t.numel() * t.element_size() for t in state.values())))
+        generator = torch.Generator().manual_seed(1)
+        while conn.recv() == "step":
+            rl_like_step(state, fraction=0.01, max_ulps=3, generator=generator)
+            manifest = publisher.publish(state).result()
+            conn.send((manifest.version, manifest.stored_bytes, time.perf_counter()))
+        publisher.close()
+    except Exception as exc:  # noqa: BLE001 - said to the bench, which stops the shape
+        conn.send(f"{type(exc).__name__}: {exc}")
+
+
 class Load:
     """A client sending 4-token requests one after the other, all along, from a process of its own as a rollout's
     clients are (beside the follower's decoding threads in this process, its requests would wait on this
@@ -224,21 +280,26 @@ def full_reload(client: VllmClient, path: Path) -> float:
     return time.perf_counter() - started
 
 
-def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dict[str, Any]:
-    root = Path(tempfile.mkdtemp(prefix=f"matrix-{shape}-", dir=args.workdir))
+def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dict[str, Any] | None:
+    if args.keep:  # (a model and stream kept by an earlier run of this shape, size and depth, or kept from this one)
+        root = Path(args.keep) / f"{shape}-{args.size}-{args.layers or 'default'}"
+        root.mkdir(parents=True, exist_ok=True)
+    else:
+        root = Path(tempfile.mkdtemp(prefix=f"matrix-{shape}-", dir=args.workdir))
     try:
         started = time.perf_counter()
-        model = write_model(shape, root, args.size, args.layers)
-        state = dict(iter_hf_weights(model))
-        tensors, size = len(state), sum(t.numel() * t.element_size() for t in state.values())
         url = str(root / "stream")
-        publisher = Publisher(url, assets=model, keyframe_every=args.updates + 1)
-        publisher.publish(state).result()
-        for weights in model.glob("*.safetensors"):  # (published: a deep model's memory goes to the stream and cache)
-            weights.unlink()
+        kept = (root / "stream" / STREAM_FILE).is_file()
+        model = root / "model" if kept else write_model(shape, root, args.size, args.layers)
+        trainer = Trainer(model, url)
+        tensors, size = trainer.tensors, trainer.size
         shape_args = vllm_args + (["--quantization", QUANTIZED[shape][1]] if shape in QUANTIZED else [])
-        print(f"[{shape}] {tensors} tensors, {size / 1e9:.2f} GB bf16; written and published in "
+        print(f"[{shape}] {tensors} tensors, {size / 1e9:.2f} GB bf16; "
+              f"{'read from the kept stream' if kept else 'written and published'} in "
               f"{time.perf_counter() - started:.0f} s; vLLM args: {' '.join(shape_args)}", flush=True)
+        if not args.updates:
+            trainer.close()
+            return None
         serve = BackgroundServe(url, root, replica_id=f"matrix-{shape}", poll_interval=0.05, vllm_args=shape_args)
         stream, rows = Stream(url), []
         load = None
@@ -247,22 +308,19 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
             client = serve.client
             load = Load(client.url)
             load.started()  # (and its steady latency before the first update)
-            generator = torch.Generator().manual_seed(1)
             for _ in range(args.updates):
-                rl_like_step(state, fraction=0.01, max_ulps=3, generator=generator)
-                manifest = publisher.publish(state).result()
-                committed = time.perf_counter()
-                while manifest.version not in serve.updates:
+                version, stored, committed = trainer.step()
+                while version not in serve.updates:
                     time.sleep(0.005)
                 serving = time.perf_counter()
-                update = serve.updates[manifest.version]
+                update = serve.updates[version]
                 load.hold()  # (after the request in flight, stalled or not, has finished)
                 window = load.window(committed, serving)
                 after_update = client.canary()
                 hashes = client.parameter_hashes() if args.hashes else None
-                fresh = root / f"fresh-{manifest.version}"
+                fresh = root / f"fresh-{version}"
                 # (hard links: the cached files stay whole for the reload, whatever the follower's cache drops)
-                shutil.copytree(root / "cache" / stream.info().stream_id / version_name(manifest.version), fresh,
+                shutil.copytree(root / "cache" / stream.info().stream_id / version_name(version), fresh,
                                 copy_function=os.link)
                 reload_pause = full_reload(client, fresh)
                 equal = client.canary() == after_update
@@ -271,12 +329,12 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                     differ = sorted({n for mine, theirs in zip(hashes, reloaded) for n in mine
                                      if mine[n] != theirs.get(n)})
                     equal = equal and not differ
-                    print(f"[{shape}] version {manifest.version}: parameters after the update and after a full reload: "
+                    print(f"[{shape}] version {version}: parameters after the update and after a full reload: "
                           + (f"{len(differ)} differ, e.g. {differ[:4]}" if differ else "every one equal"), flush=True)
-                client.set_weight_version(str(manifest.version))
+                client.set_weight_version(str(version))
                 shutil.rmtree(fresh)
                 load.go()
-                row = {"version": manifest.version, "stored": manifest.stored_bytes, "lag": update.lag_s,
+                row = {"version": version, "stored": stored, "lag": update.lag_s,
                        "pause": update.pause_s, "how": "in place" if update.applied_in_place else
                        f"reload ({', '.join(update.fallbacks)})", "full_reload": reload_pause,
                        "stall": max((s[1] for s in window), default=0.0),
@@ -293,7 +351,7 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
             if load is not None:
                 load.close()
             serve.close()
-            publisher.close()
+            trainer.close()
         steady = [s[1] for s in (load.samples if load else []) if s[2]]
         med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
         return {"shape": shape, "tensors": tensors, "gb": size / 1e9, "updates": len(rows),
@@ -304,7 +362,8 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                 "delta_mb": med("stored") / 1e6, "phases": [r["phases"] for r in rows],
                 "request_p50": statistics.median(steady) if steady else None}
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        for made in [root / "cache", *root.glob("fresh-*")] if args.keep else [root]:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 class _StagingPhases(logging.Handler):
@@ -328,6 +387,10 @@ def main() -> int:
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--workdir", default=None, help="models, streams and caches (a GPU host: /dev/shm)")
     parser.add_argument("--vllm-args", help="vLLM's arguments, one string (default: CUDA graphs on a GPU)")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="keep each shape's model and stream in DIR, and start from those kept there by an earlier "
+                             "run (e.g. one with --updates 0, which only writes and publishes them: a deep model's "
+                             "write and first publish, then the run, each within a time limit)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--hashes", action="store_true",
                         help="also compare every runtime parameter (FP8 weights and scales too) with the full reload's")
@@ -345,7 +408,9 @@ def main() -> int:
     results = []
     for shape in args.shapes:
         try:
-            results.append(run_shape(shape, args, vllm_args))
+            result = run_shape(shape, args, vllm_args)
+            if result is not None:
+                results.append(result)
         except Exception as exc:  # noqa: BLE001 - one shape failing leaves the others' figures
             print(f"[{shape}] failed: {type(exc).__name__}: {exc}", flush=True)
         if args.json:
