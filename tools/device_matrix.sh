@@ -4,6 +4,8 @@
 #   STEP=apply bash tools/device_matrix.sh                       # tools/bench_apply.py on the GPU (~2 min)
 #   STEP=matrix SHAPES="moe mla" bash tools/device_matrix.sh     # tools/bench_matrix.py (~3-4 min a shape)
 #   PYSPY=1 PYSPY_AFTER=120 STEP=matrix ...                      # with py-spy's samples of every process: $OUT/spy.raw
+#   KEEP=/dev/shm/keep UPDATES=0 STEP=matrix SHAPES=moe LAYERS=16 ...   # write and publish only; then, with UPDATES=2
+#                                                                # in the next call, the run on what was kept
 #
 # GPU vLLM 0.24.0 is installed by tools/gpu_vllm_env.sh. The baseline applier for STEP=apply is .bench/apply_old.py
 # (`git show 2643a1c:ckptstream/vllm_loader/apply.py`), carried. Logs and JSON under $OUT.
@@ -25,7 +27,8 @@ matrix)
               --output "$OUT/spy.raw" --duration "${PYSPY_SECONDS:-300}" >"$OUT/spy.log" 2>&1 ) &
     fi
     timeout "${SECONDS_LIMIT:-560}" python3 tools/bench_matrix.py --shapes ${SHAPES:-moe} ${LAYERS:+--layers $LAYERS} \
-        --size "${SIZE:-15GB}" --updates "${UPDATES:-3}" ${HASHES:+--hashes} --workdir /dev/shm/matrix --json "$OUT/matrix.json" 2>&1 \
+        --size "${SIZE:-15GB}" --updates "${UPDATES:-3}" ${HASHES:+--hashes} ${KEEP:+--keep $KEEP} --workdir /dev/shm/matrix \
+        --json "$OUT/matrix.json" 2>&1 \
         | grep -v -E "^(INFO|DEBUG)|^\(EngineCore" | tee "$OUT/matrix.log"
     ;;
 esac
