@@ -317,6 +317,9 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                 load.hold()  # (after the request in flight, stalled or not, has finished)
                 window = load.window(committed, serving)
                 after_update = client.canary()
+                # (asked again of the same weights: where the server's outputs differ between two asks, e.g. a kernel
+                # that adds in no fixed order, "equal" to a full reload's cannot be told, and says so)
+                repeatable = client.canary() == after_update
                 hashes = client.parameter_hashes() if args.hashes else None
                 fresh = root / f"fresh-{version}"
                 # (hard links: the cached files stay whole for the reload, whatever the follower's cache drops)
@@ -338,20 +341,24 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                        "pause": update.pause_s, "how": "in place" if update.applied_in_place else
                        f"reload ({', '.join(update.fallbacks)})", "full_reload": reload_pause,
                        "stall": max((s[1] for s in window), default=0.0),
-                       "failed": sum(not s[2] for s in window), "equal": equal,
+                       "failed": sum(not s[2] for s in window), "equal": equal, "repeatable": repeatable,
                        "phases": {"found": update.found_s, "fetch": update.fetch_s, "decode": update.decode_s,
                                   "stage": update.stage_s, "pause": update.pause_s,
                                   "checks": update.servers_s - update.pause_s, "cache_after": update.cache_s}}
                 rows.append(row)
                 print(f"[{shape}] version {row['version']}: delta {row['stored'] / 1e6:.1f} MB, {row['how']}, pause "
                       f"{row['pause']:.3f} s, commit->serving {row['lag']:.2f} s, worst stall {row['stall']:.3f} s, "
-                      f"failed {row['failed']}; full reload {row['full_reload']:.2f} s; equal {row['equal']}\n"
+                      f"failed {row['failed']}; full reload {row['full_reload']:.2f} s; equal {row['equal']}"
+                      f"{'' if repeatable else ' (outputs differ between two asks of the same weights)'}\n"
                       f"    ({', '.join(f'{k} {v:.2f} s' for k, v in row['phases'].items())})", flush=True)
         finally:
             if load is not None:
                 load.close()
             serve.close()
             trainer.close()
+            for line in (root / "vllm.log").read_text(errors="replace").splitlines() if (root / "vllm.log").is_file() else ():
+                if "MoE backend" in line or "kernel" in line.lower():  # (which kernels vLLM chose: e.g. FP8 MoE's)
+                    print(f"    vLLM: {line.split('] ', 1)[-1][:200]}", flush=True)
         steady = [s[1] for s in (load.samples if load else []) if s[2]]
         med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
         return {"shape": shape, "tensors": tensors, "gb": size / 1e9, "updates": len(rows),
@@ -359,6 +366,7 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                 "pause": med("pause"), "full_reload": med("full_reload"), "lag": med("lag"),
                 "first_lag": rows[0]["lag"], "stall": max(r["stall"] for r in rows),
                 "failed": sum(r["failed"] for r in rows), "equal": sum(r["equal"] for r in rows),
+                "unrepeatable": sum(not r["repeatable"] for r in rows),
                 "delta_mb": med("stored") / 1e6, "phases": [r["phases"] for r in rows],
                 "request_p50": statistics.median(steady) if steady else None}
     finally:
@@ -421,7 +429,8 @@ def main() -> int:
         print(f"| {r['shape']} | {r['tensors']} | {r['gb']:.1f} | {r['delta_mb']:.1f} | "
               f"{'in place' if r['in_place'] == r['updates'] else ', '.join(r['hows'])} {r['in_place']}/{r['updates']} "
               f"| {r['pause']:.3f} | {r['full_reload']:.2f} | {r['lag']:.2f} ({r['first_lag']:.2f}) | {r['stall']:.3f} "
-              f"| {r['failed']} | {r['equal']}/{r['updates']} |")
+              f"| {r['failed']} | {r['equal']}/{r['updates']}"
+              f"{f' ({u} not repeatable)' if (u := r['unrepeatable']) else ''} |")
     return 0
 
 
