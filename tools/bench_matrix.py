@@ -356,7 +356,8 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                 load.close()
             serve.close()
             trainer.close()
-            for line in (root / "vllm.log").read_text(errors="replace").splitlines() if (root / "vllm.log").is_file() else ():
+            log = root / "vllm.log"
+            for line in log.read_text(errors="replace").splitlines() if log.is_file() else ():
                 if "MoE backend" in line or "kernel" in line.lower():  # (which kernels vLLM chose: e.g. FP8 MoE's)
                     print(f"    vLLM: {line.split('] ', 1)[-1][:200]}", flush=True)
         steady = [s[1] for s in (load.samples if load else []) if s[2]]
