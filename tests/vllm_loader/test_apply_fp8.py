@@ -274,6 +274,13 @@ def test_a_quantized_parameter_without_a_stand_in_is_not_written_through_its_loa
                                                              SPEC.dtype)})
     problem = applier.plans["model.layers.0.self_attn.q_proj.weight"].problem
     assert problem is not None and "quantized to torch.float8_e4m3fn" in problem
+    # where the worker knows why it is not written in place (e.g. its kernel's layout), the plan says it
+    why = "its blocks run on vLLM's DeepGemmFp8BlockScaledMMKernel, which lays them out anew"
+    runtime = next(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn and "qkv" in n)
+    applier = InPlaceApplier(model, torch.device("cpu"), QuantizedParams(unwritten={runtime: why}))
+    applier._plan({"model.layers.0.self_attn.q_proj.weight": ((SPEC.heads * SPEC.head_dim, SPEC.hidden),
+                                                             SPEC.dtype)})
+    assert applier.plans["model.layers.0.self_attn.q_proj.weight"].problem.endswith(f"float8_e4m3fn: {why}")
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

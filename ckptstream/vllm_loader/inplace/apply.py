@@ -320,7 +320,8 @@ class InPlaceApplier:
             specs = {name: spec for name, spec in specs.items() if name not in self.plans}
             if specs:
                 with self.quantized.tracing(self.model) as model:
-                    self.plans.update((n, p) for n, p in plan_tensors(model, specs).items() if keep(p))
+                    planned = plan_tensors(model, specs, self.quantized.unwritten)
+                    self.plans.update((n, p) for n, p in planned.items() if keep(p))
 
     def _shared_spans(self) -> set[str]:
         """``_shared_spans`` of the plans, found again only when they grew."""

