@@ -211,7 +211,9 @@ def _manifest_json(body: dict[str, Any], *, what: str) -> bytes:
     member that is an array (a file, a tensor) on a line of its own, every line compact. Each line is serialized by
     the json module's C encoder (``indent`` takes its Python encoder: 0.1 s for the manifest of a MoE model's 3,000
     tensors, at every commit). Only the free-form members (``metadata``, ``writer``) are measured for
-    ``MAX_JSON_DEPTH``: the rest is the manifest's own typed structure, a few levels deep."""
+    ``MAX_JSON_DEPTH`` here: the rest is the manifest's own typed structure, a few levels deep where its fields hold
+    what their types say (``writer.commit.commit_manifest`` parses the bytes as a reader does before committing them,
+    which refuses any other depth)."""
     if max(json_depth(body.get(key)) for key in _FREE_FORM_MEMBERS) > MAX_JSON_DEPTH - 1:
         raise ValueError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
     encode = json.JSONEncoder(allow_nan=False).encode
@@ -219,6 +221,8 @@ def _manifest_json(body: dict[str, Any], *, what: str) -> bytes:
         members = [encode(key) + ": " + ("[\n  " + ",\n  ".join(map(encode, item)) + "\n ]"
                                          if isinstance(item, list) and item else encode(item))
                    for key, item in body.items()]
+    except RecursionError:
+        raise ValueError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as exc:
         raise ValueError(f"{what} is not strict JSON ({exc}); NaN and Infinity cannot be stored") from None
     return ("{\n " + ",\n ".join(members) + "\n}").encode()
@@ -234,7 +238,8 @@ def loads_json(raw: bytes, *, version: int | None, file: str) -> Any:
     def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         body = dict(pairs)
         if len(body) != len(pairs):
-            repeated = next(key for i, (key, _) in enumerate(pairs) if any(key == k for k, _ in pairs[:i]))
+            seen: set[str] = set()
+            repeated = next(key for key, _ in pairs if key in seen or seen.add(key))  # (linear: the input is untrusted)
             raise ValueError(f"key {repeated[:80]!r} appears twice in one object")
         return body
 

@@ -117,6 +117,13 @@ def test_manifests_and_stream_files_are_strict_json():
                 raw.replace(b'"metadata": {', b'"metadata": {"step": 1, "step": 2,')):
         with pytest.raises(IntegrityError, match="not valid JSON"):
             Manifest.from_bytes(_reseal(bad), version=3)
+    many = ", ".join(f'"k{i}": {i}' for i in range(200_000)).encode()  # (found in linear time: a forged input)
+    with pytest.raises(IntegrityError, match="'k7' appears twice"):
+        Manifest.from_bytes(_reseal(raw.replace(b'"metadata": {', b'"metadata": {' + many + b', "k7": 0, ')),
+                            version=3)
+    entry = _manifest().tensors[0]  # a field deeper than the C encoder recurses: a ValueError naming the manifest
+    with pytest.raises(ValueError, match="manifest of version 3 is nested deeper"):
+        _manifest(tensors=(dataclasses.replace(entry, changed=_nested(100_000)),)).to_bytes()
     info = StreamInfo("s", "2026-01-01T00:00:00Z")
     assert StreamInfo.from_bytes(info.to_bytes()) == info
     for bad in (info.to_bytes().replace(b'"s"', b'"s", "stream_id": "t"'), "\ufeff".encode() + info.to_bytes(),

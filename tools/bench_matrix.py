@@ -24,6 +24,7 @@ served).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -154,22 +155,37 @@ class Trainer:
 
     def step(self) -> tuple[int, int, float]:
         """Publish the next version: its number, its stored bytes, and when its commit returned (perf_counter)."""
-        self._conn.send("step")
+        try:
+            self._conn.send("step")
+        except OSError:
+            self._ended()
         return self._reply()
 
     def close(self) -> None:
+        """Stop the process (killed if it has not ended a minute after being asked to)."""
         if self.process.exitcode is None:
-            self._conn.send("stop")
+            with contextlib.suppress(OSError):  # (ended meanwhile)
+                self._conn.send("stop")
             self.process.join(timeout=60)
+            if self.process.exitcode is None:
+                self.process.kill()
+                self.process.join()
 
     def _reply(self) -> Any:
-        while not self._conn.poll(1):
-            if self.process.exitcode is not None:
-                raise RuntimeError(f"the trainer process ended (exit code {self.process.exitcode})")
-        reply = self._conn.recv()
+        try:
+            while not self._conn.poll(1):
+                if self.process.exitcode is not None:
+                    self._ended()
+            reply = self._conn.recv()
+        except EOFError:
+            self._ended()
         if isinstance(reply, str):
             raise RuntimeError(f"the trainer failed: {reply}")
         return reply
+
+    def _ended(self) -> NoReturn:
+        self.process.join(timeout=5)
+        raise RuntimeError(f"the trainer process ended (exit code {self.process.exitcode})")
 
 
 def _train(conn: Any, model: str, url: str) -> None:
@@ -184,7 +200,7 @@ def _train(conn: Any, model: str, url: str) -> None:
             for weights in Path(model).glob("*.safetensors"):  # (published: a deep model's memory goes to the stream)
                 weights.unlink()
         conn.send((len(state), sum(t.numel() * t.element_size() for t in state.values())))
-        generator = torch.Generator().manual_seed(1)
+        generator = torch.Generator().manual_seed(1 + (latest or 0))  # (a kept stream's run changes other elements)
         while conn.recv() == "step":
             rl_like_step(state, fraction=0.01, max_ulps=3, generator=generator)
             manifest = publisher.publish(state).result()
@@ -281,15 +297,20 @@ def full_reload(client: VllmClient, path: Path) -> float:
 
 
 def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dict[str, Any] | None:
+    url, trainer = "", None
     if args.keep:  # (a model and stream kept by an earlier run of this shape, size and depth, or kept from this one)
         root = Path(args.keep) / f"{shape}-{args.size}-{args.layers or 'default'}"
+        url = str(root / "stream")
+        kept = (root / "stream" / STREAM_FILE).is_file() and Stream(url).latest() is not None
+        # (what a run stopped by its time limit left: its cache, copies and log; or, without a version, everything)
+        for left in [root / "cache", root / "vllm.log", *root.glob("fresh-*")] if kept else [root]:
+            shutil.rmtree(left, ignore_errors=True) if left.is_dir() else left.unlink(missing_ok=True)
         root.mkdir(parents=True, exist_ok=True)
     else:
         root = Path(tempfile.mkdtemp(prefix=f"matrix-{shape}-", dir=args.workdir))
+        url, kept = str(root / "stream"), False
     try:
         started = time.perf_counter()
-        url = str(root / "stream")
-        kept = (root / "stream" / STREAM_FILE).is_file()
         model = root / "model" if kept else write_model(shape, root, args.size, args.layers)
         trainer = Trainer(model, url)
         tensors, size = trainer.tensors, trainer.size
@@ -298,13 +319,12 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
               f"{'read from the kept stream' if kept else 'written and published'} in "
               f"{time.perf_counter() - started:.0f} s; vLLM args: {' '.join(shape_args)}", flush=True)
         if not args.updates:
-            trainer.close()
             return None
         serve = BackgroundServe(url, root, replica_id=f"matrix-{shape}", poll_interval=0.05, vllm_args=shape_args)
         stream, rows = Stream(url), []
         load = None
         try:
-            stream.wait_for_version(0, timeout=900, poll_interval=0.5)  # (serve starts vLLM on version 0)
+            stream.wait_for_version(0, timeout=900, poll_interval=0.5)  # (serve starts vLLM on the latest version)
             client = serve.client
             load = Load(client.url)
             load.started()  # (and its steady latency before the first update)
@@ -355,7 +375,6 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
             if load is not None:
                 load.close()
             serve.close()
-            trainer.close()
             log = root / "vllm.log"
             for line in log.read_text(errors="replace").splitlines() if log.is_file() else ():
                 if "MoE backend" in line or "kernel" in line.lower():  # (which kernels vLLM chose: e.g. FP8 MoE's)
@@ -371,6 +390,8 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                 "delta_mb": med("stored") / 1e6, "phases": [r["phases"] for r in rows],
                 "request_p50": statistics.median(steady) if steady else None}
     finally:
+        if trainer is not None:
+            trainer.close()
         for made in [root / "cache", *root.glob("fresh-*")] if args.keep else [root]:
             shutil.rmtree(made, ignore_errors=True)
 
@@ -404,6 +425,8 @@ def main() -> int:
     parser.add_argument("--hashes", action="store_true",
                         help="also compare every runtime parameter (FP8 weights and scales too) with the full reload's")
     args = parser.parse_args()
+    if not args.updates and not args.keep:
+        parser.error("--updates 0 only writes and publishes a model to keep: it needs --keep")
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
     vllm_args = args.vllm_args.split() if args.vllm_args else (GPU_ARGS if torch.cuda.is_available() else CPU_ARGS)

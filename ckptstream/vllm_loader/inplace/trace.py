@@ -283,7 +283,7 @@ def _target(param: str, dst: torch.Tensor, src: torch.Tensor, runtime: torch.Ten
     if tuple(dst.shape) != tuple(src.shape):
         return f"{param} is filled by a broadcasting copy"
     if runtime.is_floating_point() and runtime.element_size() == 1 and runtime.dtype != dtype:
-        return f"{param} holds its values quantized to {runtime.dtype}: {unwritten or 'vLLM quantized it on loading'}"
+        return f"{param} holds its values quantized to {runtime.dtype}: {unwritten or 'no reason recorded'}"
     if src.dtype != dtype or dst.dtype != runtime.dtype:
         return f"{param} is filled through a reinterpreting view"
     dims = sorted(((size, s, d) for size, s, d in zip(src.shape, src.stride(), dst.stride()) if size != 1),
