@@ -110,7 +110,8 @@ def test_loaders_traced_before_the_first_change_leave_it_nothing_to_trace(tmp_pa
     applier = InPlaceApplier(model, torch.device("cpu"))
     traced: list[int] = []
     real_plan = apply.plan_tensors
-    monkeypatch.setattr(apply, "plan_tensors", lambda m, specs: traced.append(len(specs)) or real_plan(m, specs))
+    monkeypatch.setattr(apply, "plan_tensors",
+                        lambda m, specs, *rest: traced.append(len(specs)) or real_plan(m, specs, *rest))
     applier.prepare(str(served))
     applier.stage(str(_change(base, new, tmp_path / "change.safetensors")))
     staged = applier.staged(wait=True)
@@ -140,7 +141,7 @@ def test_tracing_and_staging_hand_the_interpreter_back_quickly_and_restore_its_i
     intervals: list[float] = []
     real_plan = apply.plan_tensors
     monkeypatch.setattr(apply, "plan_tensors",
-                        lambda m, specs: intervals.append(sys.getswitchinterval()) or real_plan(m, specs))
+                        lambda m, specs, *rest: intervals.append(sys.getswitchinterval()) or real_plan(m, specs, *rest))
     outside = sys.getswitchinterval()
     assert outside > BESIDE_ENGINE_SWITCH_INTERVAL_S
     applier.prepare(str(served))
@@ -225,8 +226,8 @@ def test_a_full_reload_stops_the_background_trace_and_a_staging(tmp_path, monkey
     worker = SimpleNamespace(_ckptstream_in_place=applier, model_runner=None, reload_weights=reload_weights)
     monkeypatch.setattr(apply, "PREPARE_BATCH", 8)
     real_plan = apply.plan_tensors
-    monkeypatch.setattr(apply, "plan_tensors", holding(lambda m, specs: batches.append(len(specs)) or
-                                                       real_plan(m, specs)))
+    monkeypatch.setattr(apply, "plan_tensors", holding(lambda m, specs, *rest: batches.append(len(specs)) or
+                                                       real_plan(m, specs, *rest)))
     applier.prepare(str(served))
     assert held.wait(timeout=60)
     WorkerExtension.ckptstream_reload_weights(worker, str(served))
