@@ -297,7 +297,7 @@ def full_reload(client: VllmClient, path: Path) -> float:
 
 
 def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dict[str, Any] | None:
-    url, trainer = "", None
+    trainer: Trainer | None = None
     if args.keep:  # (a model and stream kept by an earlier run of this shape, size and depth, or kept from this one)
         root = Path(args.keep) / f"{shape}-{args.size}-{args.layers or 'default'}"
         url = str(root / "stream")
