@@ -141,9 +141,10 @@ def _write_mla(out: Path, layers: int) -> Path:
 
 class Trainer:
     """The trainer, in a process of its own as a user's is (on another host, mostly): it holds the model's state and
-    its Publisher, publishes the keyframe, then at each ``step`` changes 1 % of the elements by a few ulps and
-    publishes them. Beside the follower in this process, its encoding threads and its copy of the base would wait
-    on this interpreter's lock with the follower's and count as the follower's time."""
+    its Publisher, publishes the keyframe (or goes on from a kept stream's latest version), then at each ``step``
+    changes 1 % of the elements by a few ulps and publishes them. Beside the follower in this process, its encoding
+    threads and its copy of the base would wait on this interpreter's lock with the follower's and count as the
+    follower's time."""
 
     def __init__(self, model: Path, url: str):
         context = multiprocessing.get_context("spawn")
@@ -192,8 +193,9 @@ def _train(conn: Any, model: str, url: str) -> None:
     """``Trainer``'s process: replies to each ``step`` until ``stop``; a failure is replied as its text. A stream
     already at ``url`` (``--keep``) goes on from its latest version."""
     try:
-        latest = Stream(url).latest() if (Path(url) / STREAM_FILE).is_file() else None
-        state = dict(iter_hf_weights(Path(model)) if latest is None else Stream(url).iter_tensors(latest))
+        kept = Stream(url) if (Path(url) / STREAM_FILE).is_file() else None
+        latest = kept.latest() if kept is not None else None
+        state = dict(iter_hf_weights(Path(model)) if kept is None or latest is None else kept.iter_tensors(latest))
         publisher = Publisher(url, assets=model, keyframe_every=1 << 20)  # (deltas only, in a run)
         if latest is None:
             publisher.publish(state).result()
