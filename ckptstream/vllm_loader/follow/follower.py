@@ -46,6 +46,7 @@ from .config import FollowerConfig
 from .in_place import InPlaceUpdates
 from .model_fit import ServedModelFit
 from .nodes import EngineNodes
+from .pause import ServerPause
 from .cache import Acquired, VersionCache, default_cache_dir, safe_owner
 from ..client import VllmClient, VllmControl, VllmError, VllmUnreachable
 from ..metrics_server import attach_metrics
@@ -88,9 +89,9 @@ class Follower:
                                   ephemeral=config.ephemeral_cache)
         self.in_place = InPlaceUpdates(config, self.stream, self.cache, self.clients)
         self.nodes = EngineNodes(config, self.cache, lambda lagging: self._report(lagging=lagging))
+        self.pauses = ServerPause(self.in_place, self.nodes, config.pause_mode)
         self.pin = config.pin
         self.poll_interval = config.poll_interval
-        self.pause_mode = config.pause_mode
         self.heartbeat_interval = config.heartbeat_interval
         self.list_every = max(1, config.list_every)
         self.current: int | None = None
@@ -328,8 +329,9 @@ class Follower:
 
     def _update_server(self, client: VllmControl, version: int, path: Path | None, restore: Path | None,
                        staged: Path | None, done: list[VllmControl]) -> tuple[float, float, str | None, float]:
-        """``_load_into`` one server under the update gate (its answer, and the seconds it all took); if it fails, the
-        servers ``done`` before it go back to the current version too. What a failed update staged is discarded."""
+        """``ServerPause.load_into`` one server under the update gate (its answer, and the seconds it all took); if it
+        fails, the servers ``done`` before it go back to the current version too. What a failed update staged is
+        discarded."""
         started = time.perf_counter()
         restored: list[VllmControl] = []
         loaded = False
@@ -338,7 +340,8 @@ class Follower:
         try:
             with self._gate(client.url, version):
                 try:
-                    result = self._load_into(client, version, path, restore=restore, restored=restored, change=staged)
+                    result = self.pauses.load_into(client, version, path, self.current, restore=restore,
+                                                   restored=restored, change=staged)
                 except VllmError:
                     # A server whose reload failed got the last good version back inside its pause,
                     # else gets it now, before the gate lets it serve again.
@@ -375,58 +378,6 @@ class Follower:
             self.nodes.wait_for(client, self.stream.manifest(self.current), path)
         return path
 
-    def _load_into(self, client: VllmControl, version: int, path: Path | None, restore: Path | None = None,
-                   restored: list[VllmControl] | None = None,
-                   change: Path | None = None) -> tuple[float, float, str | None]:
-        """Pause, reload ``path`` (or apply the ``change`` staged on every rank), label, resume, check;
-        (seconds paused, seconds reloading or applying, the fallback reason where the apply failed and
-        ``path`` was reloaded instead, or, with no ``path`` yet, ``restore``: the server then serves the
-        current version again). If the reload fails and ``restore`` (the current version's directory) is
-        given, it is reloaded before ``/resume`` (a rank whose reload failed half-way holds placeholders,
-        and ranks that succeeded hold the new version); then the client is appended to ``restored``."""
-        directory = path if path is not None else restore
-        if (directory is None and change is None) or (directory is not None and
-                                                      not (directory / MARKER_FILE).is_file()):
-            # vLLM treats a missing directory as a hub repository id and its engine dies of it.
-            raise CkptStreamError(f"{directory} is not a complete materialized directory; not handing it to vLLM",
-                                  version=version)
-        started = time.perf_counter()
-        serves = version
-        client.pause(self.pause_mode)
-        try:
-            reload_started = time.perf_counter()
-            failed = None
-            try:
-                if change is not None:
-                    failed = self.in_place.apply_paused(client, version)
-                if change is None or failed is not None:
-                    # A half-applied change is overwritten on every rank.
-                    if path is None:
-                        assert self.current is not None
-                        if restore is None:  # nothing cached to reload (--cache-versions 0): written back
-                            self.in_place.revert_paused(client, version)
-                        else:
-                            client.reload_weights(str(restore))
-                        serves = self.current
-                    else:
-                        client.reload_weights(str(path))
-                reload_s = time.perf_counter() - reload_started
-                client.reset_prefix_cache()
-                client.set_weight_version(str(serves), check=False)
-            except VllmError:
-                if restore is not None and self._restore_paused(client, restore) and restored is not None:
-                    restored.append(client)
-                raise
-        finally:
-            client.resume(check=False)
-        paused = time.perf_counter() - started
-        # The effects are checked once generation runs again: none of these needs the pause.
-        client.check_resumed()
-        client.check_weight_version(str(serves))
-        client.probe()
-        self.nodes.hold_served(client, serves)
-        return paused, reload_s, failed
-
     def _keep_served(self) -> None:
         """Keep the current version in the cache (held) and delete the others nobody holds; with
         ``cache_versions`` 0, not even its copy (once loaded, a change needs no whole version)."""
@@ -438,18 +389,6 @@ class Follower:
     def _gate(self, url: str, version: int) -> contextlib.AbstractContextManager[None]:
         gate = self.config.update_gate
         return gate.hold(url, version) if gate is not None else contextlib.nullcontext()
-
-    def _restore_paused(self, client: VllmControl, restore: Path) -> bool:
-        """Reload the current version into a paused server whose reload failed (every rank): whether it did."""
-        try:
-            client.reload_weights(str(restore))
-            client.reset_prefix_cache()
-            client.set_weight_version(str(self.current), check=False)
-        except VllmError as exc:
-            log.error("could not restore version %s on %s inside the pause: %s", self.current, client.url, exc)
-            return False
-        log.warning("reload failed on %s; every rank reloaded version %s", client.url, self.current)
-        return True
 
     def _stage(self, client: VllmControl, change: Path, manifest: Manifest) -> tuple[Path | None, str | None]:
         """``InPlaceUpdates.stage``, on an engine spanning nodes only once every rank has the change in its
@@ -469,7 +408,7 @@ class Follower:
             return
         for client in clients:
             try:
-                self._load_into(client, self.current, self._current_path(client))
+                self.pauses.load_into(client, self.current, self._current_path(client), self.current)
             except (VllmError, CkptStreamError, NodesNotReady) as exc:
                 log.error("could not restore version %d on %s: %s", self.current, client.url, exc)
 
@@ -522,7 +461,7 @@ class Follower:
                 log.info("%s serves %r, not version %d; reloading it", client.url, served, self.current)
                 client.wait_ready(timeout=60)
                 path = self._current_path(client)
-                self._load_into(client, self.current, path)
+                self.pauses.load_into(client, self.current, path, self.current)
                 self.in_place.prepare([client], path)  # (a restarted server's workers have traced nothing)
 
     def _adopt_served(self, clients: list[VllmControl]) -> None:

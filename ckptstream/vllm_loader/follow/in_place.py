@@ -12,7 +12,7 @@ import collections
 import contextlib
 import logging
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ...format import MARKER_FILE, parse_version_name
 from ...reader import Stream
@@ -24,6 +24,14 @@ from .cache import VersionCache
 from .config import FollowerConfig
 
 log = logging.getLogger("ckptstream.follow")
+
+
+class PausedApply(NamedTuple):
+    """What the server's one call (``InPlaceUpdates.apply_in_pause``) did."""
+
+    resumed: bool  # applied on every rank, labelled, generating again
+    failed: str | None  # else why not (``observe.FALLBACK_REASONS``): the server may be paused
+    seconds: dict[str, float]  # per step inside the server: pause (the prefix cache reset), apply, label, resume
 
 
 class InPlaceUpdates:
@@ -218,6 +226,27 @@ class InPlaceUpdates:
         if self.config.nodes_ready_timeout is not None:
             return " (an engine spanning nodes: its other nodes have only the change from the deltas)"
         return " (the served version is not cached: --cache-versions 0)" if self.config.cache_versions == 0 else ""
+
+    def apply_in_pause(self, client: VllmControl, version: int, mode: str) -> PausedApply | None:
+        """Pause ``client``, apply its staged change on every rank, label ``version`` and resume, in one call to the
+        server (``pause_route``); None where the server has no such call (nothing was done: the caller pauses and
+        applies call by call). Not ``resumed``: the caller reloads fully, pausing the server again (it may be)."""
+        try:
+            answer = client.apply_in_pause(mode, str(version))
+        except VllmUnreachable:
+            raise
+        except VllmError as exc:
+            answer = {"results": [{"error": str(exc)}], "resumed": False}
+        if answer is None:
+            return None
+        timed = answer.get("seconds")
+        seconds = {str(k): float(v) for k, v in timed.items()} if isinstance(timed, dict) else {}
+        if answer.get("resumed") is True:
+            return PausedApply(True, None, seconds)
+        log.warning("version %d: the in-place apply in one call failed on %s (%s; %s); reloading it fully on every "
+                    "rank", version, client.url, answer.get("error") or "no reason given",
+                    ", ".join(f"{step} {took:.3f} s" for step, took in seconds.items()) or "no step timed")
+        return PausedApply(False, "apply_failed", seconds)
 
     def apply_paused(self, client: VllmControl, version: int) -> str | None:
         """Inside the pause: every rank writes its staged change; None, or the fallback reason (the caller

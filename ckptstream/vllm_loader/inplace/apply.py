@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ import torch
 from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
 from ...format import CHECK_MASK, ChangeCheck, version_name
 from .base_copy import BaseCopy
-from .beside_engine import beside_engine
+from .beside_engine import MEASURE_WAITS_ENV, InterpreterWaits, beside_engine
 from .quantized import QuantizedParams
 from .trace import Target, TensorPlan, TensorSpec, map_copies, plan_tensors
 
@@ -285,7 +286,8 @@ class InPlaceApplier:
         clock = _Clock()
         try:
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            with safe_open(path, framework="pt") as handle, torch.no_grad(), beside_engine(), \
+            measured = InterpreterWaits() if os.environ.get(MEASURE_WAITS_ENV) == "1" else contextlib.nullcontext()
+            with safe_open(path, framework="pt") as handle, torch.no_grad(), beside_engine(), measured as waits, \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 change = load_change(handle)
                 clock.lap("read")
@@ -302,7 +304,11 @@ class InPlaceApplier:
                 stream.synchronize()
             clock.lap("device")
             self._writes = writes
-            self._result = {**result, "seconds": clock.seconds()}
+            seconds = clock.seconds()
+            if waits is not None:  # (how long the engine's thread could have waited for the interpreter meanwhile)
+                seconds.update({"interpreter wait longest": round(waits.longest, 4),
+                                "interpreter waits total": round(waits.total, 4)})
+            self._result = {**result, "seconds": seconds}
         except _Stopped:
             self._result = {"error": "staging stopped: a full reload of the server came first"}
         except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully

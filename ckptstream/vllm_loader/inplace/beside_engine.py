@@ -14,11 +14,15 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from typing import Iterator
 
 BESIDE_ENGINE_SWITCH_INTERVAL_S = 0.0001
 """``sys.setswitchinterval`` while work runs beside the engine: the longest the engine's thread waits for the
 interpreter each time it wants it back."""
+MEASURE_WAITS_ENV = "CKPTSTREAM_MEASURE_INTERPRETER_WAITS"
+"""Set to 1 in a vLLM server's environment, its workers measure each staging's ``InterpreterWaits`` (the staging's
+``seconds``: ``interpreter wait longest``, ``interpreter waits total``; ``tools/bench_matrix.py`` sets it)."""
 
 _lock = threading.Lock()
 _running = 0  # works beside the engine now: the first sets the interval, the last restores it
@@ -43,3 +47,31 @@ def beside_engine() -> Iterator[None]:
             _running -= 1
             if not _running and _restore > BESIDE_ENGINE_SWITCH_INTERVAL_S:
                 sys.setswitchinterval(_restore)
+
+
+class InterpreterWaits:
+    """While the block runs, a thread that asks for the interpreter every ``interval`` seconds notes how late it got
+    it: ``longest``, the longest a Python thread of this process (the engine's, beside the work) waited for the
+    interpreter meanwhile (plus the operating system's own scheduling delay), and ``total``, those waits added up.
+    A measurement (``MEASURE_WAITS_ENV``), not run otherwise: the thread itself asks for the interpreter."""
+
+    def __init__(self, interval: float = 0.001):
+        self.interval, self.longest, self.total = interval, 0.0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptstream-interpreter-waits", daemon=True)
+
+    def __enter__(self) -> InterpreterWaits:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            asked = time.perf_counter()
+            if self._stop.wait(self.interval):
+                return
+            late = time.perf_counter() - asked - self.interval
+            self.longest, self.total = max(self.longest, late), self.total + max(late, 0.0)
