@@ -421,6 +421,8 @@ def run_shape(shape: str, args: argparse.Namespace, vllm_args: list[str]) -> dic
                 "in_place": sum(r["how"] == "in place" for r in rows), "hows": sorted({r["how"] for r in rows}),
                 "pause": med("pause"), "full_reload": med("full_reload"), "lag": med("lag"),
                 "first_lag": rows[0]["lag"], "stall": max(r["stall"] for r in rows),
+                "stall_pause": max(r["stall_by_phase"].get("pause", 0.0) for r in rows),
+                "stall_staging": max(r["stall_by_phase"].get("staging", 0.0) for r in rows),
                 "failed": sum(r["failed"] for r in rows), "equal": sum(r["equal"] for r in rows),
                 "unrepeatable": sum(not r["repeatable"] for r in rows),
                 "delta_mb": med("stored") / 1e6, "phases": [r["phases"] for r in rows],
@@ -487,11 +489,12 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
     print("\n| shape | tensors | bf16 GB | delta MB | path | pause s | full reload s | commit->serving s (first) "
-          "| worst stall s | failed | equal |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "| worst stall s (in a pause, in a staging) | failed | equal |\n" + "|---" * 11 + "|")
     for r in results:
         print(f"| {r['shape']} | {r['tensors']} | {r['gb']:.1f} | {r['delta_mb']:.1f} | "
               f"{'in place' if r['in_place'] == r['updates'] else ', '.join(r['hows'])} {r['in_place']}/{r['updates']} "
               f"| {r['pause']:.3f} | {r['full_reload']:.2f} | {r['lag']:.2f} ({r['first_lag']:.2f}) | {r['stall']:.3f} "
+              f"({r['stall_pause']:.3f}, {r['stall_staging']:.3f}) "
               f"| {r['failed']} | {r['equal']}/{r['updates']}"
               f"{f' ({u} not repeatable)' if (u := r['unrepeatable']) else ''} |")
     return 0
