@@ -231,10 +231,9 @@ class FakeVllmClient:
                  "host": node.host, "node_rank": node.node_rank, "rank": rank}
                 for rank, node in enumerate(self.nodes)]
 
-    def prepare_in_place(self, path: str) -> list[Any] | None:
-        """As an older worker extension answers (``True`` per rank: nothing said of the trace), where ``in_place``."""
+    def prepare_in_place(self, path: str) -> bool:
         self._call("prepare_in_place", path)
-        return [True] * max(1, len(self.nodes)) if self.in_place else None
+        return self.in_place
 
     def stage_change(self, path: str) -> list[dict[str, Any]]:
         """With ``in_place``: each node reads the change file at ``path`` on its own disk (an error where it

@@ -86,11 +86,11 @@ class WorkerExtension:
             applier.quiesce()  # (no trace of the loaders may run beside vLLM's reload)
         return reload_share(self, path)
 
-    def ckptstream_prepare(self, path: str) -> dict[str, Any]:
+    def ckptstream_prepare(self, path: str) -> bool:
         """Start tracing the weight loaders of every tensor of the checkpoint directory ``path`` on this rank's
-        node (in a background thread), so that the first change stages without it; whether that trace is done,
-        and once it is, why this rank cannot check a change from the deltas alone (``InPlaceApplier.prepare``)."""
-        return _applier(self).prepare(path)
+        node (in a background thread), so that the first change stages without it."""
+        _applier(self).prepare(path)
+        return True
 
     def ckptstream_stage(self, path: str) -> bool:
         """Start mapping the change file at ``path`` onto this rank's parameters (in a background thread); hold

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -589,9 +588,6 @@ class _Ranks:
         self.staged.append(Path(path).name)
         return _stage_all(self.appliers, path)
 
-    def prepare_in_place(self, path: str) -> list[dict]:
-        return [applier.prepare(path) for applier in self.appliers]
-
     def discard_change(self) -> None:
         for applier in self.appliers:
             applier.discard()
@@ -709,40 +705,6 @@ def test_a_follower_stages_the_change_with_old_values_where_its_ranks_cannot_che
             assert updates.change(3, None, 1) == ((None, None) if config.cache_versions else (None, "unverifiable"))
             assert updates.stage(other, compared) == (compared, None)
             assert all(applier.apply().get("applied") for applier in other.appliers)
-
-
-def test_ranks_that_round_the_values_say_so_once_traced_and_the_first_change_has_old_values(tmp_path, monkeypatch,
-                                                                                           caplog):
-    """bf16 served as fp16: once the ranks' loaders are traced (``prepare``, in the background after a start), they
-    say that they round the checkpoint's values; the follower asks once more at the first change and builds the
-    change with old values straight away, staged once (not the change from the deltas alone first, refused)."""
-    from ckptstream import Stream
-    from ckptstream.vllm_loader.follow import in_place
-    from ckptstream.vllm_loader.follow.cache import VersionCache
-    from ckptstream.vllm_loader.follow.config import FollowerConfig
-    from ckptstream.vllm_loader.follow.in_place import InPlaceUpdates
-
-    builds: list[str] = []
-    real = in_place.build_change_from_deltas
-    monkeypatch.setattr(in_place, "build_change_from_deltas",
-                        lambda *a, **k: (builds.append("packed-1"), real(*a, **k))[1])
-    url, states = _published(tmp_path, seed=9, steps=1, fraction=0.02)
-    stream = Stream(url)
-    models = _tp_ranks(states[0], torch.float16)
-    ranks = _Ranks(models)
-    with VersionCache(tmp_path / "cache", stream.info().stream_id, "t") as cache:
-        cache.acquire(stream, 0, keep=set(), holder="t")
-        updates = InPlaceUpdates(FollowerConfig(), stream, cache, [ranks])
-        updates.prepare([ranks], cache.path(0))  # (as after the server's start: the traces begin)
-        while not all(answer["traced"] for answer in ranks.prepare_in_place(str(cache.path(0)))):
-            time.sleep(0.01)
-        change, why_not = updates.change(1, None, 0)
-        assert why_not is None and change is not None and _layout(change) == "packed-1" and builds == ["packed-1"]
-        assert "float16" in updates.old_values[ranks.url] and "staged with their old values" in caplog.text
-        staged, reason = updates.stage(ranks, change)
-        assert reason is None and ranks.staged == [change.name]  # once
-        assert all(applier.apply().get("applied") for applier in ranks.appliers)
-        assert [_same_parameters(a, b) for a, b in zip(models, _tp_ranks(states[1], torch.float16))] == [[], []]
 
 
 def test_the_weight_transfer_engine_stages_the_change_with_old_values_where_it_cannot_check_one(tmp_path):

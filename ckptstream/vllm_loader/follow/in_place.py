@@ -26,10 +26,6 @@ from .config import FollowerConfig
 log = logging.getLogger("ckptstream.follow")
 
 
-_OLD_VALUES_FROM_NOW_ON = ("%s: %s; its changes are staged with their old values (from the cached copy of the served "
-                           "version) from now on")
-
-
 class PausedApply(NamedTuple):
     """What the server's one call (``InPlaceUpdates.apply_in_pause``) did."""
 
@@ -56,9 +52,6 @@ class InPlaceUpdates:
         self._count: collections.Counter[str] = collections.Counter()  # updates applied in place, per server URL
         self._explained: set[str] = set()  # fallback explanations logged (each once)
         self._unprepared: set[str] = set()  # servers that refused ``prepare``
-        # server URL -> whether its ranks said if they round the checkpoint's values (their traces done), or were
-        # asked once more at a change (False: to ask then)
-        self._rounding_known: dict[str, bool] = {}
 
     def change(self, version: int, path: Path | None, current: int | None) -> tuple[Path | None, str | None]:
         """The change from the served version to ``version`` in the cache, or why there is none
@@ -75,10 +68,6 @@ class InPlaceUpdates:
         if not cached and path is not None:
             return self._uncached(version, current)
         active = [c for c in self.clients if c.url not in self.off]
-        untraced = [c for c in active if self._rounding_known.get(c.url) is False and c.url not in self.old_values]
-        if path is None and cached and untraced:  # (asked once more: whether its ranks round the checkpoint's values)
-            self.prepare(untraced, self.cache.path(current))
-            self._rounding_known.update((c.url, True) for c in untraced)  # (not asked again: at most once)
         # A server that cannot check a change from the deltas alone is staged the one with old values (which
         # every server can check), built directly: the deltas are read once.
         packed = path is None and cached and self.config.nodes_ready_timeout is None and any(
@@ -159,22 +148,10 @@ class InPlaceUpdates:
             if client.url in self.off or client.url in self._unprepared:
                 continue
             try:
-                answers = client.prepare_in_place(str(served))
+                if not client.prepare_in_place(str(served)):
+                    self._unprepared.add(client.url)
             except VllmError as exc:  # (the first change traces what it needs)
                 log.info("%s: tracing the loaders before the first change failed: %s", client.url, exc)
-                continue
-            if answers is None:
-                self._unprepared.add(client.url)
-                continue
-            # Once traced, a rank says whether it rounds the checkpoint's values (an FP8 weight of a bf16 stream):
-            # then, where this node builds it, the change with old values is staged from the first update on
-            # (not the change from the deltas alone first, refused). An older extension says nothing (True).
-            traced = all(a is True or isinstance(a, dict) and a.get("traced") for a in answers)
-            self._rounding_known[client.url] = traced
-            rounds = next((a["unverifiable"] for a in answers if isinstance(a, dict) and a.get("unverifiable")), None)
-            if rounds and client.url not in self.old_values and self._builds_old_values():
-                self.old_values[client.url] = str(rounds)
-                log.warning(_OLD_VALUES_FROM_NOW_ON, client.url, rounds)
 
     def stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
         """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change staged
@@ -193,7 +170,8 @@ class InPlaceUpdates:
                 self.old_values[client.url] = problem[1]
                 packed = self._with_old_values(change)
                 if packed is not None and packed != change:
-                    log.warning(_OLD_VALUES_FROM_NOW_ON, client.url, problem[1])
+                    log.warning("%s: %s; its changes are staged with their old values (from the cached copy of "
+                                "the served version) from now on", client.url, problem[1])
                     problem = self._stage(client, packed)
                 else:
                     packed = None
@@ -239,11 +217,6 @@ class InPlaceUpdates:
         except Exception as exc:  # noqa: BLE001 - e.g. a full disk: reloaded fully, said why
             log.warning("building the change %s with old values failed: %s", change.name, exc)
             return None
-
-    def _builds_old_values(self) -> bool:
-        """Whether this node builds changes with old values (``_with_old_values``): it caches the served version,
-        and the engine does not span nodes (whose other nodes have only the change from the deltas)."""
-        return self.config.nodes_ready_timeout is None and self.config.cache_versions > 0
 
     def _base_of(self, change: Path) -> int | None:
         """The base version of a change file in the cache (``VersionCache.change_path``: ``<base>-<version>``)."""
