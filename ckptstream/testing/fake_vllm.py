@@ -264,8 +264,10 @@ class FakeVllmClient:
             raise VllmError(f"{self.url} has nothing staged (a fake server)")
         self.paused = True
         results = [_apply(node) for node in self.nodes]
-        if any("error" in result for result in results):
-            return {"results": results, "resumed": False, "seconds": {}}
+        refused = [result for result in results if "error" in result]
+        if refused:  # (as the route answers: the server left paused)
+            return {"results": results, "resumed": False, "seconds": {},
+                    "error": f"a rank did not apply it: {refused[0]}"}
         self.weight_version_label, self.paused = label, False
         return {"results": results, "resumed": True, "seconds": {}}
 

@@ -34,6 +34,11 @@ class PausedApply(NamedTuple):
     seconds: dict[str, float]  # per step inside the server: pause (the prefix cache reset), apply, label, resume
 
 
+def step_seconds(seconds: dict[str, float]) -> str:
+    """Where a pause went, for the log: ``pause 0.007 s, apply 0.029 s, ...``."""
+    return ", ".join(f"{step} {took:.3f} s" for step, took in seconds.items())
+
+
 class InPlaceUpdates:
     """The in-place side of one follower's updates (its servers ``clients``, its ``stream`` and ``cache``).
 
@@ -235,8 +240,8 @@ class InPlaceUpdates:
             answer = client.apply_in_pause(mode, str(version))
         except VllmUnreachable:
             raise
-        except VllmError as exc:
-            answer = {"results": [{"error": str(exc)}], "resumed": False}
+        except VllmError as exc:  # (e.g. a 500: the server may be paused)
+            answer = {"results": [], "resumed": False, "error": str(exc)}
         if answer is None:
             return None
         timed = answer.get("seconds")
@@ -245,7 +250,7 @@ class InPlaceUpdates:
             return PausedApply(True, None, seconds)
         log.warning("version %d: the in-place apply in one call failed on %s (%s; %s); reloading it fully on every "
                     "rank", version, client.url, answer.get("error") or "no reason given",
-                    ", ".join(f"{step} {took:.3f} s" for step, took in seconds.items()) or "no step timed")
+                    step_seconds(seconds) or "no step timed")
         return PausedApply(False, "apply_failed", seconds)
 
     def apply_paused(self, client: VllmControl, version: int) -> str | None:

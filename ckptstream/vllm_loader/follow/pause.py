@@ -13,7 +13,7 @@ from pathlib import Path
 from ...errors import CkptStreamError
 from ...format import MARKER_FILE
 from ..client import VllmControl, VllmError
-from .in_place import InPlaceUpdates
+from .in_place import InPlaceUpdates, step_seconds
 from .nodes import EngineNodes
 
 log = logging.getLogger("ckptstream.follow")
@@ -48,7 +48,7 @@ class ServerPause:
         if in_one is not None and in_one.resumed:
             paused = time.perf_counter() - started
             log.info("%s: version %d paused %.3f s in one call (%s)", client.url, version, paused,
-                     ", ".join(f"{step} {seconds:.3f} s" for step, seconds in in_one.seconds.items()))
+                     step_seconds(in_one.seconds))
             self._check_serving(client, version)
             return paused, in_one.seconds.get("apply", 0.0), None
         if in_one is not None:
@@ -113,15 +113,15 @@ class ServerPause:
 
 
 class _Laps:
-    """Seconds between named points of a pause, shown as ``pause 0.021 s, apply 0.012 s, ...``."""
+    """Seconds between named points of a pause, shown as ``step_seconds`` shows the one call's."""
 
     def __init__(self, started: float):
-        self._last, self._laps = started, []
+        self._last = started
+        self.seconds: dict[str, float] = {}
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
-        self._laps.append(f"{name} {now - self._last:.3f} s")
-        self._last = now
+        self.seconds[name], self._last = now - self._last, now
 
     def __str__(self) -> str:
-        return ", ".join(self._laps)
+        return step_seconds(self.seconds)
