@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import statistics
 import sys
@@ -45,6 +44,7 @@ from ckptstream.testing.fused_model import FusedModel, FusedSpec, fused_checkpoi
 from ckptstream.testing.models import rl_like_step  # noqa: E402
 from ckptstream.vllm_loader.inplace import apply as current_apply  # noqa: E402
 from ckptstream.vllm_loader.inplace.change import write_change  # noqa: E402
+from baseline_module import load_baseline  # noqa: E402  (tools/, beside this script)
 
 
 def _sync(device: torch.device) -> None:
@@ -183,11 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     appliers = {"current": current_apply}
     if args.baseline:
-        spec_ = importlib.util.spec_from_file_location("ckptstream.vllm_loader.inplace._baseline_apply", args.baseline)
-        baseline = importlib.util.module_from_spec(spec_)
-        sys.modules[spec_.name] = baseline  # (its dataclasses look their module up)
-        spec_.loader.exec_module(baseline)
-        appliers["baseline"] = baseline
+        appliers["baseline"] = load_baseline(args.baseline, "ckptstream.vllm_loader.inplace._baseline_apply")
     rows = []
     print(f"device {device}; experts {args.experts}, hidden {args.hidden}, intermediate {args.intermediate}; "
           f"{args.fraction:.0%} of elements changed; medians of {args.repeat}"

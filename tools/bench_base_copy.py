@@ -11,7 +11,6 @@ inplace/base_copy.py > /tmp/base_copy_old.py``) timed beside it, the two in turn
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream.vllm_loader.inplace import base_copy  # noqa: E402
 from ckptstream.vllm_loader.inplace.trace import Target, TensorPlan  # noqa: E402
+from baseline_module import load_baseline  # noqa: E402  (tools/, beside this script)
 
 
 def main() -> int:
@@ -36,10 +36,7 @@ def main() -> int:
     args = parser.parse_args()
     modules = {"current": base_copy}
     if args.baseline:
-        spec = importlib.util.spec_from_file_location("ckptstream.vllm_loader.inplace._baseline_base_copy",
-                                                      args.baseline)
-        modules["baseline"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(modules["baseline"])
+        modules["baseline"] = load_baseline(args.baseline, "ckptstream.vllm_loader.inplace._baseline_base_copy")
     rows, cols = args.rows, args.cols
     elements = rows * cols
     plans = {"gate": TensorPlan([Target("w", (rows, cols), 0, (cols, 1), 0, (cols, 1))]),

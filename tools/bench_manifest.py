@@ -14,7 +14,6 @@ too, the two in turn; medians of ``--repeat``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckptstream import Publisher, format as current  # noqa: E402
 from ckptstream.hf import iter_hf_weights  # noqa: E402
 from ckptstream.testing.models import TinyModelSpec, rl_like_step, write_tiny_model  # noqa: E402
+from baseline_module import load_baseline  # noqa: E402  (tools/, beside this script)
 
 
 def delta_manifest(root: Path, layers: int) -> bytes:
@@ -52,10 +52,7 @@ def main() -> int:
     args = parser.parse_args()
     modules = {"current": current}
     if args.baseline:
-        spec = importlib.util.spec_from_file_location("ckptstream._baseline_format", args.baseline)
-        assert spec is not None and spec.loader is not None
-        modules["baseline"] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (its dataclasses ask)
-        spec.loader.exec_module(modules["baseline"])
+        modules["baseline"] = load_baseline(args.baseline, "ckptstream._baseline_format")
     with tempfile.TemporaryDirectory() as tmp:
         raw = delta_manifest(Path(tmp), args.layers)
     parsed = {name: module.Manifest.from_bytes(raw, version=1) for name, module in modules.items()}
