@@ -8,7 +8,11 @@ the median of ``--repeat`` runs, and whether the patched model equals a full ``l
 ``git show main:ckptstream/vllm_loader/inplace/apply.py > /tmp/apply_old.py``) the same figures for that applier
 are printed beside, in the same run. With ``--busy``, each staging is also timed beside a thread that does what a
 generating engine's loop does to the interpreter (Python work between small torch ops): a staging in a vLLM
-worker shares the GIL with it, and each of its own ops may wait for the GIL again. With ``--fp8 SCHEME``
+worker shares the GIL with it, and each of its own ops may wait for the GIL again. With ``--engine``, each later
+staging is also run beside a thread that steps like a generating engine over the model (on a GPU one CUDA graph
+replayed per step, reading every parameter, then a wait for its result, as vLLM's decode and sampling): the median
+step alone and the longest step a staging overlapped are printed (a client's stall: the GPU, the driver and the
+interpreter, all shared with the staging). With ``--fp8 SCHEME``
 (``tensor``, ``channel``, ``block``) the fused parameters are served quantized to FP8 as vLLM's online methods
 quantize them (``quantize_fused``, with the torch mirrors of vLLM's ops), the base version's copy beside the change
 (the units whose scale moves are quantized again from it); ``written`` counts the elements written, whole units
@@ -18,6 +22,7 @@ included.
     python tools/bench_apply.py --layers 8 --busy --baseline /tmp/apply_old.py
     python tools/bench_apply.py --layers 4 --hidden 512 --intermediate 256 --fp8 channel --check
     python tools/bench_apply.py --device cuda --layers 8 16 --experts 128 --hidden 2048 --intermediate 768
+    python tools/bench_apply.py --device cuda --layers 12 --hidden 2048 --intermediate 768 --engine  # the stall
 """
 
 from __future__ import annotations
@@ -83,13 +88,82 @@ class _EngineLoop:
         self._thread.join()
 
 
+class _Steps:
+    """A thread stepping like a generating engine over ``model`` while the block runs: some Python, then work that
+    reads every matrix of the model once (a matrix-vector product each: on a GPU captured as one CUDA graph on a
+    stream of its own and replayed, as vLLM replays its decode), then a wait for the result (its sampled tokens).
+    ``steps``: (started, seconds) of each."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        matrices = [p.detach().reshape(-1, p.shape[-1]) for p in model.parameters() if p.dim() >= 2]
+        vectors = {m.shape[1]: torch.ones(m.shape[1], 1, dtype=m.dtype, device=device) for m in matrices}
+        self.steps: list[tuple[float, float]] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+        def forward() -> torch.Tensor:
+            return torch.stack([(m @ vectors[m.shape[1]]).float().sum() for m in matrices]).sum()
+
+        self._forward = forward
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                forward()  # (warmed up on the stream it is captured on)
+                self._stream.synchronize()
+                self._graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self._graph, stream=self._stream):
+                    self._out = forward()
+            self._host = torch.empty((), pin_memory=True)
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _step(self) -> None:
+        if self._graph is None:
+            self._forward().item()
+            return
+        with torch.cuda.stream(self._stream):
+            self._graph.replay()
+            self._host.copy_(self._out, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            sum(range(2000))  # (the scheduler's Python between steps)
+            self._step()
+            self.steps.append((started, time.perf_counter() - started))
+            if len(self.steps) >= 20:
+                self._started.set()
+
+    def __enter__(self) -> _Steps:
+        self.steps, self._stop = [], threading.Event()
+        self._started.clear()
+        self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
+        self._thread.start()
+        self._started.wait()  # (steps alone first: the median step beside nothing)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+
+    def alone_and_longest(self, start: float, end: float) -> tuple[float, float]:
+        """(the median step before ``start``, the longest step overlapping [``start``, ``end``])."""
+        before = [seconds for started, seconds in self.steps if started + seconds < start]
+        during = [seconds for started, seconds in self.steps if started + seconds >= start and started <= end]
+        return statistics.median(before), max(during, default=0.0)
+
+
 class _Runs:
     """One applier's runs on a model of its own: the first staging (its loaders traced), then later stagings and
     applies, each on the base version again, plans kept; with ``busy``, each later staging also beside an
-    ``_EngineLoop``."""
+    ``_EngineLoop``; with ``engine``, beside ``_Steps``."""
 
     def __init__(self, module: Any, spec: FusedSpec, base: dict, change: Path, device: torch.device, busy: bool,
-                 fp8: str | None = None):
+                 fp8: str | None = None, engine: bool = False):
         self.model = _load(spec, base, device)
         self.fp8 = fp8
         quantized = quantize_fused(self.model, fp8) if fp8 else None
@@ -100,6 +174,8 @@ class _Runs:
         self.stages: list[float] = []
         self.applies: list[float] = []
         self.busy_stages: list[float] = []
+        self.engine = _Steps(self.model, device) if engine else None
+        self.engine_steps: list[tuple[float, float]] = []  # per staging beside it: (median step alone, longest)
         self.written = 0
 
     def run(self) -> None:
@@ -114,6 +190,13 @@ class _Runs:
                     self.applier.stage(str(self.change))
                     self.applier.staged(wait=True)
                     self.busy_stages.append(time.perf_counter() - started)
+            if self.engine is not None:
+                gc.collect()
+                with self.engine:
+                    started = time.perf_counter()
+                    self.applier.stage(str(self.change))
+                    self.applier.staged(wait=True)
+                    self.engine_steps.append(self.engine.alone_and_longest(started, time.perf_counter()))
         _sync(self.device)
         gc.collect()  # (a collection of what the runs before left falls in no timed run)
         started = time.perf_counter()
@@ -144,6 +227,8 @@ class _Runs:
         return {"first_stage_s": self.first, "stage_s": statistics.median(self.stages),
                 "apply_s": statistics.median(self.applies),
                 "busy_stage_s": statistics.median(self.busy_stages) if self.busy_stages else None,
+                "engine_step_s": statistics.median(a for a, _ in self.engine_steps) if self.engine_steps else None,
+                "engine_longest_s": [round(b, 4) for _, b in self.engine_steps] or None,
                 "written": self.written, "equal": equal}
 
 
@@ -173,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare with a full load_weights of the new version")
     parser.add_argument("--baseline", help="path of an older apply.py to time beside the current one")
     parser.add_argument("--busy", action="store_true", help="also time each staging beside a busy engine loop")
+    parser.add_argument("--engine", action="store_true",
+                        help="also run each staging beside a thread stepping like an engine: its longest step")
     parser.add_argument("--threads", type=int, help="torch's CPU threads (1 on a busy host: OpenMP threads spin)")
     parser.add_argument("--fp8", choices=["tensor", "channel", "block"],
                         help="serve the fused parameters quantized to FP8 (vLLM's online method of that scheme)")
@@ -189,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.fraction:.0%} of elements changed; medians of {args.repeat}"
           + (f"; served as FP8 per {args.fp8}" if args.fp8 else ""))
     print(f"{'applier':>9} {'layers':>6} {'tensors':>8} {'changed':>10} {'change MB':>9} {'1st stage s':>11} "
-          f"{'stage s':>8} {'busy stage s':>12} {'apply s':>8} {'written':>10} {'equal':>6}")
+          f"{'stage s':>8} {'busy stage s':>12} {'apply s':>8} {'written':>10} {'equal':>6}"
+          + ("   engine step alone s, longest beside each staging s" if args.engine else ""))
     with tempfile.TemporaryDirectory() as scratch:
         _warm_up(appliers, device, Path(scratch))
         for layers in args.layers:
@@ -209,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             total = sum(t.numel() for t in new.values())
             summary = write_change(((n, base[n], new[n]) for n in new), change, total=total, max_fraction=1.0,
                                    stream_id="bench", base=0, version=1)
-            runs = {label: _Runs(module, spec, base, change, device, args.busy, args.fp8)
+            runs = {label: _Runs(module, spec, base, change, device, args.busy, args.fp8, args.engine)
                     for label, module in appliers.items()}
             for round_ in range(args.repeat + 1):  # (interleaved, the order turned each round: no applier runs
                 for label in list(runs)[::1 if round_ % 2 == 0 else -1]:  # on a machine the other warmed)
@@ -222,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{label:>9} {layers:>6} {len(new):>8} {summary.changed:>10} "
                       f"{row['change_bytes'] / 1e6:>9.1f} {figures['first_stage_s']:>11.3f} "
                       f"{figures['stage_s']:>8.3f} {_seconds(figures['busy_stage_s']):>12} "
-                      f"{figures['apply_s']:>8.4f} {figures['written']:>10} {str(figures['equal']):>6}", flush=True)
+                      f"{figures['apply_s']:>8.4f} {figures['written']:>10} {str(figures['equal']):>6}"
+                      + (f"   {figures['engine_step_s']:.4f}, {figures['engine_longest_s']}" if args.engine else ""),
+                      flush=True)
             del base, new
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

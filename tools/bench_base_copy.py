@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptstream.vllm_loader.inplace import base_copy  # noqa: E402
 from ckptstream.vllm_loader.inplace.trace import Target, TensorPlan  # noqa: E402
+from ckptstream.vllm_loader.inplace.upload import Uploads  # noqa: E402
 from baseline_module import load_baseline  # noqa: E402  (tools/, beside this script)
 
 
@@ -37,7 +38,7 @@ def main() -> int:
     modules = {"current": base_copy}
     if args.baseline:
         modules["baseline"] = load_baseline(args.baseline, "ckptstream.vllm_loader.inplace._baseline_base_copy")
-    rows, cols = args.rows, args.cols
+    rows, cols, cpu = args.rows, args.cols, torch.device("cpu")
     elements = rows * cols
     plans = {"gate": TensorPlan([Target("w", (rows, cols), 0, (cols, 1), 0, (cols, 1))]),
              "up": TensorPlan([Target("w", (rows, cols), 0, (cols, 1), elements, (cols, 1))])}
@@ -49,7 +50,9 @@ def main() -> int:
         seconds: dict[str, list[float]] = {label: [] for label in modules}
         for _ in range(args.repeat):
             for label, module in modules.items():
-                copy = module.BaseCopy({name: path for name in plans}, plans, torch.device("cpu"))
+                # (a baseline from before ``upload.Uploads`` takes the device)
+                to_device = Uploads(cpu) if module is base_copy else cpu
+                copy = module.BaseCopy({name: path for name in plans}, plans, to_device)
                 try:
                     started = time.perf_counter()
                     (values,) = copy.values("w", [(0, 2 * elements)])

@@ -231,9 +231,10 @@ class FakeVllmClient:
                  "host": node.host, "node_rank": node.node_rank, "rank": rank}
                 for rank, node in enumerate(self.nodes)]
 
-    def prepare_in_place(self, path: str) -> bool:
+    def prepare_in_place(self, path: str) -> list[Any] | None:
+        """As an older worker extension answers (``True`` per rank: nothing said of the trace), where ``in_place``."""
         self._call("prepare_in_place", path)
-        return self.in_place
+        return [True] * max(1, len(self.nodes)) if self.in_place else None
 
     def stage_change(self, path: str) -> list[dict[str, Any]]:
         """With ``in_place``: each node reads the change file at ``path`` on its own disk (an error where it

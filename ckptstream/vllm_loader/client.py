@@ -77,10 +77,10 @@ class VllmControl(Protocol):
     def check_weight_version(self, version: str) -> None:
         """Raise unless ``weight_version()`` is ``version``."""
 
-    def prepare_in_place(self, path: str) -> bool:
+    def prepare_in_place(self, path: str) -> list[Any] | None:
         """Have every worker trace the weight loaders of the checkpoint directory ``path`` in the background while
-        the engine generates, so that the first change stages without it; False where the server has no such call
-        (an older ckptstream worker extension, or none)."""
+        the engine generates, so that the first change stages without it; per rank ``InPlaceApplier.prepare``'s
+        answer (``True`` from an older extension); None where the server has no such call (or no extension)."""
 
     def stage_change(self, path: str) -> list[dict[str, Any]]:
         """Have every worker map the change file ``path`` onto its parameters while the engine generates;
@@ -388,18 +388,17 @@ class VllmClient:
             raise VllmError(f"{self.url}/collective_rpc {HOLD_METHOD} answered {str(results)[:300]}")
         return results
 
-    def prepare_in_place(self, path: str) -> bool:
+    def prepare_in_place(self, path: str) -> list[Any] | None:
         # One call, no probe first: each call waits for a step of the engine (the methods are asked only where it
         # failed: an older extension, or none, refuses it, and then there is nothing to prepare).
         try:
-            self._extension_call(PREPARE_METHOD, {"path": str(path)})
+            return self._extension_call(PREPARE_METHOD, {"path": str(path)})
         except VllmUnreachable:
             raise
         except VllmError:
             if self._has_method(PREPARE_METHOD):
                 raise  # (it failed there: asked again after the next full reload)
-            return False
-        return True
+            return None
 
     def stage_change(self, path: str, poll_interval: float = 0.02) -> list[dict[str, Any]]:
         """Stage the change in the background on every rank, then poll (each poll a short RPC, so the engine

@@ -86,11 +86,11 @@ class WorkerExtension:
             applier.quiesce()  # (no trace of the loaders may run beside vLLM's reload)
         return reload_share(self, path)
 
-    def ckptstream_prepare(self, path: str) -> bool:
+    def ckptstream_prepare(self, path: str) -> dict[str, Any]:
         """Start tracing the weight loaders of every tensor of the checkpoint directory ``path`` on this rank's
-        node (in a background thread), so that the first change stages without it."""
-        _applier(self).prepare(path)
-        return True
+        node (in a background thread), so that the first change stages without it; once traced, the tensors this
+        rank rounds (``InPlaceApplier.prepare``)."""
+        return _applier(self).prepare(path)
 
     def ckptstream_stage(self, path: str) -> bool:
         """Start mapping the change file at ``path`` onto this rank's parameters (in a background thread); hold

@@ -592,6 +592,11 @@ class _Ranks:
         for applier in self.appliers:
             applier.discard()
 
+    def prepare_in_place(self, path: str) -> list[dict] | None:
+        """As a server without ckptstream's prepare call answers (an older extension): the first change finds out
+        which tensors its ranks round."""
+        return None
+
 
 def _stage_all(appliers: list[InPlaceApplier], path: str) -> list[dict]:
     for applier in appliers:
@@ -781,7 +786,7 @@ def test_a_change_staged_in_chunks_equals_one_staged_at_once(tmp_path, monkeypat
 
 
 def _through_windows(tensors: tuple[torch.Tensor, ...], ranges: list[tuple[int, int]],
-                     device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+                     upload: object = None) -> tuple[torch.Tensor, ...]:
     """``change._ranges`` as a GPU takes them, whatever the device and the window's size: the window that holds
     them, one index."""
     from ckptstream.vllm_loader.inplace.change import _gather_window
@@ -909,3 +914,72 @@ def test_only_the_tensors_a_parameter_rounds_are_unverifiable(tmp_path):
     applier = InPlaceApplier(model, torch.device("cpu"))
     applier.stage(str(change))
     assert sorted(applier.staged(wait=True)["unverifiable"]) == ["b"]
+
+
+class _TracedRanks(_Ranks):
+    """``_Ranks`` that also answer ``prepare_in_place`` as the worker extension does: at the first call the traces
+    have just started (``traced`` False); a later call answers once they are done (waited for here)."""
+
+    def __init__(self, models: list[torch.nn.Module]):
+        super().__init__(models)
+        self.prepared = 0
+
+    def prepare_in_place(self, path: str) -> list[dict]:
+        self.prepared += 1
+        answers = [applier.prepare(path) for applier in self.appliers]
+        if self.prepared > 1:
+            deadline = threading.Event()
+            for _ in range(6000):  # (the trace of two tensors: milliseconds)
+                if all(answer["traced"] for answer in answers):
+                    break
+                deadline.wait(0.01)
+                answers = [applier.prepare(path) for applier in self.appliers]
+        return answers
+
+
+def test_a_follower_builds_the_change_with_old_values_first_where_a_changed_tensor_is_rounded(tmp_path, caplog):
+    """Ranks say, once their loaders are traced, which checkpoint tensors a parameter of theirs rounds (an fp32
+    tensor in a bf16 parameter here; FP8 weights of a bf16 stream in a server). A version that changes none of
+    them is staged from the deltas alone (``xor-1``, the publisher's checks before the write); the first that
+    changes one is built with old values straight away (``packed-1``) and staged once, not refused first. A
+    server whose traces were not done when asked at its start is asked once more at the change."""
+    from ckptstream import Publisher, Stream
+    from ckptstream.vllm_loader.follow.cache import VersionCache
+    from ckptstream.vllm_loader.follow.config import FollowerConfig
+    from ckptstream.vllm_loader.follow.in_place import InPlaceUpdates
+
+    generator = torch.Generator().manual_seed(11)
+    states = [{"a": torch.randn(4, 16, generator=generator).to(torch.bfloat16),
+               "b": torch.randn(4, 16, generator=generator)}]
+    for changed in (["a"], ["a", "b"]):  # (version 1 leaves the rounded tensor as it was; version 2 changes it)
+        states.append({name: tensor.clone() for name, tensor in states[-1].items()})
+        rl_like_step({name: states[-1][name] for name in changed}, fraction=0.04, max_ulps=3, generator=generator)
+    url = str(tmp_path / "stream")
+    with Publisher(url, keyframe_every=10) as publisher:
+        for state in states:
+            publisher.publish(state).result()
+    stream = Stream(url)
+    model = _MixedDtypes()
+    with torch.no_grad():
+        model.load_weights(states[0].items())
+    ranks = _TracedRanks([model])
+    with VersionCache(tmp_path / "cache", stream.info().stream_id, "t") as cache:
+        cache.acquire(stream, 0, keep=set(), holder="t")
+        updates = InPlaceUpdates(FollowerConfig(), stream, cache, [ranks])
+        updates.prepare([ranks], cache.path(0))  # (at the start: not traced yet)
+        for version, layout in ((1, "xor-1"), (2, "packed-1")):
+            change, why_not = updates.change(version, None, version - 1)
+            assert why_not is None and change is not None and _layout(change) == layout
+            staged, reason = updates.stage(ranks, change)
+            assert (staged, reason) == (change, None)
+            assert ranks.appliers[0].apply().get("applied")
+            expected = _MixedDtypes()
+            with torch.no_grad():
+                expected.load_weights(states[version].items())
+            assert _same_parameters(model, expected) == []
+            cache.acquire(stream, version, keep={version - 1}, holder="t")
+    assert ranks.prepared == 2  # (asked once more at the first change, not at the second)
+    assert ranks.staged == [cache.change_path(0, 1).name, cache.change_path(1, 2).name]  # each staged once
+    assert "p holds its values as bfloat16" in updates.old_values[ranks.url]
+    said = [r.getMessage() for r in caplog.records if "old values" in r.getMessage()]
+    assert len(said) == 1 and ranks.url in said[0], said

@@ -338,6 +338,7 @@ def test_the_base_copy_reads_ranges_of_copies_in_order_and_out_of_order(tmp_path
     empty copy adds nothing."""
     from ckptstream.vllm_loader.inplace.base_copy import BaseCopy
     from ckptstream.vllm_loader.inplace.trace import Target, TensorPlan, map_copy
+    from ckptstream.vllm_loader.inplace.upload import Uploads
 
     a, b = (torch.randn(4, 6, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (1, 2))
     save_file({"a": a, "b": b.reshape(6, 4).contiguous(), "c": torch.ones(0, 4, dtype=torch.bfloat16)},
@@ -352,7 +353,7 @@ def test_the_base_copy_reads_ranges_of_copies_in_order_and_out_of_order(tmp_path
     empty = Target("p", (0, 4), 0, (4, 1), 25, (1, 6))  # (a copy of nothing, out of order: it reads nothing)
     files = {name: tmp_path / "model.safetensors" for name in "abc"}
     copy = BaseCopy(files, {"a": TensorPlan([in_order]), "b": TensorPlan([transposed]), "c": TensorPlan([empty])},
-                    torch.device("cpu"))
+                    Uploads(torch.device("cpu")))
     try:
         spans = [(2, 10), (20, 30), (41, 48)]
         got = copy.values("p", spans)

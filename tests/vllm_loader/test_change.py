@@ -373,6 +373,7 @@ def test_ranges_gathered_from_a_window_on_a_device_equal_the_hosts_gather(dtype)
     (numpy, by ranges): ranges out of order, adjacent, apart, repeated (a tensor copied twice), of one element, run
     here on the CPU's tensors; ranges one after the other are the window itself."""
     from ckptstream.vllm_loader.inplace.change import _WINDOW_SLACK, _gather_window, _ranges, _window
+    from ckptstream.vllm_loader.inplace.upload import Uploads
 
     generator = torch.Generator().manual_seed(3)
     tensor = torch.randint(-2**15, 2**15, (5000,), generator=generator, dtype=torch.int64).to(dtype)
@@ -395,7 +396,8 @@ def test_ranges_gathered_from_a_window_on_a_device_equal_the_hosts_gather(dtype)
         got = _gather_window((tensor[low:high], other[low:high]), [(start - low, count) for start, count in ranges],
                              total)
         assert all(torch.equal(bit_pattern(g), bit_pattern(e)) for g, e in zip(got, expected))
-        assert all(torch.equal(g, e) for g, e in zip(_ranges((tensor, other), ranges, torch.device("cpu")), expected))
+        on_the_host = _ranges((tensor, other), ranges, Uploads(torch.device("cpu")))
+        assert all(torch.equal(g, e) for g, e in zip(on_the_host, expected))
     assert 0 < windowed < 40  # (both decisions taken)
     (whole,) = _gather_window((tensor[10:30],), [(0, 5), (5, 15)], 20)
     assert whole.data_ptr() == tensor[10:30].data_ptr()

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from ...format import MARKER_FILE, parse_version_name
+from ...format import ENCODING_UNCHANGED, MARKER_FILE, parse_version_name
 from ...reader import Stream
 from ..client import VllmControl, VllmError, VllmUnreachable
 from ..inplace.checks import staging_problem
@@ -24,6 +24,9 @@ from .cache import VersionCache
 from .config import FollowerConfig
 
 log = logging.getLogger("ckptstream.follow")
+
+_OLD_VALUES_FROM_NOW_ON = ("%s: %s; its changes are staged with their old values (from the cached copy of the served "
+                           "version) from now on")
 
 
 class PausedApply(NamedTuple):
@@ -57,6 +60,10 @@ class InPlaceUpdates:
         self._count: collections.Counter[str] = collections.Counter()  # updates applied in place, per server URL
         self._explained: set[str] = set()  # fallback explanations logged (each once)
         self._unprepared: set[str] = set()  # servers that refused ``prepare``
+        # server URL -> (the checkpoint tensors its ranks round, why), once their traces are done (``prepare``);
+        # None where its extension does not say (older)
+        self._rounding: dict[str, tuple[frozenset[str], str] | None] = {}
+        self._asked_again: set[str] = set()  # servers asked once more at a change whether their traces are done
 
     def change(self, version: int, path: Path | None, current: int | None) -> tuple[Path | None, str | None]:
         """The change from the served version to ``version`` in the cache, or why there is none
@@ -73,6 +80,8 @@ class InPlaceUpdates:
         if not cached and path is not None:
             return self._uncached(version, current)
         active = [c for c in self.clients if c.url not in self.off]
+        if path is None and cached and self._builds_old_values():
+            self._mark_rounding(active, version, current)
         # A server that cannot check a change from the deltas alone is staged the one with old values (which
         # every server can check), built directly: the deltas are read once.
         packed = path is None and cached and self.config.nodes_ready_timeout is None and any(
@@ -153,10 +162,41 @@ class InPlaceUpdates:
             if client.url in self.off or client.url in self._unprepared:
                 continue
             try:
-                if not client.prepare_in_place(str(served)):
-                    self._unprepared.add(client.url)
+                answers = client.prepare_in_place(str(served))
             except VllmError as exc:  # (the first change traces what it needs)
                 log.info("%s: tracing the loaders before the first change failed: %s", client.url, exc)
+                continue
+            if answers is None:
+                self._unprepared.add(client.url)
+            elif not all(isinstance(a, dict) for a in answers):
+                self._rounding[client.url] = None  # (an older extension: the first change finds out)
+            elif all(a.get("traced") for a in answers):
+                names = frozenset(name for a in answers for name in a.get("rounding") or ())
+                self._rounding[client.url] = names, next((a["why"] for a in answers if a.get("why")), "")
+
+    def _mark_rounding(self, clients: Sequence[VllmControl], version: int, base: int) -> None:
+        """Mark (``old_values``) each of ``clients`` whose ranks round a tensor that a version after ``base`` up to
+        ``version`` changes (from the manifests): the change with old values is then built for it directly, not
+        the change from the deltas alone first, which its ranks would refuse. A server whose traces were not done
+        when asked at its start is asked once more here (its answer kept for the next change)."""
+        unknown = [c for c in clients if c.url not in self.old_values and c.url not in self._rounding
+                   and c.url not in self._asked_again]
+        if unknown:
+            self._asked_again.update(c.url for c in unknown)
+            self.prepare(unknown, self.cache.path(base))
+        rounding = {c.url: self._rounding[c.url] for c in clients if c.url not in self.old_values
+                    and self._rounding.get(c.url) and self._rounding[c.url][0]}
+        if not rounding:
+            return
+        try:
+            changed = {t.name for m in self.stream.chain(version) if m.version > base for t in m.tensors
+                       if t.encoding != ENCODING_UNCHANGED}
+        except Exception:  # noqa: BLE001 - e.g. a base gone: building the change says why
+            return
+        for url, (names, why) in rounding.items():
+            if names & changed:
+                self.old_values[url] = why
+                log.warning(_OLD_VALUES_FROM_NOW_ON, url, why)
 
     def stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
         """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change staged
@@ -175,8 +215,7 @@ class InPlaceUpdates:
                 self.old_values[client.url] = problem[1]
                 packed = self._with_old_values(change)
                 if packed is not None and packed != change:
-                    log.warning("%s: %s; its changes are staged with their old values (from the cached copy of "
-                                "the served version) from now on", client.url, problem[1])
+                    log.warning(_OLD_VALUES_FROM_NOW_ON, client.url, problem[1])
                     problem = self._stage(client, packed)
                 else:
                     packed = None
@@ -222,6 +261,11 @@ class InPlaceUpdates:
         except Exception as exc:  # noqa: BLE001 - e.g. a full disk: reloaded fully, said why
             log.warning("building the change %s with old values failed: %s", change.name, exc)
             return None
+
+    def _builds_old_values(self) -> bool:
+        """Whether this node builds changes with old values (``_with_old_values``): it caches the served version,
+        and the engine does not span nodes (whose other nodes have only the change from the deltas)."""
+        return self.config.nodes_ready_timeout is None and self.config.cache_versions > 0
 
     def _base_of(self, change: Path) -> int | None:
         """The base version of a change file in the cache (``VersionCache.change_path``: ``<base>-<version>``)."""

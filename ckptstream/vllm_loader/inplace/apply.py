@@ -42,8 +42,10 @@ from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
 from ...format import CHECK_MASK, ChangeCheck, version_name
 from .base_copy import BaseCopy
 from .beside_engine import MEASURE_WAITS_ENV, InterpreterWaits, beside_engine
+from .exact import holds_exactly, rounded_tensors, rounding
 from .quantized import QuantizedParams
 from .trace import Target, TensorPlan, TensorSpec, map_copies, plan_tensors
+from .upload import Uploads
 
 if TYPE_CHECKING:
     from .change import ChangeFile
@@ -155,29 +157,39 @@ class InPlaceApplier:
         self._applied: list[_Write] = []  # what the last apply wrote, for ``revert``
         self._planning: threading.Thread | None = None  # ``prepare``'s
         self._prepared = False  # (its trace went through every tensor)
+        self._rounding: dict[str, Any] = {}  # (then: ``prepare``'s answer of the tensors this rank rounds)
         self._stop_planning = threading.Event()
         self._stop_staging = threading.Event()  # (``quiesce``: a full reload comes)
         self._plan_lock = threading.Lock()  # held while ``plans`` grows (``_plan``) or is read whole
         self._shared: tuple[int, set[str]] = (0, set())  # (plans it was found in, ``_shared_spans``)
+        # One stream and one ``Uploads`` for every staging: the device memory a staging leaves cached is its
+        # stream's, reused by the next (a stream of its own each time allocated afresh, each one's kept).
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._uploads = Uploads(device)
 
-    def prepare(self, path: str) -> None:
+    def prepare(self, path: str) -> dict[str, Any]:
         """Plan every tensor of the checkpoint directory ``path`` in a background thread, while the engine
         generates: tracing thousands of loaders (a MoE model's experts) then costs the first update nothing.
         The follower asks after every start and full reload; a worker traces each tensor once (the model's
-        structure does not change), and goes on where a reload stopped it (``quiesce``) or a trace failed."""
+        structure does not change), and goes on where a reload stopped it (``quiesce``) or a trace failed.
+
+        Answers ``{"traced": False}`` until the trace has gone through every tensor, then ``{"traced": True,
+        "rounding": [the checkpoint tensors a parameter of this rank rounds], "why": one of their reasons}``: a
+        change from the deltas alone that changes one of those is ``unverifiable`` here, and the follower builds
+        the change with old values instead from the first such change on (an FP8 weight of a bf16 stream)."""
         from ...codec import torch_dtype
         from ...hf import tensor_specs
 
-        if self._prepared or (self._planning is not None and self._planning.is_alive()):
-            return
-        # (the headers read now: the directory may go once the call returns; none here, e.g. on a node that keeps
-        # no copy: the first change traces its own)
-        specs = {name: (shape, torch_dtype(dtype)) for name, (dtype, shape) in tensor_specs(path).items()}
-        if specs:
-            self._stop_planning.clear()
-            self._planning = threading.Thread(target=self._prepare, args=(path, specs), name="ckptstream-plan",
-                                              daemon=True)
-            self._planning.start()
+        if not self._prepared and not (self._planning is not None and self._planning.is_alive()):
+            # (the headers read now: the directory may go once the call returns; none here, e.g. on a node that
+            # keeps no copy: the first change traces its own)
+            specs = {name: (shape, torch_dtype(dtype)) for name, (dtype, shape) in tensor_specs(path).items()}
+            if specs:
+                self._stop_planning.clear()
+                self._planning = threading.Thread(target=self._prepare, args=(path, specs), name="ckptstream-plan",
+                                                  daemon=True)
+                self._planning.start()
+        return {"traced": True, **self._rounding} if self._prepared else {"traced": False}
 
     def quiesce(self) -> None:
         """Stop ``prepare``'s trace after its current batch of tensors, and a staging at its next step (a batch of
@@ -204,6 +216,10 @@ class InPlaceApplier:
                     # change that needs the tensor (then kept), so that nothing transient stays for good.
                     self._plan({name: specs[name] for name in names[start:start + PREPARE_BATCH]},
                                keep=lambda plan: plan.problem is None)
+            with self._plan_lock:
+                rounding = rounded_tensors(self.plans, {name: dtype for name, (_, dtype) in specs.items()},
+                                           dict(self.model.named_parameters(remove_duplicate=False)))
+            self._rounding = {"rounding": sorted(rounding), "why": next(iter(rounding.values()), None)}
             self._prepared = True
         except Exception as exc:  # noqa: BLE001 - the first change plans what it needs again
             log.warning("tracing the loaders of %s before the first change failed (%s: %s); the first change "
@@ -285,7 +301,7 @@ class InPlaceApplier:
 
         clock = _Clock()
         try:
-            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            stream = self._stream
             measured = InterpreterWaits() if os.environ.get(MEASURE_WAITS_ENV) == "1" else contextlib.nullcontext()
             with safe_open(path, framework="pt") as handle, torch.no_grad(), beside_engine(), measured as waits, \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
@@ -375,13 +391,11 @@ class InPlaceApplier:
             for param, names in loads.items():
                 names_of.setdefault(param, set()).update(names)
                 dtype = params[param].dtype
-                if not change.packed and not _holds_exactly(dtype, checkpoint_dtype):
+                if not change.packed and not holds_exactly(dtype, checkpoint_dtype):
                     # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
                     # and the check sums) are not in them. A change with its old values (packed-1) compares them
                     # in the runtime dtype instead.
-                    held, stored = (str(d).removeprefix("torch.") for d in (dtype, checkpoint_dtype))
-                    unverifiable.update({name: f"{param} holds its values as {held}, which cannot hold every "
-                                               f"{stored} value of the checkpoint" for name in names})
+                    unverifiable.update({name: rounding(param, dtype, checkpoint_dtype) for name in names})
             for chunk in _chunks(copies, [changed[i].count for i, _ in copies]):
                 self._go_on_staging()
                 mapped = self._map_chunk(change, chunk)
@@ -471,7 +485,7 @@ class InPlaceApplier:
         per copy, how many land here and (with checks) the sum of all its positions' terms."""
         indices = [i for i, _ in copies]
         counts = [change.entries[i].count for i in indices]
-        positions = _as(change.positions_of(indices, self.device), torch.int64)  # (int32 in most files)
+        positions = _as(change.positions_of(indices, self._uploads), torch.int64)  # (int32 in most files)
         every_copy = torch.repeat_interleave(torch.tensor(counts).to(self.device), output_size=positions.numel())
         covered, index = map_copies([target for _, target in copies], positions, every_copy)
         mixed = check_positions(positions) if change.entries[0].check is not None else None
@@ -483,7 +497,7 @@ class InPlaceApplier:
         else:
             every = torch.zeros(len(copies), dtype=torch.int64, device=self.device).index_add_(0, every_copy, mixed)
             landed, position_sums = torch.stack([per_copy, every]).tolist()
-        values = change.values_of(indices, self.device)
+        values = change.values_of(indices, self._uploads)
         if sum(landed) < positions.numel():  # (an engine's ranks each hold a slice: only this rank's elements)
             where = covered.nonzero().squeeze(1)
             every_copy, index, values = every_copy[where], index[where], tuple(part[where] for part in values)
@@ -532,20 +546,7 @@ class InPlaceApplier:
         self._plan({name: (shape, torch_dtype(dtype)) for name, (_, dtype, shape) in found.items()})
         with self._plan_lock:
             plans = dict(self.plans)
-        return BaseCopy({name: path for name, (path, _, _) in found.items()}, plans, self.device)
-
-
-def _holds_exactly(runtime: torch.dtype, checkpoint: torch.dtype) -> bool:
-    """Whether a runtime parameter of dtype ``runtime`` holds every value of a ``checkpoint`` dtype exactly, so
-    that casting it back gives the checkpoint's bits: the same dtype, or a float one wider in every respect
-    (bf16 or fp16 served as fp32; not bf16 as fp16, nor fp32 as bf16)."""
-    if runtime == checkpoint:
-        return True
-    if not (runtime.is_floating_point and checkpoint.is_floating_point):
-        return False
-    wide, narrow = torch.finfo(runtime), torch.finfo(checkpoint)
-    return (wide.bits > narrow.bits and wide.eps <= narrow.eps and wide.max >= narrow.max
-            and wide.smallest_normal <= narrow.smallest_normal)
+        return BaseCopy({name: path for name, (path, _, _) in found.items()}, plans, self._uploads)
 
 
 def _as(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,7 +6,7 @@ The cost follows the ranges, not the tensors: a copy in order (a Linear's shard,
 read as the rows its part of a range loads and copied as a slice; any other copy is followed back from the range's
 storage offsets to the checkpoint positions they load (``backwards``), and only the rows of the tensor that hold
 those are read, on the host, each file opened once while the copy is open (one staging); the values go
-to the device in one transfer.
+to the device in one upload (``upload.Uploads``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import torch
 
 from ...errors import IntegrityError
 from .trace import Target, TensorPlan, map_copy, range_index
+from .upload import Uploads
 
 
 class BaseCopy:
     """The checkpoint tensors ``files`` (name -> its file) of the base version, loaded as ``plans`` say; its files
-    stay open until ``close``."""
+    stay open until ``close``; the values read go to the device by ``upload``."""
 
-    def __init__(self, files: dict[str, Path], plans: dict[str, TensorPlan], device: torch.device):
-        self.device = device
+    def __init__(self, files: dict[str, Path], plans: dict[str, TensorPlan], upload: Uploads):
+        self._upload = upload
         self._files = files
         self._copies: dict[str, list[tuple[str, Target]]] = {}  # parameter -> (checkpoint tensor, copy) into it
         for name, plan in plans.items():
@@ -82,7 +83,7 @@ class BaseCopy:
             seen[where + at[first]] = True
         if values is None or not bool(seen.all()):
             return f"the copy of the base version fills {int(seen.sum())} of its {at[-1]} elements"
-        return list(values.to(self.device).split(sizes))
+        return list(self._upload(values).split(sizes))
 
     def _rows_holding(self, name: str, first_position: int, end_position: int) -> tuple[torch.Tensor, int]:
         """(the rows of checkpoint tensor ``name`` that hold the flat positions [``first_position``,

@@ -28,7 +28,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 import numpy
 import torch
@@ -42,6 +42,9 @@ from ...reader.decode import TooManyChanges
 from ...reader.materialize import MaterializedBase
 from ...reader.stream import Stream
 from .trace import range_index
+
+if TYPE_CHECKING:
+    from .upload import Uploads
 
 MAX_CHANGE_FRACTION = 0.05
 """Above this fraction of the elements changed, an update is reloaded fully: the staged positions and values
@@ -419,18 +422,18 @@ class ChangeFile:
         """The torch dtype of ``entry``'s values."""
         return self.values[entry.dtype][0].dtype
 
-    def positions_of(self, indices: list[int], device: torch.device | None = None) -> torch.Tensor:
-        """The positions of the entries ``indices``, end to end in that order, in the file's dtype, on ``device``
-        (the host's by default)."""
+    def positions_of(self, indices: list[int], upload: Uploads | None = None) -> torch.Tensor:
+        """The positions of the entries ``indices``, end to end in that order, in the file's dtype, on the host, or
+        sent by ``upload`` to its device."""
         (positions,) = _ranges((self.positions,), [(self.entries[i].start, self.entries[i].count) for i in indices],
-                               device)
+                               upload)
         return positions
 
-    def values_of(self, indices: list[int], device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
-        """The values (old and new, or the XOR) of the entries ``indices`` (all of one dtype), end to end, on
-        ``device`` (the host's by default)."""
+    def values_of(self, indices: list[int], upload: Uploads | None = None) -> tuple[torch.Tensor, ...]:
+        """The values (old and new, or the XOR) of the entries ``indices`` (all of one dtype), end to end, on the
+        host, or sent by ``upload`` to its device."""
         ranges = [(self.entries[i].value_start, self.entries[i].count) for i in indices]
-        return _ranges(self.values[self.entries[indices[0]].dtype], ranges, device)
+        return _ranges(self.values[self.entries[indices[0]].dtype], ranges, upload)
 
 
 _WINDOW_SLACK = 2
@@ -441,24 +444,24 @@ ranges are mostly gathered on the host)."""
 
 
 def _ranges(tensors: tuple[torch.Tensor, ...], ranges: list[tuple[int, int]],
-            device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
-    """The (start, count) ranges (at least one, none empty) of each of the 1-D host ``tensors``, end to end, on
-    ``device`` (the host's by default). On the host they are gathered by numpy: a torch slice per entry would cost a
-    reader beside a generating engine a wait for the interpreter each (thousands of experts' tensors), and one index
-    of every element would cost memory and time. A GPU takes the window that holds them (``_window``) in one transfer
-    per tensor and gathers them itself with one index (``_gather_window``): inside a GPU server the host's gather was
-    the larger part of a staging."""
-    window = _window(ranges) if device is not None and device.type != "cpu" else None
+            upload: Uploads | None = None) -> tuple[torch.Tensor, ...]:
+    """The (start, count) ranges (at least one, none empty) of each of the 1-D host ``tensors``, end to end, on the
+    host, or sent by ``upload`` to its device. On the host they are gathered by numpy: a torch slice per entry would
+    cost a reader beside a generating engine a wait for the interpreter each (thousands of experts' tensors), and one
+    index of every element would cost memory and time. A GPU takes the window that holds them (``_window``) in one
+    upload per tensor and gathers them itself with one index (``_gather_window``): inside a GPU server the host's
+    gather was the larger part of a staging."""
+    window = _window(ranges) if upload is not None and upload.device.type != "cpu" else None
     if window is not None:
         (low, high), relative, total = window
-        return _gather_window(tuple(tensor[low:high].to(device) for tensor in tensors), relative, total)
+        return _gather_window(tuple(upload(tensor[low:high]) for tensor in tensors), relative, total)
     gathered = []
     for tensor in tensors:
         size = tensor.element_size()
         flat = tensor.view(torch.uint8).numpy()  # (numpy holds no bf16)
         part = torch.from_numpy(numpy.concatenate([flat[start * size:(start + count) * size]
                                                    for start, count in ranges])).view(tensor.dtype)
-        gathered.append(part if device is None else part.to(device))
+        gathered.append(part if upload is None else upload(part))
     return tuple(gathered)
 
 
