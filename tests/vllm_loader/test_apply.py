@@ -121,6 +121,46 @@ def test_loaders_traced_before_the_first_change_leave_it_nothing_to_trace(tmp_pa
     assert _same_parameters(model, _loaded(new)) == []
 
 
+def test_once_traced_a_worker_stages_and_drops_a_change_of_nothing_in_each_layout(tmp_path, monkeypatch, caplog):
+    """After its trace, ``prepare`` stages a change of one element of the smallest tensor that changes nothing,
+    from the deltas alone and with old values, and drops both: what a first staging pays once (on a GPU the kernels
+    loaded at their first launch, the pinned buffers) is paid then, and the parameters are the served ones still;
+    the staging of a real change after it is its own, and applies."""
+    from safetensors.torch import save_file
+
+    from ckptstream.vllm_loader.inplace import change as change_module
+
+    base = fused_checkpoint(SPEC)
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(4))
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    served = tmp_path / "served"
+    served.mkdir()
+    save_file({n: t.contiguous() for n, t in base.items() if n != "lm_head.weight"}, str(served / "model.safetensors"))
+    model = _loaded(base)
+    staged_files: list[tuple[str, list]] = []  # (layout, entries) of every change file read
+
+    def load_change(handle):
+        loaded = real_load(handle)
+        staged_files.append(((handle.metadata() or {}).get("layout"), [(e.name, e.count) for e in loaded.entries]))
+        return loaded
+
+    real_load = change_module.load_change
+    monkeypatch.setattr(change_module, "load_change", load_change)
+    applier = InPlaceApplier(model, torch.device("cpu"))
+    applier.prepare(str(served))
+    applier._planning.join()
+    smallest = min((n for n in base if n != "lm_head.weight"), key=lambda n: base[n].numel())
+    assert staged_files == [("xor-1", [(smallest, 1)]), ("packed-1", [(smallest, 1)])]
+    assert "warming the staging up" not in caplog.text  # (both mapped to the end)
+    assert _same_parameters(model, _loaded(base)) == []
+    applier.stage(str(_change(base, new, tmp_path / "change.safetensors")))
+    staged = applier.staged(wait=True)
+    assert staged is not None and not staged.get("error") and staging_problem([staged]) is None, staged
+    assert applier.apply().get("applied")
+    assert _same_parameters(model, _loaded(new)) == []
+
+
 def test_tracing_and_staging_hand_the_interpreter_back_quickly_and_restore_its_interval(tmp_path, monkeypatch):
     """Beside the engine's thread, the background trace and the staging run with the short switch interval
     (``beside_engine``); once both are over, the interpreter's own is back."""

@@ -29,9 +29,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
+import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -41,10 +42,10 @@ import torch
 from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
 from ...format import CHECK_MASK, ChangeCheck, version_name
 from .base_copy import BaseCopy
-from .beside_engine import MEASURE_WAITS_ENV, InterpreterWaits, beside_engine
+from .beside_engine import MEASURE_WAITS_ENV, InterpreterWaits, StagingClock, beside_engine
 from .exact import holds_exactly, rounded_tensors, rounding
 from .quantized import QuantizedParams
-from .trace import Target, TensorPlan, TensorSpec, map_copies, plan_tensors
+from .trace import Target, TensorPlan, TensorSpec, map_copies, plan_tensors, shared_spans
 from .upload import Uploads
 
 if TYPE_CHECKING:
@@ -97,25 +98,6 @@ class _Mapped:
         return [tensor.split(self._counts) for tensor in tensors]
 
 
-class _Clock:
-    """A staging's seconds per phase, and its thread's CPU seconds among them: where a staging beside a generating
-    engine takes longer than alone, the wall seconds the CPU seconds lack are waits (the interpreter lock, the
-    device)."""
-
-    def __init__(self) -> None:
-        self._started = self._last = time.perf_counter()
-        self._cpu = time.thread_time()
-        self._laps: dict[str, float] = {}
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self._laps[phase], self._last = now - self._last, now
-
-    def seconds(self) -> dict[str, float]:
-        return {**{phase: round(s, 4) for phase, s in self._laps.items()},
-                "wall": round(self._last - self._started, 4), "cpu": round(time.thread_time() - self._cpu, 4)}
-
-
 class _Stopped(Exception):
     """A staging stopped by ``InPlaceApplier.quiesce``."""
 
@@ -166,6 +148,7 @@ class InPlaceApplier:
         # stream's, reused by the next (a stream of its own each time allocated afresh, each one's kept).
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._uploads = Uploads(device)
+        self._staging_lock = threading.Lock()  # (``prepare``'s warm-up and a staging: one at a time)
 
     def prepare(self, path: str) -> dict[str, Any]:
         """Plan every tensor of the checkpoint directory ``path`` in a background thread, while the engine
@@ -220,6 +203,7 @@ class InPlaceApplier:
                 rounding = rounded_tensors(self.plans, {name: dtype for name, (_, dtype) in specs.items()},
                                            dict(self.model.named_parameters(remove_duplicate=False)))
             self._rounding = {"rounding": sorted(rounding), "why": next(iter(rounding.values()), None)}
+            self._warm_up(specs)
             self._prepared = True
         except Exception as exc:  # noqa: BLE001 - the first change plans what it needs again
             log.warning("tracing the loaders of %s before the first change failed (%s: %s); the first change "
@@ -295,14 +279,45 @@ class InPlaceApplier:
         return {"applied": sum(w.elements for w in writes)}
 
     def _stage(self, path: str) -> None:
+        try:
+            result, self._writes = self._map_file(path)
+            self._result = result
+        except _Stopped:
+            self._result = {"error": "staging stopped: a full reload of the server came first"}
+        except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
+            self._result = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _warm_up(self, specs: dict[str, TensorSpec]) -> None:
+        """Stage and drop a change of one element of the smallest planned tensor that changes nothing, in each
+        layout: what a worker's first staging pays once (the device's kernels loaded at their first launch, the
+        pinned buffers) is paid at its start, not beside the requests of its first update."""
+        from .change import write_unchanging
+
+        planned = [name for name, plan in self.plans.items() if plan.targets and name in specs]
+        if not planned:
+            return
+        name = min(planned, key=lambda n: math.prod(specs[n][0]))
+        try:
+            with tempfile.TemporaryDirectory(prefix="ckptstream-warm-up-") as scratch:
+                for packed in (False, True):
+                    out = Path(scratch) / f"{'packed' if packed else 'xor'}.safetensors"
+                    self._map_file(str(write_unchanging(name, *specs[name], out, packed=packed)))
+        except _Stopped:
+            return  # (a full reload comes: the first change pays it instead)
+        except Exception as exc:  # noqa: BLE001 - the first change pays it instead
+            log.warning("warming the staging up on %s failed (%s: %s)", name, type(exc).__name__, exc)
+
+    def _map_file(self, path: str) -> tuple[dict[str, Any], list[_Write]]:
+        """The change file at ``path`` mapped onto this rank's parameters: the staging's result and writes (one
+        staging at a time: they share the stream and ``Uploads``)."""
         from safetensors import safe_open
 
         from .change import load_change
 
-        clock = _Clock()
-        try:
-            stream = self._stream
-            measured = InterpreterWaits() if os.environ.get(MEASURE_WAITS_ENV) == "1" else contextlib.nullcontext()
+        clock = StagingClock()
+        stream = self._stream
+        measured = InterpreterWaits() if os.environ.get(MEASURE_WAITS_ENV) == "1" else contextlib.nullcontext()
+        with self._staging_lock:
             with safe_open(path, framework="pt") as handle, torch.no_grad(), beside_engine(), measured as waits, \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 change = load_change(handle)
@@ -318,17 +333,12 @@ class InPlaceApplier:
                 clock.lap("map")
             if stream is not None:
                 stream.synchronize()
-            clock.lap("device")
-            self._writes = writes
-            seconds = clock.seconds()
-            if waits is not None:  # (how long the engine's thread could have waited for the interpreter meanwhile)
-                seconds.update({"interpreter wait longest": round(waits.longest, 4),
-                                "interpreter waits total": round(waits.total, 4)})
-            self._result = {**result, "seconds": seconds}
-        except _Stopped:
-            self._result = {"error": "staging stopped: a full reload of the server came first"}
-        except Exception as exc:  # noqa: BLE001 - reported to the follower, which reloads fully
-            self._result = {"error": f"{type(exc).__name__}: {exc}"}
+        clock.lap("device")
+        seconds = clock.seconds()
+        if waits is not None:  # (how long the engine's thread could have waited for the interpreter meanwhile)
+            seconds.update({"interpreter wait longest": round(waits.longest, 4),
+                            "interpreter waits total": round(waits.total, 4)})
+        return {**result, "seconds": seconds}, writes
 
     def _go_on_staging(self) -> None:
         """Raise ``_Stopped`` where ``quiesce`` asked the staging to stop."""
@@ -346,10 +356,10 @@ class InPlaceApplier:
                     self.plans.update((n, p) for n, p in planned.items() if keep(p))
 
     def _shared_spans(self) -> set[str]:
-        """``_shared_spans`` of the plans, found again only when they grew."""
+        """``trace.shared_spans`` of the plans, found again only when they grew."""
         with self._plan_lock:
             if self._shared[0] != len(self.plans):
-                self._shared = (len(self.plans), _shared_spans(self.plans))
+                self._shared = (len(self.plans), shared_spans(self.plans))
             return self._shared[1]
 
     def _map_all(self, change: ChangeFile, base_dir: Path | None) -> tuple[dict[str, Any], list[_Write]]:
@@ -576,25 +586,3 @@ def _chunks(copies: list[tuple[int, Target]], counts: list[int]) -> Iterator[lis
         size += count
     if chunk:
         yield chunk
-
-
-def _shared_spans(plans: dict[str, TensorPlan]) -> set[str]:
-    """The parameters in which the spans of storage offsets of two copies of ``plans`` meet: their copies may write
-    one element twice (a full load leaves the later one's value), or interleave (column halves of a fused
-    parameter), which the spans cannot tell apart."""
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for plan in plans.values():
-        for target in plan.targets:
-            start, end = target.span
-            if end > start:
-                spans.setdefault(target.param, []).append((start, end))
-    shared = set()
-    for param, held in spans.items():
-        held.sort()
-        reach = held[0][1]  # (the furthest end so far)
-        for start, end in held[1:]:
-            if start < reach:
-                shared.add(param)
-                break
-            reach = max(reach, end)
-    return shared

@@ -75,3 +75,22 @@ class InterpreterWaits:
                 return
             late = time.perf_counter() - asked - self.interval
             self.longest, self.total = max(self.longest, late), self.total + max(late, 0.0)
+
+
+class StagingClock:
+    """A staging's seconds per phase, and its thread's CPU seconds among them: where a staging beside a generating
+    engine takes longer than alone, the wall seconds the CPU seconds lack are waits (the interpreter lock, the
+    device)."""
+
+    def __init__(self) -> None:
+        self._started = self._last = time.perf_counter()
+        self._cpu = time.thread_time()
+        self._laps: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._laps[phase], self._last = now - self._last, now
+
+    def seconds(self) -> dict[str, float]:
+        return {**{phase: round(s, 4) for phase, s in self._laps.items()},
+                "wall": round(self._last - self._started, 4), "cpu": round(time.thread_time() - self._cpu, 4)}

@@ -297,3 +297,25 @@ def _target(param: str, dst: torch.Tensor, src: torch.Tensor, runtime: torch.Ten
         return f"{param} is filled through a broadcast view"
     return Target(param, tuple(d[0] for d in dims), src.storage_offset(), tuple(d[1] for d in dims),
                   dst.storage_offset(), tuple(d[2] for d in dims))
+
+
+def shared_spans(plans: dict[str, TensorPlan]) -> set[str]:
+    """The parameters in which the spans of storage offsets of two copies of ``plans`` meet: their copies may write
+    one element twice (a full load leaves the later one's value), or interleave (column halves of a fused
+    parameter), which the spans cannot tell apart."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for plan in plans.values():
+        for target in plan.targets:
+            start, end = target.span
+            if end > start:
+                spans.setdefault(target.param, []).append((start, end))
+    shared = set()
+    for param, held in spans.items():
+        held.sort()
+        reach = held[0][1]  # (the furthest end so far)
+        for start, end in held[1:]:
+            if start < reach:
+                shared.add(param)
+                break
+            reach = max(reach, end)
+    return shared
