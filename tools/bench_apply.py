@@ -5,10 +5,12 @@ Per depth it prints the checkpoint tensors, the elements changed and the change 
 (the loaders traced: once per model), a later staging (plans reused), and the apply (what the pause holds), each
 the median of ``--repeat`` runs, and whether the patched model equals a full ``load_weights`` of the new version
 (``--check``). With ``--baseline MODULE`` (a copy of an older ``apply.py``, e.g.
-``git show main:ckptstream/vllm_loader/inplace/apply.py > /tmp/apply_old.py``) the same figures for that applier
-are printed beside, in the same run. With ``--busy``, each staging is also timed beside a thread that does what a
-generating engine's loop does to the interpreter (Python work between small torch ops): a staging in a vLLM
-worker shares the GIL with it, and each of its own ops may wait for the GIL again. With ``--engine``, each later
+``git show main:ckptstream/vllm_loader/inplace/apply.py > /tmp/apply_old.py``; one from before ``upload.Uploads``,
+c653ba5, does not load: run this script from an older tree instead, ``tools/device_matrix.sh``'s ``BASELINE_TREE``)
+the same figures for that applier are printed beside, in the same run. With ``--busy``, each staging is also
+timed beside a thread that does what a generating engine's loop does to the interpreter (Python work between
+small torch ops): a staging in a vLLM worker shares the GIL with it, and each of its own ops may wait for the GIL
+again. With ``--engine``, each later
 staging is also run beside a thread that steps like a generating engine over the model (on a GPU one CUDA graph
 replayed per step, reading every parameter, then a wait for its result, as vLLM's decode and sampling): the median
 step alone and the longest step a staging overlapped are printed (a client's stall: the GPU, the driver and the
@@ -95,14 +97,16 @@ class _Steps:
     ``steps``: (started, seconds) of each."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
-        matrices = [p.detach().reshape(-1, p.shape[-1]) for p in model.parameters() if p.dim() >= 2]
-        vectors = {m.shape[1]: torch.ones(m.shape[1], 1, dtype=m.dtype, device=device) for m in matrices}
+        # (FP8 matrices are left out: no matrix-vector product of theirs; the rest still reads most of the model)
+        matrices = [p.detach().reshape(-1, p.shape[-1]) for p in model.parameters()
+                    if p.dim() >= 2 and p.element_size() > 1]
+        vectors = {(m.shape[1], m.dtype): torch.ones(m.shape[1], 1, dtype=m.dtype, device=device) for m in matrices}
         self.steps: list[tuple[float, float]] = []
         self._graph: torch.cuda.CUDAGraph | None = None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
         def forward() -> torch.Tensor:
-            return torch.stack([(m @ vectors[m.shape[1]]).float().sum() for m in matrices]).sum()
+            return torch.stack([(m @ vectors[m.shape[1], m.dtype]).float().sum() for m in matrices]).sum()
 
         self._forward = forward
         if self._stream is not None:
@@ -142,7 +146,8 @@ class _Steps:
         self._started.clear()
         self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
         self._thread.start()
-        self._started.wait()  # (steps alone first: the median step beside nothing)
+        if not self._started.wait(timeout=120):  # (steps alone first: the median step beside nothing)
+            raise RuntimeError("the engine's steps did not start")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -196,7 +201,9 @@ class _Runs:
                     started = time.perf_counter()
                     self.applier.stage(str(self.change))
                     self.applier.staged(wait=True)
-                    self.engine_steps.append(self.engine.alone_and_longest(started, time.perf_counter()))
+                    ended = time.perf_counter()
+                # (once the steps have stopped: the step a staging held up ends after it)
+                self.engine_steps.append(self.engine.alone_and_longest(started, ended))
         _sync(self.device)
         gc.collect()  # (a collection of what the runs before left falls in no timed run)
         started = time.perf_counter()

@@ -979,10 +979,11 @@ class _TracedRanks(_Ranks):
 
 def test_a_follower_builds_the_change_with_old_values_first_where_a_changed_tensor_is_rounded(tmp_path, caplog):
     """Ranks say, once their loaders are traced, which checkpoint tensors a parameter of theirs rounds (an fp32
-    tensor in a bf16 parameter here; FP8 weights of a bf16 stream in a server). A version that changes none of
-    them is staged from the deltas alone (``xor-1``, the publisher's checks before the write); the first that
-    changes one is built with old values straight away (``packed-1``) and staged once, not refused first. A
-    server whose traces were not done when asked at its start is asked once more at the change."""
+    tensor in a bf16 parameter here; FP8 weights of a bf16 stream in a server). Versions that change none of them
+    are staged from the deltas alone (``xor-1``, the publisher's checks before the write), across a keyframe too
+    (which stores every tensor: not a change of the rounded one); the first that changes one is built with old
+    values straight away (``packed-1``) and staged once, not refused first. A server whose traces were not done
+    when asked at its start is asked once more at the change."""
     from ckptstream import Publisher, Stream
     from ckptstream.vllm_loader.follow.cache import VersionCache
     from ckptstream.vllm_loader.follow.config import FollowerConfig
@@ -991,13 +992,14 @@ def test_a_follower_builds_the_change_with_old_values_first_where_a_changed_tens
     generator = torch.Generator().manual_seed(11)
     states = [{"a": torch.randn(4, 16, generator=generator).to(torch.bfloat16),
                "b": torch.randn(4, 16, generator=generator)}]
-    for changed in (["a"], ["a", "b"]):  # (version 1 leaves the rounded tensor as it was; version 2 changes it)
+    # (versions 1 to 3 leave the rounded tensor as it was, version 2 a keyframe; version 4 changes it)
+    for changed in (["a"], ["a"], ["a"], ["a", "b"]):
         states.append({name: tensor.clone() for name, tensor in states[-1].items()})
         rl_like_step({name: states[-1][name] for name in changed}, fraction=0.04, max_ulps=3, generator=generator)
     url = str(tmp_path / "stream")
-    with Publisher(url, keyframe_every=10) as publisher:
-        for state in states:
-            publisher.publish(state).result()
+    with Publisher(url, keyframe_every=100) as publisher:
+        for version, state in enumerate(states):
+            publisher.publish(state, keyframe=version == 2).result()
     stream = Stream(url)
     model = _MixedDtypes()
     with torch.no_grad():
@@ -1007,9 +1009,14 @@ def test_a_follower_builds_the_change_with_old_values_first_where_a_changed_tens
         cache.acquire(stream, 0, keep=set(), holder="t")
         updates = InPlaceUpdates(FollowerConfig(), stream, cache, [ranks])
         updates.prepare([ranks], cache.path(0))  # (at the start: not traced yet)
-        for version, layout in ((1, "xor-1"), (2, "packed-1")):
+        for version, layout in ((1, "xor-1"), (2, "packed-1"), (3, "xor-1"), (4, "packed-1")):
             change, why_not = updates.change(version, None, version - 1)
-            assert why_not is None and change is not None and _layout(change) == layout
+            if version == 2:  # (a keyframe: no change from the deltas; the comparison of both copies builds it)
+                assert (change, why_not) == (None, None)
+                cache.acquire(stream, version, keep={version - 1}, holder="t")
+                change, why_not = updates.change(version, cache.path(version), version - 1)
+            assert why_not is None and change is not None and _layout(change) == layout, (version, why_not)
+            assert ranks.url in updates.old_values if version == 4 else ranks.url not in updates.old_values
             staged, reason = updates.stage(ranks, change)
             assert (staged, reason) == (change, None)
             assert ranks.appliers[0].apply().get("applied")
@@ -1018,8 +1025,8 @@ def test_a_follower_builds_the_change_with_old_values_first_where_a_changed_tens
                 expected.load_weights(states[version].items())
             assert _same_parameters(model, expected) == []
             cache.acquire(stream, version, keep={version - 1}, holder="t")
-    assert ranks.prepared == 2  # (asked once more at the first change, not at the second)
-    assert ranks.staged == [cache.change_path(0, 1).name, cache.change_path(1, 2).name]  # each staged once
-    assert "p holds its values as bfloat16" in updates.old_values[ranks.url]
+    assert ranks.prepared == 2  # (asked once more at the first change, not after)
+    assert ranks.staged == [cache.change_path(v - 1, v).name for v in (1, 2, 3, 4)]  # each staged once
+    assert "holds its values as bfloat16" in updates.old_values[ranks.url] and "(b, " in updates.old_values[ranks.url]
     said = [r.getMessage() for r in caplog.records if "old values" in r.getMessage()]
     assert len(said) == 1 and ranks.url in said[0], said

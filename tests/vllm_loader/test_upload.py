@@ -17,8 +17,9 @@ _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.
 @pytest.mark.parametrize("device", _DEVICES)
 def test_uploads_equal_the_host_tensors_whatever_their_size_and_dtype(tmp_path: Path, device: str):
     """Tensors of none, one, a few pieces and more than both buffers (pieces of 1,000 bytes here), of each dtype a
-    change file holds, from memory and from a file's memory map (a change file's windows), arrive bit for bit;
-    the host tensor changed once the call returned leaves the upload as it was (the buffers are the uploader's)."""
+    change file holds, from memory and from a file's memory map (a change file's windows), and one not contiguous,
+    arrive bit for bit (flat); the host tensor changed once the call returned leaves the upload as it was (the
+    buffers are the uploader's)."""
     uploads = Uploads(torch.device(device), piece_bytes=1000)
     generator = torch.Generator().manual_seed(0)
     raw = torch.randint(0, 256, (10_000,), generator=generator, dtype=torch.uint8)
@@ -31,12 +32,14 @@ def test_uploads_equal_the_host_tensors_whatever_their_size_and_dtype(tmp_path: 
         for dtype in (torch.uint8, torch.int32, torch.int64, torch.bfloat16):
             whole = source.view(dtype)
             for low, high in ((0, 0), (3, 4), (10, 200), (0, whole.numel())):
-                host = whole[low:high].clone()
-                sent.append((host.clone(), host, uploads(host)))
-    if device == "cpu":
-        assert all(upload is host for _, host, upload in sent)
-        return
-    for expected, host, upload in sent:
-        host.zero_()  # (after the call: what was sent stays)
-        assert upload.device.type == "cuda" and upload.dtype == expected.dtype
+                sent.append((whole[low:high].clone(), uploads(whole[low:high])))  # (a view of the map, as staged)
+        sent.append((source[:4000].view(40, 100)[:, ::3].reshape(-1), uploads(source[:4000].view(40, 100)[:, ::3])))
+    for expected, upload in sent:
+        assert upload.device.type == device and upload.dtype == expected.dtype
         assert torch.equal(bit_pattern(upload.cpu()), bit_pattern(expected))
+    if device == "cpu":
+        return
+    host = raw[:3000].clone()  # (changed once the call returned: what was sent stays)
+    upload = uploads(host)
+    host.zero_()
+    assert torch.equal(upload.cpu(), raw[:3000])

@@ -18,6 +18,7 @@ from ...format import ENCODING_UNCHANGED, MARKER_FILE, parse_version_name
 from ...reader import Stream
 from ..client import VllmControl, VllmError, VllmUnreachable
 from ..inplace.checks import staging_problem
+from ..inplace.exact import Traced
 from ..inplace.change import (KEPT_DELTAS_BYTES, MAX_CHANGE_FRACTION, UNCHECKED, WHOLE, ChangeSummary,
                               build_change, build_change_from_deltas, build_change_from_stored, with_old_values)
 from .cache import VersionCache
@@ -60,9 +61,9 @@ class InPlaceUpdates:
         self._count: collections.Counter[str] = collections.Counter()  # updates applied in place, per server URL
         self._explained: set[str] = set()  # fallback explanations logged (each once)
         self._unprepared: set[str] = set()  # servers that refused ``prepare``
-        # server URL -> (the checkpoint tensors its ranks round, why), once their traces are done (``prepare``);
-        # None where its extension does not say (older)
-        self._rounding: dict[str, tuple[frozenset[str], str] | None] = {}
+        # server URL -> its ranks' answers, once their traces are done (``prepare``); None where its extension does
+        # not say (older)
+        self._traced: dict[str, list[Traced] | None] = {}
         self._asked_again: set[str] = set()  # servers asked once more at a change whether their traces are done
 
     def change(self, version: int, path: Path | None, current: int | None) -> tuple[Path | None, str | None]:
@@ -84,7 +85,7 @@ class InPlaceUpdates:
             self._mark_rounding(active, version, current)
         # A server that cannot check a change from the deltas alone is staged the one with old values (which
         # every server can check), built directly: the deltas are read once.
-        packed = path is None and cached and self.config.nodes_ready_timeout is None and any(
+        packed = path is None and cached and self._builds_old_values() and any(
             c.url in self.old_values for c in active)
         if path is None and not packed and all(c.url in self.old_values for c in active):
             if cached and self._stored_whole_since(version, current):
@@ -155,7 +156,8 @@ class InPlaceUpdates:
         """Have the workers of ``clients`` trace their loaders on the directory ``served`` of the version they
         serve while they generate, so that the first change stages sooner (where in-place updates are on). Asked
         after every start and full reload (a restarted server's workers have traced nothing); a worker traces
-        once. A server that refused it once (no worker extension, or an older one) is not asked again."""
+        once. A server that refused it once (no worker extension, or an older one) is not asked again. Once their
+        traces are done, its ranks' answers say which checkpoint tensors they round (``_mark_rounding``)."""
         if not self.config.apply_in_place:
             return
         for client in clients:
@@ -168,35 +170,43 @@ class InPlaceUpdates:
                 continue
             if answers is None:
                 self._unprepared.add(client.url)
-            elif not all(isinstance(a, dict) for a in answers):
-                self._rounding[client.url] = None  # (an older extension: the first change finds out)
-            elif all(a.get("traced") for a in answers):
-                names = frozenset(name for a in answers for name in a.get("rounding") or ())
-                self._rounding[client.url] = names, next((a["why"] for a in answers if a.get("why")), "")
+                continue
+            traced = [Traced.from_json(a) for a in answers] if isinstance(answers, list) else [None]
+            if not all(traced):
+                self._traced[client.url] = None  # (an older extension: the first change finds out)
+            elif all(t.done for t in traced if t):
+                self._traced[client.url] = [t for t in traced if t]
+            else:  # (a restarted server's ranks: what was said before is not theirs)
+                self._traced.pop(client.url, None)
+                self._asked_again.discard(client.url)
 
     def _mark_rounding(self, clients: Sequence[VllmControl], version: int, base: int) -> None:
         """Mark (``old_values``) each of ``clients`` whose ranks round a tensor that a version after ``base`` up to
         ``version`` changes (from the manifests): the change with old values is then built for it directly, not
         the change from the deltas alone first, which its ranks would refuse. A server whose traces were not done
         when asked at its start is asked once more here (its answer kept for the next change)."""
-        unknown = [c for c in clients if c.url not in self.old_values and c.url not in self._rounding
+        unknown = [c for c in clients if c.url not in self.old_values and c.url not in self._traced
                    and c.url not in self._asked_again]
         if unknown:
             self._asked_again.update(c.url for c in unknown)
             self.prepare(unknown, self.cache.path(base))
-        rounding = {c.url: self._rounding[c.url] for c in clients if c.url not in self.old_values
-                    and self._rounding.get(c.url) and self._rounding[c.url][0]}
-        if not rounding:
+        rounding = {c.url: self._traced[c.url] for c in clients if c.url not in self.old_values
+                    and any(t.rounded for t in self._traced.get(c.url) or ())}
+        # (a version between stores a tensor whole: the change is built by comparing copies, with old values)
+        if not rounding or self._stored_whole_since(version, base):
             return
         try:
             changed = {t.name for m in self.stream.chain(version) if m.version > base for t in m.tensors
                        if t.encoding != ENCODING_UNCHANGED}
         except Exception:  # noqa: BLE001 - e.g. a base gone: building the change says why
             return
-        for url, (names, why) in rounding.items():
-            if names & changed:
-                self.old_values[url] = why
-                log.warning(_OLD_VALUES_FROM_NOW_ON, url, why)
+        for url, traced in rounding.items():
+            hit = next(((why, names) for t in traced for why, names in t.rounded.items() if changed & set(names)),
+                       None)
+            if hit is not None:
+                first = sorted(changed & set(hit[1]))[0]
+                self.old_values[url] = f"{hit[0]} ({first}, which version {version} changes)"
+                log.warning(_OLD_VALUES_FROM_NOW_ON, url, self.old_values[url])
 
     def stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
         """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change staged
@@ -253,7 +263,7 @@ class InPlaceUpdates:
         """``change.with_old_values`` for ``change``, built where this node has the served version's copy: not
         on an engine spanning nodes (the other nodes' agents build only the change from the deltas alone)."""
         base = self._base_of(change)
-        base_dir = None if self.config.nodes_ready_timeout is not None or base is None else self.cache.path(base)
+        base_dir = self.cache.path(base) if self._builds_old_values() and base is not None else None
         if base_dir is not None and not (base_dir / MARKER_FILE).is_file():
             base_dir = None
         try:

@@ -43,7 +43,7 @@ from ...codec import INT_OF_SIZE, bit_pattern, check_positions, check_terms
 from ...format import CHECK_MASK, ChangeCheck, version_name
 from .base_copy import BaseCopy
 from .beside_engine import MEASURE_WAITS_ENV, InterpreterWaits, StagingClock, beside_engine
-from .exact import holds_exactly, rounded_tensors, rounding
+from .exact import Traced, holds_exactly, rounding_reason
 from .quantized import QuantizedParams
 from .trace import Target, TensorPlan, TensorSpec, map_copies, plan_tensors, shared_spans
 from .upload import Uploads
@@ -139,7 +139,7 @@ class InPlaceApplier:
         self._applied: list[_Write] = []  # what the last apply wrote, for ``revert``
         self._planning: threading.Thread | None = None  # ``prepare``'s
         self._prepared = False  # (its trace went through every tensor)
-        self._rounding: dict[str, Any] = {}  # (then: ``prepare``'s answer of the tensors this rank rounds)
+        self._traced = Traced(False)  # ``prepare``'s answer once its trace is done
         self._stop_planning = threading.Event()
         self._stop_staging = threading.Event()  # (``quiesce``: a full reload comes)
         self._plan_lock = threading.Lock()  # held while ``plans`` grows (``_plan``) or is read whole
@@ -156,10 +156,10 @@ class InPlaceApplier:
         The follower asks after every start and full reload; a worker traces each tensor once (the model's
         structure does not change), and goes on where a reload stopped it (``quiesce``) or a trace failed.
 
-        Answers ``{"traced": False}`` until the trace has gone through every tensor, then ``{"traced": True,
-        "rounding": [the checkpoint tensors a parameter of this rank rounds], "why": one of their reasons}``: a
-        change from the deltas alone that changes one of those is ``unverifiable`` here, and the follower builds
-        the change with old values instead from the first such change on (an FP8 weight of a bf16 stream)."""
+        Answers ``exact.Traced`` (as JSON): not done until the trace has gone through every tensor, then the
+        checkpoint tensors a parameter of this rank rounds: a change from the deltas alone that changes one of
+        those is ``unverifiable`` here, and the follower builds the change with old values instead from the first
+        such change on (an FP8 weight of a bf16 stream)."""
         from ...codec import torch_dtype
         from ...hf import tensor_specs
 
@@ -168,11 +168,13 @@ class InPlaceApplier:
             # keeps no copy: the first change traces its own)
             specs = {name: (shape, torch_dtype(dtype)) for name, (dtype, shape) in tensor_specs(path).items()}
             if specs:
+                # (a stop asked by a full reload before, now over: this trace and its warm-up go on)
                 self._stop_planning.clear()
+                self._stop_staging.clear()
                 self._planning = threading.Thread(target=self._prepare, args=(path, specs), name="ckptstream-plan",
                                                   daemon=True)
                 self._planning.start()
-        return {"traced": True, **self._rounding} if self._prepared else {"traced": False}
+        return (self._traced if self._prepared else Traced(False)).to_json()
 
     def quiesce(self) -> None:
         """Stop ``prepare``'s trace after its current batch of tensors, and a staging at its next step (a batch of
@@ -181,12 +183,11 @@ class InPlaceApplier:
         ``load_weights`` calls and counts what those loaders are given (a reload beside a trace failed in CI:
         ``'Parameter' object has no attribute 'weight_loader'``). The reload, inside the pause, waits for one such
         step at most (a staging the follower gave up on, too: not for all of it)."""
-        if self._planning is not None:
-            self._stop_planning.set()
-            self._planning.join()
-        if self._thread is not None:
-            self._stop_staging.set()
-            self._thread.join()
+        self._stop_planning.set()  # (both first: the trace's warm-up waits for a staging to end)
+        self._stop_staging.set()
+        for thread in (self._planning, self._thread):
+            if thread is not None:
+                thread.join()
 
     def _prepare(self, path: str, specs: dict[str, TensorSpec]) -> None:
         names = list(specs)  # (in the files' order: a layer's tensors together)
@@ -200,9 +201,8 @@ class InPlaceApplier:
                     self._plan({name: specs[name] for name in names[start:start + PREPARE_BATCH]},
                                keep=lambda plan: plan.problem is None)
             with self._plan_lock:
-                rounding = rounded_tensors(self.plans, {name: dtype for name, (_, dtype) in specs.items()},
-                                           dict(self.model.named_parameters(remove_duplicate=False)))
-            self._rounding = {"rounding": sorted(rounding), "why": next(iter(rounding.values()), None)}
+                self._traced = Traced.of_plans(self.plans, {name: dtype for name, (_, dtype) in specs.items()},
+                                               dict(self.model.named_parameters(remove_duplicate=False)))
             self._warm_up(specs)
             self._prepared = True
         except Exception as exc:  # noqa: BLE001 - the first change plans what it needs again
@@ -293,31 +293,36 @@ class InPlaceApplier:
         pinned buffers) is paid at its start, not beside the requests of its first update."""
         from .change import write_unchanging
 
-        planned = [name for name, plan in self.plans.items() if plan.targets and name in specs]
-        if not planned:
-            return
-        name = min(planned, key=lambda n: math.prod(specs[n][0]))
+        name = None
         try:
+            with self._plan_lock:  # (a first change may be tracing more meanwhile)
+                planned = {n: plan.targets[0].src_offset for n, plan in self.plans.items()
+                           if plan.targets and n in specs and math.prod(specs[n][0])}
+            if not planned:
+                return
+            name = min(planned, key=lambda n: math.prod(specs[n][0]))
             with tempfile.TemporaryDirectory(prefix="ckptstream-warm-up-") as scratch:
-                for packed in (False, True):
+                for packed in (False, True):  # (an element this rank holds: where its first copy reads)
                     out = Path(scratch) / f"{'packed' if packed else 'xor'}.safetensors"
-                    self._map_file(str(write_unchanging(name, *specs[name], out, packed=packed)))
+                    write_unchanging(name, *specs[name], planned[name], out, packed=packed)
+                    self._map_file(str(out), with_base=False)
         except _Stopped:
             return  # (a full reload comes: the first change pays it instead)
         except Exception as exc:  # noqa: BLE001 - the first change pays it instead
             log.warning("warming the staging up on %s failed (%s: %s)", name, type(exc).__name__, exc)
 
-    def _map_file(self, path: str) -> tuple[dict[str, Any], list[_Write]]:
+    def _map_file(self, path: str, with_base: bool = True) -> tuple[dict[str, Any], list[_Write]]:
         """The change file at ``path`` mapped onto this rank's parameters: the staging's result and writes (one
-        staging at a time: they share the stream and ``Uploads``)."""
+        staging at a time: they share the stream and ``Uploads``); ``with_base``: the base version's copy its
+        metadata names is read where an FP8 unit needs it."""
         from safetensors import safe_open
 
         from .change import load_change
 
-        clock = StagingClock()
         stream = self._stream
         measured = InterpreterWaits() if os.environ.get(MEASURE_WAITS_ENV) == "1" else contextlib.nullcontext()
         with self._staging_lock:
+            clock = StagingClock()
             with safe_open(path, framework="pt") as handle, torch.no_grad(), beside_engine(), measured as waits, \
                     (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 change = load_change(handle)
@@ -328,7 +333,7 @@ class InPlaceApplier:
                     self._plan({e.name: (e.shape, change.dtype(e)) for e in unplanned[start:start + PREPARE_BATCH]})
                 clock.lap("trace")
                 base = str((handle.metadata() or {}).get("base"))  # (a change in a cache: <stream>/.changes/<file>)
-                base_dir = Path(path).parent.parent / version_name(int(base)) if base.isdigit() else None
+                base_dir = Path(path).parent.parent / version_name(int(base)) if with_base and base.isdigit() else None
                 result, writes = self._map_all(change, base_dir)
                 clock.lap("map")
             if stream is not None:
@@ -405,7 +410,7 @@ class InPlaceApplier:
                     # The runtime values are rounded: the checkpoint's old bits (which the new ones are XORed from
                     # and the check sums) are not in them. A change with its old values (packed-1) compares them
                     # in the runtime dtype instead.
-                    unverifiable.update({name: rounding(param, dtype, checkpoint_dtype) for name in names})
+                    unverifiable.update({name: rounding_reason(dtype, checkpoint_dtype, param) for name in names})
             for chunk in _chunks(copies, [changed[i].count for i, _ in copies]):
                 self._go_on_staging()
                 mapped = self._map_chunk(change, chunk)

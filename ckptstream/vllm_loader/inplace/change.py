@@ -249,16 +249,16 @@ def build_change_unbased(stream: Stream, out: Path, *, base: int, version: int,
                         steps=[[below.version, step.version] for below, step in steps] if len(steps) > 1 else None)
 
 
-def write_unchanging(name: str, shape: tuple[int, ...], dtype: torch.dtype, out: Path, *, packed: bool) -> Path:
-    """A change file at ``out`` of the first element of tensor ``name`` that changes nothing (old and new values
-    equal, ``packed``, or their XOR 0 and the check of no change), to stage and drop: a worker's staging warmed
-    up (``InPlaceApplier.prepare``)."""
+def write_unchanging(name: str, shape: tuple[int, ...], dtype: torch.dtype, position: int, out: Path, *,
+                     packed: bool) -> None:
+    """Write at ``out`` a change file of element ``position`` of tensor ``name`` that changes nothing (old and new
+    values equal, ``packed``, or their XOR 0 and the check of no change), to stage and drop: a worker's staging
+    warmed up (``InPlaceApplier.prepare``)."""
     zero = torch.zeros(1, dtype=dtype)
     change = _Change(1) if packed else _Change(1, (_XOR,), _XOR_LAYOUT)
-    change.add(name, shape, torch.zeros(1, dtype=torch.int64), *((zero, zero) if packed else (zero,)),
+    change.add(name, shape, torch.tensor([position], dtype=torch.int64), *((zero, zero) if packed else (zero,)),
                check=None if packed else ChangeCheck(count=1))
     change.write(out, 1, stream_id="warm-up", base=0, version=0)
-    return out
 
 
 def with_old_values(stream: Stream, base_dir: Path | None, change: Path) -> Path | None:

@@ -1,13 +1,14 @@
 """Whether a rank's runtime parameters hold a checkpoint's values exactly. Where one rounds them (an FP8 weight of a
 bf16 stream, bf16 served as fp16), the checkpoint's old bits that a change from the deltas alone is XORed from are
 not in it: that rank stages the change with its old values instead (``unverifiable``), and names the tensors it
-rounds once its loaders are traced (``InPlaceApplier.prepare``), so that the follower builds that change from the
-first update that changes one of them.
+rounds once its loaders are traced (``InPlaceApplier.prepare``: ``Traced``), so that the follower builds that change
+from the first update that changes one of them.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
@@ -27,16 +28,41 @@ def holds_exactly(runtime: torch.dtype, checkpoint: torch.dtype) -> bool:
             and wide.smallest_normal <= narrow.smallest_normal)
 
 
-def rounding(param: str, runtime: torch.dtype, checkpoint: torch.dtype) -> str:
-    """Why ``param`` cannot give back a checkpoint tensor's bits (``holds_exactly`` is False), in one sentence."""
+def rounding_reason(runtime: torch.dtype, checkpoint: torch.dtype, param: str | None = None) -> str:
+    """Why a parameter (``param``, where named) cannot give back a checkpoint tensor's bits (``holds_exactly`` is
+    False), in one sentence."""
     held, stored = (str(d).removeprefix("torch.") for d in (runtime, checkpoint))
-    return f"{param} holds its values as {held}, which cannot hold every {stored} value of the checkpoint"
+    return (f"{param or 'a parameter'} holds its values as {held}, which cannot hold every {stored} value of the "
+            "checkpoint")
 
 
-def rounded_tensors(plans: Mapping[str, TensorPlan], dtypes: Mapping[str, torch.dtype],
-                    params: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Per checkpoint tensor of ``plans`` (of dtype ``dtypes[name]``) that loads into a parameter that does not hold
-    its values exactly: ``rounding``'s reason."""
-    return {name: rounding(target.param, params[target.param].dtype, dtypes[name])
-            for name, plan in plans.items() if name in dtypes for target in plan.targets
-            if not holds_exactly(params[target.param].dtype, dtypes[name])}
+@dataclass(frozen=True)
+class Traced:
+    """A rank's answer to ``prepare``: whether its trace went through every tensor (``done``), and then the
+    checkpoint tensors its parameters round, by reason (``rounding_reason`` of their dtypes: a few groups)."""
+
+    done: bool
+    rounded: dict[str, list[str]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"traced": self.done, "rounded": self.rounded}
+
+    @classmethod
+    def from_json(cls, value: Any) -> Traced | None:
+        """The answer ``to_json`` gave, or None where a rank said nothing of its trace (an older extension)."""
+        if not isinstance(value, dict) or not isinstance(value.get("rounded", {}), dict):
+            return None
+        return cls(bool(value.get("traced")), {str(why): [str(n) for n in names]
+                                               for why, names in (value.get("rounded") or {}).items()})
+
+    @classmethod
+    def of_plans(cls, plans: Mapping[str, TensorPlan], dtypes: Mapping[str, torch.dtype],
+                 params: Mapping[str, torch.Tensor]) -> Traced:
+        """The answer of a rank whose trace is done: each tensor of ``plans`` (of dtype ``dtypes[name]``) that loads
+        into a parameter not holding its values exactly, under the reason."""
+        rounded: dict[str, list[str]] = {}
+        for name, plan in plans.items():
+            for runtime in {params[target.param].dtype for target in plan.targets} if name in dtypes else ():
+                if not holds_exactly(runtime, dtypes[name]):
+                    rounded.setdefault(rounding_reason(runtime, dtypes[name]), []).append(name)
+        return cls(True, rounded)

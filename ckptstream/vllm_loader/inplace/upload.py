@@ -18,8 +18,9 @@ memory 16 MiB."""
 
 
 class Uploads:
-    """Sends 1-D host tensors to ``device`` on the stream current at each call (the staging's), through two pinned
-    buffers made at the first call and kept; on a CPU ``device`` a tensor is returned as it is."""
+    """Sends host tensors to ``device`` on the stream current at each call (the staging's), through two pinned
+    buffers made at the first call and kept; on a CPU ``device`` a tensor is returned as it is. One caller at a time
+    (the buffers are shared: ``InPlaceApplier``'s stagings hold its staging lock)."""
 
     def __init__(self, device: torch.device, piece_bytes: int = UPLOAD_PIECE_BYTES):
         self.device = device
@@ -28,11 +29,11 @@ class Uploads:
         self._sent: list[torch.cuda.Event | None] = [None, None]  # per buffer: its last transfer queued
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (1-D, on the host) on the device; its transfer queued on the current stream (the caller's ops
-        that follow on that stream see it; the host tensor may change once this returns)."""
+        """``tensor`` (on the host) on the device, flat; its transfer queued on the current stream (the caller's
+        ops that follow on that stream see it; the host tensor may change once this returns)."""
         if self.device.type != "cuda":
-            return tensor
-        source = tensor.contiguous().view(torch.uint8)
+            return tensor.reshape(-1).to(self.device)
+        source = tensor.contiguous().reshape(-1).view(torch.uint8)
         out = torch.empty(source.numel(), dtype=torch.uint8, device=self.device)
         if not self._buffers:
             self._buffers = [torch.empty(self.piece_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
