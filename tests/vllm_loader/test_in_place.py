@@ -154,31 +154,41 @@ def test_a_delta_is_applied_from_its_fetched_bytes_before_it_is_decoded(run):
         run.full_reload_agrees(version)
 
 
-def test_a_server_rounding_a_changed_tensor_is_staged_the_change_with_old_values_once(run, caplog):
-    """An fp32 stream's norms served as bf16 (``--dtype bfloat16``): the workers, once traced, name them as
-    rounded (through vLLM's ``/collective_rpc``). A version changing only bf16 tensors is staged from the deltas
-    alone; the first that changes a norm is built with old values straight away and staged once (not refused
-    first), applied in place, equal to vLLM's own full reload of that version."""
+def test_a_server_rounding_a_changed_tensor_is_staged_the_change_with_old_values_once(tmp_path, vllm_servers,
+                                                                                       caplog):
+    """A model whose norms are fp32, served as bf16 (``--dtype bfloat16``): the workers, once traced, name the
+    norms as rounded (through vLLM's ``/collective_rpc``). A version changing only bf16 tensors is staged from the
+    deltas alone; the first that changes a norm is built with old values straight away and staged once (not
+    refused first), applied in place, equal to vLLM's own full reload of that version."""
+    run = Run(tmp_path, None)
     run.publisher.close()
-    state = {n: t.float() if "norm" in n else t for n, t in run.state.items()}
-    run.url = str(run.root / "stream-fp32-norms")
-    run.state, run.publisher = state, Publisher(run.url, assets=run.model, keyframe_every=1000)
-    run.publisher.publish(state).result()
-    client = _WatchesApplies(run.server.client, run.root / "cache")
-    with caplog.at_level(logging.WARNING, logger="ckptstream.follow"), \
-            Follower(run.url, [client], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
-        follower.step()
-        unrounded = run.publish_only(lambda name: not packed_on_cpu(name) and "norm" not in name)
-        update = follower.step()
-        assert update.version == unrounded and update.applied_in_place == 1 and update.fallbacks == {}
-        rounded = run.publish_only(lambda name: "norm" in name)
-        update = follower.step()
-        assert update.version == rounded and update.applied_in_place == 1 and update.fallbacks == {}
-        assert client.layouts == ["xor-1", "packed-1"]
-        assert len(client.staged) == 2  # (each version's change staged once)
-        said = [r.getMessage() for r in caplog.records if "staged with their old values" in r.getMessage()]
-        assert len(said) == 1 and "holds its values as bfloat16" in said[0] and "norm" in said[0], said
-        run.full_reload_agrees(rounded)
+    for path in run.model.glob("*.safetensors"):  # (the served model's files: the stream's dtypes)
+        tensors = load_file(str(path))
+        save_file({n: t.float() if "norm" in n else t for n, t in tensors.items()}, str(path), {"format": "pt"})
+    run.state = dict(iter_hf_weights(run.model))
+    run.url = str(tmp_path / "stream-fp32-norms")
+    run.publisher = Publisher(run.url, assets=run.model, keyframe_every=1000)
+    run.publisher.publish(run.state).result()
+    run.server = vllm_servers(run.model)
+    try:
+        client = _WatchesApplies(run.server.client, run.root / "cache")
+        with caplog.at_level(logging.WARNING, logger="ckptstream.follow"), \
+                Follower(run.url, [client], cache_dir=run.root / "cache", poll_interval=0.1) as follower:
+            follower.step()
+            unrounded = run.publish_only(lambda name: not packed_on_cpu(name) and "norm" not in name)
+            update = follower.step()
+            assert update.version == unrounded and update.applied_in_place == 1 and update.fallbacks == {}
+            rounded = run.publish_only(lambda name: "norm" in name)
+            update = follower.step()
+            assert update.version == rounded and update.applied_in_place == 1 and update.fallbacks == {}
+            assert client.layouts == ["xor-1", "packed-1"]
+            assert len(client.staged) == 2  # (each version's change staged once)
+            said = [r.getMessage() for r in caplog.records if "staged with their old values" in r.getMessage()]
+            assert len(said) == 1 and "holds its values as bfloat16" in said[0] and "norm" in said[0], said
+            run.full_reload_agrees(rounded)
+    finally:
+        run.server.stop()
+        run.publisher.close()
 
 
 LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(300)]
