@@ -172,10 +172,11 @@ class InPlaceUpdates:
                 self._unprepared.add(client.url)
                 continue
             traced = [Traced.from_json(a) for a in answers] if isinstance(answers, list) else [None]
-            if not all(traced):
+            known = [t for t in traced if t is not None]
+            if len(known) < len(traced):
                 self._traced[client.url] = None  # (an older extension: the first change finds out)
-            elif all(t.done for t in traced if t):
-                self._traced[client.url] = [t for t in traced if t]
+            elif all(t.done for t in known):
+                self._traced[client.url] = known
             else:  # (a restarted server's ranks: what was said before is not theirs)
                 self._traced.pop(client.url, None)
                 self._asked_again.discard(client.url)
@@ -201,12 +202,12 @@ class InPlaceUpdates:
         except Exception:  # noqa: BLE001 - e.g. a base gone: building the change says why
             return
         for url, traced in rounding.items():
-            hit = next(((why, names) for t in traced for why, names in t.rounded.items() if changed & set(names)),
-                       None)
-            if hit is not None:
-                first = sorted(changed & set(hit[1]))[0]
-                self.old_values[url] = f"{hit[0]} ({first}, which version {version} changes)"
-                log.warning(_OLD_VALUES_FROM_NOW_ON, url, self.old_values[url])
+            for why, names in (group for t in traced for group in t.rounded.items()):
+                met = changed.intersection(names)
+                if met:
+                    self.old_values[url] = f"{why} ({min(met)}, which version {version} changes)"
+                    log.warning(_OLD_VALUES_FROM_NOW_ON, url, self.old_values[url])
+                    break
 
     def stage(self, client: VllmControl, change: Path) -> tuple[Path | None, str | None]:
         """Have every worker of ``client`` stage ``change`` (the server keeps generating); the change staged
