@@ -5,6 +5,7 @@ equal those of one call per tensor, and a tensor whose loader misbehaves must be
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from pathlib import Path
@@ -958,7 +959,8 @@ def test_only_the_tensors_a_parameter_rounds_are_unverifiable(tmp_path):
 
 class _TracedRanks(_Ranks):
     """``_Ranks`` that also answer ``prepare_in_place`` as the worker extension does: at the first call the traces
-    have just started (``traced`` False); a later call answers once they are done (waited for here)."""
+    have just started (``traced`` False: answered while they wait for the plans, however fast the machine); a later
+    call answers once they are done (their threads waited for here)."""
 
     def __init__(self, models: list[torch.nn.Module]):
         super().__init__(models)
@@ -966,15 +968,16 @@ class _TracedRanks(_Ranks):
 
     def prepare_in_place(self, path: str) -> list[dict]:
         self.prepared += 1
-        answers = [applier.prepare(path) for applier in self.appliers]
-        if self.prepared > 1:
-            deadline = threading.Event()
-            for _ in range(6000):  # (the trace of two tensors: milliseconds)
-                if all(answer["traced"] for answer in answers):
-                    break
-                deadline.wait(0.01)
-                answers = [applier.prepare(path) for applier in self.appliers]
-        return answers
+        if self.prepared == 1:
+            with contextlib.ExitStack() as held:
+                for applier in self.appliers:
+                    held.enter_context(applier._plan_lock)
+                return [applier.prepare(path) for applier in self.appliers]
+        for applier in self.appliers:
+            applier.prepare(path)
+            if applier._planning is not None:
+                applier._planning.join()
+        return [applier.prepare(path) for applier in self.appliers]
 
 
 def test_a_follower_builds_the_change_with_old_values_first_where_a_changed_tensor_is_rounded(tmp_path, caplog):
