@@ -26,7 +26,7 @@ from ckptstream.vllm_loader.inplace.apply import InPlaceApplier
 from ckptstream.vllm_loader.inplace.change import write_change
 from ckptstream.vllm_loader.inplace.checks import staging_problem
 from ckptstream.vllm_loader.inplace.quantized import (BLOCK, CHANNEL, MIN_CHANNEL_SCALE, TENSOR, QuantizedParams,
-                                                      reference_block_quantize)
+                                                      _layout, reference_block_quantize)
 
 SPEC = FusedSpec(layers=2, experts=4, hidden=32, intermediate=16)
 BLOCK_SHAPE = (8, 12)  # (blocks at the edges of every matrix: 32 and 16 columns)
@@ -281,6 +281,21 @@ def test_a_quantized_parameter_without_a_stand_in_is_not_written_through_its_loa
     applier._plan({"model.layers.0.self_attn.q_proj.weight": ((SPEC.heads * SPEC.head_dim, SPEC.hidden),
                                                              SPEC.dtype)})
     assert applier.plans["model.layers.0.self_attn.q_proj.weight"].problem.endswith(f"float8_e4m3fn: {why}")
+
+
+@pytest.mark.parametrize(("kernel", "said"), [
+    ("DeepGemmFp8BlockScaledMMKernel", "power-of-two scale (the scale a changed value would be quantized with is "
+                                       "lost); VLLM_USE_DEEP_GEMM=0 in the server's environment"),
+    ("FlashInferFp8DeepGEMMDynamicBlockScaledKernel", "which lays them out anew")])
+def test_a_per_block_linear_on_a_kernel_of_another_layout_says_why_before_anything_is_traced(kernel: str, said: str):
+    """vLLM's per-block Linear kernels other than CUTLASS's and Triton's keep other bytes than ``per_block_cast_to_fp8``
+    made (DeepGEMM, vLLM's choice on Hopper: each block quantized again with a power-of-two scale): the parameter is
+    not written in place, and the reason the follower logs says what the server could do instead."""
+    kind = "Fp8PerBlockOnlineLinearMethod"
+    method = type(kind, (), {"fp8_linear": type(kernel, (), {})(), "uses_meta_device": True})()
+    why = _layout(torch.nn.Module(), method, kind, BLOCK, "weight", "weight_scale_inv",
+                  torch.empty(0, dtype=torch.float8_e4m3fn), torch.device("cuda"))
+    assert isinstance(why, str) and why.startswith(f"its blocks run on vLLM's {kernel}, ") and said in why
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -29,7 +29,7 @@ with the change's new values), by vLLM's own op: new bytes and a new scale, as a
 values the apply checks are the base's, quantized the same way.
 
 Written in place: those methods on a CUDA GPU, Linear weights on kernels that keep vLLM's layout (not CUTLASS's
-padding, not DeepGEMM's scale layout), MoE experts on the Triton backend. Any other quantized parameter is
+padding, not DeepGEMM's power-of-two scales), MoE experts on the Triton backend. Any other quantized parameter is
 unpatchable, with the reason (the follower reloads fully).
 """
 
@@ -477,8 +477,12 @@ _MOE_METHODS = {"Fp8OnlineMoEMethod": (TENSOR, "weight_scale"), "Fp8PerTensorOnl
                 "Fp8PtpcOnlineMoEMethod": (CHANNEL, "weight_scale"),
                 "Fp8PerBlockOnlineMoEMethod": (BLOCK, "weight_scale_inv")}
 _BLOCK_KERNELS = ("CutlassFp8BlockScaledMMKernel", "TritonFp8BlockScaledMMKernel")
-"""Per-block Linear kernels that keep the weight and its scales as ``per_block_cast_to_fp8`` made them (DeepGEMM
-lays its scales out anew)."""
+"""Per-block Linear kernels that keep the weight and its scales as ``per_block_cast_to_fp8`` made them."""
+_DEEP_GEMM_KERNEL = "DeepGemmFp8BlockScaledMMKernel"
+"""The per-block Linear kernel vLLM 0.24 prefers on Hopper and Blackwell: with ``VLLM_USE_DEEP_GEMM_E8M0`` (on by
+default) its weights are quantized again block by block with power-of-two scales
+(``requant_weight_ue8m0_inplace``), so a changed value's bytes depend on its block's first scale, which the server no
+longer holds; ``VLLM_USE_DEEP_GEMM=0`` makes vLLM pick CUTLASS's kernel instead."""
 
 
 def _layout(layer: torch.nn.Module, method: object, kind: str, scheme: str, weight: str, scale: str,
@@ -495,6 +499,10 @@ def _layout(layer: torch.nn.Module, method: object, kind: str, scheme: str, weig
     if moe and backend != "TRITON":
         return f"its experts run on vLLM's {backend} backend (ckptstream writes the Triton experts' layout only)"
     kernel = type(getattr(method, "fp8_linear", None)).__name__
+    if scheme == BLOCK and not moe and kernel == _DEEP_GEMM_KERNEL:
+        return (f"its blocks run on vLLM's {kernel}, which quantizes each block again with a power-of-two scale "
+                "(the scale a changed value would be quantized with is lost); VLLM_USE_DEEP_GEMM=0 in the server's "
+                "environment runs them on CUTLASS's block kernel, which keeps the layout ckptstream writes")
     if scheme == BLOCK and not moe and kernel not in _BLOCK_KERNELS:
         return f"its blocks run on vLLM's {kernel}, which lays them out anew"
     recorded = _recorded(layer, weight)
