@@ -56,6 +56,24 @@ def _change_from_deltas(tmp_path: Path, states: list[dict[str, torch.Tensor]]) -
     return change
 
 
+def _next_version(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """``base`` after an RL-like step (5 % of the elements, a few ulps), its head tied to its embedding again."""
+    new = {n: t.clone() for n, t in base.items()}
+    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(seed))
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    return new
+
+
+def _served_directory(tmp_path: Path, state: dict[str, torch.Tensor]) -> Path:
+    """``state`` saved as the served checkpoint directory (the tied head left out, as a checkpoint does)."""
+    from safetensors.torch import save_file
+
+    served = tmp_path / "served"
+    served.mkdir()
+    save_file({n: t.contiguous() for n, t in state.items() if n != "lm_head.weight"}, str(served / "model.safetensors"))
+    return served
+
+
 def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     """The names of the parameters that differ bitwise."""
     theirs = dict(b.named_parameters())
@@ -84,9 +102,7 @@ def test_batched_plans_equal_one_plan_per_tensor():
 
 def test_a_change_to_every_expert_equals_a_full_load(tmp_path):
     base = fused_checkpoint(SPEC)
-    new = {n: t.clone() for n, t in base.items()}
-    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(1))
-    new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    new = _next_version(base, 1)
     model = _loaded(base)
     answer = _stage_and_apply(model, _change(base, new, tmp_path / "change.safetensors"))
     assert answer.get("applied"), answer
@@ -96,17 +112,11 @@ def test_a_change_to_every_expert_equals_a_full_load(tmp_path):
 def test_loaders_traced_before_the_first_change_leave_it_nothing_to_trace(tmp_path, monkeypatch):
     """``prepare`` plans every tensor of the served directory in the background; the first change then stages
     on those plans (no trace of its own) and equals a full load."""
-    from safetensors.torch import save_file
-
     from ckptstream.vllm_loader.inplace import apply
 
     base = fused_checkpoint(SPEC)
-    new = {n: t.clone() for n, t in base.items()}
-    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(2))
-    new["lm_head.weight"] = new["model.embed_tokens.weight"]
-    served = tmp_path / "served"
-    served.mkdir()
-    save_file({n: t.contiguous() for n, t in base.items() if n != "lm_head.weight"}, str(served / "model.safetensors"))
+    new = _next_version(base, 2)
+    served = _served_directory(tmp_path, base)
     model = _loaded(base)
     applier = InPlaceApplier(model, torch.device("cpu"))
     traced: list[int] = []
@@ -127,17 +137,11 @@ def test_once_traced_a_worker_stages_and_drops_a_change_of_nothing_in_each_layou
     from the deltas alone and with old values, and drops both: what a first staging pays once (on a GPU the kernels
     loaded at their first launch, the pinned buffers) is paid then, and the parameters are the served ones still;
     the staging of a real change after it is its own, and applies."""
-    from safetensors.torch import save_file
-
     from ckptstream.vllm_loader.inplace import change as change_module
 
     base = fused_checkpoint(SPEC)
-    new = {n: t.clone() for n, t in base.items()}
-    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(4))
-    new["lm_head.weight"] = new["model.embed_tokens.weight"]
-    served = tmp_path / "served"
-    served.mkdir()
-    save_file({n: t.contiguous() for n, t in base.items() if n != "lm_head.weight"}, str(served / "model.safetensors"))
+    new = _next_version(base, 4)
+    served = _served_directory(tmp_path, base)
     model = _loaded(base)
     staged_files: list[tuple[str, list]] = []  # (layout, entries) of every change file read
 
@@ -167,17 +171,13 @@ def test_tracing_and_staging_hand_the_interpreter_back_quickly_and_restore_its_i
     (``beside_engine``); once both are over, the interpreter's own is back."""
     import sys
 
-    from safetensors.torch import save_file
-
     from ckptstream.vllm_loader.inplace import apply
     from ckptstream.vllm_loader.inplace.beside_engine import BESIDE_ENGINE_SWITCH_INTERVAL_S
 
     base = fused_checkpoint(SPEC)
     new = {n: t.clone() for n, t in base.items()}
     rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(3))
-    served = tmp_path / "served"
-    served.mkdir()
-    save_file({n: t.contiguous() for n, t in base.items() if n != "lm_head.weight"}, str(served / "model.safetensors"))
+    served = _served_directory(tmp_path, base)
     applier = InPlaceApplier(_loaded(base), torch.device("cpu"))
     intervals: list[float] = []
     real_plan = apply.plan_tensors
@@ -235,15 +235,11 @@ def test_a_full_reload_stops_the_background_trace_and_a_staging(tmp_path, monkey
     it stopped, the next staging goes through.
     (The reload here stands for vLLM's and records what ran beside it; the trace and the staging are the real ones,
     each held until a reload comes or 2 s pass: without the wait, the reload runs while they are held.)"""
-    from safetensors.torch import save_file
-
     from ckptstream.vllm_loader.inplace import apply, change
     from ckptstream.vllm_loader.worker import WorkerExtension
 
     base = fused_checkpoint(SPEC)
-    served = tmp_path / "served"
-    served.mkdir()
-    save_file({n: t.contiguous() for n, t in base.items() if n != "lm_head.weight"}, str(served / "model.safetensors"))
+    served = _served_directory(tmp_path, base)
     model = _loaded(base)
     applier = InPlaceApplier(model, torch.device("cpu"))
     held, reloading, done = threading.Event(), threading.Event(), threading.Event()
@@ -312,9 +308,7 @@ def test_an_old_value_that_differs_writes_nothing(tmp_path):
 def test_a_reverted_apply_leaves_the_base_version_bit_for_bit(tmp_path):
     """An apply that another rank refused is written back (``--cache-versions 0``: no cached copy to reload)."""
     base = fused_checkpoint(SPEC)
-    new = {n: t.clone() for n, t in base.items()}
-    rl_like_step(new, fraction=0.05, max_ulps=3, generator=torch.Generator().manual_seed(3))
-    new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    new = _next_version(base, 3)
     model = _loaded(base)
     applier = InPlaceApplier(model, torch.device("cpu"))
     applier.stage(str(_change(base, new, tmp_path / "change.safetensors")))
