@@ -81,12 +81,12 @@ class InPlaceUpdates:
         if not cached and path is not None:
             return self._uncached(version, current)
         active = [c for c in self.clients if c.url not in self.off]
-        if path is None and cached and self._builds_old_values():
+        from_deltas_with_old_values = path is None and cached and self._builds_old_values()
+        if from_deltas_with_old_values:
             self._mark_rounding(active, version, current)
         # A server that cannot check a change from the deltas alone is staged the one with old values (which
         # every server can check), built directly: the deltas are read once.
-        packed = path is None and cached and self._builds_old_values() and any(
-            c.url in self.old_values for c in active)
+        packed = from_deltas_with_old_values and any(c.url in self.old_values for c in active)
         if path is None and not packed and all(c.url in self.old_values for c in active):
             if cached and self._stored_whole_since(version, current):
                 return None, None  # (a keyframe between: the comparison builds the change with old values)
